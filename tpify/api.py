@@ -1,0 +1,100 @@
+"""The public entry points: :func:`parallelize` (and, later, loading and saving)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .engine import Plan, apply_plan, build_plan
+from .mesh import init_tp_mesh, resolve_tp_size
+from .recipe import Recipe, load_recipe
+
+__all__ = ["parallelize", "TPInfo", "get_tp_info"]
+
+
+@dataclass
+class TPInfo:
+    """What tpify did to a model; stored as ``model.tp_info``."""
+
+    tp_size: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    plan: Plan
+
+
+def get_tp_info(model: nn.Module) -> TPInfo:
+    """The :class:`TPInfo` of a parallelized model.
+
+    Raises:
+        ValueError: the model was not parallelized by tpify.
+    """
+    info = getattr(model, "tp_info", None)
+    if not isinstance(info, TPInfo):
+        raise ValueError(f"{type(model).__name__} was not parallelized by tpify (no tp_info)")
+    return info
+
+
+def _model_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None") -> Recipe:
+    if recipe is not None:
+        return load_recipe(recipe)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not model_type:
+        raise ValueError(f"{type(model).__name__} has no config.model_type; pass recipe='path/to/recipe.toml'")
+    return load_recipe(model_type)
+
+
+def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None):
+    """(tp_group, dp_group) for a validated ``tp_size``; creates the mesh when needed (collective)."""
+    if tp_group is not None or not (dist.is_available() and dist.is_initialized()):
+        return tp_group, None
+    mesh = init_tp_mesh(tp_size)
+    return mesh["tp"].get_group(), mesh["dp"].get_group()
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    tp_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    recipe: "str | Path | dict | Recipe | None" = None,
+) -> nn.Module:
+    """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
+
+    The model must be loaded, identically, on every rank of the TP group. The recipe for
+    ``config.model_type`` (or ``recipe``) decides which modules become
+    ``ColumnParallelLinear``/``RowParallelLinear``/``VocabParallelEmbedding`` (Megatron-LM,
+    arXiv:1909.08053, section 3); each rank keeps only its shard and the dense weights are freed.
+    Tied weights stay tied. HF ``forward`` methods are untouched, so ``model(...)``,
+    ``model(..., labels=...).loss`` and ``model.generate()`` behave as on the dense model:
+    ``.logits`` hold the full vocabulary (padding stripped) on every rank.
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel`` (or any module with a matching recipe).
+        tp_size: ranks per TP group; default the whole world (or ``tp_group``'s size). With
+            ``tp_size < world``, TP groups of contiguous ranks are made and the rest is DP.
+        tp_group: an existing process group to use as the TP group.
+        recipe: a ``model_type`` name, a path to a ``.toml`` recipe, a mapping, or a Recipe.
+
+    Communication: none while validating (every rank raises the same error on bad input,
+    before any collective); creating the TP/DP groups is collective over the world.
+
+    Raises:
+        RecipeError: no recipe for the model type, or a malformed recipe.
+        PlanError: uncovered modules, indivisible head counts or features (the message names the
+            module, the numbers and the tp sizes that would work).
+        ValueError: inconsistent ``tp_size``/``tp_group``, or ``tp_size > 1`` without
+            ``torch.distributed``.
+    """
+    if getattr(model, "tp_info", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already parallelized")
+    size = resolve_tp_size(tp_size, tp_group)
+    plan = build_plan(model, _model_recipe(model, recipe), size)
+    tp_group, dp_group = resolve_groups(size, tp_group)
+    apply_plan(model, plan, tp_group)
+    model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, plan)
+    return model

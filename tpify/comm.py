@@ -1,0 +1,219 @@
+"""Communication primitives for tensor parallelism.
+
+This is the only module of tpify that calls ``torch.distributed`` collectives. It holds the
+four region operators of Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3, figure 3),
+each an autograd function over an explicit process group, and the few plain collectives the
+vocab-parallel loss needs.
+
+| operator                 | forward                          | backward                          |
+| ------------------------ | -------------------------------- | --------------------------------- |
+| ``copy_to_tp_region``    | identity (Megatron's ``f``)      | all-reduce (sum) over the group   |
+| ``reduce_from_tp_region``| all-reduce (sum) (Megatron's ``g``) | identity                       |
+| ``scatter_to_tp_region`` | split the last dim, keep chunk r | all-gather the last dim           |
+| ``gather_from_tp_region``| all-gather the last dim, concat  | split the last dim, keep chunk r  |
+
+With a group of one rank (or ``group=None`` and no initialised process group) every operator
+is the identity and issues nothing, so a ``tp_size == 1`` model runs without ``torch.distributed``.
+
+Every collective issued here is recorded by :func:`count_collectives`, which tests and
+benchmarks use to compare what a step really issues with the analytic minimum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "get_tp_size",
+    "get_tp_rank",
+    "copy_to_tp_region",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+    "gather_from_tp_region",
+    "all_reduce",
+    "all_gather_last_dim",
+    "broadcast",
+    "count_collectives",
+]
+
+_counters: list[Counter] = []
+
+
+def _record(op: str, tensor: torch.Tensor) -> None:
+    for counter in _counters:
+        counter[op] += 1
+        counter[op + "_numel"] += tensor.numel()
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter]:
+    """Count the collectives tpify issues inside the ``with`` block.
+
+    Yields a :class:`collections.Counter` with, per operation (``all_reduce``,
+    ``all_gather``, ``broadcast``), the number of calls and, under ``"<op>_numel"``, the total
+    number of elements communicated. Backward passes run inside the block are counted too.
+    Operators on a one-rank group issue nothing and count nothing.
+    """
+    counter: Counter = Counter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def get_tp_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group``; 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def get_tp_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over ``group`` (no autograd rule).
+
+    Args:
+        tensor: any shape and dtype; reduced in place and returned.
+        group: the process group; a one-rank group is a no-op.
+        op: ``"sum"`` or ``"max"``.
+    """
+    if get_tp_size(group) == 1:
+        return tensor
+    _record("all_reduce", tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather equal-sized shards along the last dim and concatenate them in rank order.
+
+    Shapes: input ``(..., n)`` on each of the ``p`` ranks, output ``(..., p * n)``.
+    """
+    world = get_tp_size(group)
+    if world == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    _record("all_gather", tensor)
+    chunks = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(chunks, tensor, group=group)
+    return torch.cat(chunks, dim=-1)
+
+
+def broadcast(tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place broadcast of ``tensor`` from the group-local rank ``src_rank_in_group``."""
+    if get_tp_size(group) == 1:
+        return tensor
+    _record("broadcast", tensor)
+    dist.broadcast(tensor, group=group, group_src=src_rank_in_group)
+    return tensor
+
+
+def _split_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    world = get_tp_size(group)
+    if world == 1:
+        return tensor
+    size = tensor.shape[-1]
+    if size % world:
+        raise ValueError(f"cannot split a last dimension of {size} over {world} ranks: it is not divisible")
+    return tensor.chunk(world, dim=-1)[get_tp_rank(group)].contiguous()
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Megatron's ``f``: identity forward, all-reduce (sum) of the gradient backward.
+
+    Placed where a replicated activation ``(B, T, H)`` enters a column-parallel region, so that
+    the partial gradients each rank computes for it are summed. One all-reduce of ``B*T*H``
+    values in backward, none in forward.
+    """
+    if get_tp_size(group) == 1:
+        return x
+    return _CopyToTPRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Megatron's ``g``: all-reduce (sum) forward, identity backward.
+
+    Sums the partial outputs ``(B, T, H)`` of a row-parallel layer or vocab-parallel embedding.
+    One all-reduce of the output's size in forward, none in backward.
+    """
+    if get_tp_size(group) == 1:
+        return x
+    return _ReduceFromTPRegion.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim: ``(..., n) -> (..., n / p)``.
+
+    No communication forward; one all-gather of the gradient backward.
+
+    Raises:
+        ValueError: the last dim is not divisible by the group size.
+    """
+    if get_tp_size(group) == 1:
+        return x
+    return _ScatterToTPRegion.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather the last dim in rank order: ``(..., n / p) -> (..., n)``.
+
+    One all-gather forward; backward keeps this rank's chunk of the gradient (no communication).
+    """
+    if get_tp_size(group) == 1:
+        return x
+    return _GatherFromTPRegion.apply(x, group)

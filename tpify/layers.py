@@ -1,0 +1,305 @@
+"""Tensor-parallel layers: column- and row-parallel linear layers, vocab-parallel embedding.
+
+Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3). The layers hold only this rank's
+shard of each weight and talk to other ranks only through :mod:`tpify.comm`'s region
+operators. Every sharded parameter carries its :class:`~tpify.sharding.ShardSpec` as the attribute
+``tp_shard_spec`` (read it with :func:`~tpify.sharding.shard_spec_of`), so the spec follows
+the parameter wherever it is tied; parameters without one are replicated.
+
+The layers accept the two weight layouts found in Hugging Face models and keep the one they
+were built from, so parameter names and layouts stay those of the checkpoint:
+
+* ``weight_layout="linear"``: ``nn.Linear``, weight ``[out, in]``;
+* ``weight_layout="conv1d"``: ``transformers.pytorch_utils.Conv1D`` (GPT-2), weight ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .sharding import ShardSpec, divide, shard_spec_of
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+
+_LAYOUTS = ("linear", "conv1d")
+
+
+def _weight_shape(in_features: int, out_features: int, layout: str) -> tuple[int, int]:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {_LAYOUTS}, got {layout!r}")
+    return (out_features, in_features) if layout == "linear" else (in_features, out_features)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    if layout == "linear":
+        return F.linear(x, weight, bias)
+    # Same kernel as transformers' Conv1D: addmm on the flattened tokens.
+    out_shape = x.shape[:-1] + (weight.shape[1],)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(bias, x2, weight) if bias is not None else x2 @ weight
+    return y.view(out_shape)
+
+
+def _dense_layout(module: nn.Module) -> tuple[int, int, str]:
+    """(in_features, out_features, layout) of an ``nn.Linear`` or transformers ``Conv1D``."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, "linear"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.nx, module.nf, "conv1d"
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
+
+
+def _new_param(shape, spec: ShardSpec | None, device, dtype) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    if spec is not None:
+        param.tp_shard_spec = spec
+    return param
+
+
+def _copy_shards(layer: nn.Module, dense: nn.Module, tp_rank: int) -> nn.Module:
+    """Fill ``layer``'s parameters from the dense module's, slicing those with a ShardSpec."""
+    with torch.no_grad():
+        for name, param in layer.named_parameters(recurse=False):
+            source = getattr(dense, name)
+            spec = shard_spec_of(param)
+            value = spec.slice_dense(source, tp_rank) if spec is not None else source.detach().clone()
+            new = nn.Parameter(value, requires_grad=source.requires_grad)
+            if spec is not None:
+                new.tp_shard_spec = spec
+            setattr(layer, name, new)
+    return layer
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer whose output features are split over the TP group.
+
+    ``Y = X A + b`` with ``A = [A_1 ... A_p]`` split along the output features; rank ``r`` holds
+    ``A_r`` and ``b_r`` and computes ``Y_r = copy(X) A_r + b_r`` (Megatron-LM,
+    arXiv:1909.08053, section 3, eq. 3). Packed projections (``partition_sizes``, e.g. GPT-2
+    ``c_attn`` = ``[Q | K | V]``) split each part separately so rank ``r`` holds
+    ``[Q_r | K_r | V_r]``. A padded output (``padded_out_features``, for a vocabulary that
+    ``p`` does not divide) carries zero rows that are stripped when the output is gathered.
+
+    Shapes:
+        input: ``(B, T, in_features)``, replicated on every rank.
+        output: ``(B, T, out_features_per_partition)`` this rank's shard, or with
+        ``gather_output=True`` ``(B, T, out_features)`` on every rank (padding stripped).
+    Communication:
+        forward: none, or one all-gather of the output with ``gather_output``.
+        backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)``.
+    Dtype: the parameters' dtype; no casting.
+    Raises:
+        ValueError: a part of the output features is not divisible by ``tp_size``; a packed
+            layer asked to gather its output (the gathered order would not be the dense one).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        tp_group: dist.ProcessGroup | None = None,
+        gather_output: bool = False,
+        partition_sizes: list[int] | None = None,
+        padded_out_features: int | None = None,
+        weight_layout: str = "linear",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp_group = tp_group
+        self.tp_size = comm.get_tp_size(tp_group)
+        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.gather_output = gather_output
+        self.weight_layout = weight_layout
+        parts = tuple(partition_sizes) if partition_sizes else (out_features,)
+        if sum(parts) != out_features:
+            raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
+        if gather_output and len(parts) > 1:
+            raise ValueError("a packed ColumnParallelLinear cannot gather its output in dense order")
+        spec = ShardSpec(0, parts, self.tp_size, padded_out_features)
+        self.out_features_per_partition = spec.local_size
+        w_spec = ShardSpec(0 if weight_layout == "linear" else 1, parts, self.tp_size, padded_out_features)
+        w_shape = _weight_shape(in_features, self.out_features_per_partition, weight_layout)
+        self.weight = _new_param(w_shape, w_spec, device, dtype)
+        if bias:
+            self.bias = _new_param((self.out_features_per_partition,), spec, device, dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, tp_group: dist.ProcessGroup | None, **kwargs) -> "ColumnParallelLinear":
+        """Build this rank's shard from a dense ``nn.Linear`` or ``Conv1D`` (weights copied exactly).
+
+        ``module`` may live on the meta device; the shard is then on meta too.
+        """
+        in_f, out_f, layout = _dense_layout(module)
+        layer = cls(in_f, out_f, bias=module.bias is not None, tp_group=tp_group, weight_layout=layout,
+                    device="meta", dtype=module.weight.dtype, **kwargs)
+        return _copy_shards(layer, module, layer.tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
+        x = comm.copy_to_tp_region(x, self.tp_group)
+        y = _matmul(x, self.weight, self.bias, self.weight_layout)
+        if self.gather_output:
+            y = comm.gather_from_tp_region(y, self.tp_group)
+            if y.shape[-1] != self.out_features:
+                y = y[..., : self.out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"out_features_per_partition={self.out_features_per_partition}, tp_size={self.tp_size}, "
+                f"gather_output={self.gather_output}, weight_layout={self.weight_layout}")
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer whose input features are split over the TP group.
+
+    ``Y = reduce(X_r A_r) + b``, with ``A`` split along its input dimension (Megatron-LM,
+    arXiv:1909.08053, section 3, eq. 3). The bias is replicated and added once, after the
+    reduce (added before it, it would count ``p`` times).
+
+    Shapes:
+        input: ``(B, T, in_features // tp_size)``, this rank's shard (``input_is_parallel``), or
+        ``(B, T, in_features)`` replicated, which is then scattered.
+        output: ``(B, T, out_features)``, identical on every rank.
+    Communication:
+        forward: one all-reduce (sum) of the output. backward: none (one all-gather of the
+        input gradient when the input was scattered).
+    Raises:
+        ValueError: ``in_features`` is not divisible by ``tp_size``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        tp_group: dist.ProcessGroup | None = None,
+        input_is_parallel: bool = True,
+        weight_layout: str = "linear",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp_group = tp_group
+        self.tp_size = comm.get_tp_size(tp_group)
+        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.input_is_parallel = input_is_parallel
+        self.weight_layout = weight_layout
+        self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
+        w_spec = ShardSpec(1 if weight_layout == "linear" else 0, (in_features,), self.tp_size)
+        w_shape = _weight_shape(self.in_features_per_partition, out_features, weight_layout)
+        self.weight = _new_param(w_shape, w_spec, device, dtype)
+        if bias:
+            self.bias = _new_param((out_features,), None, device, dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, tp_group: dist.ProcessGroup | None, **kwargs) -> "RowParallelLinear":
+        """Build this rank's shard from a dense ``nn.Linear`` or ``Conv1D`` (weights copied exactly)."""
+        in_f, out_f, layout = _dense_layout(module)
+        layer = cls(in_f, out_f, bias=module.bias is not None, tp_group=tp_group, weight_layout=layout,
+                    device="meta", dtype=module.weight.dtype, **kwargs)
+        return _copy_shards(layer, module, layer.tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, in_features // tp_size) -> (B, T, out_features)``, replicated."""
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp_region(x, self.tp_group)
+        y = comm.reduce_from_tp_region(_matmul(x, self.weight, None, self.weight_layout), self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, in_features_per_partition={self.in_features_per_partition}, "
+                f"out_features={self.out_features}, tp_size={self.tp_size}, weight_layout={self.weight_layout}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by rows (vocabulary entries) over the TP group.
+
+    Rank ``r`` holds the rows of ids ``[vocab_start_index, vocab_end_index)`` of the table padded
+    to ``padded_num_embeddings`` rows (a multiple of ``tp_size``). Ids outside this rank's range
+    are looked up as row 0 and their output zeroed; the partial outputs are then summed with
+    ``reduce`` (Megatron-LM, arXiv:1909.08053, section 3, "input embedding"). Padded rows are
+    zeros that no id reaches.
+
+    Shapes:
+        input: ``(B, T)`` integer ids in ``[0, num_embeddings)``.
+        output: ``(B, T, embedding_dim)``, identical on every rank.
+    Communication:
+        forward: one all-reduce (sum) of the output. backward: none.
+    Raises:
+        NotImplementedError: the dense embedding uses ``max_norm``, ``scale_grad_by_freq`` or
+            ``sparse``, which cannot be computed from one shard of the table.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        padding_idx: int | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        padded_num_embeddings: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.tp_group = tp_group
+        self.tp_size = comm.get_tp_size(tp_group)
+        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.padded_num_embeddings = padded_num_embeddings or num_embeddings
+        spec = ShardSpec(0, (num_embeddings,), self.tp_size, self.padded_num_embeddings)
+        self.num_embeddings_per_partition = spec.local_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = _new_param((self.num_embeddings_per_partition, embedding_dim), spec, device, dtype)
+
+    @property
+    def _local_padding_idx(self) -> int | None:
+        if self.padding_idx is not None and self.vocab_start_index <= self.padding_idx < self.vocab_end_index:
+            return self.padding_idx - self.vocab_start_index
+        return None
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, tp_group: dist.ProcessGroup | None, **kwargs) -> "VocabParallelEmbedding":
+        """Build this rank's shard from a dense ``nn.Embedding`` (rows copied exactly)."""
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"expected nn.Embedding, got {type(module).__name__}")
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise NotImplementedError("VocabParallelEmbedding does not support max_norm, scale_grad_by_freq or sparse")
+        layer = cls(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx, tp_group=tp_group,
+                    device="meta", dtype=module.weight.dtype, **kwargs)
+        return _copy_shards(layer, module, layer.tp_rank)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` ids -> ``(B, T, embedding_dim)`` embeddings, replicated."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight, self.padding_idx)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self._local_padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return comm.reduce_from_tp_region(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, padded={self.padded_num_embeddings}, "
+                f"embedding_dim={self.embedding_dim}, vocab_range=[{self.vocab_start_index}, "
+                f"{self.vocab_end_index}), tp_size={self.tp_size}")

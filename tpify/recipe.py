@@ -1,0 +1,202 @@
+"""Recipes: declarative per-architecture tensor-parallel plans, read from TOML files.
+
+A recipe names, for one Hugging Face ``model_type``, how each ``nn.Linear``,
+``transformers.pytorch_utils.Conv1D`` and ``nn.Embedding`` of the model is split, and which
+integer attributes (head counts, split sizes) each rank must divide by ``tp_size``. One recipe
+serves every head class of its family: module names are matched relative to the base model
+(``transformer.h.0.attn`` of ``GPT2LMHeadModel`` and ``h.0.attn`` of ``GPT2Model`` both match
+``h.*.attn``).
+
+File format (``recipes/<model_type>.toml``)::
+
+    model_type = "gpt2"
+    divisible = ["n_head"]            # config attributes tp_size must divide
+
+    [[rule]]
+    match = "h.*.attn.c_attn"        # glob over the FQN: '*' one segment, '**' any number
+    style = "packed_colwise"          # see STYLES
+    parts = 3                         # packed parts: a count of equal parts, or a list of
+                                      # config attributes whose values weigh the part widths
+    [[rule]]
+    match = "h.*.attn"
+    divide = ["num_heads", "split_size"]
+    [[rule]]
+    match = ["score", "classifier"]
+    style = "replicate"
+    optional = true                   # no warning when it matches nothing (head-specific)
+
+Styles (the names of Hugging Face's and PyTorch's TP plans):
+    ``colwise``: :class:`~tpify.layers.ColumnParallelLinear`, output left sharded.
+    ``packed_colwise``: the same, each packed part split separately.
+    ``colwise_rep``: column-parallel with the output gathered (LM heads; vocab padded if needed).
+    ``rowwise``: :class:`~tpify.layers.RowParallelLinear`, input already sharded.
+    ``embedding_rowwise``: :class:`~tpify.layers.VocabParallelEmbedding`.
+    ``replicate``: left as it is, a full copy on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Recipe", "Rule", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
+
+STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise", "embedding_rowwise", "replicate")
+_RULE_KEYS = {"match", "style", "parts", "divide", "optional"}
+_TOP_KEYS = {"model_type", "description", "divisible", "rule"}
+
+
+class RecipeError(ValueError):
+    """A recipe file is missing, unreadable or malformed; the message names the file and rule."""
+
+
+def _compile_glob(pattern: str) -> re.Pattern:
+    """FQN glob -> regex: ``*`` and ``?`` stay inside one dotted segment, ``**`` spans any number."""
+    segs = pattern.split(".")
+    regex = ""
+    for i, seg in enumerate(segs):
+        last = i == len(segs) - 1
+        if seg == "**":
+            regex += r"[^.]+(?:\.[^.]+)*" if last else r"(?:[^.]+\.)*"
+        else:
+            regex += re.escape(seg).replace(r"\*", "[^.]*").replace(r"\?", "[^.]") + ("" if last else r"\.")
+    return re.compile(regex + r"\Z")
+
+
+@dataclass
+class Rule:
+    """One ``[[rule]]`` of a recipe: FQN globs and what to do with the modules they match."""
+
+    index: int
+    patterns: tuple[str, ...]
+    style: str | None = None
+    parts: int | tuple[str, ...] | None = None
+    divide: tuple[str, ...] = ()
+    optional: bool = False
+    _regexes: list[re.Pattern] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        self._regexes = [_compile_glob(p) for p in self.patterns]
+
+    def matches(self, fqn: str) -> bool:
+        """True when ``fqn`` (relative to the base model) matches one of the rule's globs."""
+        return any(r.match(fqn) for r in self._regexes)
+
+    def describe(self) -> str:
+        return f"rule #{self.index} (match={list(self.patterns)})"
+
+
+@dataclass
+class Recipe:
+    """A parsed recipe: ``model_type``, config attributes tp must divide, and rules in order."""
+
+    model_type: str
+    rules: list[Rule]
+    divisible: tuple[str, ...] = ()
+    source: str = "<memory>"
+    description: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
+        """Validate and build a recipe from the parsed TOML mapping.
+
+        Raises:
+            RecipeError: unknown keys, a missing ``match``, an unknown style, a rule with neither
+                ``style`` nor ``divide``, ``parts`` on a style that is not ``packed_colwise``,
+                or a value of the wrong type. The message names ``source`` and the rule.
+        """
+        def fail(msg: str):
+            raise RecipeError(f"recipe {source}: {msg}")
+
+        if not isinstance(data, dict):
+            fail("the top level must be a table")
+        unknown = set(data) - _TOP_KEYS
+        if unknown:
+            fail(f"unknown top-level keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+        model_type = data.get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            fail("'model_type' must be a non-empty string")
+        divisible = data.get("divisible", [])
+        if not isinstance(divisible, list) or not all(isinstance(d, str) for d in divisible):
+            fail("'divisible' must be a list of config attribute names")
+        raw_rules = data.get("rule", [])
+        if not isinstance(raw_rules, list) or not raw_rules:
+            fail("a recipe needs at least one [[rule]]")
+        rules = []
+        for i, raw in enumerate(raw_rules):
+            where = f"rule #{i}"
+            if not isinstance(raw, dict):
+                fail(f"{where} must be a table")
+            unknown = set(raw) - _RULE_KEYS
+            if unknown:
+                fail(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
+            match = raw.get("match")
+            patterns = [match] if isinstance(match, str) else match
+            if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
+                fail(f"{where} needs 'match': a glob string or a list of them")
+            style = raw.get("style")
+            if style is not None and style not in STYLES:
+                fail(f"{where} (match={patterns}) has unknown style {style!r}; known styles: {list(STYLES)}")
+            divide = raw.get("divide", [])
+            if not isinstance(divide, list) or not all(isinstance(d, str) for d in divide):
+                fail(f"{where} (match={patterns}): 'divide' must be a list of attribute names")
+            if style is None and not divide:
+                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list")
+            parts = raw.get("parts")
+            if parts is not None:
+                if style != "packed_colwise":
+                    fail(f"{where} (match={patterns}): 'parts' is only for style 'packed_colwise'")
+                ok = (isinstance(parts, int) and not isinstance(parts, bool) and parts >= 2) or (
+                    isinstance(parts, list) and len(parts) >= 2 and all(isinstance(p, str) for p in parts))
+                if not ok:
+                    fail(f"{where} (match={patterns}): 'parts' must be an integer >= 2 or a list of >= 2 "
+                         "config attribute names")
+                parts = parts if isinstance(parts, int) else tuple(parts)
+            elif style == "packed_colwise":
+                fail(f"{where} (match={patterns}): style 'packed_colwise' needs 'parts'")
+            optional = raw.get("optional", False)
+            if not isinstance(optional, bool):
+                fail(f"{where} (match={patterns}): 'optional' must be true or false")
+            rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional))
+        return cls(model_type, rules, tuple(divisible), source, data.get("description", ""))
+
+
+def recipe_dirs() -> list[Path]:
+    """Folders searched for ``<model_type>.toml``: inside the installed wheel, then the checkout."""
+    here = Path(__file__).resolve().parent
+    return [d for d in (here / "recipes", here.parent / "recipes") if d.is_dir()]
+
+
+def available_recipes() -> list[str]:
+    """The ``model_type`` names that have a shipped recipe."""
+    return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.toml")})
+
+
+def load_recipe(recipe: "str | Path | dict | Recipe") -> Recipe:
+    """Load a recipe by ``model_type`` name, by path to a ``.toml`` file, or from a mapping.
+
+    Raises:
+        RecipeError: no recipe for that name (the message lists the known ones and how to pass a
+            file), a file that is not valid TOML, or a malformed recipe.
+    """
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, dict):
+        return Recipe.from_dict(recipe)
+    path = Path(recipe)
+    if path.suffix != ".toml":
+        found = [d / f"{recipe}.toml" for d in recipe_dirs() if (d / f"{recipe}.toml").is_file()]
+        if not found:
+            raise RecipeError(
+                f"no tpify recipe for model_type {str(recipe)!r}; shipped recipes: {available_recipes()}. "
+                "Write one (see recipes/README.md) and pass it as parallelize(model, recipe='path/to/file.toml').")
+        path = found[0]
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"recipe {path}: not valid TOML: {e}") from e
+    return Recipe.from_dict(data, str(path))

@@ -1,0 +1,175 @@
+"""How one tensor is split over a tensor-parallel group.
+
+A :class:`ShardSpec` is the single description of a sharded parameter that every stage of
+tpify uses: the parallel layers slice a dense tensor with it, the loader reads exactly this
+rank's bytes from a safetensors file with it, and the saver gathers the shards back to the
+dense Hugging Face layout with it. Two layouts are covered (Megatron-LM, arXiv:1909.08053,
+section 3):
+
+* **Packed parts** (GPT-2 ``c_attn`` = ``[Q | K | V]``, grouped-query ``[Q | K | V]`` of
+  unequal widths): each part is split separately, so rank ``r`` holds
+  ``[Q_r | K_r | V_r]`` and never a contiguous slice of the packed tensor.
+* **Padded vocabularies**: a dimension of ``V`` rows that ``p`` does not divide is padded up to
+  ``padded_size`` (a multiple of ``p``); rank ``r`` holds rows ``[r*Vp/p, (r+1)*Vp/p)`` of the
+  padded table, the rows ``>= V`` are zeros that are never read from nor written to a file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+__all__ = ["ShardSpec", "shard_spec_of", "divide", "pad_vocab_size", "valid_tp_sizes"]
+
+
+def divide(numerator: int, denominator: int, what: str = "value") -> int:
+    """``numerator // denominator``, raising when the division is not exact.
+
+    Raises:
+        ValueError: ``numerator % denominator != 0``; the message names ``what``.
+    """
+    if numerator % denominator:
+        raise ValueError(f"{what} = {numerator} is not divisible by tp_size = {denominator}")
+    return numerator // denominator
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
+    """Smallest multiple of ``multiple * tp_size`` that is ``>= vocab_size``.
+
+    Megatron-LM pads to a multiple of ``128 * tp_size`` for fast GEMMs; tpify pads by default to
+    a multiple of ``tp_size`` only, the least padding that makes the rows divisible.
+    """
+    step = multiple * tp_size
+    return int(math.ceil(vocab_size / step) * step)
+
+
+def valid_tp_sizes(*values: int, limit: int = 64) -> list[int]:
+    """The tp sizes up to ``limit`` that divide every one of ``values`` (for error messages)."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, int(v))
+    return [d for d in range(1, min(g, limit) + 1) if g % d == 0] if g else [1]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter's tensor dimension ``dim`` is split over ``tp_size`` ranks.
+
+    Attributes:
+        dim: the tensor dimension that is split (0 for ``nn.Linear`` column-parallel weights,
+            1 for row-parallel ``nn.Linear`` and column-parallel ``Conv1D`` weights).
+        parts: global sizes, along ``dim``, of the packed parts (one part when not packed). Each
+            part is split in ``tp_size`` equal chunks.
+        padded_size: global size after vocab padding, or ``None``. Only for one part.
+        tp_size: number of ranks the tensor is split over.
+    """
+
+    dim: int
+    parts: tuple[int, ...]
+    tp_size: int
+    padded_size: int | None = None
+
+    def __post_init__(self):
+        if self.padded_size is not None and len(self.parts) != 1:
+            raise ValueError("a padded dimension cannot also be packed")
+        if self.padded_size is None:
+            for size in self.parts:
+                divide(size, self.tp_size, "a part of the sharded dimension")
+        elif self.padded_size % self.tp_size or self.padded_size < self.parts[0]:
+            raise ValueError(f"padded size {self.padded_size} must be a multiple of {self.tp_size} >= {self.parts[0]}")
+
+    @property
+    def global_size(self) -> int:
+        """Unpadded size of the dimension in the dense tensor."""
+        return sum(self.parts)
+
+    @property
+    def local_size(self) -> int:
+        """Size of the dimension on each rank (padding included)."""
+        if self.padded_size is not None:
+            return self.padded_size // self.tp_size
+        return sum(size // self.tp_size for size in self.parts)
+
+    def ranges(self, tp_rank: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` ranges of the dense dimension that rank ``tp_rank`` holds, in order.
+
+        Their lengths add up to :attr:`local_size` minus the padding rows of this rank.
+        """
+        if self.padded_size is not None:
+            chunk = self.padded_size // self.tp_size
+            start = tp_rank * chunk
+            stop = min(start + chunk, self.parts[0])
+            return [(start, stop)] if stop > start else []
+        out, offset = [], 0
+        for size in self.parts:
+            chunk = size // self.tp_size
+            out.append((offset + tp_rank * chunk, offset + (tp_rank + 1) * chunk))
+            offset += size
+        return out
+
+    def local_shape(self, global_shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """Shape of this rank's shard given the dense tensor's shape."""
+        shape = list(global_shape)
+        if shape[self.dim] != self.global_size:
+            raise ValueError(f"dimension {self.dim} has size {shape[self.dim]}, expected {self.global_size}")
+        shape[self.dim] = self.local_size
+        return tuple(shape)
+
+    def _assemble(self, pieces: list[torch.Tensor], template: torch.Tensor) -> torch.Tensor:
+        shape = list(template.shape)
+        have = sum(p.shape[self.dim] for p in pieces)
+        if have < self.local_size:  # padding rows of the vocabulary
+            shape[self.dim] = self.local_size - have
+            pieces = pieces + [torch.zeros(shape, dtype=template.dtype, device=template.device)]
+        return torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else pieces[0].clone()
+
+    def slice_dense(self, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+        """This rank's shard of the dense tensor ``full`` (a new tensor, not a view)."""
+        self.local_shape(full.shape)
+        pieces = [full.narrow(self.dim, a, b - a) for a, b in self.ranges(tp_rank)]
+        if not pieces:
+            pieces = [full.narrow(self.dim, 0, 0)]
+        return self._assemble(pieces, full).contiguous()
+
+    def read(self, file_slice, tp_rank: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Read this rank's shard from a safetensors ``safe_open(...).get_slice(name)``.
+
+        Only the bytes of this rank's ranges are read; each piece is converted to ``dtype``
+        before the next is read.
+        """
+        ndim = len(file_slice.get_shape())
+        pieces = []
+        for a, b in self.ranges(tp_rank) or [(0, 0)]:
+            index = [slice(None)] * ndim
+            index[self.dim] = slice(a, b)
+            piece = file_slice[tuple(index)]
+            pieces.append(piece.to(dtype) if dtype is not None else piece)
+        return self._assemble(pieces, pieces[0]).contiguous()
+
+    def gather(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """All-gather the shards of every rank and return the dense, unpadded, unpacked tensor.
+
+        Communication: one all-gather of the shard over ``group`` (every rank must call it).
+        """
+        moved = local.movedim(self.dim, -1)
+        gathered = comm.all_gather_last_dim(moved, group).movedim(-1, self.dim)
+        shards = gathered.chunk(self.tp_size, dim=self.dim)
+        if self.padded_size is not None:
+            return gathered.narrow(self.dim, 0, self.parts[0]).contiguous()
+        pieces = []
+        offset = 0
+        for size in self.parts:
+            chunk = size // self.tp_size
+            pieces.extend(shard.narrow(self.dim, offset, chunk) for shard in shards)
+            offset += chunk
+        return torch.cat(pieces, dim=self.dim).contiguous()
+
+
+def shard_spec_of(tensor: torch.Tensor) -> ShardSpec | None:
+    """The :class:`ShardSpec` a parallel layer attached to a parameter, or ``None`` if replicated."""
+    return getattr(tensor, "tp_shard_spec", None)
