@@ -1,0 +1,81 @@
+"""DP x TP training equals single-process training: dp=2 x tp=2 on 4 gloo ranks.
+
+The dense reference trains on the full batch of 4 sequences; each DP replica (a TP group of 2
+contiguous ranks) trains on its half, gradients are averaged over the DP group
+(``tpify.training.sync_gradients``) and clipped by the global norm
+(``tpify.training.clip_grad_norm_``, checked against ``torch.nn.utils.clip_grad_norm_`` on the
+dense model). Both halves hold the same number of labelled tokens, so the mean of the two
+half-batch means is the full-batch mean. 3 AdamW steps with a float64 model. Hugging Face's
+causal-LM loss upcasts the logits with ``.float()``, i.e. computes the loss in float32 even for a
+float64 model, so the dense reference itself is float32-accurate in the loss: a logit that
+differs by one float64 ulp between the two runs can round to a different float32, which moves
+the loss by ~1e-7 relative and each Adam update (``lr * m / sqrt(v)``, lr = 1e-2) by ~1e-9.
+Worse, Adam's update ``lr * g / (|g| + eps)`` with eps = 1e-8 is
+sensitive to the relative noise of gradients near eps (embedding rows of ids absent from the
+batch get only the softmax's ~1e-9 gradients): one such entry of 1.6M moved by 1.5e-8.
+Tolerances: loss ``rtol=1e-6``; weights ``atol=1e-7, rtol=1e-6``. A real error (gradients not
+averaged over DP, clipping by a per-rank norm) moves weights by ~1e-3.
+"""
+
+import copy
+
+import torch
+from transformers import BertForMaskedLM, GPT2LMHeadModel
+
+import tputil
+from test_core_equivalence import bert_config, gpt2_config
+
+TOL = dict(atol=1e-7, rtol=1e-6)
+
+
+def _train(cls, config, rank):
+    import torch.distributed as dist
+
+    import tpify
+    from tpify.training import clip_grad_norm_, sync_gradients
+
+    torch.manual_seed(0)
+    ref = cls(config).double()
+    par = tpify.parallelize(copy.deepcopy(ref), tp_size=2)
+    info = tpify.get_tp_info(par)
+    dp_rank = dist.get_rank(info.dp_group)
+    assert info.tp_rank == rank % 2 and dp_rank == rank // 2, "TP groups must be contiguous ranks"
+    g = torch.Generator().manual_seed(5)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_par = torch.optim.AdamW(par.parameters(), lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(0, config.vocab_size, (4, 10), generator=g)
+        labels = ids.clone()
+        labels[:, :2] = -100  # same count in every half
+        loss_ref = ref(ids, labels=labels).loss
+        loss_ref.backward()
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt_ref.step()
+        opt_ref.zero_grad()
+
+        half = slice(2 * dp_rank, 2 * dp_rank + 2)
+        loss_par = par(ids[half], labels=labels[half]).loss
+        loss_par.backward()
+        sync_gradients(par)
+        norm_par = clip_grad_norm_(par, 0.5)
+        opt_par.step()
+        opt_par.zero_grad()
+
+        both = [None, None]
+        dist.all_gather_object(both, loss_par.item(), group=info.dp_group)
+        torch.testing.assert_close(sum(both) / 2, loss_ref.item(), atol=0, rtol=1e-6)
+        assert norm_ref > 0.5, "the test must exercise clipping"
+        torch.testing.assert_close(norm_par.double(), norm_ref.double(), atol=1e-6, rtol=1e-6)
+    ref_w, par_w = tputil.dense_named(ref), tputil.dense_named(par)
+    for name, w in ref_w.items():
+        torch.testing.assert_close(par_w[name], w, **TOL, msg=lambda m: f"{cls.__name__} {name}: {m}")
+
+
+def _body(rank, world):
+    _train(GPT2LMHeadModel, gpt2_config(), rank)
+    _train(BertForMaskedLM, bert_config(), rank)
+    return "ok"
+
+
+def test_dp2_tp2_training_matches_single_process():
+    assert tputil.spawn(_body, 4, timeout=300) == ["ok"] * 4
