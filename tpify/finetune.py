@@ -1,0 +1,223 @@
+"""Fine-tuning a pretrained causal LM across DP x TP ranks: the loop behind ``tpify finetune``.
+
+Each rank loads only its shard (:func:`tpify.from_pretrained`); the ``tp`` ranks of a TP group
+see the same micro-batch, the ``dp`` replicas different ones; a step is the usual Hugging Face
+``model(input_ids, labels=input_ids).loss.backward()`` (the loss is vocab-parallel, see
+:mod:`tpify.loss`), then gradients are averaged over DP, clipped by the global norm, and AdamW
+steps with a linear warm-up and decay. Checkpoints (HF model directory + one optimizer file per
+rank) are written atomically every ``save_every`` steps, and ``resume`` continues exactly: data
+order and learning rate depend only on the step number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+__all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files"]
+
+
+def default_text_files() -> list[Path]:
+    """Real English text shipped with tpify: the GNU GPL v3 (its licence allows verbatim copies)."""
+    return [Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"]
+
+
+@dataclass
+class FinetuneConfig:
+    """Options of :func:`finetune` (the ``tpify finetune`` flags)."""
+
+    model_dir: str
+    out_dir: str
+    data: list[str] = field(default_factory=list)
+    tp: int = 1
+    dp: int = 1
+    seq_len: int = 128
+    batch_size: int = 4          # sequences per DP replica per step
+    lr: float = 5e-5
+    warmup: int = 2
+    steps: int = 10
+    clip: float = 1.0
+    weight_decay: float = 0.0
+    save_every: int = 0          # 0: only the final model
+    resume: bool = False
+    seed: int = 0
+    progress: bool = True
+
+
+def pack_texts(tokenizer, files: list[str | Path], seq_len: int) -> torch.Tensor:
+    """Tokenize ``files``, join them with the EOS token and cut into ``(N, seq_len)`` int64 rows.
+
+    Raises:
+        ValueError: the text holds fewer than ``seq_len`` tokens.
+    """
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for f in files:
+        ids.extend(tokenizer(Path(f).read_text(encoding="utf-8"))["input_ids"])
+        if eos is not None:
+            ids.append(eos)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the text files hold {len(ids)} tokens, fewer than one sequence of {seq_len}")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def batch_indices(step: int, n_rows: int, global_batch: int, seed: int) -> torch.Tensor:
+    """Rows of the packed data for ``step`` (a pure function of the step: resume is exact).
+
+    Epoch ``e`` visits the rows in the order of a permutation seeded with ``seed + e``.
+    """
+    out = []
+    start = step * global_batch
+    for pos in range(start, start + global_batch):
+        epoch, i = divmod(pos, n_rows)
+        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(perm[i])
+    return torch.stack(out)
+
+
+def _lr_lambda(warmup: int, steps: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (steps - step) / max(1, steps - warmup))
+    return f
+
+
+def _latest_checkpoint(out_dir: Path) -> Path | None:
+    ckpts = sorted(out_dir.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Path) -> Path:
+    """Write ``checkpoint-<step>``: the HF model directory and one trainer file per rank, atomically."""
+    import tpify
+
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".checkpoint-{step}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "trainer").mkdir(parents=True)
+    dist.barrier()
+    tpify.save_pretrained(model, tmp / "model")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "rng": torch.get_rng_state()}, tmp / "trainer" / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / "trainer" / "state.json").write_text(json.dumps(
+            {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size()}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    dist.barrier()
+    return final
+
+
+def _plot(losses: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, marker="o", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title("tpify finetune")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def finetune(cfg: FinetuneConfig) -> list[float]:
+    """Run the fine-tune described by ``cfg`` on the already initialised process group.
+
+    ``world = cfg.tp * cfg.dp``. Returns the loss of every step (mean over DP) on every rank.
+    Writes ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF
+    directory with the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``.
+
+    Raises:
+        ValueError: ``tp * dp`` differs from the world size, or ``resume`` finds a checkpoint
+            written with another tp/dp layout (its optimizer shards would not fit).
+    """
+    from transformers import AutoTokenizer
+
+    import tpify
+    from tpify.training import clip_grad_norm_, sync_gradients
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if cfg.tp * cfg.dp != world:
+        raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the world has {world}")
+    out_dir = Path(cfg.out_dir)
+    start_step, losses, model_dir, trainer_dir = 0, [], Path(cfg.model_dir), None
+    if cfg.resume:
+        ckpt = _latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise ValueError(f"--resume: no checkpoint-* directory in {out_dir}")
+        state = json.loads((ckpt / "trainer" / "state.json").read_text())
+        if (state["tp"], state["dp"]) != (cfg.tp, cfg.dp):
+            raise ValueError(f"--resume: {ckpt} was written at tp={state['tp']} dp={state['dp']}; "
+                             f"resume with --tp {state['tp']} --dp {state['dp']}")
+        start_step, losses, model_dir, trainer_dir = state["step"], state["losses"], ckpt / "model", ckpt / "trainer"
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
+    files = cfg.data or [str(p) for p in default_text_files()]
+    data = pack_texts(tokenizer, files, cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, torch_dtype=torch.float32).to(device)
+    model.train()
+    info = tpify.get_tp_info(model)
+    dp_rank = comm.get_tp_rank(info.dp_group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))
+    if trainer_dir is not None:
+        saved = torch.load(trainer_dir / f"rank{rank}.pt", weights_only=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"finetune tp={cfg.tp} dp={cfg.dp}", unit="step")
+    tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len
+    for step in range(start_step, cfg.steps):
+        t0 = time.perf_counter()
+        rows = batch_indices(step, data.shape[0], cfg.batch_size * cfg.dp, cfg.seed)
+        ids = data[rows[dp_rank * cfg.batch_size: (dp_rank + 1) * cfg.batch_size]].to(device)  # (B, T)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        sync_gradients(model)
+        norm = clip_grad_norm_(model, cfg.clip) if cfg.clip > 0 else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = comm.all_reduce(loss.detach().float().clone(), info.dp_group) / cfg.dp
+        losses.append(mean_loss.item())
+        if bar is not None:
+            rate = tokens_per_step / (time.perf_counter() - t0)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:.0f}",
+                            grad_norm=f"{float(norm):.2f}" if norm is not None else "-")
+            bar.update(1)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            _save_checkpoint(model, optimizer, scheduler, step + 1, losses, cfg, out_dir)
+    if bar is not None:
+        bar.close()
+    tpify.save_pretrained(model, out_dir / "final")
+    if rank == 0:
+        tokenizer.save_pretrained(out_dir / "final")
+        (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg)}, indent=1))
+        _plot(losses, out_dir / "loss.png")
+    dist.barrier()
+    return losses
