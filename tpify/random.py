@@ -175,7 +175,8 @@ def _devices_of(module: nn.Module) -> tuple[str, ...]:
 
 
 def _to_tp(module, args, output):
-    _TRACKER.switch(TP, _devices_of(module))
+    if module.training:  # in eval nothing draws; switching back is free when not switched
+        _TRACKER.switch(TP, _devices_of(module))
 
 
 def _to_default(module, args):
@@ -189,7 +190,8 @@ def _root_to_default(module, *args):
 def install_rng_hooks(model: nn.Module, tp_rank: int) -> int:
     """Add the stream-switching hooks to a parallelized model; return how many were added.
 
-    After every ``ColumnParallelLinear`` with ``gather_output=False``: switch to the TP stream.
+    After every ``ColumnParallelLinear`` with ``gather_output=False`` in training mode: switch to
+    the TP stream (in eval mode nothing draws, so nothing is switched).
     Before every ``RowParallelLinear``: switch to the default stream. Before and after the root
     ``model``'s forward: the default stream. Installing twice adds nothing. If
     :func:`manual_seed` was never called, the TP stream derives from ``torch.initial_seed()`` now.
