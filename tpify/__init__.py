@@ -9,6 +9,7 @@ from .api import TPInfo, get_tp_info, parallelize
 from .comm import count_collectives
 from .engine import PlanError
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .random import manual_seed
 from .recipe import RecipeError, load_recipe
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "load_recipe",
     "PlanError",
     "RecipeError",
+    "manual_seed",
 ]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import comm
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .random import install_rng_hooks
 from .recipe import Recipe, Rule
 from .sharding import pad_vocab_size, valid_tp_sizes
 
@@ -217,7 +218,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: dist.ProcessGroup | None)
     Each new layer holds only this rank's shard (the dense module is dropped and freed); the
     attributes listed by ``divide`` rules are divided by ``tp_size``; parameters that were the
     same object before (tied embeddings, ``BertLMPredictionHead.bias``) are the same object
-    after. Works on the meta device too.
+    after. Works on the meta device too. Installs the dropout stream hooks of
+    :func:`tpify.random.install_rng_hooks` (sharded regions draw from a per-TP-rank stream).
 
     Raises:
         PlanError: ``tp_group``'s size differs from the plan's ``tp_size``, or two tied
@@ -258,4 +260,6 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: dist.ProcessGroup | None)
         module = model.get_submodule(fqn)
         for attr in attrs:
             setattr(module, attr, getattr(module, attr) // plan.tp_size)
+    # Dropout: TP-distinct random stream between column- and row-parallel layers (tpify.random).
+    install_rng_hooks(model, comm.get_tp_rank(tp_group))
     return model

@@ -1,0 +1,223 @@
+"""Random state for dropout under tensor parallelism: a default stream and a per-TP-rank stream.
+
+Megatron-LM (arXiv:1909.08053, section 3; ``megatron/core/tensor_parallel/random.py``) keeps
+named RNG states and forks a TP-distinct one around the sharded parts of a layer:
+
+* Dropout on **replicated** activations (embeddings, residual branches, anything after a
+  row-parallel all-reduce) must draw the **same** mask on every TP rank, or the replicas
+  silently diverge. These draws use the *default stream*: PyTorch's global generator, seeded
+  identically on every rank.
+* Dropout on **sharded** activations (attention probabilities of this rank's heads) must draw a
+  **different** mask on each TP rank, or heads on different ranks share masks. These draws use
+  the *TP stream*, seeded with ``seed + TP_SEED_OFFSET + tp_rank``.
+
+tpify places the switch by construction, for any recipe: a sharded region begins at the output
+of a column-parallel layer with ``gather_output=False`` and ends at the input of the next
+row-parallel layer. :func:`install_rng_hooks` (called by :func:`tpify.engine.apply_plan`) adds a
+forward hook after every such ``ColumnParallelLinear`` (switch to the TP stream) and a forward
+pre-hook before every ``RowParallelLinear`` (switch back), plus a pre- and post-hook on the
+root model (default stream outside the model). Switching is idempotent and swaps generator
+states: the state of the stream being left is saved and the other's restored, so both advance
+independently. HF ``forward`` methods are untouched: in GPT-2, ``attn_dropout`` (between
+``c_attn`` and ``c_proj``) uses the TP stream and ``resid_dropout`` (after ``c_proj``, inside the
+same ``GPT2Attention.forward``) the default stream, which a hook around the whole attention module
+could not get right.
+
+The global CPU generator is switched always; the CUDA generator of the parameter's device too
+when the parallel layer's weight is on CUDA.
+
+What depends on ``tp_size``: the sharded masks (rank r draws the masks of its heads from its own
+stream, so the same head gets a different mask at another ``tp_size``), and, because the
+sharded draws no longer advance the default stream, the replicated masks differ from the dense
+model's even at ``tp_size = 1``. Results at a fixed ``tp_size`` and seed are reproducible.
+Activation recomputation (gradient checkpointing) is not supported together with dropout: the
+recomputed forward would draw from the advanced TP stream.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["TP_SEED_OFFSET", "RNGStreamTracker", "get_rng_tracker", "manual_seed", "install_rng_hooks",
+           "tp_rng"]
+
+TP_SEED_OFFSET = 2718  # as Megatron's model_parallel_cuda_manual_seed: seed + 2718 + tp_rank
+
+DEFAULT, TP = "default", "tp"
+
+
+class RNGStreamTracker:
+    """Two named streams (``"default"`` and ``"tp"``) multiplexed onto PyTorch's global generators.
+
+    Attributes:
+        current: the stream the global generators now hold.
+        seed: the seed the TP stream derives from (set by :func:`manual_seed` or at
+            ``parallelize`` time from ``torch.initial_seed()``).
+        tp_rank: this process's rank in its TP group.
+    """
+
+    def __init__(self):
+        self.current = DEFAULT
+        self.seed: int | None = None
+        self.tp_rank = 0
+        self._states: dict[tuple[str, str], torch.Tensor] = {}  # (stream, device) -> saved state
+
+    def reset(self, seed: int | None = None, tp_rank: int | None = None):
+        """Forget the saved states; the TP stream restarts from ``seed + offset + tp_rank``."""
+        self.switch(DEFAULT, ())  # make the global generator hold the default stream
+        self._states.clear()
+        self.current = DEFAULT
+        if seed is not None:
+            self.seed = int(seed)
+        if tp_rank is not None:
+            self.tp_rank = int(tp_rank)
+
+    def _tp_seed(self) -> int:
+        seed = torch.initial_seed() if self.seed is None else self.seed
+        return (seed + TP_SEED_OFFSET + self.tp_rank) % (2 ** 63)
+
+    def _fresh_tp_state(self, device: str) -> torch.Tensor:
+        if device == "cpu":
+            return torch.Generator().manual_seed(self._tp_seed()).get_state()
+        index = torch.device(device).index
+        saved = torch.cuda.get_rng_state(index)
+        with torch.cuda.device(index):
+            torch.cuda.manual_seed(self._tp_seed())
+        state = torch.cuda.get_rng_state(index)
+        torch.cuda.set_rng_state(saved, index)
+        return state
+
+    @staticmethod
+    def _get(device: str) -> torch.Tensor:
+        return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(torch.device(device).index)
+
+    @staticmethod
+    def _set(device: str, state: torch.Tensor):
+        if device == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, torch.device(device).index)
+
+    def switch(self, stream: str, cuda_devices=()):
+        """Make the global generators (CPU and ``cuda_devices``) hold ``stream``; idempotent.
+
+        The state of the stream being left is saved, the other's restored (or created: the TP
+        stream from ``seed + TP_SEED_OFFSET + tp_rank``, the default stream from the global
+        generator as it is).
+        """
+        if stream == self.current:
+            return
+        for device in ("cpu", *cuda_devices):
+            self._states[(self.current, device)] = self._get(device)
+            state = self._states.pop((stream, device), None)
+            if state is None and stream == TP:
+                state = self._fresh_tp_state(device)
+            if state is not None:
+                self._set(device, state)
+        # Devices seen earlier but not named now keep their saved states for the next switch.
+        for (name, device), state in list(self._states.items()):
+            if name == stream and device not in ("cpu", *cuda_devices):
+                self._states[(self.current, device)] = self._get(device)
+                self._set(device, self._states.pop((name, device)))
+        self.current = stream
+
+    def tp_state(self, device: str = "cpu") -> torch.Tensor:
+        """The TP stream's state for ``device`` (a copy), without switching."""
+        if self.current == TP:
+            return self._get(device)
+        state = self._states.get((TP, device))
+        return state.clone() if state is not None else self._fresh_tp_state(device)
+
+
+_TRACKER = RNGStreamTracker()
+
+
+def get_rng_tracker() -> RNGStreamTracker:
+    """The process-wide :class:`RNGStreamTracker` (the global generators are process-wide too)."""
+    return _TRACKER
+
+
+def manual_seed(seed: int, tp_rank: int | None = None):
+    """Seed both streams: the default one identically on every rank, the TP one per TP rank.
+
+    Call it with the same ``seed`` on every rank. The default stream is ``torch.manual_seed(seed)``
+    (CPU and every CUDA device); the TP stream starts from ``seed + TP_SEED_OFFSET + tp_rank``
+    (``tp_rank`` defaults to the rank recorded by the last ``parallelize``; calling this before
+    ``parallelize`` is fine: the TP stream is created lazily on first use).
+    """
+    _TRACKER.reset(seed, tp_rank)
+    torch.manual_seed(seed)
+
+
+@contextmanager
+def tp_rng():
+    """Run a block on the TP stream (draws distinct per TP rank), then return to the previous one."""
+    previous = _TRACKER.current
+    _TRACKER.switch(TP, _cuda_devices_in_use())
+    try:
+        yield
+    finally:
+        _TRACKER.switch(previous, _cuda_devices_in_use())
+
+
+def _cuda_devices_in_use() -> tuple[str, ...]:
+    return tuple(d for (_, d) in _TRACKER._states if d != "cpu")
+
+
+def _devices_of(module: nn.Module) -> tuple[str, ...]:
+    weight = getattr(module, "weight", None)
+    if weight is not None and weight.device.type == "cuda":
+        return (str(weight.device),)
+    return ()
+
+
+def _to_tp(module, args, output):
+    if module.training:  # in eval nothing draws; switching back is free when not switched
+        _TRACKER.switch(TP, _devices_of(module))
+
+
+def _to_default(module, args):
+    _TRACKER.switch(DEFAULT, _devices_of(module))
+
+
+def _root_to_default(module, *args):
+    _TRACKER.switch(DEFAULT, _cuda_devices_in_use())
+
+
+def install_rng_hooks(model: nn.Module, tp_rank: int) -> int:
+    """Add the stream-switching hooks to a parallelized model; return how many were added.
+
+    After every ``ColumnParallelLinear`` with ``gather_output=False`` in training mode: switch to
+    the TP stream (in eval mode nothing draws, so nothing is switched).
+    Before every ``RowParallelLinear``: switch to the default stream. Before and after the root
+    ``model``'s forward: the default stream. Installing twice adds nothing. If
+    :func:`manual_seed` was never called, the TP stream derives from ``torch.initial_seed()`` now.
+
+    Communication: none.
+    """
+    from .layers import ColumnParallelLinear, RowParallelLinear
+
+    if _TRACKER.seed is None:
+        _TRACKER.seed = torch.initial_seed()
+    _TRACKER.tp_rank = int(tp_rank)
+    added = 0
+    for module in model.modules():
+        if getattr(module, "_tpify_rng_hooked", False):
+            continue
+        if isinstance(module, ColumnParallelLinear) and not module.gather_output:
+            module.register_forward_hook(_to_tp)
+        elif isinstance(module, RowParallelLinear):
+            module.register_forward_pre_hook(_to_default)
+        else:
+            continue
+        module._tpify_rng_hooked = True
+        added += 1
+    if not getattr(model, "_tpify_rng_hooked", False):
+        model.register_forward_pre_hook(_root_to_default)
+        model.register_forward_hook(_root_to_default)
+        model._tpify_rng_hooked = True
+        added += 2
+    return added
