@@ -8,6 +8,7 @@ pretrained model runs across ranks without rewriting it (Shoeybi et al., arXiv:1
 from .api import TPInfo, get_tp_info, parallelize
 from .comm import count_collectives
 from .engine import PlanError
+from .loss import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .random import manual_seed
 from .recipe import RecipeError, load_recipe
@@ -20,6 +21,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "count_collectives",
+    "vocab_parallel_cross_entropy",
     "load_recipe",
     "PlanError",
     "RecipeError",

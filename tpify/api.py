@@ -10,6 +10,7 @@ from torch import nn
 
 from . import comm
 from .engine import Plan, apply_plan, build_plan
+from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
 from .recipe import Recipe, load_recipe
 
@@ -70,8 +71,10 @@ def parallelize(
     ``ColumnParallelLinear``/``RowParallelLinear``/``VocabParallelEmbedding`` (Megatron-LM,
     arXiv:1909.08053, section 3); each rank keeps only its shard and the dense weights are freed.
     Tied weights stay tied. HF ``forward`` methods are untouched, so ``model(...)``,
-    ``model(..., labels=...).loss`` and ``model.generate()`` behave as on the dense model:
-    ``.logits`` hold the full vocabulary (padding stripped) on every rank.
+    ``model(..., labels=...).loss`` and ``model.generate()`` behave as on the dense model.
+    Without labels ``.logits`` hold the full vocabulary (padding stripped) on every rank; with
+    ``labels`` the loss is computed by ``vocab_parallel_cross_entropy`` from the vocab-sharded
+    logits and ``.logits`` is this rank's shard ``(B, T, V_padded/tp_size)`` (see tpify/loss.py).
 
     Args:
         model: a ``transformers`` ``PreTrainedModel`` (or any module with a matching recipe).
@@ -97,4 +100,5 @@ def parallelize(
     tp_group, dp_group = resolve_groups(size, tp_group)
     apply_plan(model, plan, tp_group)
     model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, plan)
+    install_parallel_lm_loss(model, plan)  # labels= -> loss from vocab-sharded logits (tpify/loss.py)
     return model

@@ -1,0 +1,319 @@
+"""Vocab-parallel cross-entropy, and the parallel LM-head loss of parallelized HF models.
+
+Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3, "output embedding"): the LM head's
+logits stay split over the vocabulary, shape ``(B, T, V/p)`` per rank, and the softmax
+cross-entropy is computed from the shards with three all-reduces of ``B*T`` values instead of
+gathering ``B*T*V`` logits on every rank.
+
+:func:`vocab_parallel_cross_entropy` is the loss itself. :func:`install_parallel_lm_loss` (called
+by :func:`tpify.parallelize`) makes ``model(input_ids, labels=labels).loss`` of a parallelized
+causal or masked LM use it, with Hugging Face's label semantics, without replacing any HF
+``forward``: a forward pre-hook takes ``labels`` out of the call (so HF computes no loss) and
+tells the LM head to keep its output sharded, and a forward hook computes the loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+
+__all__ = ["vocab_parallel_cross_entropy", "install_parallel_lm_loss", "lm_loss_kind"]
+
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss from a vocab shard; see :func:`vocab_parallel_cross_entropy`."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size):
+        tp_size, tp_rank = comm.get_tp_size(group), comm.get_tp_rank(group)
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+        per_partition = logits.shape[-1]
+        start = tp_rank * per_partition
+        end = start + per_partition
+        true_vocab = per_partition * tp_size if vocab_size is None else vocab_size
+
+        z = logits.to(compute_dtype)  # (N..., V/p); a new tensor unless logits already are compute_dtype
+        padded = None
+        if end > true_vocab:  # this shard holds padded columns (global index >= V): never counted
+            padded = torch.arange(start, end, device=z.device) >= true_vocab  # (V/p,)
+            z = z.masked_fill(padded, float("-inf"))
+
+        # 1. m = allreduce_max(max_v z); no gradient flows through m (it cancels in the loss).
+        m = z.max(dim=-1).values  # (N...,)
+        comm.all_reduce(m, group, op="max")
+        z = z - m.unsqueeze(-1)
+
+        # 2. z_t: the target's logit on the rank that owns it, 0 elsewhere; summed over ranks.
+        ignored = target == ignore_index
+        owned = (target >= start) & (target < end) & ~ignored
+        local_target = (target - start).masked_fill(~owned, 0)
+        z_t = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        comm.all_reduce(z_t, group)
+
+        # 3. S = allreduce_sum(sum_v exp(z)).
+        softmax = z.exp()  # exp(-inf) = 0 on the padded columns
+        sum_exp = softmax.sum(dim=-1)
+        comm.all_reduce(sum_exp, group)
+        log_s = sum_exp.log()
+        loss = log_s - z_t
+
+        if label_smoothing > 0:
+            # (1-eps)(log S - z_t) + eps(log S - mean_v z_v), the mean over the true V.
+            zs = z if padded is None else z.masked_fill(padded, 0.0)
+            sum_z = zs.sum(dim=-1)
+            comm.all_reduce(sum_z, group)
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_s - sum_z / true_vocab)
+        loss = loss.masked_fill(ignored, 0.0)
+
+        softmax.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, owned, ignored, padded)
+        ctx.label_smoothing = label_smoothing
+        ctx.true_vocab = true_vocab
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        softmax, local_target, owned, ignored, padded = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        # dL/dz = (softmax - (1-eps) onehot_local(target) - eps/V) * grad_output; 0 on ignored rows.
+        grad = softmax  # reused in place: the Function is once-differentiable
+        flat = grad.view(-1, grad.shape[-1])
+        rows = owned.reshape(-1).nonzero().squeeze(-1)
+        flat[rows, local_target.reshape(-1)[rows]] -= 1.0 - eps
+        if eps > 0:
+            if padded is None:
+                grad.sub_(eps / ctx.true_vocab)
+            else:
+                grad[..., ~padded] -= eps / ctx.true_vocab
+        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of logits split over the vocabulary, without gathering them.
+
+    Equals ``F.cross_entropy(gathered_logits[..., :V], target, ...)`` (Megatron-LM,
+    arXiv:1909.08053, section 3). Per token, from this rank's shard ``z`` (columns
+    ``[r*V_padded/p, (r+1)*V_padded/p)`` of the global vocabulary)::
+
+        m = allreduce_max(max_v z);  z -= m
+        z_t = allreduce_sum(z[target] on the owning rank, else 0)
+        S = allreduce_sum(sum_v exp(z));  loss = log S - z_t
+        with label smoothing eps: (1 - eps)(log S - z_t) + eps(log S - mean_{v<V} z_v)
+
+    Backward: ``dL/dz = (exp(z)/S - (1-eps) onehot_local(target) - eps/V) * grad_output``, no
+    communication.
+
+    Shapes:
+        logits: ``(..., V_padded / tp_size)``, e.g. ``(B, T, V/p)``, this rank's vocab shard.
+        target: ``(...)``, e.g. ``(B, T)``, global ids in ``[0, V)`` or ``ignore_index``; the same
+        on every rank of the group.
+        returns: ``(...)`` with ``reduction="none"``, else a scalar.
+    Dtype: computed in float32 whatever the logits dtype (float64 stays float64); the loss is
+        returned in that compute dtype and the gradient in the logits dtype.
+    Communication:
+        forward: 3 all-reduces of ``numel(target)`` values (max, target logit, sum of exp), a 4th
+        with ``label_smoothing > 0`` (sum of logits). backward: none.
+
+    Args:
+        logits: this rank's shard of the logits.
+        target: global target ids.
+        ignore_index: targets equal to it give loss 0 and gradient 0 and are not counted by
+            ``"mean"``.
+        label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy`` (uniform over the true V).
+        reduction: ``"none"``, ``"sum"`` or ``"mean"`` (over the non-ignored tokens of this call;
+            NaN when every token is ignored, like ``F.cross_entropy``).
+        tp_group: the group that shares the vocabulary (``None``: the default group, or a single
+            process when torch.distributed is not initialised).
+        vocab_size: the true vocabulary ``V`` when the shards are padded (``V_padded > V``):
+            columns ``>= V`` never contribute. Default ``V_padded`` (no padding).
+
+    Raises:
+        ValueError: bad ``reduction``/``label_smoothing``/``vocab_size``, shapes that do not
+            match, or a target outside ``[0, V)`` that is not ``ignore_index``. Raised before any
+            collective, on every rank alike (every rank holds the same target).
+    """
+    tp_size = comm.get_tp_size(tp_group)
+    padded_vocab = logits.shape[-1] * tp_size
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_parallel_cross_entropy: vocab_size = {vocab_size} does not fit shards of "
+                         f"{logits.shape[-1]} columns over {tp_size} ranks (padded vocabulary {padded_vocab}); "
+                         f"pass the true vocabulary size, at most {padded_vocab}")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
+                         f"{tuple(target.shape)} disagree; logits must be target.shape + (V/p,)")
+    if target.is_floating_point():
+        raise ValueError("vocab_parallel_cross_entropy: target must hold integer class ids, got "
+                         f"{target.dtype} (probability targets are not supported)")
+    true_vocab = padded_vocab if vocab_size is None else vocab_size
+    kept = target[target != ignore_index]
+    if kept.numel() and bool(((kept < 0) | (kept >= true_vocab)).any()):
+        bad = kept[(kept < 0) | (kept >= true_vocab)][:5].tolist()
+        raise ValueError(f"vocab_parallel_cross_entropy: targets {bad} are outside [0, {true_vocab}) and are "
+                         f"not ignore_index = {ignore_index}; fix the labels or set ignore_index")
+    loss = _VocabParallelCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), tp_group,
+                                            vocab_size)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# The parallel LM-head loss of parallelized Hugging Face models.
+
+#: kind -> (shift labels by one like HF causal LMs, honour ``num_items_in_batch``)
+_KINDS = {"causal": True, "masked": False}
+
+
+def _forward_uses_loss_function(model: nn.Module) -> bool:
+    """Whether the class's forward computes its loss with ``self.loss_function`` (which honours
+    ``num_items_in_batch``) rather than a plain ``CrossEntropyLoss()`` (BertForMaskedLM)."""
+    try:
+        return "self.loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
+
+
+def lm_loss_kind(model: nn.Module) -> str | None:
+    """``"causal"`` (labels shifted by one inside the model), ``"masked"`` (not shifted), or ``None``.
+
+    Decided from HF's ``loss_type`` (``ForCausalLM``/``ForMaskedLM``, set from the class name)
+    and, for classes HF names otherwise, the class name (``*LMHeadModel`` such as
+    ``GPT2LMHeadModel`` and ``BertLMHeadModel`` are causal LMs). Head classes that add other losses
+    to the LM loss (``GPT2DoubleHeadsModel``, ``BertForPreTraining``) are ``None``.
+    """
+    name = type(model).__name__
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type == "ForMaskedLM" or name.endswith("ForMaskedLM"):
+        return "masked"
+    if loss_type == "ForCausalLM" or name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
+        return "causal"
+    return None
+
+
+def _labels_from_call(model: nn.Module, args: tuple, kwargs: dict):
+    """Pop ``labels`` from a forward call (keyword, or positional by HF's signature)."""
+    if "labels" in kwargs:
+        return args, kwargs, kwargs.pop("labels")
+    params = list(inspect.signature(type(model).forward).parameters)[1:]  # drop self
+    if "labels" in params and params.index("labels") < len(args):
+        i = params.index("labels")
+        labels = args[i]
+        return args[:i] + (None,) + args[i + 1:], kwargs, labels
+    return args, kwargs, None
+
+
+class _ParallelLMLoss:
+    """The pre-hook/hook pair that computes ``output.loss`` from the vocab-sharded logits."""
+
+    def __init__(self, model: nn.Module, head: nn.Module, kind: str | None):
+        self.head = head
+        self.kind = kind
+        self.model_name = type(model).__name__
+        self.honours_num_items = _forward_uses_loss_function(model)
+        self.pending: dict | None = None
+
+    def pre_hook(self, model, args, kwargs):
+        args, kwargs, labels = _labels_from_call(model, args, kwargs)
+        # Every call decides afresh, so a call that raised cannot leave the head sharded.
+        self.head.gather_output = labels is None
+        self.pending = None
+        if labels is None:
+            return args, kwargs
+        if self.kind is None:
+            self.head.gather_output = True
+            raise NotImplementedError(
+                f"tpify: {self.model_name}(labels=...) is not supported on a parallelized model: its loss is not "
+                f"a plain causal or masked LM loss (supported: *ForCausalLM, *LMHeadModel, *ForMaskedLM). Call it "
+                f"without labels (the logits are then gathered, full vocabulary) and compute the loss yourself.")
+        self.pending = {"labels": labels, "num_items_in_batch": kwargs.get("num_items_in_batch"),
+                        "shift_labels": kwargs.get("shift_labels"), "ignore_index": kwargs.get("ignore_index", -100)}
+        return args, kwargs
+
+    def hook(self, model, args, kwargs, output):
+        pending, self.pending = self.pending, None
+        self.head.gather_output = True
+        if pending is None:
+            return output
+        logits = output.logits if hasattr(output, "logits") else output[0]  # (B, T, V_padded/p)
+        labels = pending["labels"].to(logits.device)
+        ignore_index = pending["ignore_index"]
+        if self.kind == "causal":
+            target = pending["shift_labels"]
+            if target is None:  # HF ForCausalLMLoss: tokens < n predict n, the last one predicts nothing
+                target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            target = target.to(logits.device)
+        else:
+            target = labels
+        num_items = pending["num_items_in_batch"] if self.honours_num_items else None
+        reduction = "mean" if num_items is None else "sum"
+        loss = vocab_parallel_cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                                            tp_group=self.head.tp_group, vocab_size=self.head.out_features)
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        if isinstance(output, tuple):
+            return (loss,) + output
+        values = {k: v for k, v in output.items() if k != "loss"}
+        return type(output)(loss=loss, **values)
+
+
+def install_parallel_lm_loss(model: nn.Module, plan) -> _ParallelLMLoss | None:
+    """Make ``model(..., labels=labels).loss`` use :func:`vocab_parallel_cross_entropy`.
+
+    Installed by :func:`tpify.parallelize` when the plan holds one ``colwise_rep`` LM head (a
+    ``ColumnParallelLinear`` with ``gather_output``) and ``model`` is the top-level HF model.
+    With ``labels`` the call runs with the head's output kept sharded, HF computes no loss, and
+    the loss is computed from the shards with HF's semantics: causal LMs shift the labels by one
+    (``shift_labels`` honoured), masked LMs do not; ``-100`` (or ``ignore_index``) is ignored; the
+    mean is over the non-ignored tokens, or the sum divided by ``num_items_in_batch`` when the
+    model's own loss honours it. ``output.logits`` is then this rank's shard
+    ``(B, T, V_padded/tp_size)`` (columns ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns
+    hold 0). Without ``labels`` nothing changes: logits are gathered (``generate`` works).
+
+    Communication: with labels, the 3 all-reduces of ``B*T`` values of the loss replace the
+    all-gather of ``B*T*V/p`` logits per rank.
+
+    Returns:
+        the installed hooks' owner, or ``None`` when the plan has no such head.
+    Raises:
+        NotImplementedError: (at call time, with labels) a head class whose loss is not a plain
+            causal/masked LM loss, e.g. ``GPT2DoubleHeadsModel``.
+        ValueError: the plan has several ``colwise_rep`` heads.
+    """
+    heads = [fqn for fqn, entry in plan.entries.items() if entry.style == "colwise_rep"]
+    if not heads:
+        return None
+    if len(heads) > 1:
+        raise ValueError(f"tpify: {type(model).__name__} has several colwise_rep LM heads {heads}; the parallel "
+                         f"LM loss supports one")
+    head = model.get_submodule(heads[0])
+    owner = _ParallelLMLoss(model, head, lm_loss_kind(model))
+    model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True)
+    model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False)
+    return owner
