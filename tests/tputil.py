@@ -103,3 +103,20 @@ def dense_named(model, attr: str | None = None) -> dict[str, torch.Tensor]:
             value = spec.gather(value.detach(), group)
         out[fqn] = None if value is None else value.detach()
     return out
+
+
+def ref_lm_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool, num_items=None) -> torch.Tensor:
+    """Hugging Face's LM loss semantics computed in the logits' dtype (float64 in tests).
+
+    Causal LMs shift the labels by one (HF pads with -100 and drops the first label), masked
+    LMs do not; -100 is ignored; mean over labelled tokens, or sum / ``num_items``. HF's own
+    causal loss upcasts with ``logits.float()``, i.e. to float32 even for a float64 model, which
+    would cap every float64 comparison at float32 precision.
+    """
+    import torch.nn.functional as F
+
+    target = F.pad(labels, (0, 1), value=-100)[..., 1:] if causal else labels
+    red = "mean" if num_items is None else "sum"
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+                           reduction=red)
+    return loss if num_items is None else loss / num_items

@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, GPT2Config,
                           GPT2DoubleHeadsModel, GPT2ForSequenceClassification, GPT2ForTokenClassification,
                           GPT2LMHeadModel, GPT2Model)
@@ -48,9 +47,7 @@ def _check_training_equivalence(cls, config, tp):
     # With labels the parallel loss comes from vocab-sharded logits (tpify/loss.py) in the logits'
     # dtype (float64), while HF's causal loss upcasts to float32: compare it with a float64
     # reference of HF's semantics, and the gathered logits from a call without labels.
-    logits = out_ref.logits.reshape(-1, config.vocab_size)
-    target = F.pad(labels, (0, 1), value=-100)[:, 1:] if cls is GPT2LMHeadModel else labels
-    loss_ref = F.cross_entropy(logits, target.reshape(-1), ignore_index=-100)
+    loss_ref = tputil.ref_lm_loss(out_ref.logits, labels, causal=cls is GPT2LMHeadModel)
     out_nolabels = par(ids)
     torch.testing.assert_close(out_nolabels.logits, out_ref.logits, **TOL)
     assert out_nolabels.logits.shape[-1] == config.vocab_size, "padding must be stripped from the logits"

@@ -102,15 +102,6 @@ def _check_function(rank, world, dtype):
                     torch.testing.assert_close(local.grad, ref_grad.to(dtype), msg=lambda m: f"{case}: {m}")
 
 
-def _ref_loss(model, logits, labels, causal, num_items=None):
-    """HF's LM loss semantics, in float64."""
-    V = model.config.vocab_size
-    target = F.pad(labels, (0, 1), value=-100)[..., 1:] if causal else labels
-    red = "mean" if num_items is None else "sum"
-    loss = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=-100, reduction=red)
-    return loss if num_items is None else loss / num_items
-
-
 def _data(config, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=g)
@@ -131,7 +122,7 @@ def _check_model(cls, config, world, causal, recipe=None, n_layers=2):
     kw = {} if num_items is None else {"num_items_in_batch": num_items}
     hf = ref(ids, labels=labels, **kw).loss  # HF's own (float32 for causal LMs) dense loss
     ref_out = ref(ids)
-    loss_ref = _ref_loss(ref, ref_out.logits, labels, causal, num_items)
+    loss_ref = tputil.ref_lm_loss(ref_out.logits, labels, causal, num_items)
     with tpify.count_collectives() as counts:
         out = par(ids, labels=labels, **kw)
         out.loss.backward()
@@ -164,7 +155,7 @@ def _check_training(cls, config, world, causal):
         ids, labels = _data(config, 10 + step)
         for o in opts:
             o.zero_grad()
-        loss_ref = _ref_loss(ref, ref(ids).logits, labels, causal)
+        loss_ref = tputil.ref_lm_loss(ref(ids).logits, labels, causal)
         loss_par = par(ids, labels=labels).loss
         torch.testing.assert_close(loss_par, loss_ref, **MODEL_TOL, msg=lambda m: f"{cls.__name__} step {step}: {m}")
         loss_ref.backward()
