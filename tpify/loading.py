@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -334,6 +335,49 @@ def _set_tensor(model: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]
             module._buffers[name] = value
 
 
+_CHUNK_BYTES = 1 << 24
+
+
+class _ChunkedSlice:
+    """A ``get_slice``-like view of one tensor that copies a requested index in chunks of rows.
+
+    safetensors (>= 0.7) returns views of an mmap of the whole file; a view's pages, once read,
+    stay resident for as long as the mapping lives. Reading the requested block ``_CHUNK_BYTES``
+    at a time, each chunk through a short-lived ``safe_open``, into a tensor this process owns
+    (converted to ``dtype`` on the way) bounds the transient memory of a load to one chunk, and
+    the loaded model never depends on the file staying in place. Indexes are tuples of slices,
+    as :meth:`ShardSpec.read` builds them.
+    """
+
+    def __init__(self, file: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype | None):
+        self.file, self.key, self.shape, self.dtype = file, key, tuple(shape), dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        if not self.shape:  # a 0-d tensor
+            value = safe_open(str(self.file), framework="pt", device="cpu").get_tensor(self.key)
+            return value.to(self.dtype) if self.dtype is not None else value
+        ranges = [slice(*s.indices(n)[:2]) for s, n in zip(index, self.shape)]
+        ranges += [slice(0, n) for n in self.shape[len(ranges):]]
+        out_shape = [r.stop - r.start for r in ranges]
+        out = None
+        rows = ranges[0]
+        row_numel = max(1, math.prod(self.shape[1:]))
+        step = max(1, _CHUNK_BYTES // (row_numel * 4))
+        for start in range(rows.start, max(rows.stop, rows.start + 1), step):
+            stop = min(start + step, rows.stop)
+            handle = safe_open(str(self.file), framework="pt", device="cpu")
+            chunk = handle.get_slice(self.key)[(slice(start, stop),) + tuple(ranges[1:])]
+            if out is None:
+                out = torch.empty(out_shape, dtype=self.dtype or chunk.dtype)
+            out[start - rows.start: stop - rows.start].copy_(chunk)
+            del chunk, handle  # drops the mapping and its resident pages
+        return out
+
+
 def _materialize(model, path, source, headers, dtype, to_init):
     """Replace every meta parameter/persistent buffer by this rank's slice read from the files."""
     tp_rank = model.tp_info.tp_rank
@@ -353,19 +397,11 @@ def _materialize(model, path, source, headers, dtype, to_init):
     for fqn, old in tqdm(list(tensors.values()), desc="tpify: loading", disable=tp_rank != 0 or None,
                          leave=False):
         key = source[fqn]
-        # One short-lived mapping per tensor: the pages of a file this rank touched are released
-        # right after the tensor is read, so resident memory stays the shard plus one tensor.
-        handle = safe_open(str(path / headers[key][1]), framework="pt", device="cpu")
-        file_slice = handle.get_slice(key)
-        cast = dtype if old.is_floating_point() else None
+        shape, file = headers[key]
+        file_slice = _ChunkedSlice(path / file, key, shape, dtype if old.is_floating_point() else None)
         spec = shard_spec_of(old)
-        if spec is not None:
-            value = spec.read(file_slice, tp_rank, cast)
-        else:
-            value = file_slice[:]
-            value = value.to(cast) if cast is not None else value
-        del handle, file_slice
-        _set_tensor(model, holders, old, value.contiguous())
+        value = spec.read(file_slice, tp_rank) if spec is not None else file_slice[(slice(None),) * len(shape)]
+        _set_tensor(model, holders, old, value)
     if to_init:
         _init_missing(model, to_init, dtype)
     leftover = [f for f, p in model.named_parameters() if p.is_meta]

@@ -149,6 +149,8 @@ class ShardSpec:
             index[self.dim] = slice(a, b)
             piece = file_slice[tuple(index)]
             pieces.append(piece.to(dtype) if dtype is not None else piece)
+        if len(pieces) == 1 and pieces[0].shape[self.dim] == self.local_size:
+            return pieces[0].contiguous()  # already a fresh tensor: no second copy in memory
         return self._assemble(pieces, pieces[0]).contiguous()
 
     def gather(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
