@@ -338,43 +338,38 @@ def _set_tensor(model: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]
 _CHUNK_BYTES = 1 << 24
 
 
-class _ChunkedSlice:
-    """A ``get_slice``-like view of one tensor that copies a requested index in chunks of rows.
+class _FileTensor:
+    """A ``get_slice``-like handle on one tensor of a file that keeps no mapping open.
 
-    safetensors (>= 0.7) returns views of an mmap of the whole file; a view's pages, once read,
-    stay resident for as long as the mapping lives. Reading the requested block ``_CHUNK_BYTES``
-    at a time, each chunk through a short-lived ``safe_open``, into a tensor this process owns
-    (converted to ``dtype`` on the way) bounds the transient memory of a load to one chunk, and
-    the loaded model never depends on the file staying in place. Indexes are tuples of slices,
-    as :meth:`ShardSpec.read` builds them.
+    safetensors (>= 0.7) returns views of an mmap of the whole file, and a view's pages, once
+    read, stay resident while the view lives. Each ``[index]`` opens the file, returns the view
+    of just that block and keeps nothing else: :meth:`ShardSpec.read` copies it into the shard
+    and drops it, which unmaps it. So a load holds its shards plus one block in flight, and
+    the loaded model never depends on the file staying in place.
     """
 
-    def __init__(self, file: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype | None):
-        self.file, self.key, self.shape, self.dtype = file, key, tuple(shape), dtype
+    def __init__(self, file: Path, key: str, shape: tuple[int, ...]):
+        self.file, self.key, self.shape = file, key, tuple(shape)
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        index = index if isinstance(index, tuple) else (index,)
+        return safe_open(str(self.file), framework="pt", device="cpu").get_slice(self.key)[index]
+
+    def read_whole(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """The whole tensor (a replicated parameter), copied in blocks of rows into owned memory."""
         if not self.shape:  # a 0-d tensor
             value = safe_open(str(self.file), framework="pt", device="cpu").get_tensor(self.key)
-            return value.to(self.dtype) if self.dtype is not None else value
-        ranges = [slice(*s.indices(n)[:2]) for s, n in zip(index, self.shape)]
-        ranges += [slice(0, n) for n in self.shape[len(ranges):]]
-        out_shape = [r.stop - r.start for r in ranges]
+            return value.to(dtype) if dtype is not None else value.clone()
+        step = max(1, _CHUNK_BYTES // (max(1, math.prod(self.shape[1:])) * 4))
         out = None
-        rows = ranges[0]
-        row_numel = max(1, math.prod(self.shape[1:]))
-        step = max(1, _CHUNK_BYTES // (row_numel * 4))
-        for start in range(rows.start, max(rows.stop, rows.start + 1), step):
-            stop = min(start + step, rows.stop)
-            handle = safe_open(str(self.file), framework="pt", device="cpu")
-            chunk = handle.get_slice(self.key)[(slice(start, stop),) + tuple(ranges[1:])]
+        for start in range(0, max(self.shape[0], 1), step):
+            block = self[start: min(start + step, self.shape[0])]
             if out is None:
-                out = torch.empty(out_shape, dtype=self.dtype or chunk.dtype)
-            out[start - rows.start: stop - rows.start].copy_(chunk)
-            del chunk, handle  # drops the mapping and its resident pages
+                out = torch.empty(self.shape, dtype=dtype or block.dtype)
+            out[start: start + block.shape[0]].copy_(block)
+            del block
         return out
 
 
@@ -398,9 +393,11 @@ def _materialize(model, path, source, headers, dtype, to_init):
                          leave=False):
         key = source[fqn]
         shape, file = headers[key]
-        file_slice = _ChunkedSlice(path / file, key, shape, dtype if old.is_floating_point() else None)
+        file_tensor = _FileTensor(path / file, key, shape)
+        cast = dtype if old.is_floating_point() else None
         spec = shard_spec_of(old)
-        value = spec.read(file_slice, tp_rank) if spec is not None else file_slice[(slice(None),) * len(shape)]
+        value = (spec.read(file_tensor, tp_rank, cast, block_bytes=_CHUNK_BYTES) if spec is not None
+                 else file_tensor.read_whole(cast))
         _set_tensor(model, holders, old, value)
     if to_init:
         _init_missing(model, to_init, dtype)
