@@ -136,20 +136,36 @@ class ShardSpec:
             pieces = [full.narrow(self.dim, 0, 0)]
         return self._assemble(pieces, full).contiguous()
 
-    def read(self, file_slice, tp_rank: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(self, file_slice, tp_rank: int, dtype: torch.dtype | None = None,
+             block_bytes: int = 1 << 24) -> torch.Tensor:
         """Read this rank's shard from a safetensors ``safe_open(...).get_slice(name)``.
 
-        Only the bytes of this rank's ranges are read; each piece is converted to ``dtype``
-        before the next is read.
+        Only the bytes of this rank's ranges are read, in blocks of about ``block_bytes`` along
+        :attr:`dim`, each converted to ``dtype`` and copied straight into the preallocated shard
+        (padding rows zero), so the memory in flight is one block, not a second copy of the shard.
         """
-        ndim = len(file_slice.get_shape())
-        pieces = []
+        shape = list(file_slice.get_shape())
+        self.local_shape(shape)
+        ndim = len(shape)
+        per_index = max(1, math.prod(shape) // max(1, shape[self.dim])) * 4
+        step = max(1, block_bytes // per_index)
+        out, offset = None, 0
         for a, b in self.ranges(tp_rank) or [(0, 0)]:
-            index = [slice(None)] * ndim
-            index[self.dim] = slice(a, b)
-            piece = file_slice[tuple(index)]
-            pieces.append(piece.to(dtype) if dtype is not None else piece)
-        return self._assemble(pieces, pieces[0]).contiguous()
+            for start in range(a, max(b, a + 1), step):
+                stop = min(start + step, b)
+                index = [slice(None)] * ndim
+                index[self.dim] = slice(start, stop)
+                piece = file_slice[tuple(index)]
+                if out is None:
+                    local = list(shape)
+                    local[self.dim] = self.local_size
+                    out = torch.empty(local, dtype=dtype or piece.dtype, device=piece.device)
+                out.narrow(self.dim, offset, stop - start).copy_(piece)
+                offset += stop - start
+                del piece
+        if offset < self.local_size:  # padding rows of the vocabulary
+            out.narrow(self.dim, offset, self.local_size - offset).zero_()
+        return out
 
     def gather(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """All-gather the shards of every rank and return the dense, unpadded, unpacked tensor.

@@ -1,0 +1,570 @@
+"""Sharded loading of Hugging Face safetensors checkpoints, and saving back to the HF layout.
+
+Data flows ``config -> meta model -> recipe surgery (on meta) -> read this rank's slices``.
+:func:`from_pretrained` never materialises the dense model: it builds it on the meta device
+(accelerate's ``init_empty_weights``), parallelizes it there with the same sequence as
+:func:`tpify.parallelize` (resolve tp size -> ``build_plan`` -> groups -> ``apply_plan``), then
+each rank reads only its own bytes with ``safe_open(...).get_slice(name)`` through
+:meth:`tpify.sharding.ShardSpec.read` (packed ``[Q|K|V]`` projections split per part, padded
+vocabularies padded with zero rows). :func:`save_pretrained` gathers each tensor to its dense
+layout with :meth:`~tpify.sharding.ShardSpec.gather` (padding stripped, packed parts re-packed) and
+writes a standard HF directory, shard file by shard file, into a temporary directory that is
+renamed into place at the end. Megatron-LM, arXiv:1909.08053, section 3 (the layouts sharded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from . import comm
+from .sharding import shard_spec_of
+
+__all__ = ["from_pretrained", "save_pretrained", "CheckpointError"]
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# transformers 5's "legacy" key renamings (conversion_mapping.py) that apply to plain checkpoints.
+_LEGACY_RENAMES = ((".gamma", ".weight"), (".beta", ".bias"))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory does not fit the model: missing, misshapen or unreadable tensors."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the directory (local, deterministic: the same result or error on every rank)
+# ----------------------------------------------------------------------------------------------
+
+def _weight_files(path: Path) -> dict[str, str]:
+    """``{checkpoint key: file name}`` from the index, or from the single ``model.safetensors``."""
+    index = path / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        return dict(weight_map)
+    single = path / SAFE_WEIGHTS_NAME
+    if not single.is_file():
+        raise CheckpointError(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
+                              f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
+    return {key: SAFE_WEIGHTS_NAME for key in _open(single).keys()}
+
+
+def _open(file: Path):
+    """``safe_open(file)``, turning a truncated or corrupt file into a clear error naming it."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises SafetensorError (not exported) or OSError
+        raise CheckpointError(f"cannot read safetensors file {file} ({file.stat().st_size if file.exists() else 'missing'}"
+                              f" bytes): {e}. The file is truncated or corrupt; re-download or re-save it.") from e
+
+
+def _headers(path: Path, weight_map: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{key: (shape, file name)}`` for every tensor, opening each file once (headers only)."""
+    out = {}
+    for name in sorted(set(weight_map.values())):
+        handle = _open(path / name)
+        for key in handle.keys():
+            out[key] = (tuple(handle.get_slice(key).get_shape()), name)
+    missing = sorted(k for k, f in weight_map.items() if k not in out)
+    if missing:
+        raise CheckpointError(f"the index of {path} lists tensors that are in no file: {missing[:5]}")
+    return out
+
+
+def _rename(key: str, expected: set[str], prefix: str) -> str:
+    """Map a checkpoint key to the model's naming, as transformers 5 does on load.
+
+    Legacy ``LayerNorm.gamma/beta`` become ``weight/bias``; the base-model prefix (``bert.``,
+    ``transformer.``) is stripped or added when that makes the key one the model has.
+    """
+    for old, new in _LEGACY_RENAMES:
+        if key.endswith(old) and "LayerNorm" in key:
+            key = key[: -len(old)] + new
+    if prefix and key not in expected:
+        if key.startswith(prefix + ".") and key[len(prefix) + 1:] in expected:
+            return key[len(prefix) + 1:]
+        if f"{prefix}.{key}" in expected:
+            return f"{prefix}.{key}"
+    return key
+
+
+def _resolve_class(config, model_class):
+    if model_class is not None:
+        return model_class
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    for name in names:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    if names:
+        raise ValueError(f"config.architectures = {names} names no class of transformers "
+                         f"{transformers.__version__}; pass model_class=")
+    return transformers.AutoModel._model_mapping[type(config)]
+
+
+def _resolve_dtype(config, headers_dtype, torch_dtype):
+    if torch_dtype is None or torch_dtype == "auto":
+        dtype = getattr(config, "dtype", None) or headers_dtype
+    else:
+        dtype = torch_dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Names transformers declares as tied copies (``lm_head.weight``): not stored on save."""
+    from transformers.modeling_utils import _get_tied_weight_keys
+
+    return set(_get_tied_weight_keys(model))
+
+
+def _param_groups(model: nn.Module) -> list[list[str]]:
+    """FQNs of every parameter, grouped by object (a tied weight gives one group of several)."""
+    groups: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(fqn)
+    return list(groups.values())
+
+
+def _persistent_buffers(model: nn.Module) -> list[str]:
+    out = []
+    for mname, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is not None and bname not in module._non_persistent_buffers_set:
+                out.append(f"{mname}.{bname}" if mname else bname)
+    return out
+
+
+def _non_persistent_buffers(model: nn.Module) -> set[str]:
+    out = set()
+    for mname, module in model.named_modules():
+        for bname in module._non_persistent_buffers_set:
+            out.add(f"{mname}.{bname}" if mname else bname)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# from_pretrained
+# ----------------------------------------------------------------------------------------------
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    tp_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    torch_dtype: torch.dtype | str | None = None,
+    model_class: type | None = None,
+    recipe=None,
+) -> nn.Module:
+    """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
+
+    The model is built on the meta device, parallelized there by the recipe (the same sequence
+    as :func:`tpify.parallelize`), and every parameter is then read with
+    ``safe_open(file).get_slice(name)`` through its :class:`~tpify.sharding.ShardSpec`: rank
+    ``r`` reads only the rows/columns it holds (packed ``[Q|K|V]`` per part, padded vocabularies
+    padded with zero rows), replicated parameters are read whole. A rank's peak memory is
+    about its shard plus one tensor in flight, never the dense model. Tied parameters
+    (``lm_head.weight`` = ``wte.weight``) are read once and stay one Parameter. Non-persistent
+    buffers (BERT ``position_ids``, rotary ``inv_freq``) are computed by the model's constructor
+    exactly as transformers does. Keys are mapped as transformers 5 maps them: the base-model
+    prefix (``bert.``) is added or stripped, legacy ``LayerNorm.gamma/beta`` are renamed;
+    checkpoint tensors stored for non-persistent buffers (old ``position_ids``) are ignored.
+
+    Args:
+        path: local directory with ``config.json`` and ``model.safetensors`` or several files
+            plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded.
+        tp_size, tp_group: as in :func:`tpify.parallelize` (default: the whole world).
+        torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
+            Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
+        model_class: the ``transformers`` class to build; default ``config.architectures[0]``.
+            A head class loads a base-model checkpoint (keys without ``bert.``) and vice versa.
+            Head parameters absent from a base checkpoint are initialised by the model's
+            ``_init_weights`` under a fixed seed (identical on every rank) with a warning, as
+            transformers does; they must be replicated (a missing sharded tensor is an error).
+        recipe: a recipe name, path, mapping or Recipe; default ``config.model_type``.
+
+    Returns:
+        The parallelized model (``model.tp_info`` set), in eval mode like transformers' loads.
+
+    Communication: none until every check has passed (every rank reads the same headers and
+    raises the same error); then creating the TP/DP groups (collective over the world) only.
+    Reading issues no collective.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
+        CheckpointError: no safetensors weights; a truncated/corrupt file (named); tensors the
+            model needs that the checkpoint lacks; tensors whose shape differs from the model's.
+        PlanError, RecipeError, ValueError: as :func:`tpify.parallelize`.
+    Warns:
+        UserWarning: checkpoint tensors the model does not use (like transformers' "unexpected").
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    from .api import parallelize
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: from_pretrained needs a local Hugging Face model "
+                                f"directory (config.json + model.safetensors); nothing is downloaded")
+    config = AutoConfig.from_pretrained(str(path))
+    cls = _resolve_class(config, model_class)
+    weight_map = _weight_files(path)
+    headers = _headers(path, weight_map)
+
+    first_file = sorted(set(weight_map.values()))[0]
+    handle = _open(path / first_file)
+    float_dtype = next((handle.get_slice(k).get_dtype() for k in handle.keys()
+                        if handle.get_slice(k).get_dtype() in ("F32", "F16", "BF16", "F64")), "F32")
+    dtype = _resolve_dtype(config, {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                                    "F64": torch.float64}[float_dtype], torch_dtype)
+    with init_empty_weights(include_buffers=False), _default_dtype(dtype):
+        model = cls._from_config(config)  # picks the attention implementation as from_pretrained does
+    model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
+    model.eval()
+
+    # ---- match checkpoint keys to the dense meta model: local checks, before any collective
+    groups = _param_groups(model)
+    dense_shapes = {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
+    buffers = _persistent_buffers(model)
+    dense_shapes.update({fqn: tuple(model.get_buffer(fqn).shape) for fqn in buffers})
+    expected = set(dense_shapes)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    source: dict[str, str] = {}  # model fqn -> checkpoint key
+    unexpected = []
+    skip = _non_persistent_buffers(model)
+    for key in headers:
+        name = _rename(key, expected, prefix)
+        if name in expected:
+            source.setdefault(name, key)
+        elif _rename(key, skip, prefix) not in skip:
+            unexpected.append(key)
+    errors, to_init = [], []
+    base = getattr(model, prefix, None) if prefix else None
+    for fqns in groups:
+        have = [f for f in fqns if f in source]
+        if not have:
+            head_only = base is not None and not any(f.startswith(prefix + ".") for f in fqns)
+            if head_only and _planned_style(model, fqns, recipe) is None:
+                to_init.extend(fqns)
+            else:
+                errors.append(f"missing tensor {fqns[0]} (shape {list(dense_shapes[fqns[0]])})")
+            continue
+        for f in fqns:
+            source[f] = source[have[0]]
+    for fqn in list(source):
+        shape = headers[source[fqn]][0]
+        if shape != dense_shapes[fqn]:
+            errors.append(f"tensor {source[fqn]} in {headers[source[fqn]][1]} has shape {list(shape)}, but "
+                          f"{type(model).__name__}.{fqn} needs {list(dense_shapes[fqn])}")
+    if errors:
+        raise CheckpointError(f"checkpoint {path} does not fit {cls.__name__} (config {path / 'config.json'}):\n  - "
+                              + "\n  - ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20
+                                                               else "")
+                              + "\nCheck model_class= and that the files belong to this config.")
+    if unexpected:
+        warnings.warn(f"tpify: some weights of {path} were not used when initializing {cls.__name__}: "
+                      f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}", stacklevel=2)
+    if to_init:
+        warnings.warn(f"tpify: some weights of {cls.__name__} were not in {path} and are newly initialized: "
+                      f"{sorted(to_init)}. You should probably train this model.", stacklevel=2)
+
+    # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
+    parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
+    _materialize(model, path, source, headers, dtype, to_init)
+    return model
+
+
+def _planned_style(model: nn.Module, fqns: list[str], recipe) -> str | None:
+    """The sharding style the recipe gives a (still dense) parameter's module, ``None`` if replicated.
+
+    Used only to decide whether a missing head parameter may be initialised (replicated ones).
+    """
+    from .api import _model_recipe
+    from .engine import relative_fqn
+
+    rec = _model_recipe(model, recipe)
+    for fqn in fqns:
+        module_fqn = fqn.rpartition(".")[0]
+        rel = relative_fqn(model, module_fqn)
+        for rule in rec.rules:
+            if rule.style not in (None, "replicate") and rule.matches(rel):
+                return rule.style
+    return None
+
+
+def _set_tensor(model: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]], old, value: torch.Tensor):
+    spec = shard_spec_of(old)
+    if isinstance(old, nn.Parameter):
+        new = nn.Parameter(value, requires_grad=old.requires_grad)
+        if spec is not None:
+            new.tp_shard_spec = spec
+        for module, name in holders[id(old)]:
+            module._parameters[name] = new
+    else:
+        for module, name in holders[id(old)]:
+            module._buffers[name] = value
+
+
+_CHUNK_BYTES = 1 << 24
+
+
+class _FileTensor:
+    """A ``get_slice``-like handle on one tensor of a file that keeps no mapping open.
+
+    safetensors (>= 0.7) returns views of an mmap of the whole file, and a view's pages, once
+    read, stay resident while the view lives. Each ``[index]`` opens the file, returns the view
+    of just that block and keeps nothing else: :meth:`ShardSpec.read` copies it into the shard
+    and drops it, which unmaps it. So a load holds its shards plus one block in flight, and
+    the loaded model never depends on the file staying in place.
+    """
+
+    def __init__(self, file: Path, key: str, shape: tuple[int, ...]):
+        self.file, self.key, self.shape = file, key, tuple(shape)
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return safe_open(str(self.file), framework="pt", device="cpu").get_slice(self.key)[index]
+
+    def read_whole(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """The whole tensor (a replicated parameter), copied in blocks of rows into owned memory."""
+        if not self.shape:  # a 0-d tensor
+            value = safe_open(str(self.file), framework="pt", device="cpu").get_tensor(self.key)
+            return value.to(dtype) if dtype is not None else value.clone()
+        step = max(1, _CHUNK_BYTES // (max(1, math.prod(self.shape[1:])) * 4))
+        out = None
+        for start in range(0, max(self.shape[0], 1), step):
+            block = self[start: min(start + step, self.shape[0])]
+            if out is None:
+                out = torch.empty(self.shape, dtype=dtype or block.dtype)
+            out[start: start + block.shape[0]].copy_(block)
+            del block
+        return out
+
+
+def _materialize(model, path, source, headers, dtype, to_init):
+    """Replace every meta parameter/persistent buffer by this rank's slice read from the files."""
+    tp_rank = model.tp_info.tp_rank
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    tensors: dict[int, tuple[str, torch.Tensor]] = {}
+    for mname, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None:
+                    continue
+                fqn = f"{mname}.{name}" if mname else name
+                holders.setdefault(id(t), []).append((module, name))
+                if fqn in source and id(t) not in tensors:
+                    tensors[id(t)] = (fqn, t)
+    from tqdm.auto import tqdm
+
+    for fqn, old in tqdm(list(tensors.values()), desc="tpify: loading", disable=tp_rank != 0 or None,
+                         leave=False):
+        key = source[fqn]
+        shape, file = headers[key]
+        file_tensor = _FileTensor(path / file, key, shape)
+        cast = dtype if old.is_floating_point() else None
+        spec = shard_spec_of(old)
+        value = (spec.read(file_tensor, tp_rank, cast, block_bytes=_CHUNK_BYTES) if spec is not None
+                 else file_tensor.read_whole(cast))
+        _set_tensor(model, holders, old, value)
+    if to_init:
+        _init_missing(model, to_init, dtype)
+    leftover = [f for f, p in model.named_parameters() if p.is_meta]
+    if leftover:  # defensive: the checks above make this unreachable
+        raise CheckpointError(f"tpify: parameters left unloaded: {leftover}")
+
+
+def _init_missing(model, fqns, dtype):
+    """Initialise head parameters absent from a base checkpoint, identically on every rank."""
+    modules = {}
+    for fqn in fqns:
+        mname, _, pname = fqn.rpartition(".")
+        module = model.get_submodule(mname)
+        param = getattr(module, pname)
+        if param.is_meta:
+            module._parameters[pname] = nn.Parameter(torch.empty(param.shape, dtype=dtype),
+                                                     requires_grad=param.requires_grad)
+        modules[mname] = module
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # same values on every rank: the parameters are replicated
+        for module in modules.values():
+            model._init_weights(module)
+
+
+# ----------------------------------------------------------------------------------------------
+# save_pretrained
+# ----------------------------------------------------------------------------------------------
+
+def _parse_size(size) -> int:
+    from transformers.utils.hub import convert_file_size_to_int
+
+    return convert_file_size_to_int(size)
+
+
+def _agree(ok: bool, where: str, error: BaseException | None) -> None:
+    """All ranks learn whether the writing rank succeeded (one all-reduce of one value)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    if dist.is_available() and dist.is_initialized():
+        comm.all_reduce(flag, None, op="max")
+    if error is not None:
+        raise error
+    if flag.item():
+        raise RuntimeError(f"tpify.save_pretrained failed on the writing rank (global rank 0) while {where}; "
+                           f"see that rank's error. The target directory was left as it was.")
+
+
+def _saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(key, local tensor)`` pairs to save: tied copies dropped as transformers 5 does."""
+    tied = _tied_names(model)
+    out, seen = [], set()
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += [(f, model.get_buffer(f)) for f in _persistent_buffers(model)]
+    by_id: dict[int, list[str]] = {}
+    for fqn, t in named:
+        by_id.setdefault(id(t), []).append(fqn)
+    for fqn, t in named:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        names = by_id[id(t)]
+        keep = [n for n in names if not any(re.search(pat, n) for pat in tied)] or names
+        out.append((keep[0], t))
+    return out
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "2GB") -> None:
+    """Save a (parallelized) model as a standard Hugging Face directory, from global rank 0.
+
+    Every tensor is gathered to its dense layout with :meth:`ShardSpec.gather` (vocab padding
+    stripped, packed ``[Q|K|V]`` re-packed), so ``transformers.AutoModel*.from_pretrained(path)``
+    loads it, and :func:`from_pretrained` loads it at any valid tp size. Tied copies
+    (``lm_head.weight``) are not stored, as transformers 5 does. Tensors are grouped in files of
+    at most ``max_shard_size`` (``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json``; one ``model.safetensors`` when all fit); files are gathered
+    and written one at a time, so the writing rank never holds the whole dense model.
+
+    Atomicity: rank 0 writes into a temporary directory beside ``path`` and renames it into
+    place at the end; the previous contents of ``path`` stay intact if the save is interrupted
+    before that (an interruption between the two final renames leaves the previous checkpoint
+    in ``.<name>.old-*`` beside it).
+
+    Communication: per tensor, one all-gather over the TP group (every rank of every TP group
+    must call this function); per file, one all-reduce of one int over the world, so a failure
+    on the writing rank raises on every rank instead of hanging them.
+
+    Raises:
+        ValueError: ``path`` is an existing file (raised on every rank, before any collective).
+        RuntimeError: on ranks other than 0, when rank 0 failed (rank 0 raises its own error).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"save_pretrained: {path} exists and is not a directory")
+    info = getattr(model, "tp_info", None)
+    group = info.tp_group if info is not None else None
+    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    limit = _parse_size(max_shard_size)
+
+    entries = _saved_tensors(model)
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    total = 0
+    for key, t in entries:
+        spec = shard_spec_of(t)
+        numel = t.numel() // t.shape[spec.dim] * spec.global_size if spec is not None else t.numel()
+        nbytes = numel * t.element_size()
+        total += nbytes
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append((key, t))
+        size += nbytes
+    names = ([SAFE_WEIGHTS_NAME] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    err = None
+    if writer:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except BaseException as e:  # noqa: BLE001 - reported to every rank by _agree
+            err = e
+    _agree(err is None, f"creating {tmp}", err)
+    weight_map = {}
+    try:
+        for name, group_entries in zip(names, files):
+            dense = {}
+            for key, t in group_entries:
+                spec = shard_spec_of(t)
+                value = spec.gather(t.detach(), group) if spec is not None else t.detach()
+                if writer:
+                    dense[key] = value.contiguous()
+                weight_map[key] = name
+            err = None
+            if writer:
+                try:
+                    save_file(dense, str(tmp / name), metadata={"format": "pt"})
+                except BaseException as e:  # noqa: BLE001
+                    err = e
+            del dense
+            _agree(err is None, f"writing {name}", err)
+        err = None
+        if writer:
+            try:
+                if len(files) > 1:
+                    (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(
+                        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                        indent=2) + "\n")
+                model.config.save_pretrained(str(tmp))
+                generation_config = getattr(model, "generation_config", None)
+                if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+                    generation_config.save_pretrained(str(tmp))
+                _swap_into_place(tmp, path)
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        _agree(err is None, f"moving {tmp} to {path}", err)
+    finally:
+        if writer and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_into_place(tmp: Path, path: Path) -> None:
+    if not path.exists():
+        os.rename(tmp, path)
+        return
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
