@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .random import get_rng_tracker
 
 __all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files"]
 
@@ -63,7 +64,7 @@ def pack_texts(tokenizer, files: list[str | Path], seq_len: int) -> torch.Tensor
     ids: list[int] = []
     eos = tokenizer.eos_token_id
     for f in files:
-        ids.extend(tokenizer(Path(f).read_text(encoding="utf-8"))["input_ids"])
+        ids.extend(tokenizer(Path(f).read_text(encoding="utf-8"), verbose=False)["input_ids"])
         if eos is not None:
             ids.append(eos)
     n = len(ids) // seq_len
@@ -112,7 +113,7 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
     dist.barrier()
     tpify.save_pretrained(model, tmp / "model")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "rng": torch.get_rng_state()}, tmp / "trainer" / f"rank{rank}.pt")
+                "rng": get_rng_tracker().state_dict()}, tmp / "trainer" / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         (tmp / "trainer" / "state.json").write_text(json.dumps(
@@ -174,7 +175,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
     files = cfg.data or [str(p) for p in default_text_files()]
     data = pack_texts(tokenizer, files, cfg.seq_len)
-    torch.manual_seed(cfg.seed)
+    tpify.manual_seed(cfg.seed)
     model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, torch_dtype=torch.float32).to(device)
     model.train()
     info = tpify.get_tp_info(model)
@@ -185,7 +186,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         saved = torch.load(trainer_dir / f"rank{rank}.pt", weights_only=False)
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        torch.set_rng_state(saved["rng"])
+        get_rng_tracker().load_state_dict(saved["rng"])  # dropout streams continue exactly
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm.auto import tqdm

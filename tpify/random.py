@@ -131,6 +131,20 @@ class RNGStreamTracker:
         state = self._states.get((TP, device))
         return state.clone() if state is not None else self._fresh_tp_state(device)
 
+    def state_dict(self) -> dict:
+        """Both streams' generator states (CPU and the CUDA devices in use), for an exact resume."""
+        devices = ("cpu", *sorted({d for (_, d) in self._states if d != "cpu"}))
+        return {"seed": self.seed, "tp_rank": self.tp_rank, "current": self.current,
+                "saved": {f"{stream}|{device}": t.clone() for (stream, device), t in self._states.items()},
+                "global": {device: self._get(device) for device in devices}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (same devices), global generators included."""
+        self.seed, self.tp_rank, self.current = state["seed"], state["tp_rank"], state["current"]
+        self._states = {tuple(key.split("|")): t.clone() for key, t in state["saved"].items()}
+        for device, t in state["global"].items():
+            self._set(device, t)
+
 
 _TRACKER = RNGStreamTracker()
 
