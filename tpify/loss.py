@@ -240,18 +240,17 @@ class _ParallelLMLoss:
         self.pending: dict | None = None
 
     def pre_hook(self, model, args, kwargs):
-        args, kwargs, labels = _labels_from_call(model, args, kwargs)
         # Every call decides afresh, so a call that raised cannot leave the head sharded.
-        self.head.gather_output = labels is None
+        self.head.gather_output = True
         self.pending = None
+        if self.kind is None:
+            # Not a plain LM loss (GPT2DoubleHeadsModel, BertForPreTraining): leave the call as it
+            # is; HF computes its own loss from the gathered, full-vocabulary logits.
+            return None
+        args, kwargs, labels = _labels_from_call(model, args, kwargs)
         if labels is None:
             return args, kwargs
-        if self.kind is None:
-            self.head.gather_output = True
-            raise NotImplementedError(
-                f"tpify: {self.model_name}(labels=...) is not supported on a parallelized model: its loss is not "
-                f"a plain causal or masked LM loss (supported: *ForCausalLM, *LMHeadModel, *ForMaskedLM). Call it "
-                f"without labels (the logits are then gathered, full vocabulary) and compute the loss yourself.")
+        self.head.gather_output = False
         self.pending = {"labels": labels, "num_items_in_batch": kwargs.get("num_items_in_batch"),
                         "shift_labels": kwargs.get("shift_labels"), "ignore_index": kwargs.get("ignore_index", -100)}
         return args, kwargs
@@ -299,11 +298,13 @@ def install_parallel_lm_loss(model: nn.Module, plan) -> _ParallelLMLoss | None:
     Communication: with labels, the 3 all-reduces of ``B*T`` values of the loss replace the
     all-gather of ``B*T*V/p`` logits per rank.
 
+    Head classes whose loss is not a plain causal/masked LM loss (``GPT2DoubleHeadsModel``,
+    ``BertForPreTraining``) keep HF's own loss, computed from the gathered logits: correct, but
+    not vocab-parallel (one all-gather of ``B*T*V/p`` logits per rank).
+
     Returns:
         the installed hooks' owner, or ``None`` when the plan has no such head.
     Raises:
-        NotImplementedError: (at call time, with labels) a head class whose loss is not a plain
-            causal/masked LM loss, e.g. ``GPT2DoubleHeadsModel``.
         ValueError: the plan has several ``colwise_rep`` heads.
     """
     heads = [fqn for fqn, entry in plan.entries.items() if entry.style == "colwise_rep"]
