@@ -69,3 +69,29 @@ def test_tp1_model_loss_and_logits():
     torch.testing.assert_close(par(ids).logits, ref(ids).logits)
     t_a, t_b = ref(ids, labels=ids, return_dict=False), par(ids, labels=ids, return_dict=False)
     torch.testing.assert_close(t_b[0], t_a[0], atol=1e-6, rtol=1e-6)
+
+
+def test_positional_labels_and_shift_labels_tp1():
+    """``labels`` passed by position (HF's signature) and ``shift_labels`` follow HF's semantics."""
+    import inspect
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import tpify
+    import tputil
+
+    torch.manual_seed(0)
+    model = tpify.parallelize(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                                          n_positions=16)).double().eval())
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    params = list(inspect.signature(GPT2LMHeadModel.forward).parameters)[1:]
+    args = [None] * (params.index("labels") + 1)
+    args[0], args[-1] = ids, ids
+    by_position = model(*args).loss
+    by_keyword = model(ids, labels=ids).loss
+    logits = model(ids).logits
+    torch.testing.assert_close(by_position, by_keyword, atol=0, rtol=0)
+    torch.testing.assert_close(by_keyword, tputil.ref_lm_loss(logits, ids, causal=True), atol=1e-12, rtol=1e-12)
+    shift = ids.roll(-2, dims=1)  # any target tensor: used as is, not shifted again
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), shift.reshape(-1))
+    torch.testing.assert_close(model(ids, labels=ids, shift_labels=shift).loss, expected, atol=1e-12, rtol=1e-12)
