@@ -34,11 +34,19 @@ def _smollm2_body(rank, world, model_dir):
         gen_par = model.generate(ids, **kw)
     torch.testing.assert_close(logits_par, logits_ref, atol=1e-3, rtol=1e-4)
     assert torch.equal(gen_par, gen_ref), (tok.decode(gen_par[0]), tok.decode(gen_ref[0]))
+    # Sharded loading of the real checkpoint (each rank reads its slices; rotary inv_freq and
+    # other buffers built as transformers builds them) gives the same model as parallelize.
+    del model
+    loaded = tpify.from_pretrained(model_dir, tp_size=world).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, logits_par, atol=0, rtol=0)
+        assert torch.equal(loaded.generate(ids, **kw), gen_ref)
     return (logits_par - logits_ref).abs().max().item(), tok.decode(gen_par[0, ids.shape[1]:])
 
 
 def test_smollm2_tp3_matches_dense():
-    """Converted dir loads with plain transformers; tp=3 logits and greedy tokens equal dense."""
+    """Converted dir loads with plain transformers; tp=3 logits and greedy tokens equal dense,
+    through parallelize and through tpify.from_pretrained."""
     from tpify.convert import default_smollm2_dir
 
     model_dir = default_smollm2_dir()
