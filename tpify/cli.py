@@ -67,6 +67,7 @@ def _embed_worker(args) -> int:
     from transformers.utils import logging as hf_logging
 
     import tpify
+    from tpify import comm
     from tpify.launch import init_distributed
 
     hf_logging.disable_progress_bar()
@@ -89,8 +90,7 @@ def _embed_worker(args) -> int:
     sims = (emb @ emb.T).cpu()
     dense_bytes = _param_bytes(dense)
     del dense
-    stats = [None] * world
-    dist.all_gather_object(stats, (rank, _param_bytes(model), max_diff))
+    stats = comm.all_gather_objects((rank, _param_bytes(model), max_diff))
     if rank == 0:
         info = tpify.get_tp_info(model)
         print(f"model: {model_dir} ({type(model).__name__}), tp_size={info.tp_size}, "
@@ -104,7 +104,7 @@ def _embed_worker(args) -> int:
         width = max(len(s) for s in args.sentences)
         for i, s in enumerate(args.sentences):
             print(f"  {s:<{width}}  " + " ".join(f"{v:5.2f}" for v in sims[i].tolist()))
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
     return 0
 

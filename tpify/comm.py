@@ -37,7 +37,8 @@ __all__ = [
     "gather_from_tp_region",
     "all_reduce",
     "all_gather_last_dim",
-    "broadcast",
+    "barrier",
+    "all_gather_objects",
     "count_collectives",
 ]
 
@@ -55,7 +56,7 @@ def count_collectives() -> Iterator[Counter]:
     """Count the collectives tpify issues inside the ``with`` block.
 
     Yields a :class:`collections.Counter` with, per operation (``all_reduce``,
-    ``all_gather``, ``broadcast``), the number of calls and, under ``"<op>_numel"``, the total
+    ``all_gather``, ``barrier``, ``all_gather_object``), the number of calls and, under ``"<op>_numel"``, the total
     number of elements communicated. Backward passes run inside the block are counted too.
     Operators on a one-rank group issue nothing and count nothing.
     """
@@ -111,13 +112,21 @@ def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -
     return torch.cat(chunks, dim=-1)
 
 
-def broadcast(tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """In-place broadcast of ``tensor`` from the group-local rank ``src_rank_in_group``."""
-    if get_tp_size(group) == 1:
-        return tensor
-    _record("broadcast", tensor)
-    dist.broadcast(tensor, group=group, group_src=src_rank_in_group)
-    return tensor
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group`` (default: the world); a no-op without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        _record("barrier", torch.empty(0))
+        dist.barrier(group=group)
+
+
+def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's picklable ``obj``, in rank order (for reports, not for tensors on a hot path)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    _record("all_gather_object", torch.empty(0))
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _split_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

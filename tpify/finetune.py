@@ -110,17 +110,17 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "trainer").mkdir(parents=True)
-    dist.barrier()
+    comm.barrier()
     tpify.save_pretrained(model, tmp / "model")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                 "rng": get_rng_tracker().state_dict()}, tmp / "trainer" / f"rank{rank}.pt")
-    dist.barrier()
+    comm.barrier()
     if rank == 0:
         (tmp / "trainer" / "state.json").write_text(json.dumps(
             {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size()}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-    dist.barrier()
+    comm.barrier()
     return final
 
 
@@ -220,5 +220,5 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         tokenizer.save_pretrained(out_dir / "final")
         (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg)}, indent=1))
         _plot(losses, out_dir / "loss.png")
-    dist.barrier()
+    comm.barrier()
     return losses
