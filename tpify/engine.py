@@ -171,6 +171,10 @@ def build_plan(model: nn.Module, recipe: Recipe, tp_size: int) -> Plan:
                           f"does not apply to it")
             continue
         if kind == "embedding":
+            if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+                errors.append(f"{fqn}: embedding_rowwise cannot shard an nn.Embedding with max_norm, "
+                              f"scale_grad_by_freq or sparse (they need the whole table); use 'replicate'")
+                continue
             entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size)
         else:
             in_f, out_f = _dims(module)
