@@ -433,9 +433,12 @@ def _parse_size(size) -> int:
     return convert_file_size_to_int(size)
 
 
-def _agree(ok: bool, where: str, error: BaseException | None) -> None:
-    """All ranks learn whether the writing rank succeeded (one all-reduce of one value)."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+def _agree(ok: bool, where: str, error: BaseException | None, device: torch.device) -> None:
+    """All ranks learn whether the writing rank succeeded (one all-reduce of one value).
+
+    ``device``: where the flag lives (the model's device: NCCL reduces only CUDA tensors).
+    """
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
     if dist.is_available() and dist.is_initialized():
         comm.all_reduce(flag, None, op="max")
     if error is not None:
@@ -497,6 +500,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     limit = _parse_size(max_shard_size)
 
     entries = _saved_tensors(model)
+    device = next((t.device for _, t in entries), torch.device("cpu"))
     files: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     total = 0
@@ -521,7 +525,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             tmp.mkdir()
         except BaseException as e:  # noqa: BLE001 - reported to every rank by _agree
             err = e
-    _agree(err is None, f"creating {tmp}", err)
+    _agree(err is None, f"creating {tmp}", err, device)
     weight_map = {}
     try:
         for name, group_entries in zip(names, files):
@@ -530,7 +534,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
                 spec = shard_spec_of(t)
                 value = spec.gather(t.detach(), group) if spec is not None else t.detach()
                 if writer:
-                    dense[key] = value.contiguous()
+                    dense[key] = value.contiguous().cpu()  # one file's tensors at a time, in host memory
                 weight_map[key] = name
             err = None
             if writer:
@@ -539,7 +543,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
                 except BaseException as e:  # noqa: BLE001
                     err = e
             del dense
-            _agree(err is None, f"writing {name}", err)
+            _agree(err is None, f"writing {name}", err, device)
         err = None
         if writer:
             try:
@@ -554,7 +558,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
                 _swap_into_place(tmp, path)
             except BaseException as e:  # noqa: BLE001
                 err = e
-        _agree(err is None, f"moving {tmp} to {path}", err)
+        _agree(err is None, f"moving {tmp} to {path}", err, device)
     finally:
         if writer and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
