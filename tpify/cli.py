@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final model only)")
     ft.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="parameter dtype (bfloat16: pure bf16 training; the loss is computed in float32)")
     ft.set_defaults(worker=_finetune_worker)
     return parser
 
@@ -161,7 +163,7 @@ def _finetune_worker(args) -> int:
     cfg = FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                          steps=args.steps, clip=args.clip, save_every=args.save_every, resume=args.resume,
-                         seed=args.seed)
+                         seed=args.seed, dtype=args.dtype)
     losses = finetune(cfg)
     if dist.get_rank() == 0:
         print(f"losses: {' '.join(f'{v:.4f}' for v in losses)}")

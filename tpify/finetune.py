@@ -52,6 +52,7 @@ class FinetuneConfig:
     save_every: int = 0          # 0: only the final model
     resume: bool = False
     seed: int = 0
+    dtype: str = "float32"       # parameter dtype: float32, or bfloat16 (pure bf16 training)
     progress: bool = True
 
 
@@ -176,7 +177,9 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     files = cfg.data or [str(p) for p in default_text_files()]
     data = pack_texts(tokenizer, files, cfg.seq_len)
     tpify.manual_seed(cfg.seed)
-    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, torch_dtype=torch.float32).to(device)
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, torch_dtype=getattr(torch, cfg.dtype)).to(device)
     model.train()
     info = tpify.get_tp_info(model)
     dp_rank = comm.get_tp_rank(info.dp_group)
