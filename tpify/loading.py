@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -31,7 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import comm
-from .sharding import shard_spec_of
+from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["from_pretrained", "save_pretrained", "CheckpointError"]
 
@@ -270,11 +269,14 @@ def from_pretrained(
             unexpected.append(key)
     errors, to_init = [], []
     base = getattr(model, prefix, None) if prefix else None
+    sharded = None  # planned only if a tensor is missing
     for fqns in groups:
         have = [f for f in fqns if f in source]
         if not have:
             head_only = base is not None and not any(f.startswith(prefix + ".") for f in fqns)
-            if head_only and _planned_style(model, fqns, recipe) is None:
+            if head_only and sharded is None:
+                sharded = _sharded_modules(model, recipe)
+            if head_only and not any(f.rpartition(".")[0] in sharded for f in fqns):
                 to_init.extend(fqns)
             else:
                 errors.append(f"missing tensor {fqns[0]} (shape {list(dense_shapes[fqns[0]])})")
@@ -304,22 +306,18 @@ def from_pretrained(
     return model
 
 
-def _planned_style(model: nn.Module, fqns: list[str], recipe) -> str | None:
-    """The sharding style the recipe gives a (still dense) parameter's module, ``None`` if replicated.
+def _sharded_modules(model: nn.Module, recipe) -> set[str]:
+    """FQNs of the (still dense) modules the recipe shards, from its plan at tp_size 1.
 
-    Used only to decide whether a missing head parameter may be initialised (replicated ones).
+    Used only to decide whether a missing head parameter may be initialised (replicated ones
+    only). Styles do not depend on the size; divisibility is checked by the real plan in
+    ``parallelize``.
     """
     from .api import _model_recipe
-    from .engine import relative_fqn
+    from .engine import build_plan
 
-    rec = _model_recipe(model, recipe)
-    for fqn in fqns:
-        module_fqn = fqn.rpartition(".")[0]
-        rel = relative_fqn(model, module_fqn)
-        for rule in rec.rules:
-            if rule.style not in (None, "replicate") and rule.matches(rel):
-                return rule.style
-    return None
+    entries = build_plan(model, _model_recipe(model, recipe), 1).entries
+    return {fqn for fqn, entry in entries.items() if entry.style != "replicate"}
 
 
 def _set_tensor(model: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]], old, value: torch.Tensor):
@@ -333,9 +331,6 @@ def _set_tensor(model: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]
     else:
         for module, name in holders[id(old)]:
             module._buffers[name] = value
-
-
-_CHUNK_BYTES = 1 << 24
 
 
 class _FileTensor:
@@ -362,15 +357,7 @@ class _FileTensor:
         if not self.shape:  # a 0-d tensor
             value = safe_open(str(self.file), framework="pt", device="cpu").get_tensor(self.key)
             return value.to(dtype) if dtype is not None else value.clone()
-        step = max(1, _CHUNK_BYTES // (max(1, math.prod(self.shape[1:])) * 4))
-        out = None
-        for start in range(0, max(self.shape[0], 1), step):
-            block = self[start: min(start + step, self.shape[0])]
-            if out is None:
-                out = torch.empty(self.shape, dtype=dtype or block.dtype)
-            out[start: start + block.shape[0]].copy_(block)
-            del block
-        return out
+        return ShardSpec(0, (self.shape[0],), 1).read(self, 0, dtype)  # one "rank" holding everything
 
 
 def _materialize(model, path, source, headers, dtype, to_init):
@@ -396,7 +383,7 @@ def _materialize(model, path, source, headers, dtype, to_init):
         file_tensor = _FileTensor(path / file, key, shape)
         cast = dtype if old.is_floating_point() else None
         spec = shard_spec_of(old)
-        value = (spec.read(file_tensor, tp_rank, cast, block_bytes=_CHUNK_BYTES) if spec is not None
+        value = (spec.read(file_tensor, tp_rank, cast) if spec is not None
                  else file_tensor.read_whole(cast))
         _set_tensor(model, holders, old, value)
     if to_init:
