@@ -79,12 +79,13 @@ def batch_indices(step: int, n_rows: int, global_batch: int, seed: int) -> torch
 
     Epoch ``e`` visits the rows in the order of a permutation seeded with ``seed + e``.
     """
-    out = []
+    out, perms = [], {}
     start = step * global_batch
     for pos in range(start, start + global_batch):
         epoch, i = divmod(pos, n_rows)
-        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
-        out.append(perm[i])
+        if epoch not in perms:  # one permutation per epoch the batch touches
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(perms[epoch][i])
     return torch.stack(out)
 
 
