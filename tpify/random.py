@@ -131,9 +131,13 @@ class RNGStreamTracker:
         state = self._states.get((TP, device))
         return state.clone() if state is not None else self._fresh_tp_state(device)
 
+    def cuda_devices(self) -> tuple[str, ...]:
+        """CUDA devices whose stream states the tracker holds, each once, in a stable order."""
+        return tuple(sorted({d for (_, d) in self._states if d != "cpu"}))
+
     def state_dict(self) -> dict:
         """Both streams' generator states (CPU and the CUDA devices in use), for an exact resume."""
-        devices = ("cpu", *sorted({d for (_, d) in self._states if d != "cpu"}))
+        devices = ("cpu", *self.cuda_devices())
         return {"seed": self.seed, "tp_rank": self.tp_rank, "current": self.current,
                 "saved": {f"{stream}|{device}": t.clone() for (stream, device), t in self._states.items()},
                 "global": {device: self._get(device) for device in devices}}
@@ -178,7 +182,7 @@ def tp_rng():
 
 
 def _cuda_devices_in_use() -> tuple[str, ...]:
-    return tuple(d for (_, d) in _TRACKER._states if d != "cpu")
+    return _TRACKER.cuda_devices()
 
 
 def _devices_of(module: nn.Module) -> tuple[str, ...]:
