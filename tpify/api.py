@@ -10,6 +10,7 @@ from torch import nn
 
 from . import comm
 from .engine import Plan, apply_plan, build_plan
+from .integrations.model import install as install_hf_methods
 from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
 from .recipe import Recipe, load_recipe
@@ -83,12 +84,17 @@ def parallelize(
         tp_group: an existing process group to use as the TP group.
         recipe: a ``model_type`` name, a path to a ``.toml`` recipe, a mapping, or a Recipe.
 
+    The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
+    :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
+    ``DistributedDataParallel`` over other ranks than its DP group raises
+    (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards.
+
     Communication: none while validating (every rank raises the same error on bad input,
     before any collective); creating the TP/DP groups is collective over the world.
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
-        PlanError: uncovered modules, indivisible head counts or features (the message names the
+        PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules, indivisible head counts or features (the message names the
             module, the numbers and the tp sizes that would work).
         ValueError: inconsistent ``tp_size``/``tp_group``, or ``tp_size > 1`` without
             ``torch.distributed``.
@@ -101,4 +107,5 @@ def parallelize(
     apply_plan(model, plan, tp_group)
     model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, plan)
     install_parallel_lm_loss(model, plan)  # labels= -> loss from vocab-sharded logits (tpify/loss.py)
+    install_hf_methods(model)  # TP-aware save_pretrained, resize_token_embeddings refused, DDP guard
     return model

@@ -32,6 +32,7 @@ __all__ = [
     "get_tp_size",
     "get_tp_rank",
     "copy_to_tp_region",
+    "copy_many_to_tp_region",
     "reduce_from_tp_region",
     "scatter_to_tp_region",
     "gather_from_tp_region",
@@ -150,6 +151,26 @@ class _CopyToTPRegion(torch.autograd.Function):
         return all_reduce(grad.contiguous(), ctx.group), None
 
 
+class _CopyManyToTPRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dtype = grads[0].dtype
+        for g in grads[1:]:
+            dtype = torch.promote_types(dtype, g.dtype)
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])  # one all-reduce for all of them
+        all_reduce(flat, ctx.group)
+        out, offset = [], 0
+        for g in grads:
+            out.append(flat[offset: offset + g.numel()].view_as(g).to(g.dtype))
+            offset += g.numel()
+        return (None, *out)
+
+
 class _ReduceFromTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -192,6 +213,20 @@ def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     if get_tp_size(group) == 1:
         return x
     return _CopyToTPRegion.apply(x, group)
+
+
+def copy_many_to_tp_region(xs: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+    """:func:`copy_to_tp_region` of several replicated tensors with one all-reduce in backward.
+
+    Used where a column-parallel region starts from more than one replicated activation, e.g. a
+    LoRA adapter on a column-parallel layer: the input ``X (B, T, H)`` and the adapter's
+    ``h = A X (B, T, r)`` both enter the region, and the gradients of both are summed over the
+    group in a single all-reduce of ``B*T*(H + r)`` values (in the widest of their dtypes).
+    Forward: identity, no communication.
+    """
+    if get_tp_size(group) == 1:
+        return tuple(xs)
+    return _CopyManyToTPRegion.apply(group, *xs)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -44,6 +44,10 @@ def _kind(module: nn.Module) -> str | None:
 SHARDABLE_TYPES = "nn.Linear, transformers Conv1D, nn.Embedding"
 
 
+def _qualname(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
 def relative_fqn(model: nn.Module, fqn: str) -> str:
     """``fqn`` with the base-model prefix removed (``transformer.h.0`` -> ``h.0``), for matching."""
     prefix = getattr(model, "base_model_prefix", "")
@@ -110,8 +114,13 @@ def build_plan(model: nn.Module, recipe: Recipe, tp_size: int) -> Plan:
             type, counts (config values, attributes to divide, features of sharded layers) that
             ``tp_size`` does not divide, with the tp sizes that would work.
     """
-    if not isinstance(tp_size, int) or tp_size < 1:
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    peft = [fqn or "<root>" for fqn, m in model.named_modules() if type(m).__module__.startswith("peft.")]
+    if peft:
+        raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
+                        f"{' ...' if len(peft) > 3 else ''}). Parallelize the base model first, then add the adapters: "
+                        f"model = tpify.parallelize(model); model = tpify.integrations.get_peft_model(model, lora_config)")
     config = getattr(model, "config", None)
     plan = Plan(tp_size, recipe)
     errors: list[str] = []
@@ -152,7 +161,7 @@ def build_plan(model: nn.Module, recipe: Recipe, tp_size: int) -> Plan:
         kind = _kind(module)
         if kind is None:
             if styled:
-                errors.append(f"{fqn} is a {type(module).__name__}, not one of {SHARDABLE_TYPES}; "
+                errors.append(f"{fqn} is a {_qualname(module)}, not one of {SHARDABLE_TYPES}; "
                               f"{styled[0].describe()} gives it style {styled[0].style!r}")
             continue
         if not styled:

@@ -32,7 +32,7 @@ from torch import nn
 from . import comm
 from .sharding import ShardSpec, shard_spec_of
 
-__all__ = ["from_pretrained", "save_pretrained", "CheckpointError"]
+__all__ = ["from_pretrained", "save_pretrained", "load_weights_", "CheckpointError"]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -252,10 +252,46 @@ def from_pretrained(
     model.eval()
 
     # ---- match checkpoint keys to the dense meta model: local checks, before any collective
-    groups = _param_groups(model)
-    dense_shapes = {fqn: tuple(p.shape) for fqn, p in model.named_parameters(remove_duplicate=False)}
-    buffers = _persistent_buffers(model)
-    dense_shapes.update({fqn: tuple(model.get_buffer(fqn).shape) for fqn in buffers})
+    dense_shapes = {fqn: tuple(t.shape) for fqn, t in _named_tensors(model)}
+    source, to_init = _match_checkpoint(model, headers, dense_shapes, path, cls.__name__,
+                                        may_init=lambda fqns: _replicated_head(model, fqns, recipe))
+
+    # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
+    parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
+    _materialize(model, path, source, headers, dtype, to_init)
+    return model
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter (tied ones under each name) and persistent buffer, by FQN."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    return named + [(fqn, model.get_buffer(fqn)) for fqn in _persistent_buffers(model)]
+
+
+def _replicated_head(model: nn.Module, fqns: list[str], recipe) -> bool:
+    """Whether tied parameter names ``fqns`` lie outside the base model, in modules the recipe
+    replicates (a head a base checkpoint lacks may then be initialised)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    if base is None or any(f.startswith(prefix + ".") for f in fqns):
+        return False
+    sharded = _sharded_modules(model, recipe)
+    return not any(f.rpartition(".")[0] in sharded for f in fqns)
+
+
+def _match_checkpoint(model, headers, dense_shapes, path, cls_name, may_init=None):
+    """``({model fqn: checkpoint key}, [fqns to initialise])``; local, before any collective.
+
+    ``dense_shapes``: the dense shape of every tensor the model needs, by FQN. A tied group is
+    read from whichever of its names the checkpoint holds. ``may_init(fqns)`` says whether a
+    group missing from the checkpoint may be initialised instead (``None``: never).
+
+    Raises:
+        CheckpointError: missing tensors, or tensors whose shape differs (all listed).
+    Warns:
+        UserWarning: unused checkpoint tensors; tensors that will be newly initialised.
+    """
+    groups = _param_groups(model)  # buffers a checkpoint lacks keep the values the constructor gave them
     expected = set(dense_shapes)
     prefix = getattr(model, "base_model_prefix", "") or ""
     source: dict[str, str] = {}  # model fqn -> checkpoint key
@@ -268,15 +304,10 @@ def from_pretrained(
         elif _rename(key, skip, prefix) not in skip:
             unexpected.append(key)
     errors, to_init = [], []
-    base = getattr(model, prefix, None) if prefix else None
-    sharded = None  # planned only if a tensor is missing
     for fqns in groups:
         have = [f for f in fqns if f in source]
         if not have:
-            head_only = base is not None and not any(f.startswith(prefix + ".") for f in fqns)
-            if head_only and sharded is None:
-                sharded = _sharded_modules(model, recipe)
-            if head_only and not any(f.rpartition(".")[0] in sharded for f in fqns):
+            if may_init is not None and may_init(fqns):
                 to_init.extend(fqns)
             else:
                 errors.append(f"missing tensor {fqns[0]} (shape {list(dense_shapes[fqns[0]])})")
@@ -287,23 +318,51 @@ def from_pretrained(
         shape = headers[source[fqn]][0]
         if shape != dense_shapes[fqn]:
             errors.append(f"tensor {source[fqn]} in {headers[source[fqn]][1]} has shape {list(shape)}, but "
-                          f"{type(model).__name__}.{fqn} needs {list(dense_shapes[fqn])}")
+                          f"{cls_name}.{fqn} needs {list(dense_shapes[fqn])}")
     if errors:
-        raise CheckpointError(f"checkpoint {path} does not fit {cls.__name__} (config {path / 'config.json'}):\n  - "
+        raise CheckpointError(f"checkpoint {path} does not fit {cls_name} (config {path / 'config.json'}):\n  - "
                               + "\n  - ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20
                                                                else "")
                               + "\nCheck model_class= and that the files belong to this config.")
     if unexpected:
-        warnings.warn(f"tpify: some weights of {path} were not used when initializing {cls.__name__}: "
-                      f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}", stacklevel=2)
+        warnings.warn(f"tpify: some weights of {path} were not used when initializing {cls_name}: "
+                      f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}", stacklevel=3)
     if to_init:
-        warnings.warn(f"tpify: some weights of {cls.__name__} were not in {path} and are newly initialized: "
-                      f"{sorted(to_init)}. You should probably train this model.", stacklevel=2)
+        warnings.warn(f"tpify: some weights of {cls_name} were not in {path} and are newly initialized: "
+                      f"{sorted(to_init)}. You should probably train this model.", stacklevel=3)
+    return source, to_init
 
-    # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
-    parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
-    _materialize(model, path, source, headers, dtype, to_init)
-    return model
+
+
+def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
+    """Read a dense Hugging Face safetensors checkpoint into a parallelized model, in place.
+
+    Each rank reads only its slices (as :func:`from_pretrained`) and copies them into the
+    existing parameters and persistent buffers, converted to their dtype, so optimizers and other
+    holders keep pointing at the same tensors (used to resume a Trainer run). Every tensor the
+    model needs must be in the checkpoint with its dense shape.
+
+    Communication: none (every rank checks the same headers and raises the same error).
+
+    Raises:
+        FileNotFoundError, CheckpointError: as :func:`from_pretrained`.
+    """
+    from .api import get_tp_info
+
+    get_tp_info(model)  # raises for a model tpify did not parallelize
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"load_weights_: {path} is not a directory")
+    headers = _headers(path, _weight_files(path))
+    dense_shapes = {}
+    for fqn, t in _named_tensors(model):
+        spec = shard_spec_of(t)
+        shape = list(t.shape)
+        if spec is not None:
+            shape[spec.dim] = spec.global_size
+        dense_shapes[fqn] = tuple(shape)
+    source, _ = _match_checkpoint(model, headers, dense_shapes, path, type(model).__name__)
+    _materialize(model, path, source, headers, None, [], in_place=True)
 
 
 def _sharded_modules(model: nn.Module, recipe) -> set[str]:
@@ -360,8 +419,9 @@ class _FileTensor:
         return ShardSpec(0, (self.shape[0],), 1).read(self, 0, dtype)  # one "rank" holding everything
 
 
-def _materialize(model, path, source, headers, dtype, to_init):
-    """Replace every meta parameter/persistent buffer by this rank's slice read from the files."""
+def _materialize(model, path, source, headers, dtype, to_init, in_place: bool = False):
+    """Replace every meta parameter/persistent buffer by this rank's slice read from the files
+    (``in_place``: copy the slices into the existing tensors, which keep their identity)."""
     tp_rank = model.tp_info.tp_rank
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     tensors: dict[int, tuple[str, torch.Tensor]] = {}
@@ -383,9 +443,15 @@ def _materialize(model, path, source, headers, dtype, to_init):
         file_tensor = _FileTensor(path / file, key, shape)
         cast = dtype if old.is_floating_point() else None
         spec = shard_spec_of(old)
+        if in_place:
+            cast = old.dtype
         value = (spec.read(file_tensor, tp_rank, cast) if spec is not None
                  else file_tensor.read_whole(cast))
-        _set_tensor(model, holders, old, value)
+        if in_place:
+            with torch.no_grad():
+                old.copy_(value)
+        else:
+            _set_tensor(model, holders, old, value)
     if to_init:
         _init_missing(model, to_init, dtype)
     leftover = [f for f, p in model.named_parameters() if p.is_meta]
@@ -420,8 +486,11 @@ def _parse_size(size) -> int:
     return convert_file_size_to_int(size)
 
 
-def _agree(ok: bool, where: str, error: BaseException | None, device: torch.device) -> None:
+def agree_on_write(ok: bool, where: str, error: BaseException | None, device: torch.device) -> None:
     """All ranks learn whether the writing rank succeeded (one all-reduce of one value).
+
+    Every rank calls it after the writer's step; the writer re-raises its own ``error``, the
+    others raise a ``RuntimeError`` naming ``where``.
 
     ``device``: where the flag lives (the model's device: NCCL reduces only CUDA tensors).
     """
@@ -431,7 +500,7 @@ def _agree(ok: bool, where: str, error: BaseException | None, device: torch.devi
     if error is not None:
         raise error
     if flag.item():
-        raise RuntimeError(f"tpify.save_pretrained failed on the writing rank (global rank 0) while {where}; "
+        raise RuntimeError(f"tpify: saving failed on the writing rank (global rank 0) while {where}; "
                            f"see that rank's error. The target directory was left as it was.")
 
 
@@ -465,10 +534,12 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     ``model.safetensors.index.json``; one ``model.safetensors`` when all fit); files are gathered
     and written one at a time, so the writing rank never holds the whole dense model.
 
-    Atomicity: rank 0 writes into a temporary directory beside ``path`` and renames it into
-    place at the end; the previous contents of ``path`` stay intact if the save is interrupted
-    before that (an interruption between the two final renames leaves the previous checkpoint
-    in ``.<name>.old-*`` beside it).
+    What it touches: rank 0 writes every file into a temporary directory beside ``path``; the
+    previous contents of ``path`` stay intact if the save is interrupted while writing. A new
+    ``path`` is that directory renamed; in an existing ``path`` the new files are moved in one
+    by one (``os.replace``), the weight files of an earlier save that this one does not
+    overwrite are removed, and every other file (tokenizer, notes, Trainer checkpoints) is kept,
+    as transformers' ``save_pretrained`` does.
 
     Communication: per tensor, one all-gather over the TP group (every rank of every TP group
     must call this function); per file, one all-reduce of one int over the world, so a failure
@@ -512,7 +583,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             tmp.mkdir()
         except BaseException as e:  # noqa: BLE001 - reported to every rank by _agree
             err = e
-    _agree(err is None, f"creating {tmp}", err, device)
+    agree_on_write(err is None, f"creating {tmp}", err, device)
     weight_map = {}
     try:
         for name, group_entries in zip(names, files):
@@ -530,7 +601,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
                 except BaseException as e:  # noqa: BLE001
                     err = e
             del dense
-            _agree(err is None, f"writing {name}", err, device)
+            agree_on_write(err is None, f"writing {name}", err, device)
         err = None
         if writer:
             try:
@@ -545,17 +616,34 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
                 _swap_into_place(tmp, path)
             except BaseException as e:  # noqa: BLE001
                 err = e
-        _agree(err is None, f"moving {tmp} to {path}", err, device)
+        agree_on_write(err is None, f"moving {tmp} to {path}", err, device)
     finally:
         if writer and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+# Weight files a save owns in its target: replaced by the new save, or removed when it writes others.
+_OWNED_WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                            r"pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$")
+
+
 def _swap_into_place(tmp: Path, path: Path) -> None:
+    """Move the files written in ``tmp`` into ``path``, touching nothing else there.
+
+    A new target is ``tmp`` renamed (atomic). In an existing directory (or a symlink to one)
+    each file is moved in with ``os.replace`` (atomic per file), weight shards first, then the
+    index, then configs; weight files of an earlier save that this one does not write
+    (``model-0000i-of-0000n.safetensors``, ``pytorch_model*.bin``, their indexes) are removed
+    last. Every other file (tokenizer, notes, logs, checkpoints) stays, as with transformers.
+    """
     if not path.exists():
         os.rename(tmp, path)
         return
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    new = sorted(p.name for p in tmp.iterdir())
+    order = sorted(new, key=lambda n: (not n.endswith(".safetensors"), n.endswith(".json") and "index" not in n, n))
+    for name in order:
+        os.replace(tmp / name, path / name)
+    for stale in path.iterdir():
+        if stale.name not in new and _OWNED_WEIGHTS.match(stale.name) and stale.is_file():
+            stale.unlink()
+    tmp.rmdir()

@@ -5,12 +5,14 @@ one model replica and see the same batch; the ``dp`` replicas see different batc
 ``loss.backward()`` each shard's gradient is averaged over its DP group
 (:func:`sync_gradients`), and the gradient norm used for clipping is that of the whole dense
 model: squares of sharded gradients summed over the TP group, replicated ones counted once
-(:func:`clip_grad_norm_`; MECHANICS.md "Parameters, gradients, memory").
+(:func:`clip_grad_norm_`; MECHANICS.md "Parameters, gradients, memory"). The Trainer and
+accelerate adapters (:mod:`tpify.integrations`) call these same functions.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -18,11 +20,16 @@ from torch import nn
 from . import comm
 from .sharding import shard_spec_of
 
-__all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_"]
+__all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_"]
 
 
-def _unique_params(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]  # parameters() yields a tied one once
+def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    out, seen = [], set()
+    for p in params:
+        if p.requires_grad and id(p) not in seen:  # a tied parameter once
+            seen.add(id(p))
+            out.append(p)
+    return out
 
 
 def _groups(model: nn.Module):
@@ -31,53 +38,71 @@ def _groups(model: nn.Module):
 
 
 def sync_gradients(model: nn.Module) -> None:
-    """Average every gradient over the model's DP group, in place.
+    """Average every gradient over the model's DP group, in place (what DDP does, over DP only).
 
     Gradients are flattened into one buffer per dtype, so a step issues one all-reduce per
-    dtype (of all gradient elements this rank holds) instead of one per parameter.
+    dtype (of all gradient elements this rank holds) instead of one per parameter. The trainable
+    parameters that hold a gradient may differ between DP replicas (a module unused by one
+    replica's batch): one all-reduce of a presence mask first makes them agree, a missing
+    gradient counts as zero, and a parameter no replica has a gradient for keeps ``grad=None``
+    (so optimizers skip it exactly as in a single process).
 
-    Communication: one all-reduce (sum) per gradient dtype over the DP group; none when
-    ``dp == 1`` or the model was not parallelized with a DP group.
+    Averaging is linear and idempotent on replicated values, so calling it twice, or on
+    gradients that were partly averaged already, gives the same result.
+
+    Communication: over the DP group, one all-reduce of one int per trainable parameter, then one
+    all-reduce (sum) per gradient dtype; none when ``dp == 1`` or the model has no DP group.
     """
     _, dp_group = _groups(model)
     dp_size = comm.get_tp_size(dp_group)
     if dp_group is None or dp_size == 1:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in _unique_params(model):
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    params = _trainable(model.parameters())
+    if not params:
+        return
+    device = params[0].device
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    comm.all_reduce(present, dp_group, op="max")
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p, has in zip(params, present.tolist()):
+        if not has:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
         comm.all_reduce(flat, dp_group)
         flat /= dp_size
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in group:
+            p.grad.copy_(flat[offset: offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
 
 
-def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
-    """The L2 norm of the gradient of the whole dense model, identical on every rank.
+def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float = 2.0) -> torch.Tensor:
+    """The L2 norm of the dense gradient of ``params``, identical on every rank of ``tp_group``.
 
-    ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: replicated gradients are the
-    same on every TP rank and are counted once. Padded vocabulary rows have zero gradient.
-    Returns a float32 scalar tensor on the gradients' device.
+    ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: a parameter with a
+    :class:`~tpify.sharding.ShardSpec` holds a shard, summed over the TP group; a replicated one
+    holds the same gradient on every TP rank and is counted once. Padded vocabulary rows have
+    zero gradient. Returns a float32 scalar tensor (float64 when a gradient is float64) on the
+    gradients' device.
 
-    Communication: one all-reduce (sum) of one float over the TP group.
+    Communication: one all-reduce (sum) of one value over ``tp_group``.
 
     Raises:
         NotImplementedError: ``norm_type`` other than 2.
     """
     if norm_type != 2.0:
-        raise NotImplementedError("tpify.grad_norm supports the L2 norm (norm_type=2) only")
-    tp_group, _ = _groups(model)
-    params = [p for p in _unique_params(model) if p.grad is not None]
+        raise NotImplementedError("tpify: the tensor-parallel gradient norm supports the L2 norm (norm_type=2) only")
+    params = [p for p in _trainable(params) if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
+    sharded = torch.zeros((), dtype=dtype, device=device)
+    replicated = torch.zeros((), dtype=dtype, device=device)
     for p in params:
-        sq = p.grad.detach().float().pow(2).sum()
+        sq = p.grad.detach().to(dtype).pow(2).sum()
         if shard_spec_of(p) is not None:
             sharded += sq
         else:
@@ -86,17 +111,31 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     return (sharded + replicated).sqrt()
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale all gradients so the dense model's gradient norm is at most ``max_norm``.
+def clip_params_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_group) -> torch.Tensor:
+    """Scale the gradients of ``params`` so that their dense norm is at most ``max_norm``.
 
     Same rule as :func:`torch.nn.utils.clip_grad_norm_` (coefficient ``max_norm / (norm + 1e-6)``
-    clamped to 1), applied with the TP-global norm of :func:`grad_norm`. Returns the norm before
-    clipping. Communication: that of :func:`grad_norm`.
+    clamped to 1), applied with the TP-global norm of :func:`params_grad_norm`; nothing is scaled
+    when the norm is not finite. Returns the norm before clipping.
+    Communication: that of :func:`params_grad_norm`.
     """
-    total = grad_norm(model)
+    params = _trainable(params)
+    total = params_grad_norm(params, tp_group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if math.isfinite(float(total)):
-        for p in _unique_params(model):
+        for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype))
     return total
+
+
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """:func:`params_grad_norm` of all the trainable parameters of a parallelized ``model``."""
+    tp_group, _ = _groups(model)
+    return params_grad_norm(model.parameters(), tp_group, norm_type)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """:func:`clip_params_grad_norm_` of all the trainable parameters of a parallelized ``model``."""
+    tp_group, _ = _groups(model)
+    return clip_params_grad_norm_(model.parameters(), max_norm, tp_group)

@@ -1,0 +1,30 @@
+"""tpify models in the tools people already fine-tune with: transformers Trainer, accelerate, PEFT.
+
+* :class:`TPTrainer` (``tpify.integrations.trainer``): ``transformers.Trainer`` for a tpify model.
+* :class:`TPAccelerator` (``tpify.integrations.accelerate``): ``accelerate.Accelerator`` for one.
+* :func:`get_peft_model` (``tpify.integrations.peft``): PEFT LoRA on tensor-parallel layers.
+* :mod:`tpify.integrations.model`: HF's own methods on a parallelized model (installed by
+  :func:`tpify.parallelize`).
+
+Imported lazily, so ``import tpify`` does not import Trainer, accelerate or peft.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TPTrainer", "TPAccelerator", "get_peft_model", "save_adapter", "TPUsageError"]
+
+
+def __getattr__(name: str):
+    if name == "TPTrainer":
+        from .trainer import TPTrainer
+        return TPTrainer
+    if name == "TPAccelerator":
+        from .accelerate import TPAccelerator
+        return TPAccelerator
+    if name in ("get_peft_model", "save_adapter"):
+        from . import peft
+        return getattr(peft, name)
+    if name == "TPUsageError":
+        from .model import TPUsageError
+        return TPUsageError
+    raise AttributeError(f"module 'tpify.integrations' has no attribute {name!r}")

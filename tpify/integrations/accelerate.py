@@ -1,0 +1,200 @@
+"""``TPAccelerator``: accelerate's ``Accelerator`` for tpify's tensor-parallel models.
+
+accelerate knows tensor parallelism only as DTensor parameters (``ParallelismConfig(tp_size)``)
+and otherwise wraps every model in a ``DistributedDataParallel`` over the whole world, which
+for a tpify model overwrites the other TP ranks' shards with rank 0's, hands the TP ranks of one
+model replica different batches, averages gradients of different shards, and clips by each
+rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with five methods changed, so that
+``prepare(model, optimizer, dataloader)``, ``backward`` and ``clip_grad_norm_`` are exact
+(MECHANICS.md "Groups"; Megatron-LM, arXiv:1909.08053, section 3):
+
+* ``prepare_model``: no DDP wrap (device placement, autocast and compile as accelerate does
+  them); the model's TP/DP groups are recorded.
+* ``prepare_data_loader``: the data is split over the DP replicas only (``num_processes = dp``,
+  ``process_index = dp_rank``), with accelerate's own sharding, so every rank of a TP group gets
+  the same batches and the DP replicas different ones.
+* ``backward``: when gradients are synchronised (``accelerator.sync_gradients``, False inside
+  ``accumulate`` before the last micro-batch, as with DDP's ``no_sync``), every gradient is
+  averaged over the DP group (:func:`tpify.training.sync_gradients`).
+* ``clip_grad_norm_``: the norm of the dense model (:func:`tpify.training.params_grad_norm`:
+  sharded gradients' squares summed over TP, replicated ones counted once).
+* ``save_model``: the dense Hugging Face checkpoint (or a PEFT model's dense adapter), a
+  collective every rank calls. ``get_state_dict``, ``save_state`` and ``load_state`` raise
+  :class:`~tpify.integrations.model.TPUsageError` (they would write rank 0's shards only).
+
+Everything else is accelerate's. ``gather``/``reduce`` still span the world, where each TP group
+holds ``tp_size`` copies of one replica's values (means are unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import accelerate
+from accelerate.data_loader import prepare_data_loader
+
+from ..api import get_tp_info
+from ..training import clip_params_grad_norm_, sync_gradients
+from .model import TPUsageError
+
+__all__ = ["TPAccelerator", "tp_model_of"]
+
+
+def tp_model_of(model):
+    """The tpify-parallelized model inside ``model`` (itself, a PEFT model's base, a DDP's or a
+    compiled module's module), or None."""
+    from ..api import TPInfo
+
+    for _ in range(8):
+        if model is None:
+            return None
+        if isinstance(model.__dict__.get("tp_info"), TPInfo):
+            return model
+        inner = model._modules.get("module") or model._modules.get("_orig_mod")  # DDP, torch.compile
+        if inner is None and type(model).__module__.startswith("peft."):
+            inner = model.get_base_model()
+        model = inner if inner is not model else None
+    return None
+
+
+class TPAccelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` that trains tpify models exactly (see the module docstring).
+
+    Use it as ``Accelerator``: ``model, opt, dl = accelerator.prepare(model, opt, dl)``, then
+    ``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_(model.parameters(), 1.0)``,
+    ``opt.step()``. Under torchrun with ``world = dp * tp``.
+
+    Communication: that of the model; ``backward`` adds the DP all-reduces of
+    :func:`~tpify.training.sync_gradients` on synchronising steps; ``clip_grad_norm_`` one
+    all-reduce of one value over TP.
+
+    Raises:
+        TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
+            ``dispatch_batches``, a data loader prepared before any tpify model, two models
+            with different groups, ``get_state_dict``/``save_state``/``load_state``.
+    """
+
+    # -- what tpify models were prepared --------------------------------------------------------
+    def _tp_models(self) -> list:
+        if "_tpify_models" not in self.__dict__:
+            self.__dict__["_tpify_models"] = []
+        return self.__dict__["_tpify_models"]
+
+    def register_tp_model(self, model) -> None:
+        """Record the TP/DP layout of a tpify model (done by ``prepare``; call it to prepare data first)."""
+        tp_model = tp_model_of(model)
+        if tp_model is None:
+            return
+        models = self._tp_models()
+        if any(m is tp_model for m in models):
+            return
+        info = get_tp_info(tp_model)
+        if models:
+            first = get_tp_info(models[0])
+            if (first.tp_group, first.dp_group) != (info.tp_group, info.dp_group):
+                raise TPUsageError("TPAccelerator: the tpify models prepared use different TP/DP groups; "
+                                   "parallelize them with the same tp_size")
+        if self.mixed_precision == "fp16":
+            raise TPUsageError("TPAccelerator: fp16 mixed precision is not supported with tensor parallelism (the "
+                               "loss scaler's inf check is per rank, so TP ranks could skip different steps); use "
+                               "mixed_precision='bf16' or 'no'")
+        models.append(tp_model)
+
+    def _layout(self):
+        models = self._tp_models()
+        if not models:
+            return None
+        from .. import comm
+
+        info = get_tp_info(models[0])
+        return comm.get_tp_size(info.dp_group), comm.get_tp_rank(info.dp_group), info
+
+    # -- accelerate's methods -------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        for obj in args:  # learn the layout first, whatever the argument order
+            self.register_tp_model(obj)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        self.register_tp_model(model)
+        if tp_model_of(model) is None:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        # evaluation_mode=True: accelerate's placement, autocast and compile, without its DDP wrap.
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        layout = self._layout()
+        if layout is None:
+            if self.num_processes > 1:
+                raise TPUsageError("TPAccelerator: prepare the tpify model before (or in the same prepare call as) "
+                                   "the data loader, so that its batches can be split over the DP replicas only")
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.dispatch_batches:
+            raise TPUsageError("TPAccelerator: dispatch_batches=True is not supported with tensor parallelism")
+        dp_size, dp_rank, _ = layout
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=dp_size, process_index=dp_rank,
+            split_batches=self.split_batches, put_on_device=device_placement, rng_types=self.rng_types.copy(),
+            dispatch_batches=False, even_batches=self.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=self.use_seedable_sampler, data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def backward(self, loss, **kwargs):
+        super().backward(loss, **kwargs)
+        if self.sync_gradients:
+            for model in self._tp_models():
+                sync_gradients(model)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        parameters = list(parameters)
+        owners = {id(p): m for m in self._tp_models() for p in m.parameters()}
+        mine = [p for p in parameters if id(p) in owners]
+        if not mine:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        if len(mine) != len(parameters):
+            raise TPUsageError("TPAccelerator.clip_grad_norm_: pass the parameters of one tpify model "
+                               "(model.parameters()), not a mix with other models' parameters")
+        if norm_type != 2:
+            raise TPUsageError("TPAccelerator.clip_grad_norm_: only norm_type=2 is supported for tpify models")
+        self.unscale_gradients()
+        tp_group = get_tp_info(owners[id(mine[0])]).tp_group
+        return clip_params_grad_norm_(mine, max_norm, tp_group)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        if tp_model_of(model) is None:
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        self.unwrap_model(model).save_pretrained(save_directory, max_shard_size=max_shard_size)
+
+    def get_state_dict(self, model, unwrap=True):
+        if tp_model_of(model) is not None:
+            raise TPUsageError("TPAccelerator.get_state_dict: a tpify model's state dict holds this rank's shards; "
+                               "save the dense checkpoint with accelerator.save_model(model, dir) on every rank")
+        return super().get_state_dict(model, unwrap=unwrap)
+
+    def save_state(self, *args, **kwargs):
+        if self._tp_models():
+            raise TPUsageError("TPAccelerator.save_state is not supported for tpify models (it writes rank 0's "
+                               "shards and optimizer state only); use tpify.integrations.TPTrainer checkpoints, or "
+                               "accelerator.save_model plus one torch.save(optimizer.state_dict()) per rank")
+        return super().save_state(*args, **kwargs)
+
+    def load_state(self, *args, **kwargs):
+        if self._tp_models():
+            raise TPUsageError("TPAccelerator.load_state is not supported for tpify models; see save_state")
+        return super().load_state(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        """As accelerate's: gradients are not averaged over DP by ``backward`` inside the block."""
+        previous = self.gradient_state.sync_gradients
+        self.gradient_state._set_sync_gradients(False)
+        try:
+            with super().no_sync(model):
+                yield
+        finally:
+            self.gradient_state._set_sync_gradients(previous)

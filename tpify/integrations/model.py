@@ -1,0 +1,114 @@
+"""Hugging Face's own methods on a parallelized model, and the guard against a DDP over the world.
+
+A parallelized model is still the user's ``PreTrainedModel``; a few of its inherited methods
+would silently do the wrong thing on shards, so :func:`install` (called by
+:func:`tpify.parallelize`) gives the model instance its own versions (the class and every HF
+``forward`` are untouched):
+
+* ``model.save_pretrained(dir)`` writes the full dense checkpoint, exactly what
+  :func:`tpify.save_pretrained` writes (a collective: every rank calls it, global rank 0 writes).
+* ``model.resize_token_embeddings(...)`` raises before anything changes: the vocabulary is sharded
+  (and padded) over the TP group; resize the dense model before :func:`tpify.parallelize`.
+* A ``DistributedDataParallel`` wrapper whose process group is not the model's DP group (what
+  ``transformers.Trainer`` and ``accelerate.Accelerator.prepare`` build over the whole world)
+  would have broadcast rank 0's shards to every rank at construction and would average gradients
+  of different shards; the model's first forward under such a wrapper raises, on every rank,
+  before any tensor-parallel collective. DDP over ``model.tp_info.dp_group`` is allowed.
+
+``model.state_dict()`` is not changed: it returns this rank's shards (sharded parameters carry
+their :class:`~tpify.sharding.ShardSpec` as ``tp_shard_spec``), so loading it into the dense
+model fails on the shapes instead of loading wrong values.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["install", "TPUsageError"]
+
+
+class TPUsageError(RuntimeError):
+    """A tool or method was used on a tensor-parallel model in a way tpify does not support."""
+
+
+# Options of PreTrainedModel.save_pretrained that are harmless at their default values.
+_SAVE_DEFAULTS = {"variant": None, "token": None, "save_peft_format": True, "save_original_format": True,
+                  "distributed_checkpoint": False}
+
+
+def _save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
+                     max_shard_size="2GB", safe_serialization: bool = True, **kwargs):
+    """Save the dense Hugging Face checkpoint of this tensor-parallel model (= tpify.save_pretrained).
+
+    A collective: every rank of the world calls it; global rank 0 writes. ``is_main_process`` is
+    accepted for compatibility and ignored (the writer is always global rank 0).
+
+    Raises:
+        TPUsageError: ``state_dict`` given (a state dict of local shards cannot be written as the
+            dense checkpoint), ``push_to_hub``, ``safe_serialization=False`` or other options of
+            ``PreTrainedModel.save_pretrained`` that tpify does not implement.
+    """
+    from ..loading import save_pretrained
+
+    unsupported = [k for k, v in kwargs.items() if k not in _SAVE_DEFAULTS or v != _SAVE_DEFAULTS[k]]
+    problems = []
+    if state_dict is not None:
+        problems.append("state_dict= (a state dict of this rank's shards cannot be written as the dense "
+                        "checkpoint; call model.save_pretrained(dir) without it on every rank)")
+    if push_to_hub:
+        problems.append("push_to_hub=True (save locally, then upload the directory)")
+    if not safe_serialization:
+        problems.append("safe_serialization=False (tpify writes safetensors only)")
+    if unsupported:
+        problems.append(f"options {sorted(unsupported)}")
+    if problems:
+        raise TPUsageError(f"{type(self).__name__}.save_pretrained on a tensor-parallel model does not support "
+                           + "; ".join(problems))
+    save_pretrained(self, save_directory, max_shard_size=max_shard_size)
+
+
+def _resize_token_embeddings(self, *args, **kwargs):
+    raise TPUsageError(
+        f"{type(self).__name__}.resize_token_embeddings cannot run after tpify.parallelize: the vocabulary is split "
+        f"(and padded) over the TP group. Resize the dense model first, then parallelize: "
+        f"model.resize_token_embeddings(n); tpify.parallelize(model). Nothing was changed.")
+
+
+def _ranks(group) -> list[int]:
+    return sorted(dist.get_process_group_ranks(group))
+
+
+def _refuse_foreign_ddp(model: nn.Module, args, kwargs):
+    """Forward pre-hook: raise when run inside a DDP whose group is not the model's DP group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    getter = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    ddp = getter() if getter is not None else None
+    if ddp is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if not any(m is model for m in ddp.module.modules()):
+        return None
+    info = model.tp_info
+    ddp_ranks = _ranks(ddp.process_group)
+    dp_ranks = _ranks(info.dp_group) if info.dp_group is not None else [dist.get_rank()]
+    if ddp_ranks != dp_ranks:
+        raise TPUsageError(
+            f"{type(model).__name__} is tensor-parallel (tp_size = {info.tp_size}) but runs inside a "
+            f"DistributedDataParallel over ranks {ddp_ranks}, not over its DP group {dp_ranks}: DDP broadcast rank 0's "
+            f"shards to the other TP ranks and would average gradients of different shards. Use "
+            f"tpify.integrations.TPTrainer instead of transformers.Trainer, tpify.integrations.TPAccelerator instead of "
+            f"accelerate.Accelerator, or DistributedDataParallel(model, process_group=model.tp_info.dp_group). "
+            f"Reload the model: its shards were overwritten.")
+    return None
+
+
+def install(model: nn.Module) -> None:
+    """Give a freshly parallelized model its TP-aware HF methods and the DDP guard (see module doc)."""
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
+    if hasattr(model, "resize_token_embeddings"):
+        model.resize_token_embeddings = types.MethodType(_resize_token_embeddings, model)
+    model.register_forward_pre_hook(_refuse_foreign_ddp, with_kwargs=True)
