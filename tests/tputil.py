@@ -121,3 +121,31 @@ def ref_lm_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool, num_it
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
                            reduction=red)
     return loss if num_items is None else loss / num_items
+
+
+def float64_loss_function(causal: bool):
+    """A ``PreTrainedModel.loss_function`` with HF's semantics computed in the logits' dtype.
+
+    HF's own LM losses upcast with ``logits.float()`` (float32 even for a float64 model), which
+    would cap a float64 dense reference at float32 precision. Set it as
+    ``dense_model.loss_function = tputil.float64_loss_function(causal=True)``.
+    """
+    def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                      shift_labels=None, **kwargs):
+        import torch.nn.functional as F
+
+        if causal:
+            target = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        else:
+            target = labels
+        red = "mean" if num_items_in_batch is None else "sum"
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
+                               ignore_index=ignore_index, reduction=red)
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
+    return loss_function
+
+
+def torchrun_env(rank: int, world: int) -> None:
+    """The environment torchrun gives a rank, for tools that read it (Trainer, accelerate)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")

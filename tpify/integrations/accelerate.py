@@ -32,6 +32,7 @@ import contextlib
 
 import accelerate
 from accelerate.data_loader import prepare_data_loader
+from torch import nn
 
 from ..api import get_tp_info
 from ..training import clip_params_grad_norm_, sync_gradients
@@ -46,7 +47,7 @@ def tp_model_of(model):
     from ..api import TPInfo
 
     for _ in range(8):
-        if model is None:
+        if not isinstance(model, nn.Module):
             return None
         if isinstance(model.__dict__.get("tp_info"), TPInfo):
             return model

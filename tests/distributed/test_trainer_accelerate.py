@@ -1,0 +1,216 @@
+"""transformers Trainer and accelerate on a tpify model equal the same tool on the dense model.
+
+The dense references run in this (pytest) process with plain ``transformers.Trainer`` and plain
+``accelerate.Accelerator``, one process, GPT-2 in float64; the tensor-parallel runs use
+``tpify.integrations.TPTrainer`` / ``TPAccelerator`` on gloo ranks at tp = 2 (2 ranks) and at
+dp = 2 x tp = 2 (4 ranks), with the same seed, data and arguments (``per_device_train_batch_size``
+is per DP replica, so the dense run's batch is ``dp`` times it).
+
+What is compared and at what tolerance:
+* every logged training loss: rtol 1e-6. Trainer accumulates the logged loss in a float32 tensor,
+  so even two float64 runs agree only to float32 rounding (~6e-8 relative);
+* every logged gradient norm (before clipping, ``max_grad_norm=1.0`` and the norms are > 1 so
+  clipping acts): rtol 1e-9 (float64 summation order);
+* the final weights: atol 1e-8, rtol 1e-6, as in test_dp_tp_training.py: Adam's update
+  ``m / (sqrt(v) + eps)`` amplifies the ~1e-16 relative noise of gradients near eps (rows of
+  token ids absent from a batch) to a few 1e-9; a real error (no DP averaging, local-norm
+  clipping, shards overwritten by DDP) moves weights by 1e-4 or more.
+The dense model's loss is HF's with float64 arithmetic (``tputil.float64_loss_function``; HF's
+own upcasts to float32). Also checked: ``trainer.save_model()`` writes a directory plain
+transformers loads, with the dense model's logits (atol 1e-10); a run resumed from a Trainer
+checkpoint (with dropout 0.1, so tpify's dropout streams must be restored too) ends bitwise
+equal to the straight run; plain ``Trainer`` and plain ``Accelerator.prepare`` on a tpify model
+raise on every rank instead of training wrong.
+"""
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
+import tputil
+from test_core_equivalence import gpt2_config
+
+TOL = dict(atol=1e-8, rtol=1e-6)
+STEPS = 4
+
+
+class _Data(torch.utils.data.Dataset):
+    """16 GPT-2 sequences of 12 tokens; ``masked``: about 30% of the labels are -100."""
+
+    def __init__(self, masked: bool = True):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 50257, (16, 12), generator=g)
+        self.labels = self.ids.clone()
+        if masked:
+            self.labels[torch.rand(16, 12, generator=g) < 0.3] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _args(out, batch, **kw):
+    kw.setdefault("save_strategy", "no")
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=2,
+                             max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
+                             use_cpu=True, disable_tqdm=True, max_grad_norm=1.0, **kw)
+
+
+def _model(dropout: float = 0.0):
+    torch.manual_seed(0)
+    cfg = gpt2_config()
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = dropout
+    return GPT2LMHeadModel(cfg).double()
+
+
+def _log(trainer):
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def _accelerate_loop(accelerator, model, batch):
+    loader = torch.utils.data.DataLoader(_Data(masked=False), batch_size=batch, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    log = []
+    for _, data in zip(range(3), loader):
+        loss = model(**data).loss
+        accelerator.backward(loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        log.append((accelerator.gather(loss.detach()[None]).mean().item(), float(norm)))
+    return log
+
+
+def _dense_weights(model):
+    return {k: v.detach().clone() for k, v in tputil.dense_named(model).items()}
+
+
+def _tp_body(rank, world, tp, out):
+    import torch.distributed as dist
+
+    import tpify
+    from tpify.integrations import TPAccelerator, TPTrainer
+
+    tputil.torchrun_env(rank, world)
+    dp = world // tp
+    results = {}
+
+    # 1. Trainer, clipping acts, gradient accumulation 2; then save_model().
+    model = tpify.parallelize(_model(), tp_size=tp)
+    trainer = TPTrainer(model=model, args=_args(out + "/run", 4 // dp), train_dataset=_Data())
+    trainer.train()
+    results["trainer"] = _log(trainer)
+    trainer.save_model(out + "/final")
+    results["trainer_weights"] = _dense_weights(model)
+
+    # 2. Resume from a checkpoint with dropout on: straight 4 steps == 2 + resume + 2, bitwise.
+    def run(resume, save):
+        tpify.manual_seed(7)
+        m = tpify.parallelize(_model(dropout=0.1), tp_size=tp)
+        t = TPTrainer(model=m, args=_args(out + "/resume", 4 // dp, save_strategy="steps" if save else "no",
+                                           save_steps=2), train_dataset=_Data())
+        t.train(resume_from_checkpoint=resume)
+        return _log(t), _dense_weights(m)
+
+    straight_log, straight_w = run(None, True)
+    resumed_log, resumed_w = run(out + "/resume/checkpoint-2", False)
+    assert len(resumed_log) == len(straight_log) == STEPS  # the first two come from the checkpoint's state
+    assert resumed_log[2:] == straight_log[2:], (resumed_log, straight_log)
+    for k, v in straight_w.items():
+        assert torch.equal(resumed_w[k], v), f"resumed {k} differs"
+    assert os.path.isfile(out + f"/resume/checkpoint-2/optimizer-tp{rank % tp:02d}-of-{tp:02d}.pt")
+
+    # 3. accelerate: prepare(model, optimizer, dataloader), backward, clip_grad_norm_.
+    model = tpify.parallelize(_model(), tp_size=tp)
+    results["accelerate"] = _accelerate_loop(TPAccelerator(cpu=True), model, 4 // dp)
+    results["accelerate_weights"] = _dense_weights(model)
+    if rank == 0:  # tensors travel through a file: a queue would share memory with an exiting process
+        torch.save(results, out + "/results.pt")
+    dist.barrier()
+    return out + "/results.pt"
+
+
+def _dense_runs(out):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    model = _model()
+    model.loss_function = tputil.float64_loss_function(causal=True)
+    trainer = Trainer(model=model, args=_args(out + "/dense", 4), train_dataset=_Data())
+    trainer.train()
+    dense = {"trainer": _log(trainer), "trainer_weights": _dense_weights(model)}
+    AcceleratorState._reset_state(True)
+    model = _model()
+    model.loss_function = tputil.float64_loss_function(causal=True)
+    dense["accelerate"] = _accelerate_loop(Accelerator(cpu=True), model, 4)
+    dense["accelerate_weights"] = _dense_weights(model)
+    AcceleratorState._reset_state(True)
+    return dense
+
+
+@pytest.fixture(scope="module")
+def dense_reference(tmp_path_factory):
+    return _dense_runs(str(tmp_path_factory.mktemp("dense")))
+
+
+def _compare(got, want, what):
+    assert len(got) == len(want) == len(got) and len(want) > 0, what
+    for i, ((loss, norm), (loss_ref, norm_ref)) in enumerate(zip(got, want)):
+        assert norm_ref > 1.0, "the test must exercise clipping"
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0, msg=f"{what} loss, step {i + 1}")
+        torch.testing.assert_close(norm, norm_ref, rtol=1e-9, atol=0, msg=f"{what} grad norm, step {i + 1}")
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2)], ids=["tp2", "dp2xtp2"])
+def test_trainer_and_accelerate_match_dense(dense_reference, world, tp, tmp_path):
+    got = torch.load(tputil.spawn(_tp_body, world, tp, str(tmp_path), timeout=400)[0])
+    for tool in ("trainer", "accelerate"):
+        _compare(got[tool], dense_reference[tool], f"{tool} at world {world}, tp {tp}")
+        for name, w in dense_reference[f"{tool}_weights"].items():
+            torch.testing.assert_close(got[f"{tool}_weights"][name], w, **TOL, msg=lambda m: f"{tool} {name}: {m}")
+    # What trainer.save_model() wrote loads in plain transformers with the trained weights.
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "final").double().eval()
+    ref = _model().eval()
+    ref.load_state_dict(dense_reference["trainer_weights"])
+    ids = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, atol=1e-6, rtol=1e-6)
+
+
+def _plain_tools_body(rank, world):
+    import tpify
+    from tpify.integrations import TPUsageError
+
+    tputil.torchrun_env(rank, world)
+    errors = []
+    model = tpify.parallelize(_model(), tp_size=2)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(model=model, args=_args(out, 2), train_dataset=_Data())
+        try:
+            trainer.train()
+        except TPUsageError as e:
+            errors.append(str(e))
+    from accelerate import Accelerator
+
+    model = tpify.parallelize(_model(), tp_size=2)
+    wrapped = Accelerator(cpu=True).prepare(model)
+    try:
+        wrapped(torch.zeros(1, 4, dtype=torch.long))
+    except TPUsageError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_plain_trainer_and_accelerator_refuse_a_tp_model():
+    """A DDP over the whole world would corrupt the shards: refused on every rank, no hang."""
+    for errors in tputil.spawn(_plain_tools_body, 2, timeout=120):
+        assert len(errors) == 2, errors
+        assert all("DistributedDataParallel over ranks [0, 1], not over its DP group [" in e for e in errors), errors
+        assert "TPTrainer" in errors[0]

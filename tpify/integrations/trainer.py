@@ -1,0 +1,157 @@
+"""``TPTrainer``: ``transformers.Trainer`` for tpify's tensor-parallel models.
+
+``transformers.Trainer`` treats a model as tensor-parallel only when its parameters are DTensors
+(transformers' own ``distributed_config``); a tpify model holds plain tensors, one shard per
+rank, so plain ``Trainer`` would wrap it in a DDP over the whole world (tpify refuses that at
+the first forward, see :mod:`tpify.integrations.model`), save rank 0's shards and restore rank
+0's optimizer state on every rank. :class:`TPTrainer` is ``Trainer`` with what must change and
+nothing else:
+
+* its accelerator is :class:`~tpify.integrations.accelerate.TPAccelerator` (no DDP; batches split
+  over the DP replicas only, every TP rank of a replica gets the same ones; gradients averaged
+  over DP on synchronising steps; clipping by the dense model's norm);
+* ``get_tp_size`` is the model's ``tp_size``, so Trainer's ``num_items_in_batch`` counts each
+  token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
+* saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
+  (:func:`tpify.save_pretrained`; for a PEFT model the dense adapter), a collective all ranks join;
+* checkpoints hold one optimizer file per TP rank (``optimizer-tp{r}-of-{p}.pt``, written by DP
+  rank 0) and each rank's tpify dropout streams (``tpify_rng_{rank}.pt``); resuming reads the
+  weights back slice by slice in place and restores both, so a resumed run continues exactly.
+
+Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP, fp16 (per-rank loss
+scaler), ``load_best_model_at_end``, a model tpify did not parallelize.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from ..api import get_tp_info
+from ..loading import load_weights_, save_pretrained
+from ..random import get_rng_tracker
+from .accelerate import TPAccelerator, tp_model_of
+from .model import TPUsageError
+
+__all__ = ["TPTrainer"]
+
+
+def _is_peft(model) -> bool:
+    return type(model).__module__.startswith("peft.")
+
+
+class TPTrainer(transformers.Trainer):
+    """``transformers.Trainer`` that trains a tpify model exactly (see the module docstring).
+
+    Same arguments as ``Trainer``; launch with ``torchrun --nproc-per-node N`` where
+    ``N = dp * tp`` and the model was parallelized (or loaded by :func:`tpify.from_pretrained`)
+    with ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica: the global batch is
+    ``per_device_train_batch_size * gradient_accumulation_steps * dp``.
+
+    Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
+    tensor over TP.
+
+    Raises:
+        TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP,
+            fp16, ``load_best_model_at_end``; a checkpoint without this TP rank's optimizer file.
+    """
+
+    def __init__(self, model=None, args=None, *pos, **kwargs):
+        tp_model = tp_model_of(model) if model is not None else None
+        if tp_model is None:
+            raise TPUsageError("TPTrainer trains models parallelized by tpify (tpify.parallelize or "
+                               "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
+                               f"got {type(model).__name__}")
+        if args is not None:
+            bad = [name for name, on in (("deepspeed", bool(args.deepspeed)), ("fsdp", bool(args.fsdp)),
+                                         ("fp16", bool(args.fp16)),
+                                         ("load_best_model_at_end", bool(args.load_best_model_at_end))) if on]
+            if bad:
+                raise TPUsageError(f"TPTrainer does not support {bad} with a tensor-parallel model")
+        self._tp_model = tp_model
+        super().__init__(model, args, *pos, **kwargs)
+        self.accelerator.register_tp_model(model)
+
+    # -- distributed setup -----------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if type(self.accelerator) is not TPAccelerator:
+            # Same object and state; only the five methods of TPAccelerator change.
+            self.accelerator.__class__ = TPAccelerator
+
+    def get_tp_size(self) -> int:
+        return get_tp_info(self._tp_model).tp_size
+
+    # -- saving ------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Every rank: gather and write the dense model (or adapter); rank 0 adds tokenizer and args."""
+        if state_dict is not None:
+            raise TPUsageError("TPTrainer saves the dense model itself; state_dict= is not supported")
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if _is_peft(model):
+            from .peft import save_adapter
+
+            save_adapter(model, output_dir)
+        else:
+            save_pretrained(self._tp_model, output_dir)
+        if not self.args.should_save:
+            return
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _optimizer_file(self, directory: str) -> str:
+        info = get_tp_info(self._tp_model)
+        return os.path.join(directory, f"optimizer-tp{info.tp_rank:02d}-of-{info.tp_size:02d}.pt")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        import torch.distributed as dist
+
+        from .. import comm
+
+        info = get_tp_info(self._tp_model)
+        if comm.get_tp_rank(info.dp_group) == 0:  # DP replicas hold the same optimizer state
+            torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        if dist.is_available() and dist.is_initialized():
+            comm.barrier()
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        rank = self.args.process_index
+        torch.save(get_rng_tracker().state_dict(), os.path.join(output_dir, f"tpify_rng_{rank}.pt"))
+
+    # -- resuming ----------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        model = model if model is not None else self.model
+        model = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        if _is_peft(model):
+            from .peft import load_adapter_
+
+            load_adapter_(model, resume_from_checkpoint, adapter_name=model.active_adapter)
+        else:
+            load_weights_(self._tp_model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        file = self._optimizer_file(checkpoint)
+        if not os.path.isfile(file):
+            raise TPUsageError(f"{checkpoint} has no optimizer state for this TP rank ({os.path.basename(file)}); "
+                               f"resume a TPTrainer checkpoint with the same tp_size")
+        device = self.args.device if self.args.device.type != "cpu" else "cpu"  # "cpu:0" cannot be restored
+        self.optimizer.load_state_dict(torch.load(file, map_location=device, weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        file = os.path.join(checkpoint, f"tpify_rng_{self.args.process_index}.pt")
+        if os.path.isfile(file):
+            get_rng_tracker().load_state_dict(torch.load(file, weights_only=True))
