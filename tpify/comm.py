@@ -159,16 +159,22 @@ class _CopyManyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        dtype = grads[0].dtype
-        for g in grads[1:]:
+        needed = [g for g, need in zip(grads, ctx.needs_input_grad[1:]) if need]
+        if not needed:
+            return (None,) * (len(grads) + 1)
+        dtype = needed[0].dtype
+        for g in needed[1:]:
             dtype = torch.promote_types(dtype, g.dtype)
-        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])  # one all-reduce for all of them
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in needed])  # one all-reduce for all of them
         all_reduce(flat, ctx.group)
-        out, offset = [], 0
-        for g in grads:
+        out, offset = [None], 0
+        for g, need in zip(grads, ctx.needs_input_grad[1:]):
+            if not need:
+                out.append(None)
+                continue
             out.append(flat[offset: offset + g.numel()].view_as(g).to(g.dtype))
             offset += g.numel()
-        return (None, *out)
+        return tuple(out)
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):

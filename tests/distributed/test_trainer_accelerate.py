@@ -57,9 +57,27 @@ class _Data(torch.utils.data.Dataset):
 
 def _args(out, batch, **kw):
     kw.setdefault("save_strategy", "no")
+    kw.setdefault("max_grad_norm", 1.0)
     return TrainingArguments(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=2,
                              max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
-                             use_cpu=True, disable_tqdm=True, max_grad_norm=1.0, **kw)
+                             use_cpu=True, disable_tqdm=True, **kw)
+
+
+LORA_CLIP = 0.05  # LoRA gradients are small: a lower max_grad_norm so that clipping acts
+
+
+def _lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], init_lora_weights="gaussian")
+
+
+def _adapters(model):
+    from tpify.sharding import shard_spec_of
+
+    group = model.tp_info.tp_group if hasattr(model, "tp_info") else None
+    return {n: (shard_spec_of(p).gather(p.detach(), group) if shard_spec_of(p) is not None else p.detach()).clone()
+            for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _model(dropout: float = 0.0):
@@ -128,7 +146,19 @@ def _tp_body(rank, world, tp, out):
         assert torch.equal(resumed_w[k], v), f"resumed {k} differs"
     assert os.path.isfile(out + f"/resume/checkpoint-2/optimizer-tp{rank % tp:02d}-of-{tp:02d}.pt")
 
-    # 3. accelerate: prepare(model, optimizer, dataloader), backward, clip_grad_norm_.
+    # 3. PEFT LoRA through the Trainer; its checkpoint holds a standard (dense) adapter.
+    from tpify.integrations import get_peft_model
+
+    model = tpify.parallelize(_model(), tp_size=tp)
+    torch.manual_seed(1)
+    model = get_peft_model(model, _lora_config())
+    trainer = TPTrainer(model=model, args=_args(out + "/lora", 4 // dp, max_grad_norm=LORA_CLIP,
+                                                save_strategy="steps", save_steps=STEPS), train_dataset=_Data())
+    trainer.train()
+    results["lora"] = _log(trainer)
+    results["lora_weights"] = _adapters(model)
+
+    # 4. accelerate: prepare(model, optimizer, dataloader), backward, clip_grad_norm_.
     model = tpify.parallelize(_model(), tp_size=tp)
     results["accelerate"] = _accelerate_loop(TPAccelerator(cpu=True), model, 4 // dp)
     results["accelerate_weights"] = _dense_weights(model)
@@ -147,6 +177,15 @@ def _dense_runs(out):
     trainer = Trainer(model=model, args=_args(out + "/dense", 4), train_dataset=_Data())
     trainer.train()
     dense = {"trainer": _log(trainer), "trainer_weights": _dense_weights(model)}
+    model = _model()
+    model.loss_function = tputil.float64_loss_function(causal=True)
+    torch.manual_seed(1)
+    import peft
+
+    model = peft.get_peft_model(model, _lora_config())
+    trainer = Trainer(model=model, args=_args(out + "/dense-lora", 4, max_grad_norm=LORA_CLIP), train_dataset=_Data())
+    trainer.train()
+    dense["lora"], dense["lora_weights"] = _log(trainer), _adapters(model)
     AcceleratorState._reset_state(True)
     model = _model()
     model.loss_function = tputil.float64_loss_function(causal=True)
@@ -161,10 +200,10 @@ def dense_reference(tmp_path_factory):
     return _dense_runs(str(tmp_path_factory.mktemp("dense")))
 
 
-def _compare(got, want, what):
-    assert len(got) == len(want) == len(got) and len(want) > 0, what
+def _compare(got, want, what, clip):
+    assert len(got) == len(want) and len(want) > 0, what
     for i, ((loss, norm), (loss_ref, norm_ref)) in enumerate(zip(got, want)):
-        assert norm_ref > 1.0, "the test must exercise clipping"
+        assert norm_ref > clip, f"the test must exercise clipping: {what} norm {norm_ref} <= {clip}"
         torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0, msg=f"{what} loss, step {i + 1}")
         torch.testing.assert_close(norm, norm_ref, rtol=1e-9, atol=0, msg=f"{what} grad norm, step {i + 1}")
 
@@ -172,8 +211,9 @@ def _compare(got, want, what):
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 2)], ids=["tp2", "dp2xtp2"])
 def test_trainer_and_accelerate_match_dense(dense_reference, world, tp, tmp_path):
     got = torch.load(tputil.spawn(_tp_body, world, tp, str(tmp_path), timeout=400)[0])
-    for tool in ("trainer", "accelerate"):
-        _compare(got[tool], dense_reference[tool], f"{tool} at world {world}, tp {tp}")
+    for tool, clip in (("trainer", 1.0), ("lora", LORA_CLIP), ("accelerate", 1.0)):
+        _compare(got[tool], dense_reference[tool], f"{tool} at world {world}, tp {tp}", clip)
+        assert set(got[f"{tool}_weights"]) == set(dense_reference[f"{tool}_weights"])
         for name, w in dense_reference[f"{tool}_weights"].items():
             torch.testing.assert_close(got[f"{tool}_weights"][name], w, **TOL, msg=lambda m: f"{tool} {name}: {m}")
     # What trainer.save_model() wrote loads in plain transformers with the trained weights.
@@ -182,6 +222,12 @@ def test_trainer_and_accelerate_match_dense(dense_reference, world, tp, tmp_path
     ref.load_state_dict(dense_reference["trainer_weights"])
     ids = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, atol=1e-6, rtol=1e-6)
+    # The LoRA checkpoint's adapter loads in plain peft on the dense model: the dense-trained adapters.
+    import peft
+
+    adapter = peft.PeftModel.from_pretrained(_model(), tmp_path / "lora" / f"checkpoint-{STEPS}")
+    for name, w in dense_reference["lora_weights"].items():
+        torch.testing.assert_close(dict(adapter.named_parameters())[name].detach(), w, **TOL)
 
 
 def _plain_tools_body(rank, world):
