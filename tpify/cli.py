@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--seed", type=int, default=0)
     ft.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype (bfloat16: pure bf16 training; the loss is computed in float32)")
+    ft.add_argument("--lora-r", type=int, default=0,
+                    help="LoRA rank: train only LoRA adapters on the parallel linear layers (0: full fine-tune)")
+    ft.add_argument("--lora-alpha", type=int, default=None, help="LoRA alpha (default 2 * --lora-r)")
     ft.set_defaults(worker=_finetune_worker)
     return parser
 
@@ -149,11 +152,13 @@ def _finetune_worker(args) -> int:
     cfg = FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                          steps=args.steps, clip=args.clip, save_every=args.save_every, resume=args.resume,
-                         seed=args.seed, dtype=args.dtype)
+                         seed=args.seed, dtype=args.dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha)
     losses = finetune(cfg)
     if dist.get_rank() == 0:
         print(f"losses: {' '.join(f'{v:.4f}' for v in losses)}")
         print(f"final model: {args.out}/final (Hugging Face format); loss curve: {args.out}/loss.png")
+        if args.lora_r:
+            print(f"LoRA adapter: {args.out}/adapter (peft format); {args.out}/final holds the merged model")
     dist.destroy_process_group()
     return 0
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import comm
 from .random import get_rng_tracker
 
-__all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files"]
+__all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files", "add_lora", "lora_targets"]
 
 
 def default_text_files() -> list[Path]:
@@ -53,6 +53,8 @@ class FinetuneConfig:
     resume: bool = False
     seed: int = 0
     dtype: str = "float32"       # parameter dtype: float32, or bfloat16 (pure bf16 training)
+    lora_r: int = 0              # > 0: train LoRA adapters of this rank on every parallel linear layer
+    lora_alpha: int | None = None  # default 2 * lora_r
     progress: bool = True
 
 
@@ -113,17 +115,56 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "trainer").mkdir(parents=True)
     comm.barrier()
-    tpify.save_pretrained(model, tmp / "model")
+    if cfg.lora_r:
+        from .integrations.peft import save_adapter
+
+        save_adapter(model, tmp / "adapter")
+    else:
+        tpify.save_pretrained(model, tmp / "model")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                 "rng": get_rng_tracker().state_dict()}, tmp / "trainer" / f"rank{rank}.pt")
     comm.barrier()
     if rank == 0:
         (tmp / "trainer" / "state.json").write_text(json.dumps(
-            {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size()}))
+            {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
+             "lora_r": cfg.lora_r}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     comm.barrier()
     return final
+
+
+def lora_targets(model) -> list[str]:
+    """Names (last FQN segment) of the tensor-parallel linear layers LoRA adapts: every
+    ``ColumnParallelLinear``/``RowParallelLinear`` except a gathering LM head."""
+    from .layers import ColumnParallelLinear, RowParallelLinear
+
+    names = set()
+    for fqn, m in model.named_modules():
+        if isinstance(m, RowParallelLinear) or (isinstance(m, ColumnParallelLinear) and not m.gather_output):
+            names.add(fqn.rpartition(".")[2])
+    return sorted(names)
+
+
+def add_lora(model, cfg: FinetuneConfig):
+    """``model`` with LoRA adapters (rank ``cfg.lora_r``) on its parallel linear layers; returns
+    ``(peft_model, trainable, total)``: dense-equivalent parameter counts (sharded ones counted whole)."""
+    import peft
+
+    from .integrations.peft import get_peft_model
+    from .sharding import shard_spec_of
+
+    config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=0.0,
+                             target_modules=lora_targets(model), init_lora_weights=True)
+    model = get_peft_model(model, config)
+
+    def dense_numel(p):
+        spec = shard_spec_of(p)
+        return p.numel() // p.shape[spec.dim] * spec.global_size if spec is not None else p.numel()
+
+    trainable = sum(dense_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(dense_numel(p) for p in model.parameters())
+    return model, trainable, total
 
 
 def _plot(losses: list[float], path: Path) -> None:
@@ -148,7 +189,10 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
 
     ``world = cfg.tp * cfg.dp``. Returns the loss of every step (mean over DP) on every rank.
     Writes ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF
-    directory with the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``.
+    directory with the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``. With
+    ``lora_r > 0`` only LoRA adapters on the parallel linear layers train
+    (:mod:`tpify.integrations.peft`); checkpoints hold the adapter, ``out_dir/adapter`` is the
+    final dense adapter (plain peft loads it) and ``out_dir/final`` the merged model.
 
     Raises:
         ValueError: ``tp * dp`` differs from the world size, or ``resume`` finds a checkpoint
@@ -172,7 +216,10 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         if (state["tp"], state["dp"]) != (cfg.tp, cfg.dp):
             raise ValueError(f"--resume: {ckpt} was written at tp={state['tp']} dp={state['dp']}; "
                              f"resume with --tp {state['tp']} --dp {state['dp']}")
-        start_step, losses, model_dir, trainer_dir = state["step"], state["losses"], ckpt / "model", ckpt / "trainer"
+        if state.get("lora_r", 0) != cfg.lora_r:
+            raise ValueError(f"--resume: {ckpt} was written with --lora-r {state.get('lora_r', 0)}; resume with it")
+        start_step, losses, trainer_dir = state["step"], state["losses"], ckpt / "trainer"
+        model_dir = model_dir if cfg.lora_r else ckpt / "model"  # LoRA: the base model and the saved adapter
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
     files = cfg.data or [str(p) for p in default_text_files()]
@@ -181,10 +228,21 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, torch_dtype=getattr(torch, cfg.dtype)).to(device)
+    trainable = None
+    if cfg.lora_r:
+        model, trainable, total = add_lora(model, cfg)
+        if trainer_dir is not None:
+            from .integrations.peft import load_adapter_
+
+            load_adapter_(model, trainer_dir.parent / "adapter")
+        if rank == 0:
+            print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
+                  f"({100 * trainable / total:.2f}%)", flush=True)
     model.train()
     info = tpify.get_tp_info(model)
     dp_rank = comm.get_tp_rank(info.dp_group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))
     if trainer_dir is not None:
         saved = torch.load(trainer_dir / f"rank{rank}.pt", weights_only=False)
@@ -219,10 +277,14 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             _save_checkpoint(model, optimizer, scheduler, step + 1, losses, cfg, out_dir)
     if bar is not None:
         bar.close()
+    if cfg.lora_r:
+        model.save_pretrained(out_dir / "adapter")  # the dense adapter (plain peft loads it); collective
+        model = model.merge_and_unload()
     tpify.save_pretrained(model, out_dir / "final")
     if rank == 0:
         tokenizer.save_pretrained(out_dir / "final")
-        (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg)}, indent=1))
+        (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg),
+                                                         "trainable_parameters": trainable}, indent=1))
         _plot(losses, out_dir / "loss.png")
     comm.barrier()
     return losses

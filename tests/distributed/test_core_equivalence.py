@@ -107,7 +107,7 @@ def _body(rank, world):
     return "ok"
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gpt2_and_bert_match_dense(tp):
     assert tputil.spawn(_body, tp) == ["ok"] * tp
 

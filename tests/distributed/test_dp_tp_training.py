@@ -18,11 +18,14 @@ averaged over DP, clipping by a per-rank norm) moves weights by ~1e-3.
 
 import copy
 
+import pytest
 import torch
 from transformers import BertForMaskedLM, GPT2LMHeadModel
 
 import tputil
 from test_core_equivalence import bert_config, gpt2_config
+
+pytestmark = pytest.mark.slow  # real models / long end-to-end runs: not in the quick subset
 
 TOL = dict(atol=1e-8, rtol=1e-6)
 

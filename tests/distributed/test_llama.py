@@ -7,6 +7,7 @@ a few ulps (~1e-16 relative); 1e-9 leaves room for accumulation over 2 layers wh
 any real error (a wrong KV-head shard or a missing gradient all-reduce gives errors >= 1e-3).
 """
 
+import pytest
 import copy
 
 import torch
@@ -92,6 +93,7 @@ def _bad_kv_body(rank, world):
     tpify.parallelize(model, tp_size=world)
 
 
+@pytest.mark.slow
 def test_llama_kv_heads_not_divisible():
     """6 query heads divide by tp=2, 3 KV heads do not: PlanError on every rank, no hang."""
     outcomes = tputil.spawn(_bad_kv_body, 2, expect_errors=True)

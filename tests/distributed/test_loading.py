@@ -22,6 +22,8 @@ from transformers import (BertConfig, BertForMaskedLM, BertModel, GPT2Config, GP
 
 import tputil
 
+pytestmark = pytest.mark.slow  # real models / long end-to-end runs: not in the quick subset
+
 TOL = dict(atol=1e-10, rtol=1e-9)
 
 
@@ -271,7 +273,7 @@ def test_bad_inputs_every_rank(results):
         assert msgs["no_config"].startswith("FileNotFoundError") and "no config.json" in msgs["no_config"]
         assert "truncated" in msgs["truncated"] and "model.safetensors" in msgs["truncated"], msgs["truncated"]
         assert "bert.encoder.layer.0.surprise" in msgs["unexpected"], msgs["unexpected"]
-        want = "OSError: disk full" if rank == 0 else "RuntimeError: tpify.save_pretrained failed on the writing rank"
+        want = "OSError: disk full" if rank == 0 else "RuntimeError: tpify: saving failed on the writing rank"
         assert msgs["save"].startswith(want), msgs["save"]
     src = results["good"]["existing"]
     assert open(os.path.join(src, "model.safetensors"), "rb").read() == results["before"], \

@@ -17,6 +17,7 @@ float32 precision; HF's own dense loss is also checked, at float32 tolerance ``1
 Training: 3 AdamW steps, each step's loss and the final weights equal dense training.
 """
 
+import pytest
 import copy
 
 import torch
@@ -204,5 +205,6 @@ def test_loss_tp2():
     assert tputil.spawn(_body_tp2, 2) == ["ok"] * 2
 
 
+@pytest.mark.slow
 def test_loss_tp4():
     assert tputil.spawn(_body_tp4, 4) == ["ok"] * 4

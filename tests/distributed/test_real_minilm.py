@@ -17,6 +17,8 @@ import torch
 
 import tputil
 
+pytestmark = pytest.mark.slow  # real models / long end-to-end runs: not in the quick subset
+
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby."]
 
 

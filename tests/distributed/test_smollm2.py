@@ -8,9 +8,12 @@ RMSNorm/attention/MLP to ~1e-5 relative on logits of magnitude ~10-30. A wrong s
 missing all-reduce changes logits by order 1 and more. Greedy generation must be token-exact.
 """
 
+import pytest
 import torch
 
 import tputil
+
+pytestmark = pytest.mark.slow  # real models / long end-to-end runs: not in the quick subset
 
 
 def _smollm2_body(rank, world, model_dir):

@@ -22,8 +22,9 @@ rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with five methods c
   collective every rank calls. ``get_state_dict``, ``save_state`` and ``load_state`` raise
   :class:`~tpify.integrations.model.TPUsageError` (they would write rank 0's shards only).
 
-Everything else is accelerate's. ``gather``/``reduce`` still span the world, where each TP group
-holds ``tp_size`` copies of one replica's values (means are unchanged).
+Everything else is accelerate's. ``gather_for_metrics`` (what Trainer's evaluation uses) counts
+each sample once; ``gather``/``reduce`` still span the world, where each TP group holds
+``tp_size`` copies of one replica's values (means are unchanged).
 """
 
 from __future__ import annotations
@@ -188,6 +189,30 @@ class TPAccelerator(accelerate.Accelerator):
         if self._tp_models():
             raise TPUsageError("TPAccelerator.load_state is not supported for tpify models; see save_state")
         return super().load_state(*args, **kwargs)
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        """As accelerate's, counting each sample once: the TP ranks of a replica hold the same
+        batch, so only TP rank 0's copy of each replica's values is kept (tensors only)."""
+        layout = self._layout()
+        if layout is None or layout[2].tp_size == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        if use_gather_object:
+            raise TPUsageError("TPAccelerator.gather_for_metrics supports tensors only for tpify models")
+        self.__dict__["_tpify_dedupe"] = layout[2].tp_size
+        try:
+            return super().gather_for_metrics(input_data, use_gather_object=False)
+        finally:
+            self.__dict__["_tpify_dedupe"] = 0
+
+    def gather(self, tensor):
+        out = super().gather(tensor)
+        tp = self.__dict__.get("_tpify_dedupe", 0)
+        if not tp:
+            return out
+        from accelerate.utils import recursively_apply
+
+        world = self.num_processes
+        return recursively_apply(lambda t: t.reshape(world, -1, *t.shape[1:])[::tp].reshape(-1, *t.shape[1:]), out)
 
     @contextlib.contextmanager
     def no_sync(self, model):

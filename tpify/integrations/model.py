@@ -13,7 +13,8 @@ would silently do the wrong thing on shards, so :func:`install` (called by
   ``transformers.Trainer`` and ``accelerate.Accelerator.prepare`` build over the whole world)
   would have broadcast rank 0's shards to every rank at construction and would average gradients
   of different shards; the model's first forward under such a wrapper raises, on every rank,
-  before any tensor-parallel collective. DDP over ``model.tp_info.dp_group`` is allowed.
+  before any tensor-parallel collective. DDP over ``model.tp_info.dp_group`` (any group that holds
+  no other rank of this model's TP group) is allowed.
 
 ``model.state_dict()`` is not changed: it returns this rank's shards (sharded parameters carry
 their :class:`~tpify.sharding.ShardSpec` as ``tp_shard_spec``), so loading it into the dense
@@ -93,8 +94,9 @@ def _refuse_foreign_ddp(model: nn.Module, args, kwargs):
         return None
     info = model.tp_info
     ddp_ranks = _ranks(ddp.process_group)
-    dp_ranks = _ranks(info.dp_group) if info.dp_group is not None else [dist.get_rank()]
-    if ddp_ranks != dp_ranks:
+    tp_ranks = _ranks(info.tp_group) if info.tp_group is not None else [dist.get_rank()]
+    if set(ddp_ranks) & set(tp_ranks) != {dist.get_rank()}:  # a DDP peer holds another shard of this replica
+        dp_ranks = _ranks(info.dp_group) if info.dp_group is not None else "(none)"
         raise TPUsageError(
             f"{type(model).__name__} is tensor-parallel (tp_size = {info.tp_size}) but runs inside a "
             f"DistributedDataParallel over ranks {ddp_ranks}, not over its DP group {dp_ranks}: DDP broadcast rank 0's "

@@ -9,7 +9,10 @@ nothing else:
 
 * its accelerator is :class:`~tpify.integrations.accelerate.TPAccelerator` (no DDP; batches split
   over the DP replicas only, every TP rank of a replica gets the same ones; gradients averaged
-  over DP on synchronising steps; clipping by the dense model's norm);
+  over DP on synchronising steps; clipping by the dense model's norm; evaluation gathers count
+  each sample once);
+* in evaluation and prediction, the vocab-sharded logits of an LM head are gathered to the full
+  vocabulary before metrics see them;
 * ``get_tp_size`` is the model's ``tp_size``, so Trainer's ``num_items_in_batch`` counts each
   token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
 * saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
@@ -24,6 +27,7 @@ scaler), ``load_best_model_at_end``, a model tpify did not parallelize.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -79,11 +83,34 @@ class TPTrainer(transformers.Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if type(self.accelerator) is not TPAccelerator:
-            # Same object and state; only the five methods of TPAccelerator change.
+            # Same object and state; only the methods of TPAccelerator change.
             self.accelerator.__class__ = TPAccelerator
+            # Trainer bound its gather function to the instance before: bind it again.
+            self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                     use_gather_object=self.args.eval_use_gather_object)
 
     def get_tp_size(self) -> int:
         return get_tp_info(self._tp_model).tp_size
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's loss; when the outputs are returned (evaluation, prediction), vocab-sharded
+        LM logits are all-gathered to the full vocabulary first, so metrics see dense logits."""
+        if not return_outputs:
+            return super().compute_loss(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        head = self._lm_head()
+        logits = outputs.get("logits") if isinstance(outputs, dict) else None
+        if head is not None and torch.is_tensor(logits) and logits.shape[-1] == head.out_features_per_partition \
+                and head.out_features_per_partition != head.out_features:
+            from .. import comm
+
+            outputs["logits"] = comm.gather_from_tp_region(logits, head.tp_group)[..., : head.out_features]
+        return loss, outputs
+
+    def _lm_head(self):
+        info = get_tp_info(self._tp_model)
+        heads = [fqn for fqn, e in info.plan.entries.items() if e.style == "colwise_rep"]
+        return self._tp_model.get_submodule(heads[0]) if len(heads) == 1 else None
 
     # -- saving ------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
