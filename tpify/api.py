@@ -10,6 +10,7 @@ from torch import nn
 
 from . import comm
 from .engine import Plan, apply_plan, build_plan
+from .integrations.model import check_before_parallelize
 from .integrations.model import install as install_hf_methods
 from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
@@ -94,6 +95,7 @@ def parallelize(
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
+        TPUsageError: gradient checkpointing enabled before parallelizing (enable it after).
         PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules, indivisible head counts or features (the message names the
             module, the numbers and the tp sizes that would work).
         ValueError: inconsistent ``tp_size``/``tp_group``, or ``tp_size > 1`` without
@@ -101,6 +103,7 @@ def parallelize(
     """
     if getattr(model, "tp_info", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
+    check_before_parallelize(model)
     size = resolve_tp_size(tp_size, tp_group)
     plan = build_plan(model, _model_recipe(model, recipe), size)
     tp_group, dp_group = resolve_groups(size, tp_group)

@@ -30,8 +30,8 @@ What depends on ``tp_size``: the sharded masks (rank r draws the masks of its he
 stream, so the same head gets a different mask at another ``tp_size``), and, because the
 sharded draws no longer advance the default stream, the replicated masks differ from the dense
 model's even at ``tp_size = 1``. Results at a fixed ``tp_size`` and seed are reproducible.
-Activation recomputation (gradient checkpointing) is not supported together with dropout: the
-recomputed forward would draw from the advanced TP stream.
+Activation recomputation (gradient checkpointing) restores the tracker for the recomputed forward
+(:func:`checkpoint_context_fn`), so it draws the same masks as the forward did.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 __all__ = ["TP_SEED_OFFSET", "RNGStreamTracker", "get_rng_tracker", "manual_seed", "install_rng_hooks",
-           "tp_rng"]
+           "tp_rng", "checkpoint_context_fn"]
 
 TP_SEED_OFFSET = 2718  # as Megatron's model_parallel_cuda_manual_seed: seed + 2718 + tp_rank
 
@@ -142,6 +142,16 @@ class RNGStreamTracker:
                 "saved": {f"{stream}|{device}": t.clone() for (stream, device), t in self._states.items()},
                 "global": {device: self._get(device) for device in devices}}
 
+    def snapshot(self) -> tuple[str, dict]:
+        """The tracker's own state (current stream, saved states of the others), copied; the
+        global generators are not included (torch.utils.checkpoint saves and restores them)."""
+        return self.current, {k: t.clone() for k, t in self._states.items()}
+
+    def restore(self, snapshot: tuple[str, dict]) -> None:
+        """Go back to a :meth:`snapshot` (the global generators are left as they are)."""
+        self.current, states = snapshot
+        self._states = {k: t.clone() for k, t in states.items()}
+
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (same devices), global generators included."""
         self.seed, self.tp_rank, self.current = state["seed"], state["tp_rank"], state["current"]
@@ -168,6 +178,53 @@ def manual_seed(seed: int, tp_rank: int | None = None):
     """
     _TRACKER.reset(seed, tp_rank)
     torch.manual_seed(seed)
+
+
+class _AtForward:
+    """Forward context of :func:`checkpoint_context_fn`: remembers the tracker at segment start."""
+
+    def __init__(self, saved: dict):
+        self.saved = saved
+
+    def __enter__(self):
+        self.saved["tracker"] = _TRACKER.snapshot()
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _AtRecompute:
+    """Recompute context of :func:`checkpoint_context_fn`: the tracker as it was at segment start."""
+
+    def __init__(self, saved: dict):
+        self.saved = saved
+
+    def __enter__(self):
+        self.live = _TRACKER.snapshot()
+        _TRACKER.restore(self.saved["tracker"])
+        return self
+
+    def __exit__(self, *exc):
+        _TRACKER.restore(self.live)
+        return False
+
+
+def checkpoint_context_fn():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    Activation recomputation runs a segment's forward again during backward. torch restores the
+    global generators to their state at the segment's start (``preserve_rng_state``), but the
+    TP stream's state lives in the tracker and has advanced: the recomputed attention-dropout
+    masks would differ from the forward's and the gradients would be silently wrong. As
+    Megatron's ``CheckpointFunction`` restores its RNG tracker, the forward context records the
+    tracker at the segment's start and the recompute context puts it back for the recomputation
+    (then restores the live one), so gradients are bitwise those of the run without
+    checkpointing. Installed by :func:`tpify.parallelize` through the model's
+    ``gradient_checkpointing_enable`` (tpify.integrations.model).
+    """
+    saved: dict = {}
+    return _AtForward(saved), _AtRecompute(saved)
 
 
 @contextmanager

@@ -9,6 +9,10 @@ would silently do the wrong thing on shards, so :func:`install` (called by
   :func:`tpify.save_pretrained` writes (a collective: every rank calls it, global rank 0 writes).
 * ``model.resize_token_embeddings(...)`` raises before anything changes: the vocabulary is sharded
   (and padded) over the TP group; resize the dense model before :func:`tpify.parallelize`.
+* ``model.gradient_checkpointing_enable(...)`` (also reached through
+  ``activation_checkpointing_enable`` and Trainer's ``gradient_checkpointing=True``) checkpoints
+  non-reentrantly with :func:`tpify.random.checkpoint_context_fn`, which restores tpify's dropout
+  streams in the recomputed forward.
 * A ``DistributedDataParallel`` wrapper whose process group is not the model's DP group (what
   ``transformers.Trainer`` and ``accelerate.Accelerator.prepare`` build over the whole world)
   would have broadcast rank 0's shards to every rank at construction and would average gradients
@@ -28,7 +32,7 @@ import types
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["install", "TPUsageError"]
+__all__ = ["install", "check_before_parallelize", "TPUsageError"]
 
 
 class TPUsageError(RuntimeError):
@@ -78,6 +82,33 @@ def _resize_token_embeddings(self, *args, **kwargs):
         f"model.resize_token_embeddings(n); tpify.parallelize(model). Nothing was changed.")
 
 
+def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+    """HF's activation checkpointing with tpify's dropout streams restored in the recomputation.
+
+    Same arguments as ``PreTrainedModel.gradient_checkpointing_enable``; checkpointing is
+    non-reentrant with ``context_fn=tpify.random.checkpoint_context_fn`` (Megatron restores its
+    RNG tracker the same way), so gradients are bitwise those of the run without checkpointing.
+
+    Raises:
+        TPUsageError: ``use_reentrant=True`` or a ``context_fn`` of the caller's (tpify needs its own).
+    """
+    from transformers import PreTrainedModel
+
+    from ..random import checkpoint_context_fn
+
+    kw = dict(gradient_checkpointing_kwargs or {})
+    if kw.get("use_reentrant", False) or "context_fn" in kw:
+        raise TPUsageError("gradient checkpointing of a tensor-parallel model must be non-reentrant and use tpify's "
+                           "context_fn (it restores the dropout streams in the recomputation); drop use_reentrant=True "
+                           "and context_fn from gradient_checkpointing_kwargs")
+    kw.update(use_reentrant=False, context_fn=checkpoint_context_fn)
+    enable = getattr(PreTrainedModel, "_activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(self, kw, **kwargs)
+    else:  # transformers without the v5.2x split: the public method is the implementation
+        PreTrainedModel.gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=kw, **kwargs)
+
+
 def _ranks(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
@@ -107,8 +138,23 @@ def _refuse_foreign_ddp(model: nn.Module, args, kwargs):
     return None
 
 
+def check_before_parallelize(model: nn.Module) -> None:
+    """Refuse, before anything changes, a model whose HF state tpify cannot take over.
+
+    Raises:
+        TPUsageError: gradient checkpointing was enabled before parallelizing (its recomputation
+            would not restore tpify's dropout streams).
+    """
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise TPUsageError(f"{type(model).__name__} has gradient checkpointing enabled: enable it after "
+                           f"tpify.parallelize (model.gradient_checkpointing_enable()), so that the recomputed "
+                           f"forward restores tpify's dropout streams")
+
+
 def install(model: nn.Module) -> None:
     """Give a freshly parallelized model its TP-aware HF methods and the DDP guard (see module doc)."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, model)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
     if hasattr(model, "resize_token_embeddings"):
