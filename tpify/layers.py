@@ -238,6 +238,7 @@ class VocabParallelEmbedding(nn.Module):
     Communication:
         forward: one all-reduce (sum) of the output. backward: none.
     Raises:
+        IndexError: (forward) an id outside ``[0, num_embeddings)``, as ``nn.Embedding``.
         NotImplementedError: the dense embedding uses ``max_norm``, ``scale_grad_by_freq`` or
             ``sparse``, which cannot be computed from one shard of the table.
     """
@@ -285,9 +286,19 @@ class VocabParallelEmbedding(nn.Module):
         return _copy_shards(layer, module, layer.tp_rank)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``(B, T)`` ids -> ``(B, T, embedding_dim)`` embeddings, replicated."""
+        """``(B, T)`` ids -> ``(B, T, embedding_dim)`` embeddings, replicated.
+
+        Raises:
+            IndexError: an id outside ``[0, num_embeddings)``, as ``nn.Embedding`` raises (every
+                rank holds the same ids, so every rank raises, before the all-reduce).
+        """
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight, self.padding_idx)
+        if input_ids.numel() and not torch.compiler.is_compiling():
+            low, high = torch.aminmax(input_ids)
+            if low < 0 or high >= self.num_embeddings:  # a host sync, as the dense lookup's bounds check
+                raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got "
+                                 f"min {int(low)}, max {int(high)} (index out of range in self)")
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)

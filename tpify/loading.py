@@ -54,8 +54,11 @@ def _weight_files(path: Path) -> dict[str, str]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, got "
+                                  f"{type(weight_map).__name__}; re-save the checkpoint or fix the index")
         return dict(weight_map)
     single = path / SAFE_WEIGHTS_NAME
     if not single.is_file():
@@ -119,14 +122,26 @@ def _resolve_class(config, model_class):
     return transformers.AutoModel._model_mapping[type(config)]
 
 
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
 def _resolve_dtype(config, headers_dtype, torch_dtype):
+    """The floating dtype to load parameters in.
+
+    Raises:
+        ValueError: ``torch_dtype`` names no torch floating dtype (``"float33"``) or a
+            non-floating one (``"int8"``: quantization is not supported).
+    """
     if torch_dtype is None or torch_dtype == "auto":
         dtype = getattr(config, "dtype", None) or headers_dtype
-    else:
-        dtype = torch_dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+    dtype = getattr(torch, torch_dtype, None) if isinstance(torch_dtype, str) else torch_dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"from_pretrained: torch_dtype={torch_dtype!r} is not a floating dtype; use one of "
+                         f"{list(_FLOAT_DTYPES)} (or a torch.dtype, or 'auto'); quantized loading is not supported")
+    return dtype
 
 
 @contextlib.contextmanager

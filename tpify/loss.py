@@ -142,7 +142,7 @@ def vocab_parallel_cross_entropy(
             ``"mean"``.
         label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy`` (uniform over the true V).
         reduction: ``"none"``, ``"sum"`` or ``"mean"`` (over the non-ignored tokens of this call;
-            NaN when every token is ignored, like ``F.cross_entropy``).
+            NaN when every token is ignored, like ``F.cross_entropy``, with a zero gradient).
         tp_group: the group that shares the vocabulary (``None``: the default group, or a single
             process when torch.distributed is not initialised).
         vocab_size: the true vocabulary ``V`` when the shards are padded (``V_padded > V``):
@@ -181,7 +181,19 @@ def vocab_parallel_cross_entropy(
         return loss
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / (target != ignore_index).sum()
+    return mean_or_nan(loss.sum(), (target != ignore_index).sum())
+
+
+def mean_or_nan(total: torch.Tensor, count) -> torch.Tensor:
+    """``total / count``, NaN when ``count == 0`` (as ``F.cross_entropy``) but with a zero gradient.
+
+    ``0 / 0`` would also be NaN forward, but its gradient is NaN too, and one batch whose labels
+    are all ignored (or a one-token causal sequence) would then poison the weights at the next
+    optimizer step; HF's dense model gets zero gradients there.
+    """
+    count = torch.as_tensor(count, device=total.device)
+    mean = total / count.clamp(min=1).to(total.dtype)
+    return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +287,7 @@ class _ParallelLMLoss:
         loss = vocab_parallel_cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
                                             tp_group=self.head.tp_group, vocab_size=self.head.out_features)
         if num_items is not None:
-            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+            loss = mean_or_nan(loss, num_items)
         if isinstance(output, tuple):
             return (loss,) + output
         values = {k: v for k, v in output.items() if k != "loss"}

@@ -39,7 +39,7 @@ def resolve_tp_size(tp_size: int | None, tp_group: dist.ProcessGroup | None) -> 
         return size
     if tp_size is None:
         return world
-    if not isinstance(tp_size, int) or tp_size < 1:
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
     if tp_size > 1 and not initialized:
         raise ValueError(f"tp_size = {tp_size} needs torch.distributed: launch with torchrun "

@@ -97,3 +97,72 @@ def test_interrupted_save_keeps_previous(tmp_path):
     again = BertModel.from_pretrained(path)
     for k, v in model.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
+
+
+def test_save_keeps_files_it_does_not_own(tmp_path):
+    """Saving into a model directory replaces the weights and config only: the tokenizer, notes,
+    logs and Trainer checkpoints stay; weight shards of an earlier save that the new one does not
+    write are removed; a symlinked target stays a symlink. Also what HF's own
+    ``model.save_pretrained`` does on a parallelized model (it is tpify's save)."""
+    model, path = _bert_base(tmp_path)
+    (path / "tokenizer.json").write_text("{}")
+    (path / "NOTES.txt").write_text("keep me")
+    (path / "logs").mkdir()
+    (path / "logs" / "run.txt").write_text("log")
+    (path / "checkpoint-2").mkdir()
+    (path / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    par = tpify.from_pretrained(path)
+    with torch.no_grad():
+        par.embeddings.word_embeddings.weight.add_(1.0)
+    par.save_pretrained(path)  # HF's method on a parallelized model: tpify's dense save
+    assert (path / "NOTES.txt").read_text() == "keep me" and (path / "tokenizer.json").exists()
+    assert (path / "logs" / "run.txt").exists() and (path / "checkpoint-2").is_dir()
+    assert not (path / "model-00001-of-00002.safetensors").exists(), "stale shard of an older save"
+    again = BertModel.from_pretrained(path)
+    assert torch.equal(again.embeddings.word_embeddings.weight, par.embeddings.word_embeddings.weight)
+    link = tmp_path / "link"
+    link.symlink_to(path, target_is_directory=True)
+    tpify.save_pretrained(par, link, max_shard_size="4KB")
+    assert link.is_symlink() and (path / "model.safetensors.index.json").exists()
+    assert not (path / "model.safetensors").exists(), "the single-file weights of the previous save"
+    assert (path / "NOTES.txt").exists()
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p], "nothing left beside"
+
+
+def test_unclear_arguments_are_named():
+    """tp_size=True, an index whose weight_map is null, torch_dtype="float33" / "int8": each
+    error names the argument or the file and the fix."""
+    import json
+
+    import pytest
+
+    with pytest.raises((ValueError, tpify.PlanError), match="tp_size must be a positive integer, got True"):
+        tpify.parallelize(BertModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                               intermediate_size=32, vocab_size=100)), tp_size=True)
+    from tpify.loading import _resolve_dtype, _weight_files
+
+    for bad in ("float33", "int8"):
+        with pytest.raises(ValueError, match=f"torch_dtype='{bad}' is not a floating dtype"):
+            _resolve_dtype(None, torch.float32, bad)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "model.safetensors.index.json").write_text(json.dumps({"weight_map": None}))
+        with pytest.raises(tpify.CheckpointError, match="'weight_map' must map tensor names to file names"):
+            _weight_files(Path(d))
+
+
+def test_tp_model_hf_methods():
+    """resize_token_embeddings after parallelize raises before changing anything; state_dict
+    returns the (here tp=1, full) shards; save_pretrained(state_dict=...) is refused."""
+    import pytest
+
+    from tpify.integrations import TPUsageError
+
+    model = tpify.parallelize(BertModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                                   intermediate_size=32, vocab_size=100)), tp_size=1)
+    with pytest.raises(TPUsageError, match="resize the dense model first|Resize the dense model first"):
+        model.resize_token_embeddings(120)
+    assert model.embeddings.word_embeddings.num_embeddings == 100
+    with pytest.raises(TPUsageError, match="state_dict="):
+        model.save_pretrained("/nonexistent", state_dict={})
