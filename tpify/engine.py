@@ -202,6 +202,7 @@ def build_plan(model: nn.Module, recipe: Recipe, tp_size: int) -> Plan:
                 need_divisible(f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f)
         plan.entries[fqn] = entry
 
+    errors.extend(_tie_conflicts(model, plan))
     if uncovered:
         errors.insert(0, f"{len(uncovered)} module(s) of types {SHARDABLE_TYPES} are covered by no rule of recipe "
                          f"{recipe.source}: {uncovered}. Add a rule for each (style 'replicate' to keep a full "
@@ -213,6 +214,49 @@ def build_plan(model: nn.Module, recipe: Recipe, tp_size: int) -> Plan:
                         f"tp_size = {tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
     plan.unmatched_rules = [r for r in recipe.rules if not matched[r.index] and not r.optional]
     return plan
+
+
+# Styles that shard a tied weight the same way: vocabulary rows, padded alike (embedding = LM head).
+_VOCAB_ROW_STYLES = {"embedding_rowwise", "colwise_rep"}
+
+
+def _rows(module: nn.Module, entry: PlanEntry) -> int | None:
+    """Padded vocabulary rows a vocab-row style gives a module (None for other styles)."""
+    if entry.style == "embedding_rowwise":
+        return entry.padded_size
+    if entry.style == "colwise_rep":
+        return entry.padded_size or _dims(module)[1]
+    return None
+
+
+def _tie_conflicts(model: nn.Module, plan: Plan) -> list[str]:
+    """Tied parameters whose holders' styles would shard them differently (or one not at all).
+
+    A weight tied between an embedding and an LM head must be replicated by both, or split by
+    vocabulary rows by both (``embedding_rowwise`` + ``colwise_rep``); anything else gives one of
+    them a shard it cannot use (wrong logits or a half-width vocabulary), so it is an error.
+    """
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for mname, module in model.named_modules():
+        for pname, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((mname, pname))
+    errors = []
+    for places in holders.values():
+        if len(places) < 2:
+            continue
+        styles = {}
+        for mname, pname in places:
+            entry = plan.entries.get(mname)
+            styles[f"{mname}.{pname}"] = entry.style if entry is not None else "replicate"
+        kinds = set(styles.values())
+        if kinds == {"replicate"} or (kinds <= _VOCAB_ROW_STYLES and "replicate" not in kinds):
+            sizes = {_rows(model.get_submodule(m), plan.entries[m]) for m, _ in places if m in plan.entries}
+            if len(sizes) <= 1:
+                continue
+        errors.append(f"tied parameter {sorted(styles)} is given styles {styles}, which shard it differently: give "
+                      f"every holder 'replicate', or the embedding 'embedding_rowwise' and the head 'colwise_rep'")
+    return errors
 
 
 def _build_layer(module: nn.Module, entry: PlanEntry, tp_group: dist.ProcessGroup | None) -> nn.Module:
