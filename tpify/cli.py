@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--clip", type=float, default=1.0, help="gradient clipping by global norm (0: off)")
     ft.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final model only)")
     ft.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    ft.add_argument("--allow-changes", action="store_true",
+                    help="with --resume: continue although the run's arguments differ from the checkpoint's")
     ft.add_argument("--seed", type=int, default=0)
     ft.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype (bfloat16: pure bf16 training; the loss is computed in float32)")
@@ -152,7 +154,8 @@ def _finetune_worker(args) -> int:
     cfg = FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                          steps=args.steps, clip=args.clip, save_every=args.save_every, resume=args.resume,
-                         seed=args.seed, dtype=args.dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha)
+                         seed=args.seed, dtype=args.dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                         allow_changes=args.allow_changes)
     losses = finetune(cfg)
     if dist.get_rank() == 0:
         print(f"losses: {' '.join(f'{v:.4f}' for v in losses)}")

@@ -245,10 +245,12 @@ def _tie_conflicts(model: nn.Module, plan: Plan) -> list[str]:
     for places in holders.values():
         if len(places) < 2:
             continue
-        styles = {}
-        for mname, pname in places:
-            entry = plan.entries.get(mname)
-            styles[f"{mname}.{pname}"] = entry.style if entry is not None else "replicate"
+        # Holders that are not shardable layers (BertLMPredictionHead.bias holding its decoder's
+        # bias) only point at the parameter; surgery re-points them to whatever the layer holds.
+        styles = {f"{m}.{p}": plan.entries[m].style for m, p in places if m in plan.entries}
+        places = [(m, p) for m, p in places if m in plan.entries]
+        if len(places) < 2:
+            continue
         kinds = set(styles.values())
         if kinds == {"replicate"} or (kinds <= _VOCAB_ROW_STYLES and "replicate" not in kinds):
             sizes = {_rows(model.get_submodule(m), plan.entries[m]) for m, _ in places if m in plan.entries}

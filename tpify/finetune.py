@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import comm
 from .random import get_rng_tracker
 
-__all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files", "add_lora", "lora_targets"]
+__all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files", "add_lora", "lora_targets", "resume_point"]
 
 
 def default_text_files() -> list[Path]:
@@ -55,6 +55,7 @@ class FinetuneConfig:
     dtype: str = "float32"       # parameter dtype: float32, or bfloat16 (pure bf16 training)
     lora_r: int = 0              # > 0: train LoRA adapters of this rank on every parallel linear layer
     lora_alpha: int | None = None  # default 2 * lora_r
+    allow_changes: bool = False  # resume even if the run's arguments differ from the checkpoint's
     progress: bool = True
 
 
@@ -100,8 +101,33 @@ def _lr_lambda(warmup: int, steps: int):
 
 
 def _latest_checkpoint(out_dir: Path) -> Path | None:
-    ckpts = sorted(out_dir.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
-    return ckpts[-1] if ckpts else None
+    """The ``checkpoint-<step>`` folder with the highest step; other names (``checkpoint-old2``) are ignored."""
+    import re
+
+    ckpts = [(int(m.group(1)), p) for p in out_dir.glob("checkpoint-*")
+             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    return max(ckpts)[1] if ckpts else None
+
+
+# Options that shape the run: a resume must use the values the checkpoint was written with.
+_RUN_FIELDS = ("model_dir", "data", "tp", "dp", "seq_len", "batch_size", "lr", "warmup", "steps", "clip",
+               "weight_decay", "seed", "dtype", "lora_r", "lora_alpha")
+
+
+def _run_args(cfg: "FinetuneConfig") -> dict:
+    return {k: getattr(cfg, k) for k in _RUN_FIELDS}
+
+
+def _read_state(ckpt: Path) -> dict:
+    """``trainer/state.json`` of a checkpoint, or a clear error naming the file."""
+    file = ckpt / "trainer" / "state.json"
+    try:
+        state = json.loads(file.read_text())
+        state["step"], state["losses"]  # noqa: B018 - both must be there
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume: {file} is missing or corrupt ({type(e).__name__}: {e}); delete {ckpt} to "
+                         f"resume from the checkpoint before it, or start without --resume") from e
+    return state
 
 
 def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Path) -> Path:
@@ -127,7 +153,7 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
     if rank == 0:
         (tmp / "trainer" / "state.json").write_text(json.dumps(
             {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
-             "lora_r": cfg.lora_r}))
+             "lora_r": cfg.lora_r, "args": _run_args(cfg)}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     comm.barrier()
@@ -167,6 +193,34 @@ def add_lora(model, cfg: FinetuneConfig):
     return model, trainable, total
 
 
+def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
+    """The checkpoint ``--resume`` continues from and its state; local, the same on every rank.
+
+    Raises:
+        ValueError: no ``checkpoint-<step>`` folder; a missing or corrupt ``state.json``; a
+            checkpoint written with another tp/dp layout or LoRA rank; other run arguments than
+            ``cfg``'s (listed, unless ``cfg.allow_changes``).
+    """
+    out_dir = Path(cfg.out_dir)
+    ckpt = _latest_checkpoint(out_dir)
+    if ckpt is None:
+        raise ValueError(f"--resume: no checkpoint-<step> directory in {out_dir}")
+    state = _read_state(ckpt)
+    if (state["tp"], state["dp"]) != (cfg.tp, cfg.dp):
+        raise ValueError(f"--resume: {ckpt} was written at tp={state['tp']} dp={state['dp']}; "
+                         f"resume with --tp {state['tp']} --dp {state['dp']}")
+    if state.get("lora_r", 0) != cfg.lora_r:
+        raise ValueError(f"--resume: {ckpt} was written with --lora-r {state.get('lora_r', 0)}; resume with it")
+    changed = {k: (v, getattr(cfg, k)) for k, v in state.get("args", {}).items()
+               if k in _RUN_FIELDS and v != getattr(cfg, k)}
+    if changed and not cfg.allow_changes:
+        raise ValueError(f"--resume: {ckpt} was written with other arguments: "
+                         + ", ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
+                         + ". Resume with the same arguments, or pass --allow-changes to continue with the new "
+                           "ones (data order and learning rate then differ from an uninterrupted run)")
+    return ckpt, state
+
+
 def _plot(losses: list[float], path: Path) -> None:
     import matplotlib
 
@@ -196,7 +250,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
 
     Raises:
         ValueError: ``tp * dp`` differs from the world size, or ``resume`` finds a checkpoint
-            written with another tp/dp layout (its optimizer shards would not fit).
+            written with another tp/dp layout (its optimizer shards would not fit), with other
+            run arguments (unless ``allow_changes``), or with a corrupt ``state.json``.
     """
     from transformers import AutoTokenizer
 
@@ -209,15 +264,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     out_dir = Path(cfg.out_dir)
     start_step, losses, model_dir, trainer_dir = 0, [], Path(cfg.model_dir), None
     if cfg.resume:
-        ckpt = _latest_checkpoint(out_dir)
-        if ckpt is None:
-            raise ValueError(f"--resume: no checkpoint-* directory in {out_dir}")
-        state = json.loads((ckpt / "trainer" / "state.json").read_text())
-        if (state["tp"], state["dp"]) != (cfg.tp, cfg.dp):
-            raise ValueError(f"--resume: {ckpt} was written at tp={state['tp']} dp={state['dp']}; "
-                             f"resume with --tp {state['tp']} --dp {state['dp']}")
-        if state.get("lora_r", 0) != cfg.lora_r:
-            raise ValueError(f"--resume: {ckpt} was written with --lora-r {state.get('lora_r', 0)}; resume with it")
+        ckpt, state = resume_point(cfg)
         start_step, losses, trainer_dir = state["step"], state["losses"], ckpt / "trainer"
         model_dir = model_dir if cfg.lora_r else ckpt / "model"  # LoRA: the base model and the saved adapter
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
