@@ -16,7 +16,7 @@
     block and are not counted; the weight gradient is.
 (b) The collectives one training step (forward with ``labels=``, backward) of a small GPT-2
     issues at tp=2 (``tpify.count_collectives``), against the analytic minimum of
-    MECHANICS.md, "Communication budget": per layer 4 all-reduces of ``B*T*H``; per step the
+    docs/mechanics.md, "Communication budget": per layer 4 all-reduces of ``B*T*H``; per step the
     embedding's and the tied head's all-reduce (``B*T*H`` each) and the loss's 3 of ``B*T``.
 
 Writes benchmarks/out/loss.md and benchmarks/out/loss_memory.png, prints the table.
@@ -137,7 +137,7 @@ def main():
               f"H={c['H']}, V=50257)", "",
               "| | all-reduce calls | all-reduce values | all-gather calls | all-gather values |",
               "| --- | --- | --- | --- | --- |"]
-    for name, label in (("minimum", "analytic minimum (MECHANICS.md)"), ("ours", "tpify, labels= (vocab-parallel loss)"),
+    for name, label in (("minimum", "analytic minimum (docs/mechanics.md)"), ("ours", "tpify, labels= (vocab-parallel loss)"),
                         ("before", "gathered logits + F.cross_entropy")):
         d = c[name]
         lines.append(f"| {label} | {d.get('all_reduce', 0)} | {d.get('all_reduce_numel', 0)} | "

@@ -3,7 +3,7 @@
 ``world = dp * tp`` ranks are laid out as a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh`
 with axes ``("dp", "tp")`` in row-major order, so the ranks of one TP group are contiguous
 (ranks ``0 .. tp-1`` form the first), which keeps TP inside a host when each host runs a
-multiple of ``tp`` processes (MECHANICS.md, "Groups").
+multiple of ``tp`` processes (docs/mechanics.md, "Groups").
 """
 
 from __future__ import annotations

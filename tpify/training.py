@@ -5,7 +5,7 @@ one model replica and see the same batch; the ``dp`` replicas see different batc
 ``loss.backward()`` each shard's gradient is averaged over its DP group
 (:func:`sync_gradients`), and the gradient norm used for clipping is that of the whole dense
 model: squares of sharded gradients summed over the TP group, replicated ones counted once
-(:func:`clip_grad_norm_`; MECHANICS.md "Parameters, gradients, memory"). The Trainer and
+(:func:`clip_grad_norm_`; docs/mechanics.md "Gradients, clipping, memory"). The Trainer and
 accelerate adapters (:mod:`tpify.integrations`) call these same functions.
 """
 

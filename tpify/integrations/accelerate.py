@@ -6,7 +6,7 @@ for a tpify model overwrites the other TP ranks' shards with rank 0's, hands the
 model replica different batches, averages gradients of different shards, and clips by each
 rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with five methods changed, so that
 ``prepare(model, optimizer, dataloader)``, ``backward`` and ``clip_grad_norm_`` are exact
-(MECHANICS.md "Groups"; Megatron-LM, arXiv:1909.08053, section 3):
+(docs/mechanics.md "Groups"; Megatron-LM, arXiv:1909.08053, section 3):
 
 * ``prepare_model``: no DDP wrap (device placement, autocast and compile as accelerate does
   them); the model's TP/DP groups are recorded.
