@@ -23,7 +23,8 @@ The dense model's loss is HF's with float64 arithmetic (``tputil.float64_loss_fu
 own upcasts to float32). Also checked: ``trainer.save_model()`` writes a directory plain
 transformers loads, with the dense model's logits (atol 1e-10); a run resumed from a Trainer
 checkpoint (with dropout 0.1, so tpify's dropout streams must be restored too) ends bitwise
-equal to the straight run; plain ``Trainer`` and plain ``Accelerator.prepare`` on a tpify model
+equal to the straight run, and so does an accelerate loop resumed with ``save_state`` /
+``load_state``; plain ``Trainer`` and plain ``Accelerator.prepare`` on a tpify model
 raise on every rank instead of training wrong.
 """
 
@@ -109,13 +110,22 @@ def _log(trainer):
     return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
 
 
-def _accelerate_loop(accelerator, model, batch):
+def _accelerate_loop(accelerator, model, batch, steps=3, save=None, resume=None):
+    """3 steps of an accelerate loop; ``save``: save_state after 2 steps and stop; ``resume``:
+    load_state, skip the first 2 batches, run the 3rd."""
     loader = torch.utils.data.DataLoader(_Data(masked=False), batch_size=batch, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt, loader = accelerator.prepare(model, opt, loader)
+    if resume:
+        accelerator.load_state(resume)
+        loader = accelerator.skip_first_batches(loader, 2)
+        steps = 1
     log = []
-    for _, data in zip(range(3), loader):
+    for step, data in zip(range(steps), loader):
+        if save and step == 2:
+            accelerator.save_state(save)
+            break
         loss = model(**data).loss
         accelerator.backward(loss)
         norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -181,6 +191,13 @@ def _tp_body(rank, world, tp, out):
     model = tpify.parallelize(_model(), tp_size=tp)
     results["accelerate"] = _accelerate_loop(TPAccelerator(cpu=True), model, 4 // dp)
     results["accelerate_weights"] = _dense_weights(model)
+    # save_state after 2 steps, then a fresh model and optimizer, load_state, the 3rd step: bitwise.
+    _accelerate_loop(TPAccelerator(cpu=True), tpify.parallelize(_model(), tp_size=tp), 4 // dp, save=out + "/state")
+    resumed = tpify.parallelize(_model(), tp_size=tp)
+    log = _accelerate_loop(TPAccelerator(cpu=True), resumed, 4 // dp, resume=out + "/state")
+    assert log == results["accelerate"][2:], (log, results["accelerate"])
+    for name, w in _dense_weights(resumed).items():
+        assert torch.equal(w, results["accelerate_weights"][name]), f"accelerate resume: {name}"
     if rank == 0:  # tensors travel through a file: a queue would share memory with an exiting process
         torch.save(results, out + "/results.pt")
     dist.barrier()

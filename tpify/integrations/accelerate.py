@@ -19,8 +19,10 @@ rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with five methods c
 * ``clip_grad_norm_``: the norm of the dense model (:func:`tpify.training.params_grad_norm`:
   sharded gradients' squares summed over TP, replicated ones counted once).
 * ``save_model``: the dense Hugging Face checkpoint (or a PEFT model's dense adapter), a
-  collective every rank calls. ``get_state_dict``, ``save_state`` and ``load_state`` raise
-  :class:`~tpify.integrations.model.TPUsageError` (they would write rank 0's shards only).
+  collective every rank calls; ``save_state``/``load_state``: that checkpoint plus one state file
+  per rank (optimizer shards, scheduler, generators, tpify's dropout streams), read back in place.
+  ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError` (a state dict of
+  shards is not the model's).
 
 Everything else is accelerate's. ``gather_for_metrics`` (what Trainer's evaluation uses) counts
 each sample once; ``gather``/``reduce`` still span the world, where each TP group holds
@@ -30,6 +32,7 @@ each sample once; ``gather``/``reduce`` still span the world, where each TP grou
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import accelerate
 from accelerate.data_loader import prepare_data_loader
@@ -73,7 +76,7 @@ class TPAccelerator(accelerate.Accelerator):
     Raises:
         TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
             ``dispatch_batches``, a data loader prepared before any tpify model, two models
-            with different groups, ``get_state_dict``/``save_state``/``load_state``.
+            with different groups, ``get_state_dict``; a state saved by another number of ranks.
     """
 
     # -- what tpify models were prepared --------------------------------------------------------
@@ -178,17 +181,92 @@ class TPAccelerator(accelerate.Accelerator):
                                "save the dense checkpoint with accelerator.save_model(model, dir) on every rank")
         return super().get_state_dict(model, unwrap=unwrap)
 
-    def save_state(self, *args, **kwargs):
-        if self._tp_models():
-            raise TPUsageError("TPAccelerator.save_state is not supported for tpify models (it writes rank 0's "
-                               "shards and optimizer state only); use tpify.integrations.TPTrainer checkpoints, or "
-                               "accelerator.save_model plus one torch.save(optimizer.state_dict()) per rank")
-        return super().save_state(*args, **kwargs)
+    def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
+        """Save what a resume needs, for tpify models (a collective every rank calls).
 
-    def load_state(self, *args, **kwargs):
-        if self._tp_models():
-            raise TPUsageError("TPAccelerator.load_state is not supported for tpify models; see save_state")
-        return super().load_state(*args, **kwargs)
+        ``output_dir/model`` (``model_<i>`` for further models) holds each model's dense Hugging
+        Face checkpoint, or a PEFT model's dense adapter; ``output_dir/tpify_state_rank<k>.pt``
+        holds rank ``k``'s optimizer and scheduler states (its shards), accelerate's step
+        counter, the Python, NumPy and torch generators and tpify's dropout streams. The data
+        position is the caller's, as with accelerate (``skip_first_batches``).
+
+        Raises:
+            TPUsageError: no ``output_dir`` (automatic checkpoint naming is not supported here).
+        """
+        if not self._tp_models():
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if output_dir is None:
+            raise TPUsageError("TPAccelerator.save_state needs output_dir for tpify models")
+        import random
+
+        import numpy as np
+        import torch
+
+        from .. import comm
+        from ..random import get_rng_tracker
+
+        out = Path(output_dir)
+        for i, model in enumerate(self._models):
+            self.save_model(model, out / ("model" if i == 0 else f"model_{i}"))
+        state = {"optimizers": [o.state_dict() for o in self._optimizers],
+                 "schedulers": [s.state_dict() for s in self._schedulers], "step": self.step,
+                 "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                 "tpify_rng": get_rng_tracker().state_dict(), "world": self.num_processes}
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(state, out / f"tpify_state_rank{self.process_index}.pt")
+        comm.barrier()
+        return str(out)
+
+    def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        """Restore what :meth:`save_state` wrote, into the prepared models and optimizers in place.
+
+        Each rank reads its slices of the dense weights (or adapter) and its own state file.
+
+        Raises:
+            TPUsageError: no ``input_dir``; the state was saved by another number of ranks.
+            CheckpointError: the weights do not fit the model.
+        """
+        if not self._tp_models():
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        if input_dir is None:
+            raise TPUsageError("TPAccelerator.load_state needs input_dir for tpify models")
+        import random
+
+        import numpy as np
+        import torch
+
+        from ..loading import load_weights_
+        from ..random import get_rng_tracker
+        from .peft import load_adapter_
+
+        src = Path(input_dir)
+        file = src / f"tpify_state_rank{self.process_index}.pt"
+        if not file.is_file():
+            raise TPUsageError(f"TPAccelerator.load_state: {file} is missing; load a state saved by TPAccelerator "
+                               f"with the same number of ranks")
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        if state["world"] != self.num_processes:
+            raise TPUsageError(f"TPAccelerator.load_state: {src} was saved by {state['world']} ranks, this run has "
+                               f"{self.num_processes}")
+        for i, model in enumerate(self._models):
+            path = src / ("model" if i == 0 else f"model_{i}")
+            inner = self.unwrap_model(model)
+            if type(inner).__module__.startswith("peft."):
+                load_adapter_(inner, path, adapter_name=inner.active_adapter)
+            else:
+                load_weights_(tp_model_of(inner), path)
+        for opt, saved in zip(self._optimizers, state["optimizers"]):
+            opt.load_state_dict(saved)
+        for sched, saved in zip(self._schedulers, state["schedulers"]):
+            sched.load_state_dict(saved)
+        self.step = state["step"]
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        get_rng_tracker().load_state_dict(state["tpify_rng"])
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """As accelerate's, counting each sample once: the TP ranks of a replica hold the same
