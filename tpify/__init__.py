@@ -8,7 +8,7 @@ its slices; ``tpify.save_pretrained(model, path)`` writes it back in the Hugging
 """
 
 from .api import TPInfo, get_tp_info, parallelize
-from .comm import count_collectives
+from .comm import AgreementError, count_collectives
 from .engine import PlanError
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loading import CheckpointError, from_pretrained, save_pretrained
@@ -31,6 +31,7 @@ __all__ = [
     "load_recipe",
     "PlanError",
     "RecipeError",
+    "AgreementError",
     "manual_seed",
 ]
 __version__ = "0.1.0"

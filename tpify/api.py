@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,30 @@ def _model_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None")
     return load_recipe(model_type)
 
 
+def _digest(value) -> str:
+    return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def fingerprint(model: nn.Module, plan: Plan | None, tp_size: int | None, tp_group=None) -> dict:
+    """What every rank must share to parallelize ``model`` together (compared by ``comm.agree``).
+
+    The tp size, the model class, a digest of its config (without paths), of the recipe's rules
+    and of the plan, the parameters' dtypes and device types, and the TP group's ranks.
+    """
+    config = getattr(model, "config", None)
+    config_dict = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"} if config is not None else {}
+    params = list(model.parameters())
+    out = {"tp_size": tp_size, "model class": type(model).__name__, "config": _digest(config_dict),
+           "dtypes": sorted({str(p.dtype) for p in params}), "device types": sorted({p.device.type for p in params})}
+    if plan is not None:
+        out["recipe"] = _digest([(r.patterns, r.style, r.parts, r.divide, r.optional) for r in plan.recipe.rules]
+                                + [plan.recipe.model_type, list(plan.recipe.divisible)])
+        out["plan"] = _digest(sorted((f, e.style, e.partition_sizes, e.padded_size) for f, e in plan.entries.items()))
+    if tp_group is not None:
+        out["tp_group ranks"] = sorted(dist.get_process_group_ranks(tp_group))
+    return out
+
+
 def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None):
     """(tp_group, dp_group) for a validated ``tp_size``; creates the mesh when needed (collective)."""
     if tp_group is not None or not (dist.is_available() and dist.is_initialized()):
@@ -90,8 +116,11 @@ def parallelize(
     ``DistributedDataParallel`` over other ranks than its DP group raises
     (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards.
 
-    Communication: none while validating (every rank raises the same error on bad input,
-    before any collective); creating the TP/DP groups is collective over the world.
+    Communication: first one agreement (``comm.agree``, one all-gather of a small object over the
+    world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
+    one rank, or ranks launched with different models, configs, recipes, tp sizes or dtypes,
+    raise on every rank (:class:`~tpify.comm.AgreementError` on the others) instead of hanging;
+    then creating the TP/DP groups (collective over the world).
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
@@ -100,12 +129,19 @@ def parallelize(
             module, the numbers and the tp sizes that would work).
         ValueError: inconsistent ``tp_size``/``tp_group``, or ``tp_size > 1`` without
             ``torch.distributed``.
+        AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
     """
-    if getattr(model, "tp_info", None) is not None:
-        raise ValueError(f"{type(model).__name__} is already parallelized")
-    check_before_parallelize(model)
-    size = resolve_tp_size(tp_size, tp_group)
-    plan = build_plan(model, _model_recipe(model, recipe), size)
+    error, plan, size = None, None, None
+    try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
+        if getattr(model, "tp_info", None) is not None:
+            raise ValueError(f"{type(model).__name__} is already parallelized")
+        check_before_parallelize(model)
+        size = resolve_tp_size(tp_size, tp_group)
+        plan = build_plan(model, _model_recipe(model, recipe), size)
+    except Exception as e:  # noqa: BLE001 - re-raised by comm.agree on this rank, reported on the others
+        error = e
+    comm.agree("tpify.parallelize", fingerprint(model, plan, size, tp_group) if error is None else {}, error,
+               group=tp_group)
     tp_group, dp_group = resolve_groups(size, tp_group)
     apply_plan(model, plan, tp_group)
     model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, plan)

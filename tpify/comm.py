@@ -41,6 +41,8 @@ __all__ = [
     "barrier",
     "all_gather_objects",
     "count_collectives",
+    "agree",
+    "AgreementError",
 ]
 
 _counters: list[Counter] = []
@@ -128,6 +130,51 @@ def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
     _record("all_gather_object", torch.empty(0))
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+class AgreementError(RuntimeError):
+    """Ranks that must agree do not: different arguments, models, recipes or tp sizes, or another
+    rank failed before the first collective. Raised on every rank at the same point."""
+
+
+def agree(what: str, fingerprint: dict, error: BaseException | None = None,
+          group: dist.ProcessGroup | None = None) -> None:
+    """The first communication of a tpify entry point: every rank learns every rank's outcome.
+
+    Each rank brings what it checked locally: a ``fingerprint`` (small, picklable values that must
+    be equal on every rank: the tp size, a digest of the config, the recipe and the plan, the
+    dtype, a path) and the ``error`` its own checks raised, if any. One all-gather of these, then
+    every rank decides alike: a rank that failed raises its own error, the others raise an
+    :class:`AgreementError` naming that rank and its error; if the fingerprints differ, every rank
+    raises an :class:`AgreementError` listing each differing value per rank. So bad input on one
+    rank, or ranks launched with different arguments, stop every rank with an error instead of a
+    hang or a collective mismatch.
+
+    Without torch.distributed (or a one-rank group) it only re-raises ``error``.
+
+    Communication: one ``all_gather_object`` over ``group`` (default: the world).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or get_tp_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    mine = (None, f"{type(error).__name__}: {error}") if error is not None else (fingerprint, None)
+    everyone = all_gather_objects(mine, group)
+    if error is not None:
+        raise error
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    failed = [(ranks[i], message) for i, (_, message) in enumerate(everyone) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise AgreementError(f"{what} failed on rank(s) {[r for r, _ in failed]} (rank {rank}: {message.strip()}); "
+                             f"this rank stops here too instead of waiting for it")
+    keys = sorted({k for fp, _ in everyone for k in fp})
+    differing = [k for k in keys if len({repr(fp.get(k)) for fp, _ in everyone}) > 1]
+    if differing:
+        parts = [f"{k}: " + ", ".join(f"rank {ranks[i]} {fp.get(k)!r}" for i, (fp, _) in enumerate(everyone))
+                 for k in differing]
+        raise AgreementError(f"the ranks disagree on {what}: " + "; ".join(parts) + ". Launch every rank with the "
+                             f"same model, checkpoint, recipe, tp_size, dtype and arguments.")
 
 
 def _split_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

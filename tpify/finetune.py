@@ -256,15 +256,23 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     from transformers import AutoTokenizer
 
     import tpify
-    from tpify.training import clip_grad_norm_, sync_gradients
+    from tpify.training import check_replicas, clip_grad_norm_, sync_gradients
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if cfg.tp * cfg.dp != world:
         raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the world has {world}")
     out_dir = Path(cfg.out_dir)
     start_step, losses, model_dir, trainer_dir = 0, [], Path(cfg.model_dir), None
+    error, state, ckpt = None, None, None
+    try:  # local checks, then one agreement: bad arguments or files on one rank stop every rank
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"--out {out_dir} is a file; pass a directory")
+        if cfg.resume:
+            ckpt, state = resume_point(cfg)
+    except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
+        error = e
+    comm.agree("tpify finetune", {"args": _run_args(cfg), "resume step": state["step"] if state else None}, error)
     if cfg.resume:
-        ckpt, state = resume_point(cfg)
         start_step, losses, trainer_dir = state["step"], state["losses"], ckpt / "trainer"
         model_dir = model_dir if cfg.lora_r else ckpt / "model"  # LoRA: the base model and the saved adapter
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -285,6 +293,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         if rank == 0:
             print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / total:.2f}%)", flush=True)
+    check_replicas(model)  # every copy of every parameter bitwise equal before training
     model.train()
     info = tpify.get_tp_info(model)
     dp_rank = comm.get_tp_rank(info.dp_group)
@@ -292,10 +301,16 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))
     if trainer_dir is not None:
-        saved = torch.load(trainer_dir / f"rank{rank}.pt", weights_only=False)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        get_rng_tracker().load_state_dict(saved["rng"])  # dropout streams continue exactly
+        error = None
+        try:  # a missing or corrupt per-rank file stops every rank, not only this one
+            saved = torch.load(trainer_dir / f"rank{rank}.pt", weights_only=False)
+            optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            get_rng_tracker().load_state_dict(saved["rng"])  # dropout streams continue exactly
+        except Exception as e:  # noqa: BLE001
+            error = ValueError(f"--resume: cannot restore {trainer_dir / f'rank{rank}.pt'} ({type(e).__name__}: {e}); "
+                               f"delete {trainer_dir.parent} to resume from the checkpoint before it")
+        comm.agree("restoring the optimizer in tpify finetune --resume", {}, error)
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm.auto import tqdm
@@ -321,9 +336,11 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
                             grad_norm=f"{float(norm):.2f}" if norm is not None else "-")
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            check_replicas(model)  # never checkpoint replicas that drifted apart
             _save_checkpoint(model, optimizer, scheduler, step + 1, losses, cfg, out_dir)
     if bar is not None:
         bar.close()
+    check_replicas(model)
     if cfg.lora_r:
         model.save_pretrained(out_dir / "adapter")  # the dense adapter (plain peft loads it); collective
         model = model.merge_and_unload()

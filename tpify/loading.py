@@ -15,6 +15,7 @@ renamed into place at the end. Megatron-LM, arXiv:1909.08053, section 3 (the lay
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -229,24 +230,53 @@ def from_pretrained(
     Returns:
         The parallelized model (``model.tp_info`` set), in eval mode like transformers' loads.
 
-    Communication: none until every check has passed (every rank reads the same headers and
-    raises the same error); then creating the TP/DP groups (collective over the world) only.
-    Reading issues no collective.
+    Communication: one agreement (``comm.agree``) after the local checks, so a rank whose copy
+    of the checkpoint is missing, truncated or different (tensor names and shapes, dtype) stops
+    every rank with an error instead of a hang; then :func:`tpify.parallelize`'s agreement and
+    groups; reading issues no collective, and one more agreement after it reports a file that
+    failed while reading on any rank to every rank.
 
     Raises:
         FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
         CheckpointError: no safetensors weights; a truncated/corrupt file (named); tensors the
             model needs that the checkpoint lacks; tensors whose shape differs from the model's.
         PlanError, RecipeError, ValueError: as :func:`tpify.parallelize`.
+        AgreementError: on the other ranks, when one rank raised one of these; when the ranks'
+            checkpoints or arguments differ.
     Warns:
         UserWarning: checkpoint tensors the model does not use (like transformers' "unexpected").
+    """
+    from .api import parallelize
+
+    path = Path(path)
+    error, found = None, {}
+    try:  # every local check, then one agreement (comm.agree): the same outcome on every rank
+        found = _open_checkpoint(path, model_class, torch_dtype, recipe)
+    except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
+        error = e
+    comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=tp_group)
+    model, source, headers, dtype, to_init = (found[k] for k in ("model", "source", "headers", "dtype", "to_init"))
+
+    # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
+    parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
+    error = None
+    try:
+        _materialize(model, path, source, headers, dtype, to_init)
+    except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
+        error = e
+    comm.agree("reading the checkpoint in tpify.from_pretrained", {}, error, group=tp_group)
+    return model
+
+
+def _open_checkpoint(path: Path, model_class, torch_dtype, recipe) -> dict:
+    """The local part of :func:`from_pretrained`: config, headers, the meta model and the key map.
+
+    No collective. Returns ``model`` (dense, on meta), ``source`` (fqn -> checkpoint key),
+    ``headers``, ``dtype``, ``to_init`` and the ``fingerprint`` every rank must share.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from .api import parallelize
-
-    path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: from_pretrained needs a local Hugging Face model "
                                 f"directory (config.json + model.safetensors); nothing is downloaded")
@@ -271,10 +301,10 @@ def from_pretrained(
     source, to_init = _match_checkpoint(model, headers, dense_shapes, path, cls.__name__,
                                         may_init=lambda fqns: _replicated_head(model, fqns, recipe))
 
-    # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
-    parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
-    _materialize(model, path, source, headers, dtype, to_init)
-    return model
+    digest = hashlib.sha1(json.dumps(sorted((k, list(v[0])) for k, v in headers.items())).encode()).hexdigest()
+    fingerprint = {"model class": cls.__name__, "dtype": str(dtype), "checkpoint tensors": digest[:12]}
+    return {"model": model, "source": source, "headers": headers, "dtype": dtype, "to_init": to_init,
+            "fingerprint": fingerprint}
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -561,18 +591,22 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     on the writing rank raises on every rank instead of hanging them.
 
     Raises:
-        ValueError: ``path`` is an existing file (raised on every rank, before any collective).
+        ValueError: ``path`` is an existing file.
+        AgreementError: on the other ranks, when ``path`` is a file on one rank; when the ranks
+            hold different models (the first communication compares them, ``comm.agree``).
         RuntimeError: on ranks other than 0, when rank 0 failed (rank 0 raises its own error).
     """
     path = Path(path)
+    error = None
     if path.exists() and not path.is_dir():
-        raise ValueError(f"save_pretrained: {path} exists and is not a directory")
+        error = ValueError(f"save_pretrained: {path} exists and is not a directory; pass a directory path")
+    entries = _saved_tensors(model)
+    shapes = hashlib.sha1(json.dumps([(k, list(t.shape), str(t.dtype)) for k, t in entries]).encode()).hexdigest()
+    comm.agree("tpify.save_pretrained", {"saved tensors": shapes[:12], "max_shard_size": str(max_shard_size)}, error)
     info = getattr(model, "tp_info", None)
     group = info.tp_group if info is not None else None
     writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     limit = _parse_size(max_shard_size)
-
-    entries = _saved_tensors(model)
     device = next((t.device for _, t in entries), torch.device("cpu"))
     files: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0

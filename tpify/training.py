@@ -20,7 +20,8 @@ from torch import nn
 from . import comm
 from .sharding import shard_spec_of
 
-__all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_"]
+__all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_",
+           "check_replicas"]
 
 
 def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -139,3 +140,52 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """:func:`clip_params_grad_norm_` of all the trainable parameters of a parallelized ``model``."""
     tp_group, _ = _groups(model)
     return clip_params_grad_norm_(model.parameters(), max_norm, tp_group)
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def check_replicas(model: nn.Module) -> None:
+    """Check, bit for bit, that the copies of every parameter that should be equal are equal.
+
+    A replicated parameter (no :class:`~tpify.sharding.ShardSpec`: LayerNorms, position
+    embeddings, row-parallel biases, replicated heads) must be identical on the ranks of a TP
+    group, and every parameter, shard or not, identical on the DP replicas of the same TP rank.
+    They drift apart silently when ranks apply different updates (a clip by a per-rank norm, a
+    DDP over the wrong group, a different batch on one TP rank); this compares a SHA-1 of each
+    parameter's bytes across the groups. ``tpify finetune`` calls it after loading and before
+    every save.
+
+    Communication: one ``all_gather_object`` of the digests over the TP group, one over the DP
+    group. Cost: hashing every parameter once on the host.
+
+    Raises:
+        AgreementError: on every rank, naming the parameters that differ and the ranks.
+    """
+    import torch.distributed as dist
+
+    tp_group, dp_group = _groups(model)
+    digests, replicated = {}, set()
+    for name, p in model.named_parameters():
+        digests[name] = _digest(p)
+        if shard_spec_of(p) is None:
+            replicated.add(name)
+    problems = []
+    for group, names, what in ((tp_group, replicated, "TP ranks"), (dp_group, set(digests), "DP replicas")):
+        if comm.get_tp_size(group) == 1:
+            continue
+        everyone = comm.all_gather_objects({n: digests[n] for n in sorted(names)}, group)
+        ranks = dist.get_process_group_ranks(group)
+        for n in sorted(names):
+            values = [d[n] for d in everyone]
+            if len(set(values)) > 1:
+                groups = {}
+                for r, v in zip(ranks, values):
+                    groups.setdefault(v, []).append(r)
+                problems.append(f"{n} differs between {what} ({', '.join(f'ranks {g}' for g in groups.values())})")
+    if problems:
+        raise comm.AgreementError(f"replicated parameters differ across ranks: {problems[:10]}"
+                                  f"{' ...' if len(problems) > 10 else ''}; the replicas have drifted apart")

@@ -1,0 +1,103 @@
+"""Ranks that disagree, or an error on one rank only: the same error point on every rank, no hang.
+
+One 2-rank spawn runs every case; each case is followed by a barrier, so a rank left waiting in
+a collective would hang the next barrier and the test would fail at its deadline (60 s group
+timeout, 120 s test deadline) instead of passing.
+
+* different ``tp_size`` on the two ranks; a different model config on one rank: every rank raises
+  ``AgreementError`` listing the differing value per rank (before the mesh is created, where the
+  ranks would otherwise block or abort with a gloo collective mismatch);
+* one rank's copy of the checkpoint is truncated: that rank raises ``CheckpointError`` naming the
+  file, the other ``AgreementError`` naming the rank and the error;
+* ``tpify.save_pretrained`` to a path that is a file on one rank only;
+* ``tpify.training.check_replicas``: passes on a fresh model, and names a replicated parameter
+  whose copy drifted on one rank.
+"""
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import tputil
+
+
+def _gpt2(n_layer=1):
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def _cases(rank, tmp):
+    import tpify
+    from tpify.training import check_replicas
+
+    def tp_size():
+        tpify.parallelize(_gpt2(), tp_size=2 if rank == 0 else 1)
+
+    def config():
+        tpify.parallelize(_gpt2(n_layer=1 if rank == 0 else 2), tp_size=2)
+
+    def truncated():
+        import torch.distributed as dist
+
+        path = f"{tmp}/rank{rank}"
+        if rank == 0:  # HF's save_pretrained writes on global rank 0 only
+            for r in (0, 1):
+                _gpt2().save_pretrained(f"{tmp}/rank{r}")
+        dist.barrier()
+        if rank == 1:
+            with open(f"{path}/model.safetensors", "r+b") as f:
+                f.truncate(100)
+        tpify.from_pretrained(path, tp_size=2)
+
+    def save_to_file():
+        model = tpify.parallelize(_gpt2(), tp_size=2)
+        target = f"{tmp}/target{rank}"
+        if rank == 1:
+            open(target, "w").close()
+        tpify.save_pretrained(model, target)
+
+    def replicas():
+        model = tpify.parallelize(_gpt2(), tp_size=2)
+        check_replicas(model)
+        if rank == 1:
+            with torch.no_grad():
+                model.transformer.ln_f.weight.add_(1e-7)
+        check_replicas(model)
+
+    return {"tp_size": tp_size, "config": config, "truncated": truncated, "save_to_file": save_to_file,
+            "replicas": replicas}
+
+
+def _body(rank, world):
+    import tempfile
+
+    import torch.distributed as dist
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = [tmp]
+        dist.broadcast_object_list(shared, src=0)
+        for name, case in _cases(rank, shared[0]).items():
+            try:
+                case()
+                out[name] = "no error"
+            except Exception as e:  # noqa: BLE001 - the errors are what is tested
+                out[name] = f"{type(e).__name__}: {e}"
+            dist.barrier()
+    return out
+
+
+def test_disagreeing_ranks_and_one_rank_errors_raise_everywhere():
+    r0, r1 = tputil.spawn(_body, 2, timeout=120)
+    for out in (r0, r1):
+        assert out["tp_size"].startswith("AgreementError: the ranks disagree on tpify.parallelize: tp_size: "
+                                         "rank 0 2, rank 1 1"), out["tp_size"]
+        assert out["config"].startswith("AgreementError") and "config: rank 0 " in out["config"], out["config"]
+        assert "save_pretrained" in out["save_to_file"]
+        assert out["replicas"].startswith("AgreementError: replicated parameters differ across ranks") \
+            and "transformer.ln_f.weight differs between TP ranks (ranks [0], ranks [1])" in out["replicas"], out
+    assert r1["truncated"].startswith("CheckpointError") and "truncated or corrupt" in r1["truncated"]
+    assert r0["truncated"].startswith("AgreementError: tpify.from_pretrained failed on rank(s) [1] "
+                                      "(rank 1: CheckpointError"), r0["truncated"]
+    assert r1["save_to_file"].startswith("ValueError") and "is not a directory" in r1["save_to_file"]
+    assert r0["save_to_file"].startswith("AgreementError: tpify.save_pretrained failed on rank(s) [1]")
