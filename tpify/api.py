@@ -64,7 +64,8 @@ def fingerprint(model: nn.Module, plan: Plan | None, tp_size: int | None, tp_gro
     and of the plan, the parameters' dtypes and device types, and the TP group's ranks.
     """
     config = getattr(model, "config", None)
-    config_dict = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"} if config is not None else {}
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config)) if config is not None else {}
+    config_dict = {k: v for k, v in raw.items() if k != "_name_or_path"}
     params = list(model.parameters())
     out = {"tp_size": tp_size, "model class": type(model).__name__, "config": _digest(config_dict),
            "dtypes": sorted({str(p.dtype) for p in params}), "device types": sorted({p.device.type for p in params})}
