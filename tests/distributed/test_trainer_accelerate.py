@@ -23,8 +23,9 @@ The dense model's loss is HF's with float64 arithmetic (``tputil.float64_loss_fu
 own upcasts to float32). Also checked: ``trainer.save_model()`` writes a directory plain
 transformers loads, with the dense model's logits (atol 1e-10); a run resumed from a Trainer
 checkpoint (with dropout 0.1, so tpify's dropout streams must be restored too) ends bitwise
-equal to the straight run, and so does an accelerate loop resumed with ``save_state`` /
-``load_state``; plain ``Trainer`` and plain ``Accelerator.prepare`` on a tpify model
+equal to the straight run; the LoRA run uses Trainer's ``gradient_checkpointing=True`` on the
+tensor-parallel side only and still equals dense PEFT; an accelerate loop resumed with
+``save_state`` / ``load_state`` ends bitwise equal to the straight loop; plain ``Trainer`` and plain ``Accelerator.prepare`` on a tpify model
 raise on every rank instead of training wrong.
 """
 
@@ -175,14 +176,16 @@ def _tp_body(rank, world, tp, out):
         assert torch.equal(resumed_w[k], v), f"resumed {k} differs"
     assert os.path.isfile(out + f"/resume/checkpoint-2/optimizer-tp{rank % tp:02d}-of-{tp:02d}.pt")
 
-    # 3. PEFT LoRA through the Trainer; its checkpoint holds a standard (dense) adapter.
+    # 3. PEFT LoRA through the Trainer, with gradient checkpointing; its checkpoint holds a
+    # standard (dense) adapter.
     from tpify.integrations import get_peft_model
 
     model = tpify.parallelize(_model(), tp_size=tp)
     torch.manual_seed(1)
     model = get_peft_model(model, _lora_config())
     trainer = TPTrainer(model=model, args=_args(out + "/lora", 4 // dp, max_grad_norm=LORA_CLIP,
-                                                save_strategy="steps", save_steps=STEPS), train_dataset=_Data())
+                                                save_strategy="steps", save_steps=STEPS, gradient_checkpointing=True),
+                        train_dataset=_Data())  # checkpointing on the TP side only: the results must not change
     trainer.train()
     results["lora"] = _log(trainer)
     results["lora_weights"] = _adapters(model)
