@@ -28,11 +28,18 @@ __all__ = ["vocab_parallel_cross_entropy", "install_parallel_lm_loss", "lm_loss_
 _REDUCTIONS = ("none", "sum", "mean")
 
 
+def _checksum(target: torch.Tensor) -> float:
+    """An order-sensitive checksum of integer targets, exact in float32 (< 2**24)."""
+    flat = target.reshape(-1).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device) % 9973 + 1
+    return float(((flat + 101) * weights).sum().remainder(16777213))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from a vocab shard; see :func:`vocab_parallel_cross_entropy`."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size):
+    def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, bad_targets):
         tp_size, tp_rank = comm.get_tp_size(group), comm.get_tp_rank(group)
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 input
         per_partition = logits.shape[-1]
@@ -47,8 +54,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z = z.masked_fill(padded, float("-inf"))
 
         # 1. m = allreduce_max(max_v z); no gradient flows through m (it cancels in the loss).
+        # Three more values ride on this all-reduce, so that every rank learns, at no extra
+        # collective, whether any rank holds targets outside [0, V), and whether the ranks hold
+        # the same targets (max and -min of a checksum): a rank alone with bad or different
+        # targets would otherwise raise alone, or train on a mismatched batch.
         m = z.max(dim=-1).values  # (N...,)
-        comm.all_reduce(m, group, op="max")
+        checks = torch.tensor([float(bad_targets), _checksum(target), -_checksum(target)], dtype=m.dtype,
+                              device=m.device)
+        packed = torch.cat([m.reshape(-1), checks])
+        comm.all_reduce(packed, group, op="max")
+        m, checks = packed[:-3].view_as(m), packed[-3:].tolist()
+        if checks[0] > 0:
+            where = "this rank" if bad_targets else "another rank of the TP group"
+            raise ValueError(f"vocab_parallel_cross_entropy: {where} holds targets outside [0, {true_vocab}) that are "
+                             f"not ignore_index = {ignore_index}; fix the labels or set ignore_index")
+        if checks[1] != -checks[2]:
+            raise ValueError("vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
+                             "rank of a TP group must see the same batch (split data over DP replicas only)")
         z = z - m.unsqueeze(-1)
 
         # 2. z_t: the target's logit on the rank that owns it, 0 elsewhere; summed over ranks.
@@ -97,7 +119,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 grad[..., ~padded] -= eps / ctx.true_vocab
         grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -132,8 +154,9 @@ def vocab_parallel_cross_entropy(
     Dtype: computed in float32 whatever the logits dtype (float64 stays float64); the loss is
         returned in that compute dtype and the gradient in the logits dtype.
     Communication:
-        forward: 3 all-reduces of ``numel(target)`` values (max, target logit, sum of exp), a 4th
-        with ``label_smoothing > 0`` (sum of logits). backward: none.
+        forward: 3 all-reduces of ``numel(target)`` values (max, target logit, sum of exp; the
+        first carries 3 more values: the target checks), a 4th with ``label_smoothing > 0`` (sum
+        of logits). backward: none.
 
     Args:
         logits: this rank's shard of the logits.
@@ -149,9 +172,11 @@ def vocab_parallel_cross_entropy(
             columns ``>= V`` never contribute. Default ``V_padded`` (no padding).
 
     Raises:
-        ValueError: bad ``reduction``/``label_smoothing``/``vocab_size``, shapes that do not
-            match, or a target outside ``[0, V)`` that is not ``ignore_index``. Raised before any
-            collective, on every rank alike (every rank holds the same target).
+        ValueError: bad ``reduction``/``label_smoothing``/``vocab_size`` or shapes that do not
+            match (before any collective); a target outside ``[0, V)`` that is not
+            ``ignore_index`` on any rank, or targets that differ between the ranks of the group:
+            learnt by every rank from the first all-reduce (three values ride on it), so every
+            rank raises, none waits.
     """
     tp_size = comm.get_tp_size(tp_group)
     padded_vocab = logits.shape[-1] * tp_size
@@ -171,12 +196,13 @@ def vocab_parallel_cross_entropy(
                          f"{target.dtype} (probability targets are not supported)")
     true_vocab = padded_vocab if vocab_size is None else vocab_size
     kept = target[target != ignore_index]
-    if kept.numel() and bool(((kept < 0) | (kept >= true_vocab)).any()):
+    bad_targets = bool(kept.numel()) and bool(((kept < 0) | (kept >= true_vocab)).any())
+    if bad_targets and tp_size == 1:
         bad = kept[(kept < 0) | (kept >= true_vocab)][:5].tolist()
         raise ValueError(f"vocab_parallel_cross_entropy: targets {bad} are outside [0, {true_vocab}) and are "
                          f"not ignore_index = {ignore_index}; fix the labels or set ignore_index")
     loss = _VocabParallelCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), tp_group,
-                                            vocab_size)
+                                            vocab_size, bad_targets)
     if reduction == "none":
         return loss
     if reduction == "sum":

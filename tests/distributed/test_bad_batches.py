@@ -5,6 +5,8 @@
   next optimizer step).
 * Token ids outside ``[0, vocab)`` (too large, negative) raise ``IndexError`` on every rank, as
   the dense ``nn.Embedding`` does, instead of returning the embedding of nothing.
+* Labels out of range on one rank only, or labels that differ between the TP ranks (a TP rank
+  fed another batch): every rank raises ``ValueError`` from the loss, none is left waiting.
 """
 
 import torch
@@ -39,12 +41,27 @@ def _body(rank, world):
                 errors[(what, name)] = None
             except IndexError as e:
                 errors[(what, name)] = str(e)
+    # Targets bad on one rank only, or different on the two ranks: every rank raises (no rank is
+    # left waiting in the loss's next all-reduce).
+    for what in ("bad on rank 1", "different"):
+        labels = ids.clone()
+        if rank == 1:
+            labels[0, 2] = 50257 if what == "bad on rank 1" else (labels[0, 2] + 1) % 50257
+        try:
+            par(ids, labels=labels)
+            errors[(what, "tp")] = None
+        except ValueError as e:
+            errors[(what, "tp")] = str(e)
     torch.distributed.barrier()  # every rank got here: no rank is left in a collective
     return out, errors
 
 
 def test_ignored_labels_give_nan_loss_zero_gradients_and_bad_ids_raise():
-    for out, errors in tputil.spawn(_body, 2, timeout=120):
+    for rank, (out, errors) in enumerate(tputil.spawn(_body, 2, timeout=120)):
+        where = "this rank" if rank == 1 else "another rank of the TP group"
+        assert errors[("bad on rank 1", "tp")].startswith(f"vocab_parallel_cross_entropy: {where} holds targets "
+                                                           f"outside [0, 50257)"), errors
+        assert "hold different targets" in errors[("different", "tp")], errors
         for what in ("all ignored", "one token"):
             assert out[(what, "dense")][:2] == (True, True), out  # HF: NaN loss, zero gradients
             assert out[(what, "tp")][:2] == (True, True), out
