@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = ["from_pretrained", "save_pretrained", "load_weights_", "CheckpointErr
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_SAVE_ID = "tpify_save_id"  # metadata every file of one save_pretrained carries (index and shards)
 # transformers 5's "legacy" key renamings (conversion_mapping.py) that apply to plain checkpoints.
 _LEGACY_RENAMES = ((".gamma", ".weight"), (".beta", ".bias"))
 
@@ -49,12 +51,45 @@ class CheckpointError(ValueError):
 # Reading the directory (local, deterministic: the same result or error on every rank)
 # ----------------------------------------------------------------------------------------------
 
-def _weight_files(path: Path) -> dict[str, str]:
+class _Snapshot:
+    """The files of a checkpoint directory, each opened once for the whole load.
+
+    A file is opened (``os.open``) the first time it is named and stays open until
+    :meth:`close`; every later read goes through that descriptor (``/proc/self/fd/<n>`` on
+    Linux), so a save that replaces the file meanwhile (``os.replace``) cannot change what this
+    load reads: it keeps reading the file it opened. Safetensors still maps one block at a time.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fds: dict[str, int] = {}
+
+    def where(self, name: str) -> str:
+        """A path that reads the opened file ``name`` (opening it now if needed)."""
+        if name not in self.fds:
+            self.fds[name] = os.open(self.path / name, os.O_RDONLY)
+        proc = f"/proc/self/fd/{self.fds[name]}"
+        return proc if os.path.exists(proc) else str(self.path / name)
+
+    def read_text(self, name: str) -> str:
+        with open(self.where(name), encoding="utf-8") as f:
+            return f.read()
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _weight_files(snap: "_Snapshot | Path") -> dict[str, str]:
     """``{checkpoint key: file name}`` from the index, or from the single ``model.safetensors``."""
+    snap = snap if isinstance(snap, _Snapshot) else _Snapshot(snap)
+    path = snap.path
     index = path / SAFE_WEIGHTS_INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            data = json.loads(snap.read_text(SAFE_WEIGHTS_INDEX_NAME))
+            weight_map = data["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -65,29 +100,70 @@ def _weight_files(path: Path) -> dict[str, str]:
     if not single.is_file():
         raise CheckpointError(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
                               f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
-    return {key: SAFE_WEIGHTS_NAME for key in _open(single).keys()}
+    return {key: SAFE_WEIGHTS_NAME for key in _open(single, snap.where(SAFE_WEIGHTS_NAME)).keys()}
 
 
-def _open(file: Path):
-    """``safe_open(file)``, turning a truncated or corrupt file into a clear error naming it."""
+def _open(file: Path, where: str | None = None):
+    """``safe_open`` of ``file`` (read through ``where``, an opened descriptor's path), turning a
+    truncated or corrupt file into a clear error naming it."""
     try:
-        return safe_open(str(file), framework="pt", device="cpu")
+        return safe_open(where or str(file), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises SafetensorError (not exported) or OSError
         raise CheckpointError(f"cannot read safetensors file {file} ({file.stat().st_size if file.exists() else 'missing'}"
                               f" bytes): {e}. The file is truncated or corrupt; re-download or re-save it.") from e
 
 
-def _headers(path: Path, weight_map: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+def _headers(snap: "_Snapshot | Path", weight_map: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{key: (shape, file name)}`` for every tensor, opening each file once (headers only)."""
+    snap = snap if isinstance(snap, _Snapshot) else _Snapshot(snap)
     out = {}
     for name in sorted(set(weight_map.values())):
-        handle = _open(path / name)
+        handle = _open(snap.path / name, snap.where(name))
         for key in handle.keys():
             out[key] = (tuple(handle.get_slice(key).get_shape()), name)
     missing = sorted(k for k, f in weight_map.items() if k not in out)
     if missing:
-        raise CheckpointError(f"the index of {path} lists tensors that are in no file: {missing[:5]}")
+        raise CheckpointError(f"the index of {snap.path} lists tensors that are in no file: {missing[:5]}")
     return out
+
+
+def _save_ids(snap: _Snapshot, weight_map: dict[str, str]) -> list:
+    """The ``tpify_save_id`` of the index and of every file (None where a file has none)."""
+    ids = []
+    if (snap.path / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        ids.append((json.loads(snap.read_text(SAFE_WEIGHTS_INDEX_NAME)).get("metadata") or {}).get(_SAVE_ID))
+    for name in sorted(set(weight_map.values())):
+        ids.append((_open(snap.path / name, snap.where(name)).metadata() or {}).get(_SAVE_ID))
+    return ids
+
+
+def _snapshot(path: Path, attempts: int = 5) -> tuple[_Snapshot, dict[str, str], dict]:
+    """Open every file of the checkpoint once: ``(snapshot, weight_map, headers)``.
+
+    Files written by one :func:`save_pretrained` carry the same ``tpify_save_id``; when the
+    opened files carry different ones (a save was replacing them while they were opened), they
+    are opened again, a few times, so a load sees one whole checkpoint, never a mix of two.
+
+    Raises:
+        CheckpointError: the files still mix saves after ``attempts`` tries; or as
+            :func:`_weight_files` and :func:`_headers`.
+    """
+    ids: list = []
+    for attempt in range(attempts):
+        snap = _Snapshot(path)
+        try:
+            weight_map = _weight_files(snap)
+            headers = _headers(snap, weight_map)
+            ids = _save_ids(snap, weight_map)
+        except BaseException:
+            snap.close()
+            raise
+        if len(set(ids)) <= 1:
+            return snap, weight_map, headers
+        snap.close()
+        time.sleep(0.05 * (attempt + 1))
+    raise CheckpointError(f"{path} holds files of different saves ({sorted(set(map(str, ids)))}) after {attempts} "
+                          f"tries: another process is writing it; load it when that save has finished")
 
 
 def _rename(key: str, expected: set[str], prefix: str) -> str:
@@ -255,16 +331,19 @@ def from_pretrained(
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
         error = e
     comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=tp_group)
-    model, source, headers, dtype, to_init = (found[k] for k in ("model", "source", "headers", "dtype", "to_init"))
-
-    # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
-    parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
-    error = None
+    model, source, headers, dtype, to_init, snap = (found[k] for k in ("model", "source", "headers", "dtype",
+                                                                         "to_init", "snap"))
     try:
-        _materialize(model, path, source, headers, dtype, to_init)
-    except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
-        error = e
-    comm.agree("reading the checkpoint in tpify.from_pretrained", {}, error, group=tp_group)
+        # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
+        parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
+        error = None
+        try:
+            _materialize(model, snap, source, headers, dtype, to_init)
+        except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
+            error = e
+        comm.agree("reading the checkpoint in tpify.from_pretrained", {}, error, group=tp_group)
+    finally:
+        snap.close()  # the files stay open from the headers to the last slice: one save, never a mix
     return model
 
 
@@ -282,11 +361,20 @@ def _open_checkpoint(path: Path, model_class, torch_dtype, recipe) -> dict:
                                 f"directory (config.json + model.safetensors); nothing is downloaded")
     config = AutoConfig.from_pretrained(str(path))
     cls = _resolve_class(config, model_class)
-    weight_map = _weight_files(path)
-    headers = _headers(path, weight_map)
+    snap, weight_map, headers = _snapshot(path)  # every file opened once, for the whole load
+    try:
+        return _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe)
+    except BaseException:
+        snap.close()
+        raise
+
+
+def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe) -> dict:
+    """The rest of :func:`_open_checkpoint`, on the opened files."""
+    from accelerate import init_empty_weights
 
     first_file = sorted(set(weight_map.values()))[0]
-    handle = _open(path / first_file)
+    handle = _open(path / first_file, snap.where(first_file))
     float_dtype = next((handle.get_slice(k).get_dtype() for k in handle.keys()
                         if handle.get_slice(k).get_dtype() in ("F32", "F16", "BF16", "F64")), "F32")
     dtype = _resolve_dtype(config, {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -304,7 +392,7 @@ def _open_checkpoint(path: Path, model_class, torch_dtype, recipe) -> dict:
     digest = hashlib.sha1(json.dumps(sorted((k, list(v[0])) for k, v in headers.items())).encode()).hexdigest()
     fingerprint = {"model class": cls.__name__, "dtype": str(dtype), "checkpoint tensors": digest[:12]}
     return {"model": model, "source": source, "headers": headers, "dtype": dtype, "to_init": to_init,
-            "fingerprint": fingerprint}
+            "fingerprint": fingerprint, "snap": snap}
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -398,7 +486,7 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"load_weights_: {path} is not a directory")
-    headers = _headers(path, _weight_files(path))
+    snap, _, headers = _snapshot(path)
     dense_shapes = {}
     for fqn, t in _named_tensors(model):
         spec = shard_spec_of(t)
@@ -406,8 +494,11 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
         if spec is not None:
             shape[spec.dim] = spec.global_size
         dense_shapes[fqn] = tuple(shape)
-    source, _ = _match_checkpoint(model, headers, dense_shapes, path, type(model).__name__)
-    _materialize(model, path, source, headers, None, [], in_place=True)
+    try:
+        source, _ = _match_checkpoint(model, headers, dense_shapes, path, type(model).__name__)
+        _materialize(model, snap, source, headers, None, [], in_place=True)
+    finally:
+        snap.close()
 
 
 def _sharded_modules(model: nn.Module, recipe) -> set[str]:
@@ -444,10 +535,12 @@ class _FileTensor:
     read, stay resident while the view lives. Each ``[index]`` opens the file, returns the view
     of just that block and keeps nothing else: :meth:`ShardSpec.read` copies it into the shard
     and drops it, which unmaps it. So a load holds its shards plus one block in flight, and
-    the loaded model never depends on the file staying in place.
+    the loaded model never depends on the file staying in place. ``file`` is the path of the
+    load's opened descriptor (:class:`_Snapshot`): every block comes from the file the load
+    opened, even if a save replaced it since.
     """
 
-    def __init__(self, file: Path, key: str, shape: tuple[int, ...]):
+    def __init__(self, file: str, key: str, shape: tuple[int, ...]):
         self.file, self.key, self.shape = file, key, tuple(shape)
 
     def get_shape(self) -> list[int]:
@@ -464,7 +557,7 @@ class _FileTensor:
         return ShardSpec(0, (self.shape[0],), 1).read(self, 0, dtype)  # one "rank" holding everything
 
 
-def _materialize(model, path, source, headers, dtype, to_init, in_place: bool = False):
+def _materialize(model, snap, source, headers, dtype, to_init, in_place: bool = False):
     """Replace every meta parameter/persistent buffer by this rank's slice read from the files
     (``in_place``: copy the slices into the existing tensors, which keep their identity)."""
     tp_rank = model.tp_info.tp_rank
@@ -485,7 +578,7 @@ def _materialize(model, path, source, headers, dtype, to_init, in_place: bool = 
                          leave=False):
         key = source[fqn]
         shape, file = headers[key]
-        file_tensor = _FileTensor(path / file, key, shape)
+        file_tensor = _FileTensor(snap.where(file), key, shape)
         cast = dtype if old.is_floating_point() else None
         spec = shard_spec_of(old)
         if in_place:
@@ -624,7 +717,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     names = ([SAFE_WEIGHTS_NAME] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
 
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    save_id = uuid.uuid4().hex  # in every file of this save: a reader can tell one save from a mix of two
+    tmp = path.parent / f".{path.name}.tmp-{save_id[:8]}"
     err = None
     if writer:
         try:
@@ -646,7 +740,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             err = None
             if writer:
                 try:
-                    save_file(dense, str(tmp / name), metadata={"format": "pt"})
+                    save_file(dense, str(tmp / name), metadata={"format": "pt", _SAVE_ID: save_id})
                 except BaseException as e:  # noqa: BLE001
                     err = e
             del dense
@@ -656,7 +750,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             try:
                 if len(files) > 1:
                     (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(
-                        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                        {"metadata": {"total_size": total, _SAVE_ID: save_id},
+                         "weight_map": dict(sorted(weight_map.items()))},
                         indent=2) + "\n")
                 model.config.save_pretrained(str(tmp))
                 generation_config = getattr(model, "generation_config", None)

@@ -166,3 +166,63 @@ def test_tp_model_hf_methods():
     assert model.embeddings.word_embeddings.num_embeddings == 100
     with pytest.raises(TPUsageError, match="state_dict="):
         model.save_pretrained("/nonexistent", state_dict={})
+
+
+_RESAVER = textwrap.dedent("""
+    import sys, time
+    import torch
+    from transformers import BertConfig, BertModel
+    import tpify
+    models = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=500, max_position_embeddings=32)
+        models.append(tpify.parallelize(BertModel(cfg), tp_size=1))
+    end = time.time() + float(sys.argv[2])
+    i = 0
+    print("ready", flush=True)
+    while True:  # at least one save
+        tpify.save_pretrained(models[i % 2], sys.argv[1], max_shard_size="20KB")
+        i += 1
+        if time.time() >= end:
+            break
+    print(i, flush=True)
+""")
+
+
+def test_load_during_concurrent_resaves_sees_one_checkpoint(tmp_path):
+    """A process re-saves two different models into one directory (many shard files) as fast as
+    it can while this one loads it again and again: every load holds one model whole, never a mix
+    of the two (each file of a save carries its save id and the load keeps every file open from
+    its headers to its last slice), and the target is never missing."""
+    from transformers import BertConfig
+
+    path = tmp_path / "ckpt"
+    script = tmp_path / "resave.py"
+    script.write_text(_RESAVER)
+    refs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=500, max_position_embeddings=32)
+        refs.append({k: v for k, v in BertModel(cfg).state_dict().items()})
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    subprocess.run([sys.executable, str(script), str(path), "0"], check=True, env=env, capture_output=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(path), "20"], stdout=subprocess.PIPE, env=env)
+    loads, seen = 0, set()
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        while proc.poll() is None and loads < 30:
+            assert path.is_dir(), "the target went missing during a save"
+            model = tpify.from_pretrained(path)
+            state = model.state_dict()
+            which = [i for i, ref in enumerate(refs) if all(torch.equal(state[k], v) for k, v in ref.items())]
+            assert len(which) == 1, "a load mixed tensors of two saves"
+            seen.add(which[0])
+            loads += 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert loads >= 5 and seen == {0, 1}, (loads, seen)
+    print(f"measured: {loads} loads during concurrent re-saves, models seen {sorted(seen)}")
