@@ -27,12 +27,17 @@ def resolve_tp_size(tp_size: int | None, tp_group: dist.ProcessGroup | None) -> 
     ``tp_group`` wins; else ``tp_size``; else the whole world (1 without torch.distributed).
 
     Raises:
-        ValueError: ``tp_size`` and ``tp_group`` disagree, ``tp_size`` does not divide the world
-            size, or ``tp_size > 1`` without an initialised process group.
+        ValueError: ``tp_group`` does not contain this rank; ``tp_size`` and ``tp_group``
+            disagree, ``tp_size`` does not divide the world size, or ``tp_size > 1`` without an
+            initialised process group.
     """
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else 1
     if tp_group is not None:
+        if not initialized or dist.get_rank(tp_group) < 0:
+            raise ValueError(f"tp_group does not contain this process (global rank "
+                             f"{dist.get_rank() if initialized else 'n/a'}): call parallelize only on the ranks of "
+                             f"the group, each with its own TP group")
         size = dist.get_world_size(tp_group)
         if tp_size is not None and tp_size != size:
             raise ValueError(f"tp_size = {tp_size} but tp_group has {size} ranks; pass one of them")

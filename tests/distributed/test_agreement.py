@@ -10,6 +10,7 @@ timeout, 120 s test deadline) instead of passing.
 * one rank's copy of the checkpoint is truncated: that rank raises ``CheckpointError`` naming the
   file, the other ``AgreementError`` naming the rank and the error;
 * ``tpify.save_pretrained`` to a path that is a file on one rank only;
+* a ``tp_group`` that does not contain the rank: a ``ValueError`` saying so;
 * ``tpify.training.check_replicas``: passes on a fresh model, and names a replicated parameter
   whose copy drifted on one rank.
 """
@@ -64,7 +65,13 @@ def _cases(rank, tmp):
                 model.transformer.ln_f.weight.add_(1e-7)
         check_replicas(model)
 
-    return {"tp_size": tp_size, "config": config, "truncated": truncated, "save_to_file": save_to_file,
+    def foreign_group():
+        import torch.distributed as dist
+
+        groups = [dist.new_group([0]), dist.new_group([1])]  # collective: every rank creates both
+        tpify.parallelize(_gpt2(), tp_group=groups[1 - rank])  # each rank passes the other's group
+
+    return {"tp_size": tp_size, "config": config, "foreign_group": foreign_group, "truncated": truncated, "save_to_file": save_to_file,
             "replicas": replicas}
 
 
@@ -96,6 +103,8 @@ def test_disagreeing_ranks_and_one_rank_errors_raise_everywhere():
         assert "save_pretrained" in out["save_to_file"]
         assert out["replicas"].startswith("AgreementError: replicated parameters differ across ranks") \
             and "transformer.ln_f.weight differs between TP ranks (ranks [0], ranks [1])" in out["replicas"], out
+    for out in (r0, r1):
+        assert out["foreign_group"].startswith("ValueError: tp_group does not contain this process"), out
     assert r1["truncated"].startswith("CheckpointError") and "truncated or corrupt" in r1["truncated"]
     assert r0["truncated"].startswith("AgreementError: tpify.from_pretrained failed on rank(s) [1] "
                                       "(rank 1: CheckpointError"), r0["truncated"]
