@@ -65,6 +65,9 @@ class _CountingHandle:
     def keys(self):
         return self.inner.keys()
 
+    def metadata(self):
+        return self.inner.metadata()
+
     def get_slice(self, key):
         return _CountingSlice(self.inner.get_slice(key), self.log, key)
 
