@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +51,6 @@ def _model_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None")
     return load_recipe(model_type)
 
 
-def _digest(value) -> str:
-    return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
 def fingerprint(model: nn.Module, plan: Plan | None, tp_size: int | None, tp_group=None) -> dict:
     """What every rank must share to parallelize ``model`` together (compared by ``comm.agree``).
 
@@ -67,12 +61,12 @@ def fingerprint(model: nn.Module, plan: Plan | None, tp_size: int | None, tp_gro
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config)) if config is not None else {}
     config_dict = {k: v for k, v in raw.items() if k != "_name_or_path"}
     params = list(model.parameters())
-    out = {"tp_size": tp_size, "model class": type(model).__name__, "config": _digest(config_dict),
+    out = {"tp_size": tp_size, "model class": type(model).__name__, "config": comm.digest(config_dict),
            "dtypes": sorted({str(p.dtype) for p in params}), "device types": sorted({p.device.type for p in params})}
     if plan is not None:
-        out["recipe"] = _digest([(r.patterns, r.style, r.parts, r.divide, r.optional) for r in plan.recipe.rules]
+        out["recipe"] = comm.digest([(r.patterns, r.style, r.parts, r.divide, r.optional) for r in plan.recipe.rules]
                                 + [plan.recipe.model_type, list(plan.recipe.divisible)])
-        out["plan"] = _digest(sorted((f, e.style, e.partition_sizes, e.padded_size) for f, e in plan.entries.items()))
+        out["plan"] = comm.digest(sorted((f, e.style, e.partition_sizes, e.padded_size) for f, e in plan.entries.items()))
     if tp_group is not None:
         out["tp_group ranks"] = sorted(dist.get_process_group_ranks(tp_group))
     return out
@@ -126,8 +120,9 @@ def parallelize(
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
         TPUsageError: gradient checkpointing enabled before parallelizing (enable it after).
-        PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules, indivisible head counts or features (the message names the
-            module, the numbers and the tp sizes that would work).
+        PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules,
+            indivisible head counts or features (the message names the module, the numbers and
+            the tp sizes that would work).
         ValueError: inconsistent ``tp_size``/``tp_group``, or ``tp_size > 1`` without
             ``torch.distributed``.
         AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).

@@ -22,6 +22,8 @@ benchmarks use to compare what a step really issues with the analytic minimum.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from collections import Counter
 from typing import Iterator
 
@@ -42,6 +44,7 @@ __all__ = [
     "all_gather_objects",
     "count_collectives",
     "agree",
+    "digest",
     "AgreementError",
 ]
 
@@ -135,6 +138,11 @@ def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
 class AgreementError(RuntimeError):
     """Ranks that must agree do not: different arguments, models, recipes or tp sizes, or another
     rank failed before the first collective. Raised on every rank at the same point."""
+
+
+def digest(value) -> str:
+    """A short digest of a JSON-able value, for the fingerprints :func:`agree` compares."""
+    return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def agree(what: str, fingerprint: dict, error: BaseException | None = None,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
+from .integrations.model import is_peft
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .random import install_rng_hooks
 from .recipe import Recipe, Rule
@@ -116,7 +117,7 @@ def build_plan(model: nn.Module, recipe: Recipe, tp_size: int) -> Plan:
     """
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
-    peft = [fqn or "<root>" for fqn, m in model.named_modules() if type(m).__module__.startswith("peft.")]
+    peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
     if peft:
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
                         f"{' ...' if len(peft) > 3 else ''}). Parallelize the base model first, then add the adapters: "
@@ -253,7 +254,7 @@ def _tie_conflicts(model: nn.Module, plan: Plan) -> list[str]:
             continue
         kinds = set(styles.values())
         if kinds == {"replicate"} or (kinds <= _VOCAB_ROW_STYLES and "replicate" not in kinds):
-            sizes = {_rows(model.get_submodule(m), plan.entries[m]) for m, _ in places if m in plan.entries}
+            sizes = {_rows(model.get_submodule(m), plan.entries[m]) for m, _ in places}
             if len(sizes) <= 1:
                 continue
         errors.append(f"tied parameter {sorted(styles)} is given styles {styles}, which shard it differently: give "

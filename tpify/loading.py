@@ -15,7 +15,6 @@ renamed into place at the end. Megatron-LM, arXiv:1909.08053, section 3 (the lay
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -81,9 +80,9 @@ class _Snapshot:
         self.fds.clear()
 
 
-def _weight_files(snap: "_Snapshot | Path") -> dict[str, str]:
-    """``{checkpoint key: file name}`` from the index, or from the single ``model.safetensors``."""
-    snap = snap if isinstance(snap, _Snapshot) else _Snapshot(snap)
+def _weight_files(snap: _Snapshot) -> tuple[dict[str, str], list]:
+    """``({checkpoint key: file name}, [the index's save id])`` from the index, or from the single
+    ``model.safetensors`` (no index: no save id of its own, ``[]``)."""
     path = snap.path
     index = path / SAFE_WEIGHTS_INDEX_NAME
     if index.is_file():
@@ -95,12 +94,12 @@ def _weight_files(snap: "_Snapshot | Path") -> dict[str, str]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, got "
                                   f"{type(weight_map).__name__}; re-save the checkpoint or fix the index")
-        return dict(weight_map)
+        return dict(weight_map), [(data.get("metadata") or {}).get(_SAVE_ID)]
     single = path / SAFE_WEIGHTS_NAME
     if not single.is_file():
         raise CheckpointError(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
                               f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
-    return {key: SAFE_WEIGHTS_NAME for key in _open(single, snap.where(SAFE_WEIGHTS_NAME)).keys()}
+    return {key: SAFE_WEIGHTS_NAME for key in _open(single, snap.where(SAFE_WEIGHTS_NAME)).keys()}, []
 
 
 def _open(file: Path, where: str | None = None):
@@ -113,28 +112,18 @@ def _open(file: Path, where: str | None = None):
                               f" bytes): {e}. The file is truncated or corrupt; re-download or re-save it.") from e
 
 
-def _headers(snap: "_Snapshot | Path", weight_map: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{key: (shape, file name)}`` for every tensor, opening each file once (headers only)."""
-    snap = snap if isinstance(snap, _Snapshot) else _Snapshot(snap)
-    out = {}
+def _headers(snap: _Snapshot, weight_map: dict[str, str]) -> tuple[dict[str, tuple[tuple[int, ...], str]], list]:
+    """``({key: (shape, file name)}, [each file's save id])``, reading each file's header once."""
+    out, ids = {}, []
     for name in sorted(set(weight_map.values())):
         handle = _open(snap.path / name, snap.where(name))
+        ids.append((handle.metadata() or {}).get(_SAVE_ID))
         for key in handle.keys():
             out[key] = (tuple(handle.get_slice(key).get_shape()), name)
     missing = sorted(k for k, f in weight_map.items() if k not in out)
     if missing:
         raise CheckpointError(f"the index of {snap.path} lists tensors that are in no file: {missing[:5]}")
-    return out
-
-
-def _save_ids(snap: _Snapshot, weight_map: dict[str, str]) -> list:
-    """The ``tpify_save_id`` of the index and of every file (None where a file has none)."""
-    ids = []
-    if (snap.path / SAFE_WEIGHTS_INDEX_NAME).is_file():
-        ids.append((json.loads(snap.read_text(SAFE_WEIGHTS_INDEX_NAME)).get("metadata") or {}).get(_SAVE_ID))
-    for name in sorted(set(weight_map.values())):
-        ids.append((_open(snap.path / name, snap.where(name)).metadata() or {}).get(_SAVE_ID))
-    return ids
+    return out, ids
 
 
 def _snapshot(path: Path, attempts: int = 5) -> tuple[_Snapshot, dict[str, str], dict]:
@@ -152,9 +141,9 @@ def _snapshot(path: Path, attempts: int = 5) -> tuple[_Snapshot, dict[str, str],
     for attempt in range(attempts):
         snap = _Snapshot(path)
         try:
-            weight_map = _weight_files(snap)
-            headers = _headers(snap, weight_map)
-            ids = _save_ids(snap, weight_map)
+            weight_map, index_ids = _weight_files(snap)
+            headers, file_ids = _headers(snap, weight_map)
+            ids = index_ids + file_ids
         except BaseException:
             snap.close()
             raise
@@ -353,7 +342,6 @@ def _open_checkpoint(path: Path, model_class, torch_dtype, recipe) -> dict:
     No collective. Returns ``model`` (dense, on meta), ``source`` (fqn -> checkpoint key),
     ``headers``, ``dtype``, ``to_init`` and the ``fingerprint`` every rank must share.
     """
-    from accelerate import init_empty_weights
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
@@ -389,8 +377,8 @@ def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recip
     source, to_init = _match_checkpoint(model, headers, dense_shapes, path, cls.__name__,
                                         may_init=lambda fqns: _replicated_head(model, fqns, recipe))
 
-    digest = hashlib.sha1(json.dumps(sorted((k, list(v[0])) for k, v in headers.items())).encode()).hexdigest()
-    fingerprint = {"model class": cls.__name__, "dtype": str(dtype), "checkpoint tensors": digest[:12]}
+    fingerprint = {"model class": cls.__name__, "dtype": str(dtype),
+                   "checkpoint tensors": comm.digest(sorted((k, list(v[0])) for k, v in headers.items()))}
     return {"model": model, "source": source, "headers": headers, "dtype": dtype, "to_init": to_init,
             "fingerprint": fingerprint, "snap": snap}
 
@@ -694,8 +682,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     if path.exists() and not path.is_dir():
         error = ValueError(f"save_pretrained: {path} exists and is not a directory; pass a directory path")
     entries = _saved_tensors(model)
-    shapes = hashlib.sha1(json.dumps([(k, list(t.shape), str(t.dtype)) for k, t in entries]).encode()).hexdigest()
-    comm.agree("tpify.save_pretrained", {"saved tensors": shapes[:12], "max_shard_size": str(max_shard_size)}, error)
+    shapes = comm.digest([(k, list(t.shape), str(t.dtype)) for k, t in entries])
+    comm.agree("tpify.save_pretrained", {"saved tensors": shapes, "max_shard_size": str(max_shard_size)}, error)
     info = getattr(model, "tp_info", None)
     group = info.tp_group if info is not None else None
     writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

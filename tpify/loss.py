@@ -59,8 +59,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # the same targets (max and -min of a checksum): a rank alone with bad or different
         # targets would otherwise raise alone, or train on a mismatched batch.
         m = z.max(dim=-1).values  # (N...,)
-        checks = torch.tensor([float(bad_targets), _checksum(target), -_checksum(target)], dtype=m.dtype,
-                              device=m.device)
+        checksum = _checksum(target)
+        checks = torch.tensor([float(bad_targets), checksum, -checksum], dtype=m.dtype, device=m.device)
         packed = torch.cat([m.reshape(-1), checks])
         comm.all_reduce(packed, group, op="max")
         m, checks = packed[:-3].view_as(m), packed[-3:].tolist()

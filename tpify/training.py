@@ -175,7 +175,7 @@ def check_replicas(model: nn.Module) -> None:
             replicated.add(name)
     problems = []
     for group, names, what in ((tp_group, replicated, "TP ranks"), (dp_group, set(digests), "DP replicas")):
-        if comm.get_tp_size(group) == 1:
+        if group is None or comm.get_tp_size(group) == 1:  # None: no such group (not the world)
             continue
         everyone = comm.all_gather_objects({n: digests[n] for n in sorted(names)}, group)
         ranks = dist.get_process_group_ranks(group)

@@ -139,7 +139,7 @@ def test_unclear_arguments_are_named():
     with pytest.raises((ValueError, tpify.PlanError), match="tp_size must be a positive integer, got True"):
         tpify.parallelize(BertModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                                                intermediate_size=32, vocab_size=100)), tp_size=True)
-    from tpify.loading import _resolve_dtype, _weight_files
+    from tpify.loading import _resolve_dtype, _Snapshot, _weight_files
 
     for bad in ("float33", "int8"):
         with pytest.raises(ValueError, match=f"torch_dtype='{bad}' is not a floating dtype"):
@@ -149,7 +149,7 @@ def test_unclear_arguments_are_named():
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "model.safetensors.index.json").write_text(json.dumps({"weight_map": None}))
         with pytest.raises(tpify.CheckpointError, match="'weight_map' must map tensor names to file names"):
-            _weight_files(Path(d))
+            _weight_files(_Snapshot(Path(d)))
 
 
 def test_tp_model_hf_methods():

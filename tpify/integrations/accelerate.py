@@ -36,30 +36,12 @@ from pathlib import Path
 
 import accelerate
 from accelerate.data_loader import prepare_data_loader
-from torch import nn
 
 from ..api import get_tp_info
 from ..training import clip_params_grad_norm_, sync_gradients
-from .model import TPUsageError
+from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 
-__all__ = ["TPAccelerator", "tp_model_of"]
-
-
-def tp_model_of(model):
-    """The tpify-parallelized model inside ``model`` (itself, a PEFT model's base, a DDP's or a
-    compiled module's module), or None."""
-    from ..api import TPInfo
-
-    for _ in range(8):
-        if not isinstance(model, nn.Module):
-            return None
-        if isinstance(model.__dict__.get("tp_info"), TPInfo):
-            return model
-        inner = model._modules.get("module") or model._modules.get("_orig_mod")  # DDP, torch.compile
-        if inner is None and type(model).__module__.startswith("peft."):
-            inner = model.get_base_model()
-        model = inner if inner is not model else None
-    return None
+__all__ = ["TPAccelerator"]
 
 
 class TPAccelerator(accelerate.Accelerator):
@@ -173,7 +155,7 @@ class TPAccelerator(accelerate.Accelerator):
         if tp_model_of(model) is None:
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,
                                       safe_serialization=safe_serialization)
-        self.unwrap_model(model).save_pretrained(save_directory, max_shard_size=max_shard_size)
+        save_dense(self.unwrap_model(model), save_directory, max_shard_size=max_shard_size)
 
     def get_state_dict(self, model, unwrap=True):
         if tp_model_of(model) is not None:
@@ -236,9 +218,7 @@ class TPAccelerator(accelerate.Accelerator):
         import numpy as np
         import torch
 
-        from ..loading import load_weights_
         from ..random import get_rng_tracker
-        from .peft import load_adapter_
 
         src = Path(input_dir)
         file = src / f"tpify_state_rank{self.process_index}.pt"
@@ -250,12 +230,7 @@ class TPAccelerator(accelerate.Accelerator):
             raise TPUsageError(f"TPAccelerator.load_state: {src} was saved by {state['world']} ranks, this run has "
                                f"{self.num_processes}")
         for i, model in enumerate(self._models):
-            path = src / ("model" if i == 0 else f"model_{i}")
-            inner = self.unwrap_model(model)
-            if type(inner).__module__.startswith("peft."):
-                load_adapter_(inner, path, adapter_name=inner.active_adapter)
-            else:
-                load_weights_(tp_model_of(inner), path)
+            load_dense_(self.unwrap_model(model), src / ("model" if i == 0 else f"model_{i}"))
         for opt, saved in zip(self._optimizers, state["optimizers"]):
             opt.load_state_dict(saved)
         for sched, saved in zip(self._schedulers, state["schedulers"]):

@@ -32,11 +32,59 @@ import types
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["install", "check_before_parallelize", "TPUsageError"]
+__all__ = ["install", "check_before_parallelize", "TPUsageError", "is_peft", "tp_model_of", "save_dense",
+           "load_dense_"]
 
 
 class TPUsageError(RuntimeError):
     """A tool or method was used on a tensor-parallel model in a way tpify does not support."""
+
+
+def is_peft(module: nn.Module) -> bool:
+    """Whether ``module`` is one of PEFT's (a ``PeftModel``, a tuner, an adapter layer)."""
+    return type(module).__module__.startswith("peft.")
+
+
+def tp_model_of(model):
+    """The tpify-parallelized model inside ``model`` (itself, a PEFT model's base, a DDP's or a
+    compiled module's module), or None."""
+    from ..api import TPInfo
+
+    for _ in range(8):
+        if not isinstance(model, nn.Module):
+            return None
+        if isinstance(model.__dict__.get("tp_info"), TPInfo):
+            return model
+        inner = model._modules.get("module") or model._modules.get("_orig_mod")  # DDP, torch.compile
+        if inner is None and is_peft(model):
+            inner = model.get_base_model()
+        model = inner if inner is not model else None
+    return None
+
+
+def save_dense(model: nn.Module, directory, max_shard_size="2GB") -> None:
+    """Write what a tpify model is, densely: its Hugging Face checkpoint, or, for a PEFT model on
+    one, its dense adapter (:func:`tpify.integrations.peft.save_adapter`). A collective."""
+    if is_peft(model):
+        from .peft import save_adapter
+
+        save_adapter(model, directory)
+    else:
+        from ..loading import save_pretrained
+
+        save_pretrained(tp_model_of(model), directory, max_shard_size=max_shard_size)
+
+
+def load_dense_(model: nn.Module, directory) -> None:
+    """Read back, in place and slice by slice, what :func:`save_dense` wrote (no communication)."""
+    if is_peft(model):
+        from .peft import load_adapter_
+
+        load_adapter_(model, directory, adapter_name=model.active_adapter)
+    else:
+        from ..loading import load_weights_
+
+        load_weights_(tp_model_of(model), directory)
 
 
 # Options of PreTrainedModel.save_pretrained that are harmless at their default values.

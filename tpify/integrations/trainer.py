@@ -35,16 +35,11 @@ import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..api import get_tp_info
-from ..loading import load_weights_, save_pretrained
 from ..random import get_rng_tracker
-from .accelerate import TPAccelerator, tp_model_of
-from .model import TPUsageError
+from .accelerate import TPAccelerator
+from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 
 __all__ = ["TPTrainer"]
-
-
-def _is_peft(model) -> bool:
-    return type(model).__module__.startswith("peft.")
 
 
 class TPTrainer(transformers.Trainer):
@@ -118,13 +113,7 @@ class TPTrainer(transformers.Trainer):
         if state_dict is not None:
             raise TPUsageError("TPTrainer saves the dense model itself; state_dict= is not supported")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        if _is_peft(model):
-            from .peft import save_adapter
-
-            save_adapter(model, output_dir)
-        else:
-            save_pretrained(self._tp_model, output_dir)
+        save_dense(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output_dir)
         if not self.args.should_save:
             return
         if self.processing_class is not None:
@@ -156,13 +145,7 @@ class TPTrainer(transformers.Trainer):
     # -- resuming ----------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = model if model is not None else self.model
-        model = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        if _is_peft(model):
-            from .peft import load_adapter_
-
-            load_adapter_(model, resume_from_checkpoint, adapter_name=model.active_adapter)
-        else:
-            load_weights_(self._tp_model, resume_from_checkpoint)
+        load_dense_(self.accelerator.unwrap_model(model, keep_torch_compile=False), resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
