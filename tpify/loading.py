@@ -94,6 +94,9 @@ def _weight_files(snap: _Snapshot) -> tuple[dict[str, str], list]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, got "
                                   f"{type(weight_map).__name__}; re-save the checkpoint or fix the index")
+        for name in sorted(set(weight_map.values())):  # open every shard now, right after the index:
+            if (path / name).is_file():               # the files then belong to one save, short of a
+                snap.where(name)                      # save moving files in within these microseconds
         return dict(weight_map), [(data.get("metadata") or {}).get(_SAVE_ID)]
     single = path / SAFE_WEIGHTS_NAME
     if not single.is_file():
@@ -126,7 +129,7 @@ def _headers(snap: _Snapshot, weight_map: dict[str, str]) -> tuple[dict[str, tup
     return out, ids
 
 
-def _snapshot(path: Path, attempts: int = 5) -> tuple[_Snapshot, dict[str, str], dict]:
+def _snapshot(path: Path, attempts: int = 10) -> tuple[_Snapshot, dict[str, str], dict]:
     """Open every file of the checkpoint once: ``(snapshot, weight_map, headers)``.
 
     Files written by one :func:`save_pretrained` carry the same ``tpify_save_id``; when the
