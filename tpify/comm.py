@@ -185,6 +185,21 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
                              f"same model, checkpoint, recipe, tp_size, dtype and arguments.")
 
 
+def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=None) -> None:
+    """Raise ``error(message)`` unless the 0-dim bool tensor ``ok`` is true.
+
+    For data checks whose tensor every rank holds alike (the result of an all-reduce, or the same
+    batch), so that every rank raises at the same point. Eagerly it costs one host sync, and
+    ``detail()`` (values read from the data) is appended to the message. Under ``torch.compile``
+    it becomes ``torch._assert_async(ok, message)``, which stays in the graph (no graph break) and
+    raises ``RuntimeError(message)`` when the compiled code runs.
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise error(message if detail is None else f"{message} ({detail()})")
+
+
 def _split_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     world = get_tp_size(group)
     if world == 1:

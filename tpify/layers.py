@@ -294,11 +294,11 @@ class VocabParallelEmbedding(nn.Module):
         """
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight, self.padding_idx)
-        if input_ids.numel() and not torch.compiler.is_compiling():
+        if input_ids.numel():  # a host sync eagerly, as the dense lookup's bounds check
             low, high = torch.aminmax(input_ids)
-            if low < 0 or high >= self.num_embeddings:  # a host sync, as the dense lookup's bounds check
-                raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got "
-                                 f"min {int(low)}, max {int(high)} (index out of range in self)")
+            comm.raise_unless((low >= 0) & (high < self.num_embeddings), IndexError,
+                              f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}) (index out of "
+                              f"range in self)", detail=lambda: f"got min {int(low)}, max {int(high)}")
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)

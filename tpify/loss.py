@@ -28,11 +28,11 @@ __all__ = ["vocab_parallel_cross_entropy", "install_parallel_lm_loss", "lm_loss_
 _REDUCTIONS = ("none", "sum", "mean")
 
 
-def _checksum(target: torch.Tensor) -> float:
-    """An order-sensitive checksum of integer targets, exact in float32 (< 2**24)."""
+def _checksum(target: torch.Tensor) -> torch.Tensor:
+    """An order-sensitive checksum of integer targets, a 0-dim int64 tensor exact in float32 (< 2**24)."""
     flat = target.reshape(-1).to(torch.int64)
     weights = torch.arange(flat.numel(), device=flat.device) % 9973 + 1
-    return float(((flat + 101) * weights).sum().remainder(16777213))
+    return ((flat + 101) * weights).sum().remainder(16777213)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -59,18 +59,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # the same targets (max and -min of a checksum): a rank alone with bad or different
         # targets would otherwise raise alone, or train on a mismatched batch.
         m = z.max(dim=-1).values  # (N...,)
-        checksum = _checksum(target)
-        checks = torch.tensor([float(bad_targets), checksum, -checksum], dtype=m.dtype, device=m.device)
+        checksum = _checksum(target).to(m.dtype)
+        checks = torch.stack([bad_targets.to(m.dtype), checksum, -checksum])
         packed = torch.cat([m.reshape(-1), checks])
         comm.all_reduce(packed, group, op="max")
-        m, checks = packed[:-3].view_as(m), packed[-3:].tolist()
-        if checks[0] > 0:
-            where = "this rank" if bad_targets else "another rank of the TP group"
-            raise ValueError(f"vocab_parallel_cross_entropy: {where} holds targets outside [0, {true_vocab}) that are "
-                             f"not ignore_index = {ignore_index}; fix the labels or set ignore_index")
-        if checks[1] != -checks[2]:
-            raise ValueError("vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
-                             "rank of a TP group must see the same batch (split data over DP replicas only)")
+        m, checks = packed[:-3].view_as(m), packed[-3:]
+        comm.raise_unless(checks[0] <= 0, ValueError,
+                          f"vocab_parallel_cross_entropy: a rank of the TP group holds targets outside [0, "
+                          f"{true_vocab}) that are not ignore_index = {ignore_index}; fix the labels or set ignore_index",
+                          detail=lambda: "this rank holds them" if bool(bad_targets) else "another rank holds them")
+        comm.raise_unless(checks[1] == -checks[2], ValueError,
+                          "vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
+                          "rank of a TP group must see the same batch (split data over DP replicas only)")
         z = z - m.unsqueeze(-1)
 
         # 2. z_t: the target's logit on the rank that owns it, 0 elsewhere; summed over ranks.
@@ -109,25 +109,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         eps = ctx.label_smoothing
         # dL/dz = (softmax - (1-eps) onehot_local(target) - eps/V) * grad_output; 0 on ignored rows.
         grad = softmax  # reused in place: the Function is once-differentiable
-        flat = grad.view(-1, grad.shape[-1])
-        rows = owned.reshape(-1).nonzero().squeeze(-1)
-        flat[rows, local_target.reshape(-1)[rows]] -= 1.0 - eps
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), owned.unsqueeze(-1).to(grad.dtype) * -(1.0 - eps))
         if eps > 0:
             if padded is None:
                 grad.sub_(eps / ctx.true_vocab)
             else:
-                grad[..., ~padded] -= eps / ctx.true_vocab
+                grad.sub_((~padded).to(grad.dtype) * (eps / ctx.true_vocab))
         grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
-# Under torch.compile the loss runs eagerly (a graph break): inductor fusing it into a model's
-# graph was measured to change the loss value (GPT-2, tp = 2: 10.7753 instead of 10.7901; the
-# gradients and the loss compiled on its own were right, aot_eager was right); the root cause is
-# not found yet. A correct loss with a graph break, rather than a fast wrong one
-# (tests/distributed/test_compile.py).
-@torch.compiler.disable
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -177,14 +169,16 @@ def vocab_parallel_cross_entropy(
         vocab_size: the true vocabulary ``V`` when the shards are padded (``V_padded > V``):
             columns ``>= V`` never contribute. Default ``V_padded`` (no padding).
 
-    Under ``torch.compile`` it runs eagerly (one graph break; see the comment above it).
+    Under ``torch.compile`` it traces into the model's graph with no graph break: the target
+    checks become ``torch._assert_async`` (a ``RuntimeError`` with the same message, on every rank).
 
     Raises:
         ValueError: bad ``reduction``/``label_smoothing``/``vocab_size`` or shapes that do not
             match (before any collective); a target outside ``[0, V)`` that is not
             ``ignore_index`` on any rank, or targets that differ between the ranks of the group:
             learnt by every rank from the first all-reduce (three values ride on it), so every
-            rank raises, none waits.
+            rank raises, none waits. Under ``torch.compile`` these data checks raise
+            ``RuntimeError`` with the same message (``torch._assert_async``).
     """
     tp_size = comm.get_tp_size(tp_group)
     padded_vocab = logits.shape[-1] * tp_size
@@ -203,12 +197,13 @@ def vocab_parallel_cross_entropy(
         raise ValueError("vocab_parallel_cross_entropy: target must hold integer class ids, got "
                          f"{target.dtype} (probability targets are not supported)")
     true_vocab = padded_vocab if vocab_size is None else vocab_size
-    kept = target[target != ignore_index]
-    bad_targets = bool(kept.numel()) and bool(((kept < 0) | (kept >= true_vocab)).any())
-    if bad_targets and tp_size == 1:
-        bad = kept[(kept < 0) | (kept >= true_vocab)][:5].tolist()
-        raise ValueError(f"vocab_parallel_cross_entropy: targets {bad} are outside [0, {true_vocab}) and are "
-                         f"not ignore_index = {ignore_index}; fix the labels or set ignore_index")
+    outside = ((target < 0) | (target >= true_vocab)) & (target != ignore_index)
+    bad_targets = outside.any()  # 0-dim bool; at tp > 1 it rides on the first all-reduce
+    if tp_size == 1:
+        comm.raise_unless(~bad_targets, ValueError,
+                          f"vocab_parallel_cross_entropy: targets outside [0, {true_vocab}) that are not "
+                          f"ignore_index = {ignore_index}; fix the labels or set ignore_index",
+                          detail=lambda: f"targets {target[outside][:5].tolist()}")
     loss = _VocabParallelCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), tp_group,
                                             vocab_size, bad_targets)
     if reduction == "none":
