@@ -21,9 +21,14 @@ benchmarks use to compare what a step really issues with the analytic minimum.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
+import os
+import pickle
+import threading
+import time
 from collections import Counter
 from typing import Iterator
 
@@ -145,32 +150,138 @@ def digest(value) -> str:
     return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+#: Seconds a rank waits in :func:`agree` for the other ranks (environment variable).
+AGREEMENT_TIMEOUT_ENV = "TPIFY_AGREEMENT_TIMEOUT"
+_DEFAULT_AGREEMENT_TIMEOUT_S = 300.0
+_sequence: dict[str, int] = {}  # ranks of a group -> agreements this process has entered on it
+_exit_marker: list = []  # (store, rank) once the marker is registered
+
+
+def agreement_timeout() -> float:
+    """Seconds :func:`agree` waits for the other ranks: ``$TPIFY_AGREEMENT_TIMEOUT``, default 300."""
+    raw = os.environ.get(AGREEMENT_TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else _DEFAULT_AGREEMENT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def _agreement_store():
+    """The default group's key-value store (the rendezvous store), or ``None`` if there is none."""
+    try:
+        # One namespace per torchrun restart, so that markers of a previous attempt never count.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"tpify/{restart}/", dist.distributed_c10d._get_default_store())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _mark_exited() -> None:
+    """At interpreter exit: tell ranks waiting in :func:`agree` that this rank will never come."""
+    store, rank = _exit_marker[0]
+    writer = threading.Thread(target=lambda: store.set(f"exited/{rank}", "1"), daemon=True)
+    writer.start()
+    writer.join(2.0)  # a store whose host is gone must not delay this process's exit
+
+
+def _exchange(what: str, mine, group: dist.ProcessGroup | None) -> list | None:
+    """Every rank's ``(what, mine)`` through the rendezvous store, waiting at most
+    :func:`agreement_timeout` seconds and failing at once when a missing rank has exited.
+
+    Keys are ``agree/<ranks of the group>/<n>/<rank>``: the n-th agreement this process enters on
+    that group, so a rank that skipped a call meets the others' next one with another ``what``.
+    ``None`` when there is no store (then the caller all-gathers).
+    """
+    store = _agreement_store()
+    if store is None:
+        return None
+    me = dist.get_rank()
+    if not _exit_marker:
+        _exit_marker.append((store, me))
+        atexit.register(_mark_exited)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    name = "-".join(map(str, ranks))
+    _sequence[name] = n = _sequence.get(name, 0) + 1
+    base = f"agree/{name}/{n}/"
+    store.set(base + str(me), pickle.dumps((what, mine)))
+    timeout = agreement_timeout()
+    deadline, delay = time.monotonic() + timeout, 0.001
+    missing = [r for r in ranks if r != me]
+    while True:
+        missing = [r for r in missing if not store.check([base + str(r)])]
+        if not missing:
+            break
+        exited = [r for r in missing if store.check([f"exited/{r}"])]
+        if exited:
+            raise AgreementError(f"{what}: rank(s) {exited} exited without calling it. Call {what} on every rank "
+                                 f"(a call under `if rank == 0:` is the usual cause: tpify's entry points are "
+                                 f"collective)")
+        if time.monotonic() > deadline:
+            raise AgreementError(f"{what}: rank(s) {missing} did not call it within {timeout:g} s. Call {what} on "
+                                 f"every rank (a call under `if rank == 0:` is the usual cause: tpify's entry points "
+                                 f"are collective); if those ranks are only slower, raise ${AGREEMENT_TIMEOUT_ENV}")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+    everyone = [pickle.loads(store.get(base + str(r))) for r in ranks]
+    if store.add(base + "read", 1) == len(ranks):  # the last reader removes the round's keys
+        for key in [base + str(r) for r in ranks] + [base + "read"]:
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                store.delete_key(key)
+    elsewhere = [(r, w) for r, (w, _) in zip(ranks, everyone) if w != what]
+    if elsewhere:
+        raise AgreementError(f"the ranks are in different tpify calls: this rank (rank {me}) in {what}, "
+                             + ", ".join(f"rank {r} in {w}" for r, w in elsewhere)
+                             + ". A call made on some ranks only (e.g. under `if rank == 0:`) puts the ranks out "
+                               "of step; tpify's entry points are collective: call them on every rank")
+    return [value for _, value in everyone]
+
+
 def agree(what: str, fingerprint: dict, error: BaseException | None = None,
           group: dist.ProcessGroup | None = None) -> None:
     """The first communication of a tpify entry point: every rank learns every rank's outcome.
 
     Each rank brings what it checked locally: a ``fingerprint`` (small, picklable values that must
     be equal on every rank: the tp size, a digest of the config, the recipe and the plan, the
-    dtype, a path) and the ``error`` its own checks raised, if any. One all-gather of these, then
-    every rank decides alike: a rank that failed raises its own error, the others raise an
-    :class:`AgreementError` naming that rank and its error; if the fingerprints differ, every rank
-    raises an :class:`AgreementError` listing each differing value per rank. So bad input on one
-    rank, or ranks launched with different arguments, stop every rank with an error instead of a
-    hang or a collective mismatch.
+    dtype, a path) and the ``error`` its own checks raised, if any. Every rank posts these to the
+    rendezvous store and reads the others', then every rank decides alike: a rank that failed
+    raises its own error, the others raise an :class:`AgreementError` naming that rank and its
+    error; if the fingerprints differ, every rank raises an :class:`AgreementError` listing each
+    differing value per rank. So bad input on one rank, or ranks launched with different
+    arguments, stop every rank with an error instead of a hang or a collective mismatch.
+
+    A call made on some ranks only (``if rank == 0: tpify.save_pretrained(...)``) does not hang
+    either: the waiting rank raises as soon as a missing rank has exited (a marker it writes at
+    interpreter exit), or when that rank enters another tpify entry point (each rank numbers its
+    agreements per group), or after ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (default 300).
 
     Without torch.distributed (or a one-rank group) it only re-raises ``error``.
 
-    Communication: one ``all_gather_object`` over ``group`` (default: the world).
+    Communication: none through the process group (so no collective can be mismatched): a
+    few small keys in the default group's store (``tpify/agree/...``), removed by the last
+    reader; an ``all_gather_object`` over ``group`` where the default group has no store.
+
+    Raises:
+        AgreementError: another rank failed, the ranks disagree, are in different tpify calls,
+            or a rank exited or did not come within the timeout.
+        ValueError: ``$TPIFY_AGREEMENT_TIMEOUT`` is not a positive number.
     """
     if not (dist.is_available() and dist.is_initialized()) or get_tp_size(group) == 1:
         if error is not None:
             raise error
         return
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if dist.get_rank() not in ranks:  # a group of other ranks: nothing to agree with them
+        raise error if error is not None else ValueError(f"{what}: the group {ranks} does not contain this "
+                                                         f"process (rank {dist.get_rank()})")
     mine = (None, f"{type(error).__name__}: {error}") if error is not None else (fingerprint, None)
-    everyone = all_gather_objects(mine, group)
+    everyone = _exchange(what, mine, group)
+    if everyone is None:
+        everyone = all_gather_objects(mine, group)
     if error is not None:
         raise error
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     failed = [(ranks[i], message) for i, (_, message) in enumerate(everyone) if message is not None]
     if failed:
         rank, message = failed[0]

@@ -457,7 +457,6 @@ def _match_checkpoint(model, headers, dense_shapes, path, cls_name, may_init=Non
     return source, to_init
 
 
-
 def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     """Read a dense Hugging Face safetensors checkpoint into a parallelized model, in place.
 
@@ -466,28 +465,45 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     holders keep pointing at the same tensors (used to resume a Trainer run). Every tensor the
     model needs must be in the checkpoint with its dense shape.
 
-    Communication: none (every rank checks the same headers and raises the same error).
+    Communication: as :func:`from_pretrained`, one agreement (``comm.agree``, over the model's
+    TP group) after the local checks, so a rank whose copy is missing, truncated or different
+    stops every rank, and one after reading. Call it on every rank of the TP group.
 
     Raises:
         FileNotFoundError, CheckpointError: as :func:`from_pretrained`.
+        AgreementError: on the other ranks, when one rank raised; when the ranks' checkpoints differ.
     """
     from .api import get_tp_info
 
-    get_tp_info(model)  # raises for a model tpify did not parallelize
+    tp_group = get_tp_info(model).tp_group  # raises for a model tpify did not parallelize
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"load_weights_: {path} is not a directory")
-    snap, _, headers = _snapshot(path)
-    dense_shapes = {}
-    for fqn, t in _named_tensors(model):
-        spec = shard_spec_of(t)
-        shape = list(t.shape)
-        if spec is not None:
-            shape[spec.dim] = spec.global_size
-        dense_shapes[fqn] = tuple(shape)
-    try:
+    error, snap, source, headers = None, None, None, None
+    try:  # every local check, then one agreement: the same outcome on every rank
+        if not path.is_dir():
+            raise FileNotFoundError(f"load_weights_: {path} is not a directory")
+        snap, _, headers = _snapshot(path)
+        dense_shapes = {}
+        for fqn, t in _named_tensors(model):
+            spec = shard_spec_of(t)
+            shape = list(t.shape)
+            if spec is not None:
+                shape[spec.dim] = spec.global_size
+            dense_shapes[fqn] = tuple(shape)
         source, _ = _match_checkpoint(model, headers, dense_shapes, path, type(model).__name__)
-        _materialize(model, snap, source, headers, None, [], in_place=True)
+    except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
+        error = e
+        if snap is not None:
+            snap.close()
+    fingerprint = {} if error is not None else {
+        "checkpoint tensors": comm.digest(sorted((k, list(v[0])) for k, v in headers.items()))}
+    comm.agree("tpify.load_weights_", fingerprint, error, group=tp_group)
+    try:
+        error = None
+        try:
+            _materialize(model, snap, source, headers, None, [], in_place=True)
+        except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
+            error = e
+        comm.agree("reading the checkpoint in tpify.load_weights_", {}, error, group=tp_group)
     finally:
         snap.close()
 
