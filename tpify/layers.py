@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .sharding import ShardSpec, divide, shard_spec_of
+from .sharding import KeepsShardSpecs, ShardSpec, divide, shard_spec_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
@@ -74,7 +74,7 @@ def _copy_shards(layer: nn.Module, dense: nn.Module, tp_rank: int) -> nn.Module:
     return layer
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(KeepsShardSpecs, nn.Module):
     """What column- and row-parallel layers share: sizes, group, weight layout, ``from_dense``."""
 
     def _init_common(self, in_features: int, out_features: int, tp_group, weight_layout: str) -> None:
@@ -223,7 +223,7 @@ class RowParallelLinear(_ParallelLinear):
                 f"out_features={self.out_features}, tp_size={self.tp_size}, weight_layout={self.weight_layout}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
     """Embedding table split by rows (vocabulary entries) over the TP group.
 
     Rank ``r`` holds the rows of ids ``[vocab_start_index, vocab_end_index)`` of the table padded

@@ -2,8 +2,8 @@
 
 Data flows ``config -> meta model -> recipe surgery (on meta) -> read this rank's slices``.
 :func:`from_pretrained` never materialises the dense model: it builds it on the meta device
-(accelerate's ``init_empty_weights``), parallelizes it there with the same sequence as
-:func:`tpify.parallelize` (resolve tp size -> ``build_plan`` -> groups -> ``apply_plan``), then
+(accelerate's ``init_empty_weights``), parallelizes it there with the pipeline of
+:func:`tpify.parallelize` (``api.prepare`` -> one agreement -> ``api.finish``), then
 each rank reads only its own bytes with ``safe_open(...).get_slice(name)`` through
 :meth:`tpify.sharding.ShardSpec.read` (packed ``[Q|K|V]`` projections split per part, padded
 vocabularies padded with zero rows). :func:`save_pretrained` gathers each tensor to its dense
@@ -38,8 +38,6 @@ __all__ = ["from_pretrained", "save_pretrained", "load_weights_", "CheckpointErr
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _SAVE_ID = "tpify_save_id"  # metadata every file of one save_pretrained carries (index and shards)
-# transformers 5's "legacy" key renamings (conversion_mapping.py) that apply to plain checkpoints.
-_LEGACY_RENAMES = ((".gamma", ".weight"), (".beta", ".bias"))
 
 
 class CheckpointError(ValueError):
@@ -158,14 +156,15 @@ def _snapshot(path: Path, attempts: int = 10) -> tuple[_Snapshot, dict[str, str]
                           f"tries: another process is writing it; load it when that save has finished")
 
 
-def _rename(key: str, expected: set[str], prefix: str) -> str:
+def _rename(key: str, expected: set[str], prefix: str, renames=()) -> str:
     """Map a checkpoint key to the model's naming, as transformers 5 does on load.
 
-    Legacy ``LayerNorm.gamma/beta`` become ``weight/bias``; the base-model prefix (``bert.``,
+    The recipe's ``[checkpoint] renames`` (suffix ``(old, new)`` pairs, BERT's legacy
+    ``LayerNorm.gamma/beta``) apply first; then the base-model prefix (``bert.``,
     ``transformer.``) is stripped or added when that makes the key one the model has.
     """
-    for old, new in _LEGACY_RENAMES:
-        if key.endswith(old) and "LayerNorm" in key:
+    for old, new in renames:
+        if key.endswith(old):
             key = key[: -len(old)] + new
     if prefix and key not in expected:
         if key.startswith(prefix + ".") and key[len(prefix) + 1:] in expected:
@@ -314,20 +313,19 @@ def from_pretrained(
     Warns:
         UserWarning: checkpoint tensors the model does not use (like transformers' "unexpected").
     """
-    from .api import parallelize
+    from .api import finish
 
     path = Path(path)
     error, found = None, {}
-    try:  # every local check, then one agreement (comm.agree): the same outcome on every rank
-        found = _open_checkpoint(path, model_class, torch_dtype, recipe)
+    try:  # every local check (checkpoint and layout), then one agreement: the same outcome on every rank
+        found = _open_checkpoint(path, model_class, torch_dtype, recipe, tp_size, tp_group)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
         error = e
     comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=tp_group)
     model, source, headers, dtype, to_init, snap = (found[k] for k in ("model", "source", "headers", "dtype",
                                                                          "to_init", "snap"))
     try:
-        # ---- the shared sequence: resolve size -> build_plan -> groups -> apply_plan -> tp_info
-        parallelize(model, tp_size=tp_size, tp_group=tp_group, recipe=recipe)
+        finish(model, found["tp_size"], found["layout"], tp_group)  # groups, surgery on meta, tp_info, hooks
         error = None
         try:
             _materialize(model, snap, source, headers, dtype, to_init)
@@ -339,11 +337,13 @@ def from_pretrained(
     return model
 
 
-def _open_checkpoint(path: Path, model_class, torch_dtype, recipe) -> dict:
-    """The local part of :func:`from_pretrained`: config, headers, the meta model and the key map.
+def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group) -> dict:
+    """The local part of :func:`from_pretrained`: config, headers, the meta model, its layout
+    (``api.prepare``) and the key map.
 
-    No collective. Returns ``model`` (dense, on meta), ``source`` (fqn -> checkpoint key),
-    ``headers``, ``dtype``, ``to_init`` and the ``fingerprint`` every rank must share.
+    No collective. Returns ``model`` (dense, on meta), ``tp_size``, ``layout``, ``source`` (fqn ->
+    checkpoint key), ``headers``, ``dtype``, ``to_init`` and the ``fingerprint`` every rank must
+    share (the checkpoint's and :func:`tpify.api.fingerprint`).
     """
     from transformers import AutoConfig
 
@@ -354,15 +354,17 @@ def _open_checkpoint(path: Path, model_class, torch_dtype, recipe) -> dict:
     cls = _resolve_class(config, model_class)
     snap, weight_map, headers = _snapshot(path)  # every file opened once, for the whole load
     try:
-        return _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe)
+        return _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group)
     except BaseException:
         snap.close()
         raise
 
 
-def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe) -> dict:
+def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group) -> dict:
     """The rest of :func:`_open_checkpoint`, on the opened files."""
     from accelerate import init_empty_weights
+
+    from .api import fingerprint, prepare
 
     first_file = sorted(set(weight_map.values()))[0]
     handle = _open(path / first_file, snap.where(first_file))
@@ -375,15 +377,17 @@ def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recip
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
     model.eval()
 
+    size, layout = prepare(model, tp_size, tp_group, recipe)
+
     # ---- match checkpoint keys to the dense meta model: local checks, before any collective
     dense_shapes = {fqn: tuple(t.shape) for fqn, t in _named_tensors(model)}
-    source, to_init = _match_checkpoint(model, headers, dense_shapes, path, cls.__name__,
-                                        may_init=lambda fqns: _replicated_head(model, fqns, recipe))
+    source, to_init = _match_checkpoint(model, headers, dense_shapes, path, cls.__name__, layout.renames,
+                                        may_init=lambda fqns: _replicated_head(model, fqns, layout))
 
-    fingerprint = {"model class": cls.__name__, "dtype": str(dtype),
-                   "checkpoint tensors": comm.digest(sorted((k, list(v[0])) for k, v in headers.items()))}
-    return {"model": model, "source": source, "headers": headers, "dtype": dtype, "to_init": to_init,
-            "fingerprint": fingerprint, "snap": snap}
+    shared = {**fingerprint(model, layout, size, tp_group), "dtype": str(dtype),
+              "checkpoint tensors": comm.digest(sorted((k, list(v[0])) for k, v in headers.items()))}
+    return {"model": model, "tp_size": size, "layout": layout, "source": source, "headers": headers, "dtype": dtype,
+            "to_init": to_init, "fingerprint": shared, "snap": snap}
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -392,18 +396,18 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return named + [(fqn, model.get_buffer(fqn)) for fqn in _persistent_buffers(model)]
 
 
-def _replicated_head(model: nn.Module, fqns: list[str], recipe) -> bool:
-    """Whether tied parameter names ``fqns`` lie outside the base model, in modules the recipe
+def _replicated_head(model: nn.Module, fqns: list[str], layout) -> bool:
+    """Whether tied parameter names ``fqns`` lie outside the base model, in modules the layout
     replicates (a head a base checkpoint lacks may then be initialised)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = getattr(model, prefix, None) if prefix else None
     if base is None or any(f.startswith(prefix + ".") for f in fqns):
         return False
-    sharded = _sharded_modules(model, recipe)
+    sharded = layout.sharded()
     return not any(f.rpartition(".")[0] in sharded for f in fqns)
 
 
-def _match_checkpoint(model, headers, dense_shapes, path, cls_name, may_init=None):
+def _match_checkpoint(model, headers, dense_shapes, path, cls_name, renames=(), may_init=None):
     """``({model fqn: checkpoint key}, [fqns to initialise])``; local, before any collective.
 
     ``dense_shapes``: the dense shape of every tensor the model needs, by FQN. A tied group is
@@ -422,10 +426,10 @@ def _match_checkpoint(model, headers, dense_shapes, path, cls_name, may_init=Non
     unexpected = []
     skip = _non_persistent_buffers(model)
     for key in headers:
-        name = _rename(key, expected, prefix)
+        name = _rename(key, expected, prefix, renames)
         if name in expected:
             source.setdefault(name, key)
-        elif _rename(key, skip, prefix) not in skip:
+        elif _rename(key, skip, prefix, renames) not in skip:
             unexpected.append(key)
     errors, to_init = [], []
     for fqns in groups:
@@ -475,7 +479,8 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     """
     from .api import get_tp_info
 
-    tp_group = get_tp_info(model).tp_group  # raises for a model tpify did not parallelize
+    info = get_tp_info(model)  # raises for a model tpify did not parallelize
+    tp_group = info.tp_group
     path = Path(path)
     error, snap, source, headers = None, None, None, None
     try:  # every local check, then one agreement: the same outcome on every rank
@@ -489,7 +494,7 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
             if spec is not None:
                 shape[spec.dim] = spec.global_size
             dense_shapes[fqn] = tuple(shape)
-        source, _ = _match_checkpoint(model, headers, dense_shapes, path, type(model).__name__)
+        source, _ = _match_checkpoint(model, headers, dense_shapes, path, type(model).__name__, info.layout.renames)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
         error = e
         if snap is not None:
@@ -506,20 +511,6 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
         comm.agree("reading the checkpoint in tpify.load_weights_", {}, error, group=tp_group)
     finally:
         snap.close()
-
-
-def _sharded_modules(model: nn.Module, recipe) -> set[str]:
-    """FQNs of the (still dense) modules the recipe shards, from its plan at tp_size 1.
-
-    Used only to decide whether a missing head parameter may be initialised (replicated ones
-    only). Styles do not depend on the size; divisibility is checked by the real plan in
-    ``parallelize``.
-    """
-    from .api import _model_recipe
-    from .engine import build_plan
-
-    entries = build_plan(model, _model_recipe(model, recipe), 1).entries
-    return {fqn for fqn, entry in entries.items() if entry.style != "replicate"}
 
 
 def _set_tensor(model: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]], old, value: torch.Tensor):
@@ -629,6 +620,24 @@ def _parse_size(size) -> int:
     from transformers.utils.hub import convert_file_size_to_int
 
     return convert_file_size_to_int(size)
+
+
+@contextlib.contextmanager
+def _dense_config(model: nn.Module):
+    """The model's config as it must be written: the values the layout divided per rank put back
+    dense, and ``architectures`` naming the model's class (as transformers' save_pretrained sets it)."""
+    info = getattr(model, "tp_info", None)
+    divided = dict(info.layout.config_divides) if info is not None else {}
+    config = model.config
+    divided["architectures"] = [type(model).__name__]
+    per_rank = {name: getattr(config, name) for name in divided}
+    try:
+        for name, dense in divided.items():
+            setattr(config, name, dense)
+        yield config
+    finally:
+        for name, value in per_rank.items():
+            setattr(config, name, value)
 
 
 def agree_on_write(ok: bool, where: str, error: BaseException | None, device: torch.device) -> None:
@@ -760,7 +769,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
                         {"metadata": {"total_size": total, _SAVE_ID: save_id},
                          "weight_map": dict(sorted(weight_map.items()))},
                         indent=2) + "\n")
-                model.config.save_pretrained(str(tmp))
+                with _dense_config(model):
+                    model.config.save_pretrained(str(tmp))
                 generation_config = getattr(model, "generation_config", None)
                 if generation_config is not None and getattr(model, "can_generate", lambda: False)():
                     generation_config.save_pretrained(str(tmp))

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import comm
 
-__all__ = ["vocab_parallel_cross_entropy", "install_parallel_lm_loss", "lm_loss_kind"]
+__all__ = ["vocab_parallel_cross_entropy", "install_parallel_lm_loss"]
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -228,36 +228,6 @@ def mean_or_nan(total: torch.Tensor, count) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # The parallel LM-head loss of parallelized Hugging Face models.
 
-#: kind -> (shift labels by one like HF causal LMs, honour ``num_items_in_batch``)
-_KINDS = {"causal": True, "masked": False}
-
-
-def _forward_uses_loss_function(model: nn.Module) -> bool:
-    """Whether the class's forward computes its loss with ``self.loss_function`` (which honours
-    ``num_items_in_batch``) rather than a plain ``CrossEntropyLoss()`` (BertForMaskedLM)."""
-    try:
-        return "self.loss_function" in inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return True
-
-
-def lm_loss_kind(model: nn.Module) -> str | None:
-    """``"causal"`` (labels shifted by one inside the model), ``"masked"`` (not shifted), or ``None``.
-
-    Decided from HF's ``loss_type`` (``ForCausalLM``/``ForMaskedLM``, set from the class name)
-    and, for classes HF names otherwise, the class name (``*LMHeadModel`` such as
-    ``GPT2LMHeadModel`` and ``BertLMHeadModel`` are causal LMs). Head classes that add other losses
-    to the LM loss (``GPT2DoubleHeadsModel``, ``BertForPreTraining``) are ``None``.
-    """
-    name = type(model).__name__
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type == "ForMaskedLM" or name.endswith("ForMaskedLM"):
-        return "masked"
-    if loss_type == "ForCausalLM" or name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
-        return "causal"
-    return None
-
-
 def _labels_from_call(model: nn.Module, args: tuple, kwargs: dict):
     """Pop ``labels`` from a forward call (keyword, or positional by HF's signature)."""
     if "labels" in kwargs:
@@ -273,11 +243,10 @@ def _labels_from_call(model: nn.Module, args: tuple, kwargs: dict):
 class _ParallelLMLoss:
     """The pre-hook/hook pair that computes ``output.loss`` from the vocab-sharded logits."""
 
-    def __init__(self, model: nn.Module, head: nn.Module, kind: str | None):
+    def __init__(self, head: nn.Module, kind: str | None, honours_num_items: bool):
         self.head = head
         self.kind = kind
-        self.model_name = type(model).__name__
-        self.honours_num_items = _forward_uses_loss_function(model)
+        self.honours_num_items = honours_num_items
         self.pending: dict | None = None
 
     def pre_hook(self, model, args, kwargs):
@@ -323,39 +292,33 @@ class _ParallelLMLoss:
         return type(output)(loss=loss, **values)
 
 
-def install_parallel_lm_loss(model: nn.Module, plan) -> _ParallelLMLoss | None:
+def install_parallel_lm_loss(model: nn.Module, layout) -> list:
     """Make ``model(..., labels=labels).loss`` use :func:`vocab_parallel_cross_entropy`.
 
-    Installed by :func:`tpify.parallelize` when the plan holds one ``colwise_rep`` LM head (a
-    ``ColumnParallelLinear`` with ``gather_output``) and ``model`` is the top-level HF model.
+    Installed by :func:`tpify.parallelize` when the layout has an LM head (``layout.lm_head``, a
+    ``colwise_rep`` ``ColumnParallelLinear``) and ``model`` is the top-level HF model. The layout's
+    ``loss_kind`` (from the recipe's ``[loss]`` table, or HF's ``loss_type``) says what the loss is.
     With ``labels`` the call runs with the head's output kept sharded, HF computes no loss, and
-    the loss is computed from the shards with HF's semantics: causal LMs shift the labels by one
-    (``shift_labels`` honoured), masked LMs do not; ``-100`` (or ``ignore_index``) is ignored; the
-    mean is over the non-ignored tokens, or the sum divided by ``num_items_in_batch`` when the
-    model's own loss honours it. ``output.logits`` is then this rank's shard
-    ``(B, T, V_padded/tp_size)`` (columns ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns
-    hold 0). Without ``labels`` nothing changes: logits are gathered (``generate`` works).
+    the loss is computed from the shards with HF's semantics: ``"causal"`` shifts the labels by
+    one (``shift_labels`` honoured), ``"masked"`` does not; ``-100`` (or ``ignore_index``) is
+    ignored; the mean is over the non-ignored tokens, or the sum divided by
+    ``num_items_in_batch`` when the model's own loss honours it (``layout.honours_num_items``).
+    ``output.logits`` is then this rank's shard ``(B, T, V_padded/tp_size)`` (columns
+    ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns hold 0). Without ``labels`` nothing
+    changes: logits are gathered (``generate`` works).
 
     Communication: with labels, the 3 all-reduces of ``B*T`` values of the loss replace the
     all-gather of ``B*T*V/p`` logits per rank.
 
-    Head classes whose loss is not a plain causal/masked LM loss (``GPT2DoubleHeadsModel``,
-    ``BertForPreTraining``) keep HF's own loss, computed from the gathered logits: correct, but
-    not vocab-parallel (one all-gather of ``B*T*V/p`` logits per rank).
+    Head classes whose loss kind is None (``GPT2DoubleHeadsModel``, ``BertForPreTraining``: a
+    loss that is not a plain LM loss) keep HF's own loss, computed from the gathered logits:
+    correct, but not vocab-parallel (one all-gather of ``B*T*V/p`` logits per rank).
 
     Returns:
-        the installed hooks' owner, or ``None`` when the plan has no such head.
-    Raises:
-        ValueError: the plan has several ``colwise_rep`` heads.
+        the two hook handles, or ``[]`` when the layout has no LM head.
     """
-    heads = [fqn for fqn, entry in plan.entries.items() if entry.style == "colwise_rep"]
-    if not heads:
-        return None
-    if len(heads) > 1:
-        raise ValueError(f"tpify: {type(model).__name__} has several colwise_rep LM heads {heads}; the parallel "
-                         f"LM loss supports one")
-    head = model.get_submodule(heads[0])
-    owner = _ParallelLMLoss(model, head, lm_loss_kind(model))
-    model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True)
-    model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False)
-    return owner
+    if layout.lm_head is None:
+        return []
+    owner = _ParallelLMLoss(model.get_submodule(layout.lm_head), layout.loss_kind, layout.honours_num_items)
+    return [model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True),
+            model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False)]

@@ -13,10 +13,13 @@ named RNG states and forks a TP-distinct one around the sharded parts of a layer
 
 tpify places the switch by construction, for any recipe: a sharded region begins at the output
 of a column-parallel layer with ``gather_output=False`` and ends at the input of the next
-row-parallel layer. :func:`install_rng_hooks` (called by :func:`tpify.engine.apply_plan`) adds a
-forward hook after every such ``ColumnParallelLinear`` (switch to the TP stream) and a forward
-pre-hook before every ``RowParallelLinear`` (switch back), plus a pre- and post-hook on the
-root model (default stream outside the model). Switching is idempotent and swaps generator
+row-parallel layer (the layout's ``region_starts``/``region_ends``, tpify/layout.py).
+:func:`install_rng_hooks` (called by :func:`tpify.engine.apply_layout`) gives each parallelized
+model its own :class:`RNGStreamTracker` (``model.tp_info.rng``) and adds, bound to it, a forward
+hook after every such ``ColumnParallelLinear`` (switch to the TP stream) and a forward pre-hook
+before every ``RowParallelLinear`` (switch back), plus a pre- and post-hook on the root model
+(default stream outside the model). Two models parallelized in one process (in different
+groups, say) keep independent TP streams. Switching is idempotent and swaps generator
 states: the state of the stream being left is saved and the other's restored, so both advance
 independently. HF ``forward`` methods are untouched: in GPT-2, ``attn_dropout`` (between
 ``c_attn`` and ``c_proj``) uses the TP stream and ``resid_dropout`` (after ``c_proj``, inside the
@@ -31,18 +34,18 @@ stream, so the same head gets a different mask at another ``tp_size``), and, bec
 sharded draws no longer advance the default stream, the replicated masks differ from the dense
 model's even at ``tp_size = 1``. Results at a fixed ``tp_size`` and seed are reproducible.
 Activation recomputation (gradient checkpointing) restores the tracker for the recomputed forward
-(:func:`checkpoint_context_fn`), so it draws the same masks as the forward did.
+(:meth:`RNGStreamTracker.checkpoint_context_fn`), so it draws the same masks as the forward did.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-__all__ = ["TP_SEED_OFFSET", "RNGStreamTracker", "get_rng_tracker", "manual_seed", "install_rng_hooks",
-           "tp_rng", "checkpoint_context_fn"]
+__all__ = ["TP_SEED_OFFSET", "RNGStreamTracker", "get_rng_tracker", "manual_seed", "install_rng_hooks"]
 
 TP_SEED_OFFSET = 2718  # as Megatron's model_parallel_cuda_manual_seed: seed + 2718 + tp_rank
 
@@ -64,6 +67,7 @@ class RNGStreamTracker:
         self.seed: int | None = None
         self.tp_rank = 0
         self._states: dict[tuple[str, str], torch.Tensor] = {}  # (stream, device) -> saved state
+        self.in_region = False  # between a column-parallel layer's output and the next row-parallel input
 
     def reset(self, seed: int | None = None, tp_rank: int | None = None):
         """Forget the saved states; the TP stream restarts from ``seed + offset + tp_rank``."""
@@ -160,34 +164,89 @@ class RNGStreamTracker:
             self._set(device, t)
 
 
-_TRACKER = RNGStreamTracker()
+    # ---- the hooks and contexts, bound to this tracker ----------------------------------------
+
+    def enter_region(self, module, args, output):
+        """Forward hook after a column-parallel layer: the TP stream (in training only: in eval
+        nothing draws, and switching back is then free)."""
+        self.in_region = True
+        if module.training:
+            self.switch(TP, _devices_of(module))
+
+    def leave_region(self, module, args):
+        """Forward pre-hook before a row-parallel layer: the default stream."""
+        self.in_region = False
+        self.switch(DEFAULT, _devices_of(module))
+
+    def at_root(self, module, *args):
+        """Forward pre- and post-hook of the root model: the default stream outside the model."""
+        self.in_region = False
+        self.switch(DEFAULT, self.cuda_devices())
+
+    @contextmanager
+    def tp_rng(self):
+        """Run a block on the TP stream (draws distinct per TP rank), then return to the previous one."""
+        previous = self.current
+        self.switch(TP, self.cuda_devices())
+        try:
+            yield
+        finally:
+            self.switch(previous, self.cuda_devices())
+
+    def checkpoint_context_fn(self):
+        """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+        Activation recomputation runs a segment's forward again during backward. torch restores
+        the global generators to their state at the segment's start (``preserve_rng_state``), but
+        the TP stream's state lives in the tracker and has advanced: the recomputed
+        attention-dropout masks would differ from the forward's and the gradients would be
+        silently wrong. As Megatron's ``CheckpointFunction`` restores its RNG tracker, the forward
+        context records the tracker at the segment's start and the recompute context puts it back
+        for the recomputation (then restores the live one), so gradients are bitwise those of the
+        run without checkpointing. Installed by :func:`tpify.parallelize` through the model's
+        ``gradient_checkpointing_enable`` (tpify.integrations.model).
+        """
+        saved: dict = {}
+        return _AtForward(self, saved), _AtRecompute(self, saved)
 
 
-def get_rng_tracker() -> RNGStreamTracker:
-    """The process-wide :class:`RNGStreamTracker` (the global generators are process-wide too)."""
-    return _TRACKER
+# Trackers of the live parallelized models, so that manual_seed reseeds every one of them.
+_LIVE: "weakref.WeakSet[RNGStreamTracker]" = weakref.WeakSet()
+
+
+def get_rng_tracker(model: nn.Module) -> RNGStreamTracker:
+    """The :class:`RNGStreamTracker` of a parallelized model (``model.tp_info.rng``).
+
+    Raises:
+        ValueError: the model was not parallelized by tpify.
+    """
+    from .api import get_tp_info
+
+    return get_tp_info(model).rng
 
 
 def manual_seed(seed: int, tp_rank: int | None = None):
-    """Seed both streams: the default one identically on every rank, the TP one per TP rank.
+    """Seed the default stream (``torch.manual_seed(seed)``, CPU and every CUDA device) and the TP
+    stream of every live parallelized model (from ``seed + TP_SEED_OFFSET + tp_rank``; ``tp_rank``
+    defaults to each model's own rank).
 
-    Call it with the same ``seed`` on every rank. The default stream is ``torch.manual_seed(seed)``
-    (CPU and every CUDA device); the TP stream starts from ``seed + TP_SEED_OFFSET + tp_rank``
-    (``tp_rank`` defaults to the rank recorded by the last ``parallelize``; calling this before
-    ``parallelize`` is fine: the TP stream is created lazily on first use).
+    Call it with the same ``seed`` on every rank. Calling it before ``parallelize`` is fine: a
+    model parallelized later derives its TP stream from ``torch.initial_seed()``, which is then
+    ``seed``.
     """
-    _TRACKER.reset(seed, tp_rank)
+    for tracker in list(_LIVE):  # first: a reset puts each tracker's default stream back in the generator
+        tracker.reset(seed, tp_rank)
     torch.manual_seed(seed)
 
 
 class _AtForward:
-    """Forward context of :func:`checkpoint_context_fn`: remembers the tracker at segment start."""
+    """Forward context of :meth:`RNGStreamTracker.checkpoint_context_fn`: the tracker at segment start."""
 
-    def __init__(self, saved: dict):
-        self.saved = saved
+    def __init__(self, tracker: RNGStreamTracker, saved: dict):
+        self.tracker, self.saved = tracker, saved
 
     def __enter__(self):
-        self.saved["tracker"] = _TRACKER.snapshot()
+        self.saved["tracker"] = self.tracker.snapshot()
         return self
 
     def __exit__(self, *exc):
@@ -195,51 +254,20 @@ class _AtForward:
 
 
 class _AtRecompute:
-    """Recompute context of :func:`checkpoint_context_fn`: the tracker as it was at segment start."""
+    """Recompute context of :meth:`RNGStreamTracker.checkpoint_context_fn`: the tracker as it was
+    at segment start, for the recomputation only."""
 
-    def __init__(self, saved: dict):
-        self.saved = saved
+    def __init__(self, tracker: RNGStreamTracker, saved: dict):
+        self.tracker, self.saved = tracker, saved
 
     def __enter__(self):
-        self.live = _TRACKER.snapshot()
-        _TRACKER.restore(self.saved["tracker"])
+        self.live = self.tracker.snapshot()
+        self.tracker.restore(self.saved["tracker"])
         return self
 
     def __exit__(self, *exc):
-        _TRACKER.restore(self.live)
+        self.tracker.restore(self.live)
         return False
-
-
-def checkpoint_context_fn():
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
-
-    Activation recomputation runs a segment's forward again during backward. torch restores the
-    global generators to their state at the segment's start (``preserve_rng_state``), but the
-    TP stream's state lives in the tracker and has advanced: the recomputed attention-dropout
-    masks would differ from the forward's and the gradients would be silently wrong. As
-    Megatron's ``CheckpointFunction`` restores its RNG tracker, the forward context records the
-    tracker at the segment's start and the recompute context puts it back for the recomputation
-    (then restores the live one), so gradients are bitwise those of the run without
-    checkpointing. Installed by :func:`tpify.parallelize` through the model's
-    ``gradient_checkpointing_enable`` (tpify.integrations.model).
-    """
-    saved: dict = {}
-    return _AtForward(saved), _AtRecompute(saved)
-
-
-@contextmanager
-def tp_rng():
-    """Run a block on the TP stream (draws distinct per TP rank), then return to the previous one."""
-    previous = _TRACKER.current
-    _TRACKER.switch(TP, _cuda_devices_in_use())
-    try:
-        yield
-    finally:
-        _TRACKER.switch(previous, _cuda_devices_in_use())
-
-
-def _cuda_devices_in_use() -> tuple[str, ...]:
-    return _TRACKER.cuda_devices()
 
 
 def _devices_of(module: nn.Module) -> tuple[str, ...]:
@@ -249,50 +277,30 @@ def _devices_of(module: nn.Module) -> tuple[str, ...]:
     return ()
 
 
-def _to_tp(module, args, output):
-    if module.training:  # in eval nothing draws; switching back is free when not switched
-        _TRACKER.switch(TP, _devices_of(module))
+def install_rng_hooks(model: nn.Module, layout, tp_rank: int) -> tuple[RNGStreamTracker, list]:
+    """Give a parallelized model its dropout-stream tracker and hooks: ``(tracker, handles)``.
 
-
-def _to_default(module, args):
-    _TRACKER.switch(DEFAULT, _devices_of(module))
-
-
-def _root_to_default(module, *args):
-    _TRACKER.switch(DEFAULT, _cuda_devices_in_use())
-
-
-def install_rng_hooks(model: nn.Module, tp_rank: int) -> int:
-    """Add the stream-switching hooks to a parallelized model; return how many were added.
-
-    After every ``ColumnParallelLinear`` with ``gather_output=False`` in training mode: switch to
-    the TP stream (in eval mode nothing draws, so nothing is switched).
-    Before every ``RowParallelLinear``: switch to the default stream. Before and after the root
-    ``model``'s forward: the default stream. Installing twice adds nothing. If
-    :func:`manual_seed` was never called, the TP stream derives from ``torch.initial_seed()`` now.
+    After every layer of ``layout.region_starts`` (column-parallel, output sharded), in training
+    mode: switch to the TP stream. Before every layer of ``layout.region_ends`` (row-parallel):
+    switch to the default stream. Before and after the root ``model``'s forward: the default
+    stream. The TP stream derives from ``torch.initial_seed()`` (:func:`manual_seed` reseeds it).
+    Each hooked layer gets the attribute ``_tpify_rng`` (the tracker), which adapters wrapping it
+    (tpify LoRA) use. ``handles`` are the hooks' ``RemovableHandle``s.
 
     Communication: none.
     """
-    from .layers import ColumnParallelLinear, RowParallelLinear
-
-    if _TRACKER.seed is None:
-        _TRACKER.seed = torch.initial_seed()
-    _TRACKER.tp_rank = int(tp_rank)
-    added = 0
-    for module in model.modules():
-        if getattr(module, "_tpify_rng_hooked", False):
-            continue
-        if isinstance(module, ColumnParallelLinear) and not module.gather_output:
-            module.register_forward_hook(_to_tp)
-        elif isinstance(module, RowParallelLinear):
-            module.register_forward_pre_hook(_to_default)
-        else:
-            continue
-        module._tpify_rng_hooked = True
-        added += 1
-    if not getattr(model, "_tpify_rng_hooked", False):
-        model.register_forward_pre_hook(_root_to_default)
-        model.register_forward_hook(_root_to_default)
-        model._tpify_rng_hooked = True
-        added += 2
-    return added
+    tracker = RNGStreamTracker()
+    tracker.seed, tracker.tp_rank = torch.initial_seed(), int(tp_rank)
+    _LIVE.add(tracker)
+    handles = []
+    for fqn in layout.region_starts:
+        module = model.get_submodule(fqn)
+        handles.append(module.register_forward_hook(tracker.enter_region))
+        module._tpify_rng = tracker
+    for fqn in layout.region_ends:
+        module = model.get_submodule(fqn)
+        handles.append(module.register_forward_pre_hook(tracker.leave_region))
+        module._tpify_rng = tracker
+    handles.append(model.register_forward_pre_hook(tracker.at_root))
+    handles.append(model.register_forward_hook(tracker.at_root))
+    return tracker, handles

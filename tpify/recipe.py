@@ -44,8 +44,11 @@ from pathlib import Path
 __all__ = ["Recipe", "Rule", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
 STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise", "embedding_rowwise", "replicate")
-_RULE_KEYS = {"match", "style", "parts", "divide", "optional"}
-_TOP_KEYS = {"model_type", "description", "divisible", "rule"}
+_RULE_KEYS = {"match", "style", "parts", "divide", "optional", "when"}
+_TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "rule"}
+LOSS_KINDS = ("causal", "masked", "none")
+_LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items"}
+_CHECKPOINT_KEYS = {"renames"}
 
 
 class RecipeError(ValueError):
@@ -75,6 +78,7 @@ class Rule:
     parts: int | tuple[str, ...] | None = None
     divide: tuple[str, ...] = ()
     optional: bool = False
+    when: tuple[tuple[str, object], ...] = ()
     _regexes: list[re.Pattern] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
@@ -83,6 +87,10 @@ class Rule:
     def matches(self, fqn: str) -> bool:
         """True when ``fqn`` (relative to the base model) matches one of the rule's globs."""
         return any(r.match(fqn) for r in self._regexes)
+
+    def applies(self, config) -> bool:
+        """True when every ``when`` condition holds: ``getattr(config, key) == value``."""
+        return all(getattr(config, key, None) == value for key, value in self.when)
 
     def describe(self) -> str:
         return f"rule #{self.index} (match={list(self.patterns)})"
@@ -97,6 +105,16 @@ class Recipe:
     divisible: tuple[str, ...] = ()
     source: str = "<memory>"
     description: str = ""
+    divide_config: tuple[str, ...] = ()
+    loss: dict[str, str] = field(default_factory=dict)  # head class name -> "causal" | "masked" | "none"
+    ignores_num_items: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def digest_data(self) -> list:
+        """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
+        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when) for r in self.rules]
+                + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
+                   list(self.ignores_num_items), list(self.renames)])
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -121,6 +139,29 @@ class Recipe:
         divisible = data.get("divisible", [])
         if not isinstance(divisible, list) or not all(isinstance(d, str) for d in divisible):
             fail("'divisible' must be a list of config attribute names")
+        divide_config = data.get("divide_config", [])
+        if not isinstance(divide_config, list) or not all(isinstance(d, str) for d in divide_config):
+            fail("'divide_config' must be a list of config attribute names")
+        loss_table = data.get("loss", {})
+        if not isinstance(loss_table, dict) or set(loss_table) - _LOSS_KEYS:
+            fail(f"[loss] must be a table with keys among {sorted(_LOSS_KEYS)}")
+        loss: dict[str, str] = {}
+        for kind, names in loss_table.items():
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                fail(f"[loss] {kind} must be a list of head class names")
+            if kind == "ignores_num_items":
+                continue
+            for name in names:
+                if name in loss:
+                    fail(f"[loss] lists {name} under both {loss[name]!r} and {kind!r}")
+                loss[name] = kind
+        checkpoint = data.get("checkpoint", {})
+        if not isinstance(checkpoint, dict) or set(checkpoint) - _CHECKPOINT_KEYS:
+            fail(f"[checkpoint] must be a table with keys among {sorted(_CHECKPOINT_KEYS)}")
+        renames = checkpoint.get("renames", [])
+        if not isinstance(renames, list) or not all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) and x for x in r) for r in renames):
+            fail("[checkpoint] renames must be a list of [old suffix, new suffix] pairs of non-empty strings")
         raw_rules = data.get("rule", [])
         if not isinstance(raw_rules, list) or not raw_rules:
             fail("a recipe needs at least one [[rule]]")
@@ -159,8 +200,13 @@ class Recipe:
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
-            rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional))
-        return cls(model_type, rules, tuple(divisible), source, data.get("description", ""))
+            when = raw.get("when", {})
+            if not isinstance(when, dict) or not all(isinstance(v, (bool, int, float, str)) for v in when.values()):
+                fail(f"{where} (match={patterns}): 'when' must be a table of config attribute = value "
+                     f"(booleans, numbers or strings)")
+            rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items()))))
+        return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
+                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(tuple(r) for r in renames))
 
 
 def recipe_dirs() -> list[Path]:
@@ -191,7 +237,7 @@ def load_recipe(recipe: "str | Path | dict | Recipe") -> Recipe:
         if not found:
             raise RecipeError(
                 f"no tpify recipe for model_type {str(recipe)!r}; shipped recipes: {available_recipes()}. "
-                "Write one (see recipes/README.md) and pass it as parallelize(model, recipe='path/to/file.toml').")
+                "Write one (see docs/recipes.md) and pass it as parallelize(model, recipe='path/to/file.toml').")
         path = found[0]
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")

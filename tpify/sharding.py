@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import comm
 
-__all__ = ["ShardSpec", "shard_spec_of", "divide", "pad_vocab_size", "valid_tp_sizes"]
+__all__ = ["ShardSpec", "shard_spec_of", "KeepsShardSpecs", "divide", "pad_vocab_size", "valid_tp_sizes"]
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -189,3 +189,26 @@ class ShardSpec:
 def shard_spec_of(tensor: torch.Tensor) -> ShardSpec | None:
     """The :class:`ShardSpec` a parallel layer attached to a parameter, or ``None`` if replicated."""
     return getattr(tensor, "tp_shard_spec", None)
+
+
+class KeepsShardSpecs:
+    """Mixin for modules holding sharded parameters: ``copy.deepcopy`` keeps their ``tp_shard_spec``.
+
+    ``nn.Parameter.__deepcopy__`` rebuilds a parameter from its data and ``requires_grad`` only,
+    so a deep copy of a parallelized model would hold shards without specs, which the gradient
+    norm, the replica check and saving would then treat as replicated. This ``__deepcopy__``
+    copies the module as ``copy.deepcopy`` would, then puts each spec back.
+    """
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        for name, param in self.named_parameters(remove_duplicate=False):  # children's too (LoRA factors)
+            spec = shard_spec_of(param)
+            if spec is not None:
+                new.get_parameter(name).tp_shard_spec = spec
+        return new

@@ -64,7 +64,7 @@ def _dropout_body(rank, world):
         m0, m1 = _gather_ranks(mask, group)
         assert not torch.equal(m0, m1), f"{name}: attention dropout masks equal on both TP ranks"
         # TP stream states differ across ranks; after forward the default stream is active.
-        tracker = get_rng_tracker()
+        tracker = get_rng_tracker(model)
         assert tracker.current == "default"
         s0, s1 = _gather_ranks(tracker.tp_state().double(), group)
         assert not torch.equal(s0, s1)

@@ -73,8 +73,8 @@ def test_finetune_real_smollm2_tp3(tmp_path):
     saved model loads in plain transformers and generates text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tpify.convert import default_smollm2_dir
-    from tpify.finetune import default_text_files, pack_texts
+    from tpify.cli.demo_models import default_smollm2_dir
+    from tpify.cli.finetune import default_text_files, pack_texts
 
     base = default_smollm2_dir()
     out = tmp_path / "smol"
@@ -105,8 +105,8 @@ def test_finetune_real_smollm2_lora_tp3(tmp_path):
     from safetensors.torch import load_file as load
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tpify.convert import default_smollm2_dir
-    from tpify.finetune import default_text_files, pack_texts
+    from tpify.cli.demo_models import default_smollm2_dir
+    from tpify.cli.finetune import default_text_files, pack_texts
 
     base = default_smollm2_dir()
     out = tmp_path / "lora"

@@ -50,7 +50,7 @@ def _smollm2_body(rank, world, model_dir):
 def test_smollm2_tp3_matches_dense():
     """Converted dir loads with plain transformers; tp=3 logits and greedy tokens equal dense,
     through parallelize and through tpify.from_pretrained."""
-    from tpify.convert import default_smollm2_dir
+    from tpify.cli.demo_models import default_smollm2_dir
 
     model_dir = default_smollm2_dir()
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpify.convert import cache_dir, convert_gguf, smollm2_gguf_path
+from tpify.cli.demo_models import cache_dir, convert_gguf, smollm2_gguf_path
 
 
 def test_bad_gguf_leaves_nothing(tmp_path):

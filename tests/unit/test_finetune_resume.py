@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tpify.finetune import FinetuneConfig, _run_args, resume_point
+from tpify.cli.finetune import FinetuneConfig, _run_args, resume_point
 
 
 def _checkpoint(out, step, cfg, state=None):

@@ -7,7 +7,7 @@ import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tpify
-from tpify.engine import build_plan
+from tpify.layout import build_layout
 from tpify.recipe import Recipe, RecipeError, available_recipes, load_recipe
 
 
@@ -60,7 +60,7 @@ def test_two_styled_rules_on_one_module_is_an_error():
     data = {"model_type": "gpt2", "rule": [{"match": "**", "style": "replicate"},
                                            {"match": "lm_head", "style": "colwise_rep"}]}
     with pytest.raises(tpify.PlanError, match="several styled rules"):
-        build_plan(model, Recipe.from_dict(data), 1)
+        build_layout(model, Recipe.from_dict(data), 1)
 
 
 def test_recipes_ship_inside_the_wheel(tmp_path):

@@ -194,7 +194,7 @@ class TPAccelerator(accelerate.Accelerator):
                  "schedulers": [s.state_dict() for s in self._schedulers], "step": self.step,
                  "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                 "tpify_rng": get_rng_tracker().state_dict(), "world": self.num_processes}
+                 "tpify_rng": [get_rng_tracker(m).state_dict() for m in self._tp_models()], "world": self.num_processes}
         out.mkdir(parents=True, exist_ok=True)
         torch.save(state, out / f"tpify_state_rank{self.process_index}.pt")
         comm.barrier()
@@ -241,7 +241,8 @@ class TPAccelerator(accelerate.Accelerator):
         torch.set_rng_state(state["torch"])
         if state["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
-        get_rng_tracker().load_state_dict(state["tpify_rng"])
+        for model, saved in zip(self._tp_models(), state["tpify_rng"]):
+            get_rng_tracker(model).load_state_dict(saved)
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """As accelerate's, counting each sample once: the TP ranks of a replica hold the same

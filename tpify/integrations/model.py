@@ -11,8 +11,8 @@ would silently do the wrong thing on shards, so :func:`install` (called by
   (and padded) over the TP group; resize the dense model before :func:`tpify.parallelize`.
 * ``model.gradient_checkpointing_enable(...)`` (also reached through
   ``activation_checkpointing_enable`` and Trainer's ``gradient_checkpointing=True``) checkpoints
-  non-reentrantly with :func:`tpify.random.checkpoint_context_fn`, which restores tpify's dropout
-  streams in the recomputed forward.
+  non-reentrantly with the model's ``tp_info.rng.checkpoint_context_fn``, which restores tpify's
+  dropout streams in the recomputed forward.
 * A ``DistributedDataParallel`` wrapper whose process group is not the model's DP group (what
   ``transformers.Trainer`` and ``accelerate.Accelerator.prepare`` build over the whole world)
   would have broadcast rank 0's shards to every rank at construction and would average gradients
@@ -134,7 +134,7 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **k
     """HF's activation checkpointing with tpify's dropout streams restored in the recomputation.
 
     Same arguments as ``PreTrainedModel.gradient_checkpointing_enable``; checkpointing is
-    non-reentrant with ``context_fn=tpify.random.checkpoint_context_fn`` (Megatron restores its
+    non-reentrant with the model's ``tp_info.rng.checkpoint_context_fn`` as ``context_fn`` (Megatron restores its
     RNG tracker the same way), so gradients are bitwise those of the run without checkpointing.
 
     Raises:
@@ -142,14 +142,12 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **k
     """
     from transformers import PreTrainedModel
 
-    from ..random import checkpoint_context_fn
-
     kw = dict(gradient_checkpointing_kwargs or {})
     if kw.get("use_reentrant", False) or "context_fn" in kw:
         raise TPUsageError("gradient checkpointing of a tensor-parallel model must be non-reentrant and use tpify's "
                            "context_fn (it restores the dropout streams in the recomputation); drop use_reentrant=True "
                            "and context_fn from gradient_checkpointing_kwargs")
-    kw.update(use_reentrant=False, context_fn=checkpoint_context_fn)
+    kw.update(use_reentrant=False, context_fn=self.tp_info.rng.checkpoint_context_fn)
     enable = getattr(PreTrainedModel, "_activation_checkpointing_enable", None)
     if enable is not None:
         enable(self, kw, **kwargs)
@@ -199,12 +197,13 @@ def check_before_parallelize(model: nn.Module) -> None:
                            f"forward restores tpify's dropout streams")
 
 
-def install(model: nn.Module) -> None:
-    """Give a freshly parallelized model its TP-aware HF methods and the DDP guard (see module doc)."""
+def install(model: nn.Module) -> list:
+    """Give a freshly parallelized model its TP-aware HF methods and the DDP guard (see module doc);
+    return the guard's hook handle in a list."""
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, model)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
     if hasattr(model, "resize_token_embeddings"):
         model.resize_token_embeddings = types.MethodType(_resize_token_embeddings, model)
-    model.register_forward_pre_hook(_refuse_foreign_ddp, with_kwargs=True)
+    return [model.register_forward_pre_hook(_refuse_foreign_ddp, with_kwargs=True)]

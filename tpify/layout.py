@@ -1,0 +1,388 @@
+"""The layout: everything tpify decides about a model at a tp size, in one validated object.
+
+:func:`build_layout` matches a recipe (``tpify/recipe.py``) to a model's module tree (on meta or
+real weights) for ``tp_size``. It is pure and deterministic: the same model, recipe and size give
+the same layout (or raise the same :class:`PlanError`) on every rank, and it issues no
+collective, so bad input fails on every rank at the same point. Every later stage takes the
+layout instead of re-deriving what it needs:
+
+* surgery (:func:`tpify.engine.apply_layout`): per module the style and per-rank sizes, the
+  module attributes and config values to divide;
+* sharded loading and saving (:mod:`tpify.loading`): which modules are sharded, the checkpoint
+  key renames, the config values to write back dense;
+* the dropout streams and gradient hooks (:mod:`tpify.random`, :mod:`tpify.engine`): the
+  sharded regions, from the output of each column-parallel layer to the next row-parallel one;
+* the parallel loss (:mod:`tpify.loss`): the LM head and the loss kind, from the recipe's
+  ``[loss]`` table (or the head class's own ``loss_type``), never from class-name suffixes or
+  source text.
+
+Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3) is the method; ``docs/recipes.md`` the
+recipe format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from . import comm
+from .integrations.model import is_peft
+from .recipe import Recipe, Rule
+from .sharding import pad_vocab_size, valid_tp_sizes
+
+__all__ = ["PlanError", "ModuleLayout", "Layout", "build_layout", "relative_fqn", "SHARDABLE_TYPES"]
+
+
+class PlanError(ValueError):
+    """A recipe does not fit a model at a tp size: uncovered modules, indivisible counts, ..."""
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.Linear) or _is_conv1d(module):
+        return "linear"
+    return None
+
+
+SHARDABLE_TYPES = "nn.Linear, transformers Conv1D, nn.Embedding"
+
+
+def _qualname(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The base model (``model.transformer`` of ``GPT2LMHeadModel``), or ``model`` itself."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    return base if isinstance(base, nn.Module) else model
+
+
+def relative_fqn(model: nn.Module, fqn: str) -> str:
+    """``fqn`` relative to the base model, as rules are written: ``transformer.h.0`` -> ``h.0``;
+    the base model itself is ``""`` (so ``match = ""`` matches it)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if _base_model(model) is not model:
+        if fqn == prefix:
+            return ""
+        if fqn.startswith(prefix + "."):
+            return fqn[len(prefix) + 1:]
+    return fqn
+
+
+_PLAIN_FORWARDS = {nn.Linear: nn.Linear.forward, nn.Embedding: nn.Embedding.forward}
+
+
+def _overrides_forward(module: nn.Module) -> str | None:
+    """The plain layer class whose ``forward`` ``module``'s class overrides, or None."""
+    for plain, forward in _PLAIN_FORWARDS.items():
+        if isinstance(module, plain):
+            return None if type(module).forward is forward else plain.__name__
+    if _is_conv1d(module):
+        for klass in type(module).__mro__:
+            if klass.__name__ == "Conv1D":
+                return None if type(module).forward is klass.forward else "Conv1D"
+    return None
+
+
+# HF's own declaration of a head class's loss (PreTrainedModel.loss_type), when the recipe's
+# [loss] table does not list the class.
+_HF_LOSS_TYPES = {"ForCausalLM": "causal", "ForMaskedLM": "masked"}
+
+
+def _loss_of(model: nn.Module, recipe: Recipe) -> tuple[str | None, bool]:
+    """``(loss kind, honours num_items_in_batch)`` of a head class: the recipe's ``[loss]`` entry
+    for its class name, else HF's ``loss_type`` declaration, else None (HF's own loss)."""
+    name = type(model).__name__
+    kind = recipe.loss.get(name)
+    if kind is None:
+        kind = _HF_LOSS_TYPES.get(getattr(model, "loss_type", None) or "")
+    return (None if kind in (None, "none") else kind), name not in recipe.ignores_num_items
+
+
+@dataclass
+class ModuleLayout:
+    """What happens to one module: its FQN, the style, the rule that said so, per-style sizes.
+
+    Attributes:
+        partition_sizes: global widths of the packed parts (``packed_colwise``), each split alike.
+        padded_size: the vocabulary padded to a multiple of ``tp_size`` (vocab-row styles), or None.
+    """
+
+    fqn: str
+    style: str
+    rule: int
+    partition_sizes: list[int] | None = None
+    padded_size: int | None = None
+
+
+@dataclass
+class Layout:
+    """The validated outcome of matching a recipe to a model at ``tp_size``.
+
+    Attributes:
+        tp_size: ranks the model is split over.
+        recipe: the recipe it came from.
+        model_class: the class name of the model it was built for.
+        modules: module FQN -> :class:`ModuleLayout`, for every ``nn.Linear``/``Conv1D``/
+            ``nn.Embedding`` (``replicate`` included).
+        divides: module FQN -> attribute names divided by ``tp_size`` on each rank (head counts).
+        config_divides: config attribute -> its dense value; divided by ``tp_size`` on the
+            parallel model's config (HF code reads some at forward time), written dense on save.
+        lm_head: the FQN of the vocabulary-parallel LM head (style ``colwise_rep``), or None.
+        loss_kind: ``"causal"``, ``"masked"`` or None (HF's own loss on gathered logits).
+        honours_num_items: whether the model's own loss divides by ``num_items_in_batch``.
+        renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
+        region_starts: column-parallel layers whose output stays sharded (a sharded region
+            begins after each).
+        region_ends: row-parallel layers (a sharded region ends before each).
+        unmatched_rules: non-optional rules that matched nothing (warned about by surgery).
+    """
+
+    tp_size: int
+    recipe: Recipe
+    model_class: str = ""
+    modules: dict[str, ModuleLayout] = field(default_factory=dict)
+    divides: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    config_divides: dict[str, int] = field(default_factory=dict)
+    lm_head: str | None = None
+    loss_kind: str | None = None
+    honours_num_items: bool = True
+    renames: tuple[tuple[str, str], ...] = ()
+    region_starts: tuple[str, ...] = ()
+    region_ends: tuple[str, ...] = ()
+    unmatched_rules: list[Rule] = field(default_factory=list)
+
+    def sharded(self) -> set[str]:
+        """FQNs of the modules that are split (every style but ``replicate``)."""
+        return {fqn for fqn, m in self.modules.items() if m.style != "replicate"}
+
+    def digest(self) -> str:
+        """A short digest of what decides the per-rank tensors besides ``tp_size`` (which the
+        agreement compares on its own, so that a different size is reported as such)."""
+        return comm.digest([sorted((f, m.style, m.partition_sizes, m.padded_size)
+                                                 for f, m in self.modules.items()),
+                            sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
+                            self.lm_head, self.loss_kind, self.honours_num_items, list(self.renames)])
+
+
+def _dims(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.nx, module.nf
+
+
+def _packed_sizes(rule: Rule, out_features: int, config, fqn: str, errors: list[str]) -> list[int] | None:
+    if isinstance(rule.parts, int):
+        weights = [1] * rule.parts
+    else:
+        weights = []
+        for name in rule.parts:
+            value = getattr(config, name, None)
+            if not isinstance(value, int):
+                errors.append(f"{fqn}: {rule.describe()} weighs its parts by config.{name}, which is {value!r}")
+                return None
+            weights.append(value)
+    total = sum(weights)
+    if out_features % total:
+        errors.append(f"{fqn}: out_features = {out_features} cannot be split in parts weighed {weights}")
+        return None
+    return [out_features // total * w for w in weights]
+
+
+def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
+    """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
+
+    Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
+    a style (``replicate`` counts). Rules that match nothing warn, unless ``optional``.
+
+    Raises:
+        PlanError: with every problem found, each naming the module and the numbers: modules no
+            rule covers (listed by FQN), modules two rules claim, a style on the wrong module
+            type, counts (config values, attributes to divide, features of sharded layers) that
+            ``tp_size`` does not divide, with the tp sizes that would work.
+    """
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
+    if peft:
+        raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
+                        f"{' ...' if len(peft) > 3 else ''}). Parallelize the base model first, then add the adapters: "
+                        f"model = tpify.parallelize(model); model = tpify.integrations.get_peft_model(model, lora_config)")
+    config = getattr(model, "config", None)
+    layout = Layout(tp_size, recipe, type(model).__name__, renames=recipe.renames)
+    errors: list[str] = []
+    constraints: list[int] = []
+
+    def need_divisible(what: str, value: int):
+        constraints.append(value)
+        if value % tp_size:
+            errors.append(f"{what} = {value} is not divisible by tp_size = {tp_size}")
+
+    for name in recipe.divisible + recipe.divide_config:
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            errors.append(f"recipe {recipe.source} requires config.{name} to be an integer; it is {value!r}")
+        else:
+            need_divisible(f"config.{name} ({type(model).__name__})", value)
+            if name in recipe.divide_config:
+                layout.config_divides[name] = value
+
+    # Rules whose `when` conditions the config does not meet take no part (and do not warn).
+    active = [rule for rule in recipe.rules if rule.applies(config)]
+    matched = {rule.index: rule not in active for rule in recipe.rules}
+    uncovered: list[str] = []
+    containers: dict[str, Rule] = {}  # replicated container FQN -> its rule
+    base = _base_model(model)
+    for fqn, module in model.named_modules():
+        if not fqn and base is not model:
+            continue  # the head class's root: rules are written relative to the base model
+        rel = relative_fqn(model, fqn)
+        hits = [rule for rule in active if rule.matches(rel)]
+        for rule in hits:
+            matched[rule.index] = True
+        for rule in hits:
+            for attr in rule.divide:
+                value = getattr(module, attr, None)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    errors.append(f"{fqn} ({type(module).__name__}): {rule.describe()} divides attribute "
+                                  f"{attr!r}, which is {value!r}, not an integer")
+                else:
+                    need_divisible(f"{fqn}.{attr}", value)
+            if rule.divide:
+                layout.divides[fqn] = layout.divides.get(fqn, ()) + rule.divide
+        styled = [rule for rule in hits if rule.style is not None]
+        kind = _kind(module)
+        container = next((c for c in containers if fqn.startswith(c + ".") or not c), None)
+        if kind is None:
+            if styled and styled[0].style == "replicate" and len(styled) == 1:
+                containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
+            elif styled:
+                errors.append(f"{fqn} is a {_qualname(module)}, not one of {SHARDABLE_TYPES}; "
+                              f"{styled[0].describe()} gives it style {styled[0].style!r} (only 'replicate' "
+                              f"applies to a container module)")
+            continue
+        if container is not None:
+            if styled and any(r.style != "replicate" for r in styled):
+                errors.append(f"{fqn} is inside {container or '<base model>'}, which "
+                              f"{containers[container].describe()} replicates, but {styled[0].describe()} gives it "
+                              f"style {styled[0].style!r}")
+                continue
+            styled = [containers[container]]
+        if not styled:
+            uncovered.append(f"{rel or '<base model>'} ({type(module).__name__})")
+            continue
+        if len(styled) > 1:
+            errors.append(f"{fqn} is matched by several styled rules: {[r.describe() for r in styled]}")
+            continue
+        rule = styled[0]
+        entry = ModuleLayout(fqn, rule.style, rule.index)
+        if rule.style == "replicate":
+            layout.modules[fqn] = entry
+            continue
+        overridden = _overrides_forward(module)
+        if overridden:
+            errors.append(f"{fqn} is a {_qualname(module)}, a subclass of {overridden} that overrides forward; "
+                          f"tpify swaps only the plain layer (its parallel version would drop what that forward "
+                          f"adds). Give it style 'replicate', or a recipe feature that describes it")
+            continue
+        if (kind == "embedding") != (rule.style == "embedding_rowwise"):
+            errors.append(f"{fqn} is a {type(module).__name__}; style {rule.style!r} ({rule.describe()}) "
+                          f"does not apply to it")
+            continue
+        if kind == "embedding":
+            if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+                errors.append(f"{fqn}: embedding_rowwise cannot shard an nn.Embedding with max_norm, "
+                              f"scale_grad_by_freq or sparse (they need the whole table); use 'replicate'")
+                continue
+            entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size)
+        else:
+            in_f, out_f = _dims(module)
+            if rule.style == "rowwise":
+                need_divisible(f"{fqn}.in_features ({type(module).__name__}, rowwise)", in_f)
+            elif rule.style == "colwise_rep":
+                if out_f % tp_size:
+                    entry.padded_size = pad_vocab_size(out_f, tp_size)
+            elif rule.style == "packed_colwise":
+                sizes = _packed_sizes(rule, out_f, config, fqn, errors)
+                if sizes is not None:
+                    entry.partition_sizes = sizes
+                    for i, size in enumerate(sizes):
+                        need_divisible(f"{fqn} packed part {i} of out_features", size)
+            else:
+                need_divisible(f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f)
+        layout.modules[fqn] = entry
+
+    errors.extend(_tie_conflicts(model, layout))
+    heads = [fqn for fqn, m in layout.modules.items() if m.style == "colwise_rep"]
+    if len(heads) > 1:
+        errors.append(f"several colwise_rep LM heads {heads}: the parallel LM loss supports one; give the others "
+                      f"'replicate' or 'colwise'")
+    layout.lm_head = heads[0] if heads else None
+    layout.loss_kind, layout.honours_num_items = _loss_of(model, recipe) if heads else (None, True)
+    layout.region_starts = tuple(f for f, m in layout.modules.items() if m.style in ("colwise", "packed_colwise"))
+    layout.region_ends = tuple(f for f, m in layout.modules.items() if m.style == "rowwise")
+    if uncovered:
+        errors.insert(0, f"{len(uncovered)} module(s) of types {SHARDABLE_TYPES} are covered by no rule of recipe "
+                         f"{recipe.source} (names relative to the base model, as rules are written): {uncovered}. "
+                         f"Add a rule for each (style 'replicate' to keep a full copy on every rank).")
+    if errors:
+        hint = (f" tp sizes that would work for this model: {valid_tp_sizes(*constraints)}."
+                if constraints else "")
+        raise PlanError(f"cannot parallelize {type(model).__name__} with recipe {recipe.source} at "
+                        f"tp_size = {tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
+    layout.unmatched_rules = [r for r in recipe.rules if not matched[r.index] and not r.optional]
+    return layout
+
+
+# Styles that shard a tied weight the same way: vocabulary rows, padded alike (embedding = LM head).
+_VOCAB_ROW_STYLES = {"embedding_rowwise", "colwise_rep"}
+
+
+def _rows(module: nn.Module, entry: ModuleLayout) -> int | None:
+    """Padded vocabulary rows a vocab-row style gives a module (None for other styles)."""
+    if entry.style == "embedding_rowwise":
+        return entry.padded_size
+    if entry.style == "colwise_rep":
+        return entry.padded_size or _dims(module)[1]
+    return None
+
+
+def _tie_conflicts(model: nn.Module, layout: Layout) -> list[str]:
+    """Tied parameters whose holders' styles would shard them differently (or one not at all).
+
+    A weight tied between an embedding and an LM head must be replicated by both, or split by
+    vocabulary rows by both (``embedding_rowwise`` + ``colwise_rep``); anything else gives one of
+    them a shard it cannot use (wrong logits or a half-width vocabulary), so it is an error.
+    """
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for mname, module in model.named_modules():
+        for pname, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((mname, pname))
+    errors = []
+    for places in holders.values():
+        if len(places) < 2:
+            continue
+        # Holders that are not shardable layers (BertLMPredictionHead.bias holding its decoder's
+        # bias) only point at the parameter; surgery re-points them to whatever the layer holds.
+        styles = {f"{m}.{p}": layout.modules[m].style for m, p in places if m in layout.modules}
+        places = [(m, p) for m, p in places if m in layout.modules]
+        if len(places) < 2:
+            continue
+        kinds = set(styles.values())
+        if kinds == {"replicate"} or (kinds <= _VOCAB_ROW_STYLES and "replicate" not in kinds):
+            sizes = {_rows(model.get_submodule(m), layout.modules[m]) for m, _ in places}
+            if len(sizes) <= 1:
+                continue
+        errors.append(f"tied parameter {sorted(styles)} is given styles {styles}, which shard it differently: give "
+                      f"every holder 'replicate', or the embedding 'embedding_rowwise' and the head 'colwise_rep'")
+    return errors
+
+
