@@ -149,3 +149,37 @@ def torchrun_env(rank: int, world: int) -> None:
     """The environment torchrun gives a rank, for tools that read it (Trainer, accelerate)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def run_checks(checks: dict, context) -> dict:
+    """Run ``{name: fn(context)}`` one after another on this rank: ``{name: None or traceback}``,
+    so one spawned job serves many tests, each asserting on its own checks."""
+    import traceback as tb
+
+    results = {}
+    for name, fn in checks.items():
+        try:
+            fn(context)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported per check to the test that owns it
+            results[name] = tb.format_exc()
+    return results
+
+
+def build_wheel(tmp_path):
+    """Build this checkout's wheel into ``tmp_path`` and open it (a ``ZipFile``; skips outside a checkout)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    import pytest
+
+    import tpify
+
+    root = Path(tpify.__file__).resolve().parent.parent
+    if not (root / "pyproject.toml").is_file():
+        pytest.skip("not running from a checkout")
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(root)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return zipfile.ZipFile(next(Path(tmp_path).glob("tpify-*.whl")))

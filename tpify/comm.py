@@ -295,7 +295,7 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
         parts = [f"{k}: " + ", ".join(f"rank {ranks[i]} {fp.get(k)!r}" for i, (fp, _) in enumerate(everyone))
                  for k in differing]
         raise AgreementError(f"the ranks disagree on {what}: " + "; ".join(parts) + ". Launch every rank with the "
-                             f"same model, checkpoint, recipe, tp_size, dtype and arguments.")
+                             "same model, checkpoint, recipe, tp_size, dtype and arguments.")
 
 
 def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=None) -> None:

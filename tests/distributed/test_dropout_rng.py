@@ -82,3 +82,39 @@ def test_dropout_streams_gpt2_bert_tp2():
     """GPT-2 (attn/resid/embd dropout 0.1) and BERT (0.1) in train mode at tp=2."""
     results = tputil.spawn(_dropout_body, 2)
     print("fraction of dropped attention probabilities per rank:", results)
+
+
+def _two_models_body(rank, world):
+    import torch.distributed as dist
+
+    import tpify
+    from tpify.random import get_rng_tracker
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=64, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    a = tpify.parallelize(GPT2LMHeadModel(config), tp_size=world).train()
+    other = dist.new_group(list(range(world)))  # a second group over the same ranks
+    b = tpify.parallelize(GPT2LMHeadModel(config), tp_group=other).train()
+    ta, tb = get_rng_tracker(a), get_rng_tracker(b)
+    assert ta is not tb and a.tp_info.tp_group is not b.tp_info.tp_group
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    a(ids)
+    before = ta.tp_state().clone()
+    b(ids)
+    b(ids)  # b's sharded draws advance b's TP stream only
+    assert torch.equal(ta.tp_state(), before), "running model b moved model a's TP stream"
+    assert not torch.equal(tb.tp_state(), before)
+    # Each model's run is reproducible on its own, whatever the other did in between.
+    tpify.manual_seed(5)
+    first = a(ids).logits
+    tpify.manual_seed(5)
+    b(ids)
+    tpify.manual_seed(5)
+    again = a(ids).logits
+    assert torch.equal(first, again)
+    return True
+
+
+def test_two_models_in_different_groups_keep_independent_dropout_streams():
+    assert all(tputil.spawn(_two_models_body, 2))

@@ -4,12 +4,11 @@ default fine-tuning text inside tpify/cli/data/."""
 
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-import tpify
+import tputil
 from tpify.cli import finetune as ft
 
 
@@ -58,14 +57,7 @@ def test_finetune_checks_for_matplotlib_before_training(monkeypatch):
 
 
 def test_wheel_ships_the_cli_package_and_its_text(tmp_path):
-    root = Path(tpify.__file__).resolve().parent.parent
-    if not (root / "pyproject.toml").is_file():
-        pytest.skip("not running from a checkout")
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(root)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    wheel = next(tmp_path.glob("tpify-*.whl"))
-    zf = zipfile.ZipFile(wheel)
+    zf = tputil.build_wheel(tmp_path)
     names = set(zf.namelist())
     assert {"tpify/cli/__init__.py", "tpify/cli/__main__.py", "tpify/cli/finetune.py", "tpify/cli/launch.py",
             "tpify/cli/demo_models.py", "tpify/cli/data/gpl-3.0.txt"} <= names

@@ -23,7 +23,6 @@ is one IEEE addition ``a + b``, which is commutative, so the gloo sum and the re
 computed here are the same float; gathers, splits and copies move values without arithmetic.
 """
 
-import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -221,14 +220,7 @@ def _body(rank, world):
     c = SimpleNamespace(rank=rank, world=world, group=dist.new_group(list(range(world))))
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     c.single = singles[rank]
-    results = {}
-    for name, fn in _CHECKS.items():
-        try:
-            fn(c)
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported per check to the test that owns it
-            results[name] = traceback.format_exc()
-    return results
+    return tputil.run_checks(_CHECKS, c)
 
 
 @pytest.fixture(scope="module")

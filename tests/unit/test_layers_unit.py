@@ -29,7 +29,6 @@ sliced are compared bitwise.
 """
 
 import copy
-import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -335,14 +334,7 @@ def from_dense_keeps_flags_dtype_and_specs(c):
 
 def _body(rank, world):
     c = SimpleNamespace(rank=rank, world=world, group=dist.new_group(list(range(world))))
-    results = {}
-    for name, fn in _CHECKS.items():
-        try:
-            fn(c)
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported per check to the test that owns it
-            results[name] = traceback.format_exc()
-    return results
+    return tputil.run_checks(_CHECKS, c)
 
 
 @pytest.fixture(scope="module")

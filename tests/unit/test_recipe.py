@@ -1,12 +1,12 @@
 """Recipe parsing and validation, one process."""
 
 import warnings
-import zipfile
 
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tpify
+import tputil
 from tpify.layout import build_layout
 from tpify.recipe import Recipe, RecipeError, available_recipes, load_recipe
 
@@ -65,17 +65,6 @@ def test_two_styled_rules_on_one_module_is_an_error():
 
 def test_recipes_ship_inside_the_wheel(tmp_path):
     """A wheel carries the recipes as tpify/recipes/*.toml and installs no top-level 'recipes'."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(tpify.__file__).resolve().parent.parent
-    if not (root / "pyproject.toml").is_file():
-        pytest.skip("not running from a checkout")
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(root)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    wheel = next(tmp_path.glob("tpify-*.whl"))
-    names = zipfile.ZipFile(wheel).namelist()
+    names = tputil.build_wheel(tmp_path).namelist()
     assert {"tpify/recipes/gpt2.toml", "tpify/recipes/bert.toml"} <= set(names)
     assert not any(n.startswith("recipes/") for n in names)
