@@ -35,8 +35,9 @@ def _phi(qk):
                      embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def _phi3():
-    return Phi3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+def _phi3(world=2):
+    kv = 2 if world == 2 else 4  # grouped-query at tp = 2; tp = 4 needs 4 KV heads
+    return Phi3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv,
                       intermediate_size=48, vocab_size=101, max_position_embeddings=64, pad_token_id=0,
                       bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
 
@@ -50,7 +51,7 @@ def _roberta():
 CASES = {
     "phi qk_layernorm": (PhiForCausalLM, lambda: _phi(True)),
     "phi": (PhiForCausalLM, lambda: _phi(False)),
-    "phi3": (Phi3ForCausalLM, _phi3),
+    "phi3": (Phi3ForCausalLM, _phi3),  # called with the world size
     "roberta mlm": (RobertaForMaskedLM, _roberta),
     "roberta seq-cls": (RobertaForSequenceClassification, _roberta),
     "roberta tok-cls": (RobertaForTokenClassification, _roberta),
@@ -104,7 +105,8 @@ def _check(name, cls, config, world, tmp):
 
 
 def _body(rank, world, tmp):
-    return {name: _check(name, cls, make(), world, tmp) for name, (cls, make) in CASES.items()}
+    return {name: _check(name, cls, make(world) if make is _phi3 else make(), world, tmp)
+            for name, (cls, make) in CASES.items()}
 
 
 def _run(world, tmp_path):
