@@ -189,7 +189,7 @@ def _mark_exited() -> None:
     writer.join(2.0)  # a store whose host is gone must not delay this process's exit
 
 
-def _exchange(what: str, mine, group: dist.ProcessGroup | None) -> list | None:
+def _exchange(what: str, mine, ranks: list[int]) -> list | None:
     """Every rank's ``(what, mine)`` through the rendezvous store, waiting at most
     :func:`agreement_timeout` seconds and failing at once when a missing rank has exited.
 
@@ -204,7 +204,6 @@ def _exchange(what: str, mine, group: dist.ProcessGroup | None) -> list | None:
     if not _exit_marker:
         _exit_marker.append((store, me))
         atexit.register(_mark_exited)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     name = "-".join(map(str, ranks))
     _sequence[name] = n = _sequence.get(name, 0) + 1
     base = f"agree/{name}/{n}/"
@@ -279,7 +278,7 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
         raise error if error is not None else ValueError(f"{what}: the group {ranks} does not contain this "
                                                          f"process (rank {dist.get_rank()})")
     mine = (None, f"{type(error).__name__}: {error}") if error is not None else (fingerprint, None)
-    everyone = _exchange(what, mine, group)
+    everyone = _exchange(what, mine, ranks)
     if everyone is None:
         everyone = all_gather_objects(mine, group)
     if error is not None:

@@ -59,18 +59,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # the same targets (max and -min of a checksum): a rank alone with bad or different
         # targets would otherwise raise alone, or train on a mismatched batch.
         m = z.max(dim=-1).values  # (N...,)
-        checksum = _checksum(target).to(m.dtype)
-        checks = torch.stack([bad_targets.to(m.dtype), checksum, -checksum])
-        packed = torch.cat([m.reshape(-1), checks])
-        comm.all_reduce(packed, group, op="max")
-        m, checks = packed[:-3].view_as(m), packed[-3:]
-        comm.raise_unless(checks[0] <= 0, ValueError,
-                          f"vocab_parallel_cross_entropy: a rank of the TP group holds targets outside [0, "
-                          f"{true_vocab}) that are not ignore_index = {ignore_index}; fix the labels or set ignore_index",
-                          detail=lambda: "this rank holds them" if bool(bad_targets) else "another rank holds them")
-        comm.raise_unless(checks[1] == -checks[2], ValueError,
-                          "vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
-                          "rank of a TP group must see the same batch (split data over DP replicas only)")
+        if tp_size > 1:  # one rank: vocab_parallel_cross_entropy has checked the targets already
+            checksum = _checksum(target).to(m.dtype)
+            checks = torch.stack([bad_targets.to(m.dtype), checksum, -checksum])
+            packed = torch.cat([m.reshape(-1), checks])
+            comm.all_reduce(packed, group, op="max")
+            m, checks = packed[:-3].view_as(m), packed[-3:]
+            comm.raise_unless(checks[0] <= 0, ValueError,
+                              f"vocab_parallel_cross_entropy: a rank of the TP group holds targets outside [0, "
+                              f"{true_vocab}) that are not ignore_index = {ignore_index}; fix the labels or set ignore_index",
+                              detail=lambda: "this rank holds them" if bool(bad_targets) else "another rank holds them")
+            comm.raise_unless(checks[1] == -checks[2], ValueError,
+                              "vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
+                              "rank of a TP group must see the same batch (split data over DP replicas only)")
         z = z - m.unsqueeze(-1)
 
         # 2. z_t: the target's logit on the rank that owns it, 0 elsewhere; summed over ranks.
