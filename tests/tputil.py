@@ -91,19 +91,12 @@ def minilm_dir() -> Path:
 def dense_named(model, attr: str | None = None) -> dict[str, torch.Tensor]:
     """``{fqn: dense tensor}`` of every parameter (``attr='grad'`` for gradients), gathered.
 
-    Collective on a parallelized model: every rank of the TP group must call it.
+    Collective on a parallelized model: every rank of the TP group must call it. The gathering
+    lives in the library (:func:`tpify.verify.dense_named`, which ``tpify verify`` uses).
     """
-    from tpify.sharding import shard_spec_of
+    from tpify.verify import dense_named as gather
 
-    group = model.tp_info.tp_group if hasattr(model, "tp_info") else None
-    out = {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        value = param if attr is None else getattr(param, attr)
-        spec = shard_spec_of(param)
-        if value is not None and spec is not None:
-            value = spec.gather(value.detach(), group)
-        out[fqn] = None if value is None else value.detach()
-    return out
+    return gather(model, attr)
 
 
 def ref_lm_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool, num_items=None) -> torch.Tensor:
@@ -130,19 +123,9 @@ def float64_loss_function(causal: bool):
     would cap a float64 dense reference at float32 precision. Set it as
     ``dense_model.loss_function = tputil.float64_loss_function(causal=True)``.
     """
-    def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                      shift_labels=None, **kwargs):
-        import torch.nn.functional as F
+    from tpify.verify import float64_loss_function as f64
 
-        if causal:
-            target = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        else:
-            target = labels
-        red = "mean" if num_items_in_batch is None else "sum"
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
-                               ignore_index=ignore_index, reduction=red)
-        return loss if num_items_in_batch is None else loss / num_items_in_batch
-    return loss_function
+    return f64("ForCausalLM" if causal else "ForMaskedLM")
 
 
 def torchrun_env(rank: int, world: int) -> None:

@@ -11,6 +11,7 @@ vocab-parallel loss needs.
 | ``reduce_from_tp_region``| all-reduce (sum) (Megatron's ``g``) | identity                       |
 | ``scatter_to_tp_region`` | split the last dim, keep chunk r | all-gather the last dim           |
 | ``gather_from_tp_region``| all-gather the last dim, concat  | split the last dim, keep chunk r  |
+| ``sum_grad_ranges``      | identity                         | all-reduce (sum) of given slices  |
 
 With a group of one rank (or ``group=None`` and no initialised process group) every operator
 is the identity and issues nothing, so a ``tp_size == 1`` model runs without ``torch.distributed``.
@@ -43,6 +44,7 @@ __all__ = [
     "reduce_from_tp_region",
     "scatter_to_tp_region",
     "gather_from_tp_region",
+    "sum_grad_ranges",
     "all_reduce",
     "all_gather_last_dim",
     "barrier",
@@ -390,6 +392,43 @@ class _GatherFromTPRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _split_last_dim(grad, ctx.group), None
+
+
+class _SumGradRanges(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, where, *xs):
+        ctx.group, ctx.where = group, where
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [None if g is None else g.clone(memory_format=torch.contiguous_format) for g in grads]
+        pieces = [(g, dim, a, b) for g, (dim, ranges) in zip(grads, ctx.where) if g is not None for a, b in ranges]
+        if pieces:  # one all-reduce for every slice of every tensor
+            flat = torch.cat([g.narrow(dim, a, b - a).reshape(-1) for g, dim, a, b in pieces])
+            all_reduce(flat, ctx.group)
+            offset = 0
+            for g, dim, a, b in pieces:
+                view = g.narrow(dim, a, b - a)
+                view.copy_(flat[offset: offset + view.numel()].view_as(view))
+                offset += view.numel()
+        return (None, None, *grads)
+
+
+def sum_grad_ranges(xs: list[torch.Tensor], where: list[tuple[int, list[tuple[int, int]]]],
+                    group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+    """Identity forward; backward, sum over the group the gradient slices ``where`` names.
+
+    ``where[i] = (dim, [(start, stop), ...])`` names the slices of ``xs[i]``, along ``dim``, that
+    hold a replicated value whose gradient each rank computes only in part: the K/V parts of a
+    multi-query ``[Q_r | K | V]`` projection, read by this rank's query heads only. The true
+    gradient of those slices is the sum over the group; the other slices are left as they are.
+    Communication: backward, one all-reduce (sum) of all the named slices of all the tensors
+    together; forward none.
+    """
+    if get_tp_size(group) == 1:
+        return tuple(xs)
+    return _SumGradRanges.apply(group, tuple(where), *xs)
 
 
 def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -9,6 +9,7 @@ It never replaces a Hugging Face ``forward`` method.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -16,21 +17,24 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .layout import Layout, ModuleLayout, PlanError
 from .random import RNGStreamTracker, install_rng_hooks
 
-__all__ = ["apply_layout", "ReplicatedInRegion"]
+__all__ = ["apply_layout", "ReplicatedInRegion", "HeadInputs"]
 
 
 def _build_layer(module: nn.Module, entry: ModuleLayout, tp_group: dist.ProcessGroup | None) -> nn.Module:
     if entry.style == "embedding_rowwise":
-        return VocabParallelEmbedding.from_dense(module, tp_group, padded_num_embeddings=entry.padded_size)
+        return VocabParallelEmbedding.from_dense(module, tp_group, padded_num_embeddings=entry.padded_size,
+                                                 output_scale=entry.output_scale)
+    if entry.style == "embedding_colwise":
+        return ColumnParallelEmbedding.from_dense(module, tp_group)
     if entry.style == "rowwise":
         return RowParallelLinear.from_dense(module, tp_group, input_is_parallel=True)
     return ColumnParallelLinear.from_dense(
-        module, tp_group, gather_output=entry.style == "colwise_rep",
-        partition_sizes=entry.partition_sizes, padded_out_features=entry.padded_size)
+        module, tp_group, gather_output=entry.style == "colwise_rep", partition_sizes=entry.partition_sizes,
+        padded_out_features=entry.padded_size, replicated_parts=entry.replicated_parts)
 
 
 def apply_layout(model: nn.Module, layout: Layout,
@@ -87,11 +91,17 @@ def apply_layout(model: nn.Module, layout: Layout,
     config = getattr(model, "config", None)
     for name, dense in layout.config_divides.items():  # HF code reading them at forward time sees per-rank values
         setattr(config, name, dense // layout.tp_size)
+    handles = []
+    for fqn, inputs in layout.head_inputs.items():
+        module = model.get_submodule(fqn)
+        hook = HeadInputs(fqn, module, inputs, tp_group)
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     # Dropout: TP-distinct random stream between column- and row-parallel layers (tpify.random).
-    tracker, handles = install_rng_hooks(model, layout, comm.get_tp_rank(tp_group))
+    tracker, rng_handles = install_rng_hooks(model, layout, comm.get_tp_rank(tp_group))
+    handles += rng_handles
     if layout.tp_size > 1:
         watcher = ReplicatedInRegion(tracker, tp_group, handles)
-        parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+        parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
         for fqn, module in model.named_modules():
             if not isinstance(module, parallel) and any(True for _ in module.parameters(recurse=False)):
                 watcher.names[id(module)] = fqn
@@ -134,3 +144,55 @@ class ReplicatedInRegion:
             if param.requires_grad:
                 self.handles.append(param.register_hook(self._reduce))
         return None
+
+
+class HeadInputs:
+    """Forward pre-hook giving a module this rank's heads of the per-head tensors it is passed.
+
+    Some base models build a tensor for all attention heads and pass it to every layer: ALiBi
+    biases (bloom's ``alibi`` of shape ``(B * n_head, 1, T)``, falcon's ``(B, n_head, 1, T)`` and
+    its attention mask with the ALiBi folded in, ``(B, n_head, T, T)``). The attention module on
+    rank ``r`` computes heads ``[r*n/p, (r+1)*n/p)`` only (its q/k/v are column-parallel), so it
+    must get those heads' slice. For each ``(argument, dim, n_heads)`` of the recipe's
+    ``head_inputs``, the argument's dimension ``dim`` is either 1 (broadcast over heads: left
+    alone) or a multiple ``m * n_heads`` of the dense head count with the heads fastest (``m`` =
+    1: heads; ``m`` = B: batch-major ``B * n_heads``); the hook keeps this rank's heads of it.
+
+    The slice is :func:`tpify.comm.scatter_to_tp_region` along the heads (no communication
+    forward; when the argument requires grad, its gradient is all-gathered in backward, so a
+    learned per-head tensor upstream gets every head's gradient).
+
+    Raises:
+        ValueError: (forward) the dimension is neither 1 nor a multiple of the head count; the
+            message names the module, the argument and the shapes. Every rank holds the same
+            shapes, so every rank raises.
+    """
+
+    def __init__(self, fqn: str, module: nn.Module, inputs: tuple[tuple[str, int, int], ...], tp_group):
+        self.fqn, self.inputs, self.tp_group = fqn, inputs, tp_group
+        self.names = [n for n in inspect.signature(type(module).forward).parameters][1:]  # drop self
+
+    def _slice(self, arg: str, t: torch.Tensor, dim: int, heads: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            return t
+        dim = dim % t.dim()
+        size = t.shape[dim]
+        if size == 1:
+            return t
+        if size % heads:
+            raise ValueError(f"tpify: {self.fqn} gets argument {arg!r} of shape {tuple(t.shape)}; the recipe's "
+                             f"head_inputs says dimension {dim} holds {heads} heads (fastest), but {size} is neither 1 "
+                             f"nor a multiple of {heads}: fix head_inputs (dim, heads) in the recipe")
+        split = t.unflatten(dim, (size // heads, heads)).movedim(dim + 1, -1)
+        local = comm.scatter_to_tp_region(split, self.tp_group)
+        return local.movedim(-1, dim + 1).flatten(dim, dim + 1)
+
+    def __call__(self, module, args, kwargs):
+        args = list(args)
+        for arg, dim, heads in self.inputs:
+            if arg in kwargs:
+                kwargs[arg] = self._slice(arg, kwargs[arg], dim, heads)
+            elif arg in self.names and self.names.index(arg) < len(args):
+                i = self.names.index(arg)
+                args[i] = self._slice(arg, args[i], dim, heads)
+        return tuple(args), kwargs

@@ -23,7 +23,7 @@ from torch import nn
 from . import comm
 from .sharding import KeepsShardSpecs, ShardSpec, divide, shard_spec_of
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelEmbedding"]
 
 _LAYOUTS = ("linear", "conv1d")
 
@@ -105,8 +105,12 @@ class ColumnParallelLinear(_ParallelLinear):
     ``A_r`` and ``b_r`` and computes ``Y_r = copy(X) A_r + b_r`` (Megatron-LM,
     arXiv:1909.08053, section 3, eq. 3). Packed projections (``partition_sizes``, e.g. GPT-2
     ``c_attn`` = ``[Q | K | V]``) split each part separately so rank ``r`` holds
-    ``[Q_r | K_r | V_r]``. A padded output (``padded_out_features``, for a vocabulary that
-    ``p`` does not divide) carries zero rows that are stripped when the output is gathered.
+    ``[Q_r | K_r | V_r]``. Parts listed in ``replicated_parts`` stay whole on every rank
+    (multi-query attention with one K/V head: rank ``r`` holds ``[Q_r | K | V]``); each rank
+    computes only its query heads' share of their gradient, so the gradients of those rows (and
+    bias entries) are summed over the group in backward (:func:`tpify.comm.sum_grad_ranges`).
+    A padded output (``padded_out_features``, for a vocabulary that ``p`` does not divide)
+    carries zero rows that are stripped when the output is gathered.
 
     Shapes:
         input: ``(B, T, in_features)``, replicated on every rank.
@@ -114,11 +118,13 @@ class ColumnParallelLinear(_ParallelLinear):
         ``gather_output=True`` ``(B, T, out_features)`` on every rank (padding stripped).
     Communication:
         forward: none, or one all-gather of the output with ``gather_output``.
-        backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)``.
+        backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)``; with
+        replicated parts, one more of their weight (and bias) gradient rows.
     Dtype: the parameters' dtype; no casting.
     Raises:
         ValueError: a part of the output features is not divisible by ``tp_size``; a packed
-            layer asked to gather its output (the gathered order would not be the dense one).
+            layer asked to gather its output (the gathered order would not be the dense one);
+            replicated parts that are not indices of some (not all) parts.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class ColumnParallelLinear(_ParallelLinear):
         gather_output: bool = False,
         partition_sizes: list[int] | None = None,
         padded_out_features: int | None = None,
+        replicated_parts: tuple[int, ...] = (),
         weight_layout: str = "linear",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -143,9 +150,13 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
         if gather_output and len(parts) > 1:
             raise ValueError("a packed ColumnParallelLinear cannot gather its output in dense order")
-        spec = ShardSpec(0, parts, self.tp_size, padded_out_features)
+        replicated = tuple(replicated_parts)
+        spec = ShardSpec(0, parts, self.tp_size, padded_out_features, replicated)
         self.out_features_per_partition = spec.local_size
-        w_spec = ShardSpec(0 if weight_layout == "linear" else 1, parts, self.tp_size, padded_out_features)
+        w_spec = ShardSpec(0 if weight_layout == "linear" else 1, parts, self.tp_size, padded_out_features, replicated)
+        # (tensor name, dim, local ranges) whose gradients are partial sums (replicated parts)
+        self._partial_grads = ([("weight", w_spec.dim, w_spec.replicated_local_ranges()),
+                                ("bias", 0, spec.replicated_local_ranges())] if replicated else [])
         w_shape = _weight_shape(in_features, self.out_features_per_partition, weight_layout)
         self.weight = _new_param(w_shape, w_spec, device, dtype)
         if bias:
@@ -156,7 +167,13 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
         x = comm.copy_to_tp_region(x, self.tp_group)
-        y = _matmul(x, self.weight, self.bias, self.weight_layout)
+        weight, bias = self.weight, self.bias
+        if self._partial_grads:
+            where = [(n, d, r) for n, d, r in self._partial_grads if getattr(self, n) is not None]
+            summed = comm.sum_grad_ranges([getattr(self, n) for n, _, _ in where], [(d, r) for _, d, r in where],
+                                          self.tp_group)
+            weight, bias = summed[0], (summed[1] if len(summed) > 1 else None)
+        y = _matmul(x, weight, bias, self.weight_layout)
         if self.gather_output:
             y = comm.gather_from_tp_region(y, self.tp_group)
             if y.shape[-1] != self.out_features:
@@ -232,6 +249,10 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
     ``reduce`` (Megatron-LM, arXiv:1909.08053, section 3, "input embedding"). Padded rows are
     zeros that no id reaches.
 
+    ``output_scale`` multiplies the output by a constant, after the reduce, as the scaled
+    embeddings of some families do (Gemma's ``GemmaTextScaledWordEmbedding``: the lookup times
+    ``sqrt(hidden_size)``, the scale first cast to the weight's dtype, as there).
+
     Shapes:
         input: ``(B, T)`` integer ids in ``[0, num_embeddings)``.
         output: ``(B, T, embedding_dim)``, identical on every rank.
@@ -251,6 +272,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         padding_idx: int | None = None,
         tp_group: dist.ProcessGroup | None = None,
         padded_num_embeddings: int | None = None,
+        output_scale: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -258,6 +280,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
+        self.output_scale = output_scale
         self.tp_group = tp_group
         self.tp_size = comm.get_tp_size(tp_group)
         self.tp_rank = comm.get_tp_rank(tp_group)
@@ -293,7 +316,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
                 rank holds the same ids, so every rank raises, before the all-reduce).
         """
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight, self.padding_idx)
+            return self._scaled(F.embedding(input_ids, self.weight, self.padding_idx))
         if input_ids.numel():  # a host sync eagerly, as the dense lookup's bounds check
             low, high = torch.aminmax(input_ids)
             comm.raise_unless((low >= 0) & (high < self.num_embeddings), IndexError,
@@ -303,9 +326,70 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return comm.reduce_from_tp_region(out, self.tp_group)
+        return self._scaled(comm.reduce_from_tp_region(out, self.tp_group))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        if self.output_scale is None:
+            return out
+        return out * torch.tensor(self.output_scale, dtype=torch.float32).to(device=out.device, dtype=self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, padded={self.padded_num_embeddings}, "
                 f"embedding_dim={self.embedding_dim}, vocab_range=[{self.vocab_start_index}, "
-                f"{self.vocab_end_index}), tp_size={self.tp_size}")
+                f"{self.vocab_end_index}), tp_size={self.tp_size}"
+                + (f", output_scale={self.output_scale}" if self.output_scale is not None else ""))
+
+
+class ColumnParallelEmbedding(KeepsShardSpecs, nn.Module):
+    """Embedding table split by columns (``embedding_dim``) over the TP group; output left sharded.
+
+    For tables whose columns are attention heads: T5's ``relative_attention_bias``
+    (``nn.Embedding(num_buckets, n_heads)``) gives, per relative-position bucket, one bias per
+    head. Rank ``r`` holds columns ``[r*D/p, (r+1)*D/p)`` (its heads, as the column-parallel
+    q/k/v projections give it heads ``r*n/p ..``), so the lookup yields exactly the biases of the
+    local heads. Only those heads read them, so each rank's weight gradient is complete: no
+    communication at all (the extension of Megatron's column split, arXiv:1909.08053 section 3,
+    to a lookup table).
+
+    Shapes:
+        input: ``(...)`` integer ids in ``[0, num_embeddings)``, replicated.
+        output: ``(..., embedding_dim // tp_size)``, this rank's columns.
+    Communication: none, forward or backward (the input is integer: it has no gradient).
+    Raises:
+        ValueError: ``embedding_dim`` is not divisible by ``tp_size``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: int | None = None,
+                 tp_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.tp_group = tp_group
+        self.tp_size = comm.get_tp_size(tp_group)
+        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.embedding_dim_per_partition = divide(embedding_dim, self.tp_size, "embedding_dim")
+        spec = ShardSpec(1, (embedding_dim,), self.tp_size)
+        self.weight = _new_param((num_embeddings, self.embedding_dim_per_partition), spec, device, dtype)
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, tp_group: dist.ProcessGroup | None) -> "ColumnParallelEmbedding":
+        """Build this rank's columns from a dense ``nn.Embedding`` (copied exactly).
+
+        Raises:
+            NotImplementedError: ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` (they need whole rows).
+        """
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise NotImplementedError("ColumnParallelEmbedding does not support max_norm, scale_grad_by_freq or sparse")
+        layer = cls(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx, tp_group=tp_group,
+                    device="meta", dtype=module.weight.dtype)
+        return _copy_shards(layer, module, layer.tp_rank)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(...)`` ids -> ``(..., embedding_dim // tp_size)``, this rank's columns."""
+        return F.embedding(input_ids, self.weight, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"embedding_dim_per_partition={self.embedding_dim_per_partition}, tp_size={self.tp_size}")

@@ -22,6 +22,7 @@ recipe format.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -113,6 +114,9 @@ class ModuleLayout:
     Attributes:
         partition_sizes: global widths of the packed parts (``packed_colwise``), each split alike.
         padded_size: the vocabulary padded to a multiple of ``tp_size`` (vocab-row styles), or None.
+        replicated_parts: indices of packed parts kept whole on every rank (multi-query K/V).
+        output_scale: the constant a scaled-embedding subclass multiplies its output by (the
+            recipe's ``[subclasses]``), or None.
     """
 
     fqn: str
@@ -120,6 +124,8 @@ class ModuleLayout:
     rule: int
     partition_sizes: list[int] | None = None
     padded_size: int | None = None
+    replicated_parts: tuple[int, ...] = ()
+    output_scale: float | None = None
 
 
 @dataclass
@@ -139,6 +145,9 @@ class Layout:
         loss_kind: ``"causal"``, ``"masked"`` or None (HF's own loss on gathered logits).
         honours_num_items: whether the model's own loss divides by ``num_items_in_batch``.
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
+        head_inputs: module FQN -> ``(argument, dim, dense head count)`` for each forward argument
+            that holds one entry per attention head (ALiBi biases built by the base model for
+            all heads): each rank gets its own heads' slice.
         region_starts: column-parallel layers whose output stays sharded (a sharded region
             begins after each).
         region_ends: row-parallel layers (a sharded region ends before each).
@@ -155,6 +164,7 @@ class Layout:
     loss_kind: str | None = None
     honours_num_items: bool = True
     renames: tuple[tuple[str, str], ...] = ()
+    head_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     region_starts: tuple[str, ...] = ()
     region_ends: tuple[str, ...] = ()
     unmatched_rules: list[Rule] = field(default_factory=list)
@@ -166,10 +176,11 @@ class Layout:
     def digest(self) -> str:
         """A short digest of what decides the per-rank tensors besides ``tp_size`` (which the
         agreement compares on its own, so that a different size is reported as such)."""
-        return comm.digest([sorted((f, m.style, m.partition_sizes, m.padded_size)
-                                                 for f, m in self.modules.items()),
+        return comm.digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.output_scale)
+                                   for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
-                            self.lm_head, self.loss_kind, self.honours_num_items, list(self.renames)])
+                            self.lm_head, self.loss_kind, self.honours_num_items, list(self.renames),
+                            sorted(self.head_inputs.items())])
 
 
 def _dims(module: nn.Module) -> tuple[int, int]:
@@ -178,15 +189,33 @@ def _dims(module: nn.Module) -> tuple[int, int]:
     return module.nx, module.nf
 
 
-def _packed_sizes(rule: Rule, out_features: int, config, fqn: str, errors: list[str]) -> list[int] | None:
+def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None, fqn: str,
+                  errors: list[str]) -> list[int] | None:
+    """Global widths of the packed parts: ``out_features`` split in proportion to the weights.
+
+    A weight named by a config attribute is checked against the attribute of the same name on the
+    module that owns the layer (the attention module), when it has one: HF code views the packed
+    output with the module's value, and a config that says otherwise (falcon's ``num_kv_heads``
+    in multi-query mode: 4 in the config, 1 in the module) would mis-split the weight.
+    """
     if isinstance(rule.parts, int):
         weights = [1] * rule.parts
     else:
         weights = []
         for name in rule.parts:
+            if isinstance(name, int):
+                weights.append(name)
+                continue
             value = getattr(config, name, None)
             if not isinstance(value, int):
                 errors.append(f"{fqn}: {rule.describe()} weighs its parts by config.{name}, which is {value!r}")
+                return None
+            used = getattr(owner, name, None) if owner is not None else None
+            if isinstance(used, int) and not isinstance(used, bool) and used != value:
+                errors.append(f"{fqn}: {rule.describe()} weighs its parts by config.{name} = {value}, but the module "
+                              f"that owns it ({type(owner).__name__}) has {name} = {used}, which its forward uses; "
+                              f"weigh the parts by what the module uses (a literal integer, or a 'when' condition "
+                              f"for this configuration)")
                 return None
             weights.append(value)
     total = sum(weights)
@@ -257,6 +286,19 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
                     need_divisible(f"{fqn}.{attr}", value)
             if rule.divide:
                 layout.divides[fqn] = layout.divides.get(fqn, ()) + rule.divide
+            for arg, dim, heads_attr in rule.head_inputs:
+                heads = getattr(config, heads_attr, None)
+                if not isinstance(heads, int) or isinstance(heads, bool):
+                    errors.append(f"{fqn}: {rule.describe()} slices argument {arg!r} by config.{heads_attr}, which "
+                                  f"is {heads!r}, not an integer")
+                    continue
+                need_divisible(f"config.{heads_attr} (heads of {fqn}'s argument {arg!r})", heads)
+                params = inspect.signature(type(module).forward).parameters
+                if arg not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                    errors.append(f"{fqn}: {rule.describe()} slices argument {arg!r}, but "
+                                  f"{type(module).__name__}.forward takes no such argument")
+                    continue
+                layout.head_inputs[fqn] = layout.head_inputs.get(fqn, ()) + ((arg, dim, heads),)
         styled = [rule for rule in hits if rule.style is not None]
         kind = _kind(module)
         container = next((c for c in containers if fqn.startswith(c + ".") or not c), None)
@@ -288,20 +330,38 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
             continue
         overridden = _overrides_forward(module)
         if overridden:
-            errors.append(f"{fqn} is a {_qualname(module)}, a subclass of {overridden} that overrides forward; "
-                          f"tpify swaps only the plain layer (its parallel version would drop what that forward "
-                          f"adds). Give it style 'replicate', or a recipe feature that describes it")
-            continue
-        if (kind == "embedding") != (rule.style == "embedding_rowwise"):
+            declared = recipe.subclasses.get(type(module).__name__)
+            if declared is None:
+                errors.append(f"{fqn} is a {_qualname(module)}, a subclass of {overridden} that overrides forward; "
+                              f"tpify swaps only what it understands (its parallel version would drop what that "
+                              f"forward adds). Give it style 'replicate', or declare in the recipe's [subclasses] "
+                              f"what its forward computes (forward = 'plain' or 'scaled', docs/recipes.md)")
+                continue
+            forward, scale_attr = declared
+            if forward == "scaled":
+                scale = getattr(module, scale_attr, None)
+                if kind != "embedding" or rule.style != "embedding_rowwise" or not isinstance(scale, (int, float)) \
+                        or isinstance(scale, bool):
+                    errors.append(f"{fqn} ({type(module).__name__}): [subclasses] forward = 'scaled' applies to an "
+                                  f"nn.Embedding with style 'embedding_rowwise' whose attribute {scale_attr!r} is a "
+                                  f"number; here the style is {rule.style!r} and {scale_attr} = {scale!r}")
+                    continue
+                entry.output_scale = float(scale)
+        embedding_style = rule.style in ("embedding_rowwise", "embedding_colwise")
+        if (kind == "embedding") != embedding_style:
             errors.append(f"{fqn} is a {type(module).__name__}; style {rule.style!r} ({rule.describe()}) "
                           f"does not apply to it")
             continue
         if kind == "embedding":
             if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-                errors.append(f"{fqn}: embedding_rowwise cannot shard an nn.Embedding with max_norm, "
+                errors.append(f"{fqn}: {rule.style} cannot shard an nn.Embedding with max_norm, "
                               f"scale_grad_by_freq or sparse (they need the whole table); use 'replicate'")
                 continue
-            entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size)
+            if rule.style == "embedding_colwise":
+                need_divisible(f"{fqn}.embedding_dim ({type(module).__name__}, embedding_colwise)",
+                               module.embedding_dim)
+            else:
+                entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size)
         else:
             in_f, out_f = _dims(module)
             if rule.style == "rowwise":
@@ -310,11 +370,14 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
                 if out_f % tp_size:
                     entry.padded_size = pad_vocab_size(out_f, tp_size)
             elif rule.style == "packed_colwise":
-                sizes = _packed_sizes(rule, out_f, config, fqn, errors)
+                owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else None
+                sizes = _packed_sizes(rule, out_f, config, owner, fqn, errors)
                 if sizes is not None:
                     entry.partition_sizes = sizes
+                    entry.replicated_parts = rule.replicated_parts
                     for i, size in enumerate(sizes):
-                        need_divisible(f"{fqn} packed part {i} of out_features", size)
+                        if i not in rule.replicated_parts:
+                            need_divisible(f"{fqn} packed part {i} of out_features", size)
             else:
                 need_divisible(f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f)
         layout.modules[fqn] = entry
@@ -326,7 +389,8 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
                       f"'replicate' or 'colwise'")
     layout.lm_head = heads[0] if heads else None
     layout.loss_kind, layout.honours_num_items = _loss_of(model, recipe) if heads else (None, True)
-    layout.region_starts = tuple(f for f, m in layout.modules.items() if m.style in ("colwise", "packed_colwise"))
+    layout.region_starts = tuple(f for f, m in layout.modules.items()
+                                 if m.style in ("colwise", "packed_colwise", "embedding_colwise"))
     layout.region_ends = tuple(f for f, m in layout.modules.items() if m.style == "rowwise")
     if uncovered:
         errors.insert(0, f"{len(uncovered)} module(s) of types {SHARDABLE_TYPES} are covered by no rule of recipe "

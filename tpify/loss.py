@@ -261,6 +261,10 @@ class _ParallelLMLoss:
         args, kwargs, labels = _labels_from_call(model, args, kwargs)
         if labels is None:
             return args, kwargs
+        if self.kind == "seq2seq":  # the model would build its decoder inputs from the labels it no longer sees
+            bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs).arguments
+            if bound.get("decoder_input_ids") is None and bound.get("decoder_inputs_embeds") is None:
+                kwargs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
         self.head.gather_output = False
         self.pending = {"labels": labels, "num_items_in_batch": kwargs.get("num_items_in_batch"),
                         "shift_labels": kwargs.get("shift_labels"), "ignore_index": kwargs.get("ignore_index", -100)}
@@ -279,7 +283,7 @@ class _ParallelLMLoss:
             if target is None:  # HF ForCausalLMLoss: tokens < n predict n, the last one predicts nothing
                 target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
             target = target.to(logits.device)
-        else:
+        else:  # "masked" and "seq2seq": each position predicts its own label
             target = labels
         num_items = pending["num_items_in_batch"] if self.honours_num_items else None
         reduction = "mean" if num_items is None else "sum"
@@ -301,7 +305,9 @@ def install_parallel_lm_loss(model: nn.Module, layout) -> list:
     ``loss_kind`` (from the recipe's ``[loss]`` table, or HF's ``loss_type``) says what the loss is.
     With ``labels`` the call runs with the head's output kept sharded, HF computes no loss, and
     the loss is computed from the shards with HF's semantics: ``"causal"`` shifts the labels by
-    one (``shift_labels`` honoured), ``"masked"`` does not; ``-100`` (or ``ignore_index``) is
+    one (``shift_labels`` honoured), ``"masked"`` does not, ``"seq2seq"`` (T5) does not either and
+    builds the decoder inputs from the labels as the model would
+    (``prepare_decoder_input_ids_from_labels``) when the call gives none; ``-100`` (or ``ignore_index``) is
     ignored; the mean is over the non-ignored tokens, or the sum divided by
     ``num_items_in_batch`` when the model's own loss honours it (``layout.honours_num_items``).
     ``output.logits`` is then this rank's shard ``(B, T, V_padded/tp_size)`` (columns

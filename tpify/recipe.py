@@ -31,7 +31,10 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
     ``colwise_rep``: column-parallel with the output gathered (LM heads; vocab padded if needed).
     ``rowwise``: :class:`~tpify.layers.RowParallelLinear`, input already sharded.
     ``embedding_rowwise``: :class:`~tpify.layers.VocabParallelEmbedding`.
+    ``embedding_colwise``: :class:`~tpify.layers.ColumnParallelEmbedding` (columns are heads).
     ``replicate``: left as it is, a full copy on every rank.
+
+Every key, with an example per feature, is in ``docs/recipes.md``.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ from pathlib import Path
 
 __all__ = ["Recipe", "Rule", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
-STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise", "embedding_rowwise", "replicate")
-_RULE_KEYS = {"match", "style", "parts", "divide", "optional", "when"}
-_TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "rule"}
-LOSS_KINDS = ("causal", "masked", "none")
+STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise", "embedding_rowwise", "embedding_colwise", "replicate")
+_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when"}
+_TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses", "rule"}
+_HEAD_INPUT_KEYS = {"arg", "dim", "heads"}
+SUBCLASS_FORWARDS = ("plain", "scaled")
+LOSS_KINDS = ("causal", "masked", "seq2seq", "none")
 _LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items"}
 _CHECKPOINT_KEYS = {"renames"}
 
@@ -75,10 +80,12 @@ class Rule:
     index: int
     patterns: tuple[str, ...]
     style: str | None = None
-    parts: int | tuple[str, ...] | None = None
+    parts: int | tuple[str | int, ...] | None = None
     divide: tuple[str, ...] = ()
     optional: bool = False
     when: tuple[tuple[str, object], ...] = ()
+    replicated_parts: tuple[int, ...] = ()
+    head_inputs: tuple[tuple[str, int, str], ...] = ()  # (argument name, head dimension, config head count)
     _regexes: list[re.Pattern] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
@@ -109,12 +116,14 @@ class Recipe:
     loss: dict[str, str] = field(default_factory=dict)  # head class name -> "causal" | "masked" | "none"
     ignores_num_items: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
+    subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
 
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
-        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when) for r in self.rules]
+        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs)
+                 for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
-                   list(self.ignores_num_items), list(self.renames)])
+                   list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items())])
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -162,6 +171,19 @@ class Recipe:
         if not isinstance(renames, list) or not all(
                 isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) and x for x in r) for r in renames):
             fail("[checkpoint] renames must be a list of [old suffix, new suffix] pairs of non-empty strings")
+        subclasses: dict[str, tuple[str, str | None]] = {}
+        raw_sub = data.get("subclasses", {})
+        if not isinstance(raw_sub, dict):
+            fail("[subclasses] must be a table of class name = { forward = 'plain' | 'scaled', scale = attribute }")
+        for name, entry in raw_sub.items():
+            if not isinstance(entry, dict) or set(entry) - {"forward", "scale"} or entry.get("forward") not in SUBCLASS_FORWARDS:
+                fail(f"[subclasses] {name} must be a table with forward = one of {list(SUBCLASS_FORWARDS)} "
+                     f"(and scale = a module attribute name for 'scaled')")
+            scale = entry.get("scale")
+            if (entry["forward"] == "scaled") != isinstance(scale, str) or scale == "":
+                fail(f"[subclasses] {name}: forward = 'scaled' needs scale = the name of the module attribute "
+                     f"holding the factor (a float); 'plain' takes no scale")
+            subclasses[name] = (entry["forward"], scale)
         raw_rules = data.get("rule", [])
         if not isinstance(raw_rules, list) or not raw_rules:
             fail("a recipe needs at least one [[rule]]")
@@ -183,20 +205,40 @@ class Recipe:
             divide = raw.get("divide", [])
             if not isinstance(divide, list) or not all(isinstance(d, str) for d in divide):
                 fail(f"{where} (match={patterns}): 'divide' must be a list of attribute names")
-            if style is None and not divide:
-                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list")
+            head_inputs = []
+            for item in raw.get("head_inputs", []) if isinstance(raw.get("head_inputs", []), list) else [None]:
+                if (not isinstance(item, dict) or set(item) != _HEAD_INPUT_KEYS or not isinstance(item["arg"], str)
+                        or not isinstance(item["dim"], int) or isinstance(item["dim"], bool)
+                        or not isinstance(item["heads"], str)):
+                    fail(f"{where} (match={patterns}): 'head_inputs' must be a list of {{ arg = forward argument "
+                         f"name, dim = its head dimension (an integer), heads = config attribute of the dense head "
+                         f"count }}")
+                head_inputs.append((item["arg"], item["dim"], item["heads"]))
+            if style is None and not divide and not head_inputs:
+                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list (or 'head_inputs')")
             parts = raw.get("parts")
             if parts is not None:
                 if style != "packed_colwise":
                     fail(f"{where} (match={patterns}): 'parts' is only for style 'packed_colwise'")
                 ok = (isinstance(parts, int) and not isinstance(parts, bool) and parts >= 2) or (
-                    isinstance(parts, list) and len(parts) >= 2 and all(isinstance(p, str) for p in parts))
+                    isinstance(parts, list) and len(parts) >= 2 and all(
+                        (isinstance(p, str) and p) or (isinstance(p, int) and not isinstance(p, bool) and p >= 1)
+                        for p in parts))
                 if not ok:
-                    fail(f"{where} (match={patterns}): 'parts' must be an integer >= 2 or a list of >= 2 "
-                         "config attribute names")
+                    fail(f"{where} (match={patterns}): 'parts' must be an integer >= 2 (equal parts) or a list of "
+                         ">= 2 weights, each a config attribute name or a positive integer")
                 parts = parts if isinstance(parts, int) else tuple(parts)
             elif style == "packed_colwise":
                 fail(f"{where} (match={patterns}): style 'packed_colwise' needs 'parts'")
+            replicated_parts = raw.get("replicated_parts", [])
+            if replicated_parts:
+                count = parts if isinstance(parts, int) else len(parts or ())
+                if (style != "packed_colwise" or not isinstance(replicated_parts, list)
+                        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count
+                                   for i in replicated_parts)
+                        or len(set(replicated_parts)) != len(replicated_parts) or len(replicated_parts) >= count):
+                    fail(f"{where} (match={patterns}): 'replicated_parts' is for style 'packed_colwise': a list of "
+                         f"distinct part indices (0-based, below {count}) naming some, not all, of the parts")
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
@@ -204,9 +246,10 @@ class Recipe:
             if not isinstance(when, dict) or not all(isinstance(v, (bool, int, float, str)) for v in when.values()):
                 fail(f"{where} (match={patterns}): 'when' must be a table of config attribute = value "
                      f"(booleans, numbers or strings)")
-            rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items()))))
+            rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
+                              tuple(replicated_parts), tuple(head_inputs)))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
-                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(tuple(r) for r in renames))
+                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(tuple(r) for r in renames), subclasses)
 
 
 def recipe_dirs() -> list[Path]:

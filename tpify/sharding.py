@@ -9,6 +9,9 @@ section 3):
 * **Packed parts** (GPT-2 ``c_attn`` = ``[Q | K | V]``, grouped-query ``[Q | K | V]`` of
   unequal widths): each part is split separately, so rank ``r`` holds
   ``[Q_r | K_r | V_r]`` and never a contiguous slice of the packed tensor.
+* **Replicated parts** (multi-query attention, one K/V head: ``[Q | K | V]`` with K and V kept
+  whole on every rank): rank ``r`` holds ``[Q_r | K | V]``; the replicated parts' gradients are
+  partial sums per rank (each rank's query heads read them) and are all-reduced by the layer.
 * **Padded vocabularies**: a dimension of ``V`` rows that ``p`` does not divide is padded up to
   ``padded_size`` (a multiple of ``p``); rank ``r`` holds rows ``[r*Vp/p, (r+1)*Vp/p)`` of the
   padded table, the rows ``>= V`` are zeros that are never read from nor written to a file.
@@ -67,19 +70,26 @@ class ShardSpec:
             part is split in ``tp_size`` equal chunks.
         padded_size: global size after vocab padding, or ``None``. Only for one part.
         tp_size: number of ranks the tensor is split over.
+        replicated: indices of the parts kept whole on every rank (multi-query K/V); not all.
     """
 
     dim: int
     parts: tuple[int, ...]
     tp_size: int
     padded_size: int | None = None
+    replicated: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.padded_size is not None and len(self.parts) != 1:
             raise ValueError("a padded dimension cannot also be packed")
+        if self.replicated and (len(set(self.replicated)) == len(self.parts)
+                                or not all(0 <= i < len(self.parts) for i in self.replicated)):
+            raise ValueError(f"replicated parts {list(self.replicated)} must be distinct indices of some, not all, "
+                             f"of the {len(self.parts)} parts")
         if self.padded_size is None:
-            for size in self.parts:
-                divide(size, self.tp_size, "a part of the sharded dimension")
+            for i, size in enumerate(self.parts):
+                if i not in self.replicated:
+                    divide(size, self.tp_size, "a part of the sharded dimension")
         elif self.padded_size % self.tp_size or self.padded_size < self.parts[0]:
             raise ValueError(f"padded size {self.padded_size} must be a multiple of {self.tp_size} >= {self.parts[0]}")
 
@@ -93,7 +103,20 @@ class ShardSpec:
         """Size of the dimension on each rank (padding included)."""
         if self.padded_size is not None:
             return self.padded_size // self.tp_size
-        return sum(size // self.tp_size for size in self.parts)
+        return sum(self._local_part(i) for i in range(len(self.parts)))
+
+    def _local_part(self, i: int) -> int:
+        return self.parts[i] if i in self.replicated else self.parts[i] // self.tp_size
+
+    def replicated_local_ranges(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` ranges, along :attr:`dim` of a rank's shard, of the replicated parts
+        (the same values on every rank); empty when nothing is replicated."""
+        out, offset = [], 0
+        for i in range(len(self.parts)):
+            if i in self.replicated:
+                out.append((offset, offset + self.parts[i]))
+            offset += self._local_part(i)
+        return out
 
     def ranges(self, tp_rank: int) -> list[tuple[int, int]]:
         """``[start, stop)`` ranges of the dense dimension that rank ``tp_rank`` holds, in order.
@@ -106,9 +129,12 @@ class ShardSpec:
             stop = min(start + chunk, self.parts[0])
             return [(start, stop)] if stop > start else []
         out, offset = [], 0
-        for size in self.parts:
-            chunk = size // self.tp_size
-            out.append((offset + tp_rank * chunk, offset + (tp_rank + 1) * chunk))
+        for i, size in enumerate(self.parts):
+            if i in self.replicated:
+                out.append((offset, offset + size))
+            else:
+                chunk = size // self.tp_size
+                out.append((offset + tp_rank * chunk, offset + (tp_rank + 1) * chunk))
             offset += size
         return out
 
@@ -179,9 +205,12 @@ class ShardSpec:
             return gathered.narrow(self.dim, 0, self.parts[0]).contiguous()
         pieces = []
         offset = 0
-        for size in self.parts:
-            chunk = size // self.tp_size
-            pieces.extend(shard.narrow(self.dim, offset, chunk) for shard in shards)
+        for i, size in enumerate(self.parts):
+            chunk = self._local_part(i)
+            if i in self.replicated:  # every rank holds it whole; take rank 0's copy
+                pieces.append(shards[0].narrow(self.dim, offset, chunk))
+            else:
+                pieces.extend(shard.narrow(self.dim, offset, chunk) for shard in shards)
             offset += chunk
         return torch.cat(pieces, dim=self.dim).contiguous()
 

@@ -86,7 +86,8 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
 
     ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: a parameter with a
     :class:`~tpify.sharding.ShardSpec` holds a shard, summed over the TP group; a replicated one
-    holds the same gradient on every TP rank and is counted once. Padded vocabulary rows have
+    (and the replicated parts of a packed shard, multi-query K/V) holds the same gradient on every
+    TP rank and is counted once. Padded vocabulary rows have
     zero gradient. Returns a float32 scalar tensor (float64 when a gradient is float64) on the
     gradients' device.
 
@@ -103,11 +104,17 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
     sharded = torch.zeros((), dtype=dtype, device=device)
     replicated = torch.zeros((), dtype=dtype, device=device)
     for p in params:
-        sq = p.grad.detach().to(dtype).pow(2).sum()
-        if shard_spec_of(p) is not None:
-            sharded += sq
-        else:
+        grad = p.grad.detach().to(dtype)
+        sq = grad.pow(2).sum()
+        spec = shard_spec_of(p)
+        if spec is None:
             replicated += sq
+            continue
+        # Replicated parts of a packed shard (multi-query K/V) hold the same gradient on every rank.
+        rep = sum((grad.narrow(spec.dim, a, b - a).pow(2).sum() for a, b in spec.replicated_local_ranges()),
+                  torch.zeros((), dtype=dtype, device=device))
+        sharded += sq - rep
+        replicated += rep
     comm.all_reduce(sharded, tp_group)
     return (sharded + replicated).sqrt()
 
@@ -171,8 +178,14 @@ def check_replicas(model: nn.Module) -> None:
     digests, replicated = {}, set()
     for name, p in model.named_parameters():
         digests[name] = _digest(p)
-        if shard_spec_of(p) is None:
+        spec = shard_spec_of(p)
+        if spec is None:
             replicated.add(name)
+        elif spec.replicated:  # the replicated parts of a packed shard (multi-query K/V)
+            key = f"{name} (replicated parts)"
+            digests[key] = _digest(torch.cat([p.detach().narrow(spec.dim, a, b - a)
+                                              for a, b in spec.replicated_local_ranges()], dim=spec.dim))
+            replicated.add(key)
     problems = []
     for group, names, what in ((tp_group, replicated, "TP ranks"), (dp_group, set(digests), "DP replicas")):
         if group is None or comm.get_tp_size(group) == 1:  # None: no such group (not the world)

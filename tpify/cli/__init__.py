@@ -9,6 +9,12 @@ sentence similarities (mean pooling, cosine).
 ``tpify finetune``: fine-tunes a causal LM (default: the embedded SmolLM2-135M-Instruct) on local
 text files across ``--tp`` x ``--dp`` ranks, with checkpoints, exact resume and a loss curve.
 
+``tpify plan MODEL_TYPE_OR_DIR --tp N``: the coverage report of a recipe (per-module styles and
+per-rank shapes, memory per rank, what stays replicated); on the meta device, in this process.
+
+``tpify verify MODEL_TYPE_OR_DIR --tp 2,4``: proves a recipe exact on a small random model of the
+family, every head class against the dense model in float64; launches its own gloo ranks.
+
 Run by hand, a subcommand launches its ranks itself with torchrun on this host; under torchrun
 (one or several hosts) it runs as the rank torchrun started.
 
@@ -19,6 +25,8 @@ The loss curve of ``tpify finetune`` needs matplotlib: ``pip install "tpify[cli]
 #   tpify/cli/__init__.py     this parser and the embed worker (``python -m tpify.cli`` runs main)
 #   tpify/cli/launch.py       torchrun self-launch, process-group setup
 #   tpify/cli/finetune.py     the fine-tuning loop behind ``tpify finetune``
+#   tpify/cli/plan.py         tpify plan: a recipe's coverage report on a meta model (no ranks)
+#   tpify/cli/verify.py       tpify verify: a recipe against the dense model in float64 (its own ranks)
 #   tpify/cli/demo_models.py  the embedded demo models: locators, GGUF -> safetensors
 #   tpify/cli/data/           the default fine-tuning text (GNU GPL v3)
 
@@ -140,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="LoRA rank: train only LoRA adapters on the parallel linear layers (0: full fine-tune)")
     ft.add_argument("--lora-alpha", type=int, default=None, help="LoRA alpha (default 2 * --lora-r)")
     ft.set_defaults(worker=_finetune_worker)
+
+    from . import plan as _plan  # tpify plan: in-process, no ranks (tpify/cli/plan.py)
+
+    _plan.add_parser(sub)
+
+    from . import verify as _verify  # tpify verify: launches its own gloo ranks (tpify/cli/verify.py)
+
+    _verify.add_parser(sub)
     return parser
 
 
@@ -185,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "finetune":
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
+    if getattr(args, "in_process", False):  # recipe-author commands (plan): no process group, no torchrun
+        return args.worker(args)
     if not under_torchrun():
         return relaunch(args.tp * getattr(args, "dp", 1), argv)
     return args.worker(args)

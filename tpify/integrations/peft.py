@@ -111,6 +111,11 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if self.is_row:
             return "lora_A", ShardSpec(1, (base.in_features,), base.tp_size)
         spec = shard_spec_of(base.weight)
+        if spec.replicated:
+            raise NotImplementedError(
+                f"tpify LoRA: {type(base).__name__} keeps packed parts {list(spec.replicated)} whole on every rank "
+                f"(multi-query K/V); an adapter on it is not supported. Leave this module out of target_modules "
+                f"(adapt the other projections)")
         return "lora_B", ShardSpec(0, spec.parts, spec.tp_size, spec.padded_size)
 
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):

@@ -1,0 +1,119 @@
+"""transformers' own TP plans (tpify/hf_plan.py) and ``tpify draft`` recipes, proved exact at tp = 2.
+
+ONE spawned job (tests/tputil.spawn, 2 gloo ranks) runs :func:`tpify.verify.check_case` for:
+
+* six decoder families that ship no tpify recipe but have a ``base_model_tp_plan``, each through
+  ``tpify.parallelize(model)`` with no recipe argument, so the import path of ``tpify/api.py`` is
+  what runs (and its one-line notice is checked): qwen3 (tied embeddings, per-head ``q_norm`` /
+  ``k_norm`` found by construction), olmo2 (HF gathers q/k/v: replicated attention, split MLP),
+  granite (embedding / residual / attention / logits multipliers), starcoder2 (biases, ``c_fc`` /
+  ``c_proj``), cohere (tied, ``logit_scale``), glm (packed ``gate_up_proj`` gathered by HF:
+  replicated); plus qwen3's sequence classification head (``score`` replicated);
+* draft recipes written by ``tpify draft`` (TOML, read back from the file): gpt2 (no HF plan:
+  traced; packed ``c_attn``, ``divide = ["split_size"]``), llama (from the HF plan), stablelm
+  (no HF plan: traced; ``divide = ["num_heads", "num_key_value_heads"]``) and opt (traced).
+
+Each case compares, against the dense float64 model: every output with a left-padding mask,
+the ``labels=`` loss, every gathered gradient, greedy ``generate`` (identical token ids), and a
+save / sharded-load round trip. Tolerance ``atol=1e-10, rtol=1e-9`` (tpify.verify.ATOL/RTOL): in
+float64 only the order of the sums differs (~1e-16 relative, <= ~1e-13 over 2 layers); a wrong
+shard or a size not divided gives errors >= 1e-3 or a shape error.
+"""
+
+import warnings
+
+import pytest
+
+import tputil
+
+HF_PLAN_CASES = {  # label -> (model_type, task, config changes)
+    "qwen3": ("qwen3", "causal-lm", {"tie_word_embeddings": True}),
+    "qwen3 seq-cls": ("qwen3", "sequence-classification", {}),
+    "olmo2": ("olmo2", "causal-lm", {}),
+    "granite": ("granite", "causal-lm", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                         "attention_multiplier": 0.2, "logits_scaling": 2.0}),
+    "starcoder2": ("starcoder2", "causal-lm", {}),
+    "cohere": ("cohere", "causal-lm", {}),
+    "glm": ("glm", "causal-lm", {}),
+}
+DRAFT_CASES = {"gpt2": "trace", "llama": "hf-plan", "stablelm": "trace", "opt": "trace"}
+
+
+def _config(model_type, changes):
+    from tpify.cli.target import resolve_config
+    from tpify.verify import small_config
+
+    config = small_config(resolve_config(model_type), (2,))
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+def _body(rank, world, drafts, workdir):
+    from transformers.utils import logging as hf_logging
+
+    from tpify.cli.target import head_classes
+    from tpify.verify import check_case
+
+    hf_logging.set_verbosity_error()
+    out = {}
+    for label, (model_type, task, changes) in HF_PLAN_CASES.items():
+        cls = head_classes(model_type)[task]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = check_case(cls, _config(model_type, changes), world, recipe=None, workdir=workdir,
+                              target=label, task=task)
+        notices = sorted({str(w.message) for w in caught if "no shipped recipe" in str(w.message)})
+        out[label] = (rows, notices)
+    for model_type, path in drafts.items():
+        cls = head_classes(model_type)["causal-lm"]
+        rows = check_case(cls, _config(model_type, {}), world, recipe=path, workdir=workdir,
+                          target=f"draft {model_type}", task="causal-lm")
+        out[f"draft {model_type}"] = (rows, [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from tpify.draft import draft
+
+    tmp = tmp_path_factory.mktemp("hf_plan")
+    drafts = {}
+    for model_type, method in DRAFT_CASES.items():
+        d = draft(model_type)
+        assert d.method == method, (model_type, d.method)
+        path = tmp / f"{model_type}.toml"
+        path.write_text(d.toml())
+        drafts[model_type] = str(path)
+    per_rank = tputil.spawn(_body, 2, drafts, str(tmp / "work"), timeout=900)
+    return per_rank[0]
+
+
+def _assert_rows(label, rows):
+    """Every row passed (print the table: the measured differences)."""
+    from tpify.verify import VerifyReport
+
+    report = VerifyReport(rows=rows)
+    print(report.format_table())
+    assert report.ok, f"{label}:\n{report.format_table(failures_only=True)}"
+
+
+@pytest.mark.parametrize("label", list(HF_PLAN_CASES))
+def test_imported_hf_plan_is_exact(results, label):
+    rows, notices = results[label]
+    _assert_rows(label, rows)
+    checks = " | ".join(r.check for r in rows)
+    assert "forward" in checks and "gradients" in checks and "labels= loss" in checks, checks
+    if HF_PLAN_CASES[label][1] == "causal-lm":
+        assert "generate" in checks, checks
+    model_type = HF_PLAN_CASES[label][0]
+    assert any(n.startswith(f"tpify: no shipped recipe for {model_type}; using transformers' base_model_tp_plan "
+                            f"(imported, ") for n in notices), notices
+
+
+@pytest.mark.parametrize("model_type", list(DRAFT_CASES))
+def test_draft_recipe_is_exact(results, model_type):
+    rows, _ = results[f"draft {model_type}"]
+    _assert_rows(f"draft {model_type}", rows)
+    checks = " | ".join(r.check for r in rows)
+    assert "generate" in checks and "gradients" in checks, checks
