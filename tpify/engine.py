@@ -163,9 +163,10 @@ class HeadInputs:
     learned per-head tensor upstream gets every head's gradient).
 
     Raises:
-        ValueError: (forward) the dimension is neither 1 nor a multiple of the head count; the
-            message names the module, the argument and the shapes. Every rank holds the same
-            shapes, so every rank raises.
+        ValueError: (forward) the dimension is neither 1 nor a multiple of the head count, or the
+            call does not pass the argument at all (a misspelt name in the recipe); the message
+            names the module, the argument and the shapes. Every rank holds the same shapes and
+            arguments, so every rank raises.
     """
 
     def __init__(self, fqn: str, module: nn.Module, inputs: tuple[tuple[str, int, int], ...], tp_group):
@@ -195,4 +196,8 @@ class HeadInputs:
             elif arg in self.names and self.names.index(arg) < len(args):
                 i = self.names.index(arg)
                 args[i] = self._slice(arg, args[i], dim, heads)
+            else:  # a misspelt name (the forward takes **kwargs) would leave every head on every rank
+                raise ValueError(f"tpify: {self.fqn} ({type(module).__name__}) was called without argument {arg!r}, "
+                                 f"which the recipe's head_inputs slices per rank; fix the argument name in the "
+                                 f"recipe (the call passed {sorted(kwargs)} and {len(args)} positional arguments)")
         return tuple(args), kwargs

@@ -376,6 +376,7 @@ def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recip
         model = cls._from_config(config)  # picks the attention implementation as from_pretrained does
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
     model.eval()
+    _init_non_persistent_buffers(model)  # before surgery: the config still holds the dense values
 
     size, layout = prepare(model, tp_size, tp_group, recipe)
 
@@ -593,6 +594,41 @@ def _materialize(model, snap, source, headers, dtype, to_init, in_place: bool = 
     leftover = [f for f, p in model.named_parameters() if p.is_meta]
     if leftover:  # defensive: the checks above make this unreachable
         raise CheckpointError(f"tpify: parameters left unloaded: {leftover}")
+
+
+def _init_non_persistent_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers as transformers' ``from_pretrained`` does.
+
+    The meta model was built under the checkpoint's dtype as the default dtype, so its
+    constructor computed tables such as GPT-J's sinusoidal ``embed_positions`` in that dtype
+    (float64 for a float64 load). transformers computes them after loading, in the model's
+    ``_init_weights`` under the process's default dtype (float32), then stores them in the
+    buffer's dtype: the values differ (up to 4e-8 for GPT-J in float64). To give exactly what a
+    user of the checkpoint gets from transformers, this runs ``_init_weights`` on every module
+    that owns a non-persistent buffer, with every parameter and persistent buffer (still on the
+    meta device) marked initialised (transformers' init functions skip those), so only the
+    buffers are recomputed. Called on the dense meta model, before surgery divides any config
+    value (rotary tables read the head count from the config). Local; no communication.
+    """
+    owners = [m for m in model.modules()
+              if any(m._buffers.get(name) is not None for name in m._non_persistent_buffers_set)]
+    if not owners or not hasattr(model, "_init_weights"):
+        return
+    persistent = set(_persistent_buffers(model))
+    marked = [t for t in model.parameters()] + [model.get_buffer(f) for f in persistent]
+    flags = [(t, getattr(t, "_is_hf_initialized", None)) for t in marked]
+    for t in marked:
+        t._is_hf_initialized = True
+    try:
+        with torch.no_grad():
+            for module in owners:
+                model._init_weights(module)
+    finally:
+        for t, old in flags:
+            if old is None:
+                del t._is_hf_initialized
+            else:
+                t._is_hf_initialized = old
 
 
 def _init_missing(model, fqns, dtype):

@@ -6,7 +6,7 @@
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
   save/load round trip. Tolerance ``atol=1e-10, rtol=1e-9`` in float64: both sides compute the
   same thing and only the order of the sums differs (a few ulps: measured <= 9.1e-13, phi's base
-  model gradients, apart from the KNOWN GPT-J loading defect below); a wrong shard gives >= 1e-3
+  model gradients); a wrong shard gives >= 1e-3
   (the negative control below measures 0.12). A directory target (a small tied-embedding Llama
   config.json, used as it is) runs in the same job.
 * Negative controls in the same job: a gpt2 recipe that passes validation but splits the packed
@@ -32,11 +32,6 @@ from tpify.verify import (ATOL, RTOL, ShrinkError, Target, compare, family_head_
 
 # Rows that fail because of a known defect outside tpify.verify: (target, check prefix) -> why.
 # They are printed, not hidden; a fix makes them pass and nothing here needs to change.
-KNOWN = {
-    ("gptj", "save/load"): "tpify.from_pretrained(torch_dtype=float64) computes non-persistent buffers (GPT-J's "
-                           "embed_positions) in float64, transformers' dense load computes them in float32 and casts "
-                           "(4.4e-8 apart); tpify/loading.py, reported",
-}
 
 
 def _recipe_toml(model_type: str) -> dict:
@@ -88,13 +83,8 @@ def _toml(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _known(row) -> str | None:
-    return next((why for (target, prefix), why in KNOWN.items()
-                 if row.target == target and row.check.startswith(prefix)), None)
-
-
 def _check_families(report, families, tp):
-    """Every family: every head class reported, every row passed (or a KNOWN defect, printed)."""
+    """Every family: every head class reported, every row passed."""
     problems = []
     for family in families:
         rows = [r for r in report.rows if r.target == family and r.tp == tp]
@@ -104,12 +94,7 @@ def _check_families(report, families, tp):
             problems.append(f"{family}: head classes reported {sorted(heads)}, expected {sorted(expected)}")
         for r in rows:
             if not r.passed:
-                line = f"{r.target} {r.head} tp={r.tp} {r.check}: {r.max_diff} {r.message}"
-                why = _known(r)
-                if why:
-                    print(f"KNOWN defect outside tpify.verify ({why}): {line}")
-                else:
-                    problems.append(line)
+                problems.append(f"{r.target} {r.head} tp={r.tp} {r.check}: {r.max_diff} {r.message}")
     assert not problems, "\n".join(problems)
 
 
@@ -238,7 +223,7 @@ def test_a_family_that_cannot_be_shrunk_raises():
 
 
 def test_compare_is_assert_close_criterion():
-    e = torch.tensor([1.0, 1e3, float("nan")], dtype=torch.float64)
+    e = torch.tensor([1.0, 1e3, 2.0], dtype=torch.float64)
     assert compare(e.clone(), e)[:2] == (0.0, True)
     a = e.clone()
     a[1] += 1e3 * RTOL * 0.5  # inside rtol
@@ -247,3 +232,7 @@ def test_compare_is_assert_close_criterion():
     diff, ok, why = compare(a, e)
     assert not ok and diff > ATOL and "1 of 3" in why
     assert compare(e[:2], e)[:2] == (float("inf"), False)
+    # NaN in the dense reference compares nothing there: a failure, even against NaN
+    n = torch.tensor([1.0, float("nan")], dtype=torch.float64)
+    diff, ok, why = compare(n.clone(), n)
+    assert not ok and "NaN" in why

@@ -39,7 +39,7 @@ from transformers.pytorch_utils import Conv1D
 
 import tputil
 from tpify import comm
-from tpify.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tpify.layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpify.sharding import ShardSpec, shard_spec_of
 
 WORLD = 2
@@ -332,6 +332,72 @@ def from_dense_keeps_flags_dtype_and_specs(c):
         "the shard is a copy: changing it leaves the dense module alone"
 
 
+@_check
+def column_linear_mqa_replicated_parts(c):
+    """Multi-query ``[Q | K | V]`` with K and V kept whole: each rank gets its query heads' share
+    of the K/V output gradient (here: rank 0 all of it minus a noise term, rank 1 the noise), and
+    the layer sums the K/V weight and bias gradients over the group; Q stays split."""
+    dense = _dense(nn.Linear(6, 16), 7)
+    parts = (8, 4, 4)
+    layer = ColumnParallelLinear.from_dense(dense, c.group, partition_sizes=list(parts), replicated_parts=(1, 2))
+    x = _t(71, (2, 3, 6))
+    xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yd = dense(xd)
+    gd = _t(72, yd.shape)
+    yd.backward(gd)
+    spec = ShardSpec(2, parts, c.world, None, (1, 2))
+    local_grad = spec.slice_dense(gd, c.rank)
+    noise = _t(73, (2, 3, 8))
+    local_grad[..., 4:] = gd[..., 8:] - noise if c.rank == 0 else noise  # the K/V partial sums add up to gd
+    with comm.count_collectives() as fwd:
+        yp = layer(xp)
+    with comm.count_collectives() as bwd:
+        yp.backward(local_grad)
+    grads = _gathered_grads(layer, c.group)
+    # --- asserts only from here on
+    _assert_exact_shards(layer, dense, c.rank)
+    assert layer.out_features_per_partition == 4 + 4 + 4 and spec.local_size == 12
+    torch.testing.assert_close(yp, spec.slice_dense(yd.detach(), c.rank), **TOL)
+    torch.testing.assert_close(xp.grad, xd.grad, **TOL, msg=lambda m: f"input gradient: {m}")
+    _assert_same_grads(grads, dense)
+    assert dict(fwd) == {}, dict(fwd)
+    # the input gradient, then one all-reduce of the K/V rows of weight (8 x 6) and bias (8)
+    assert dict(bwd) == {"all_reduce": 2, "all_reduce_numel": x.numel() + 8 * 6 + 8}, dict(bwd)
+
+
+@_check
+def column_embedding_splits_heads(c):
+    """``embedding_colwise``: T5's relative attention bias, columns = heads; no communication."""
+    dense = _dense(nn.Embedding(10, 4), 80)
+    layer = ColumnParallelEmbedding.from_dense(dense, c.group)
+    ids = torch.tensor([[0, 3, 9], [2, 2, 5]])
+    yd = dense(ids)
+    gd = _t(81, yd.shape)
+    yd.backward(gd)
+    with comm.count_collectives() as counted:
+        yp = layer(ids)
+        yp.backward(gd[..., c.rank * 2:(c.rank + 1) * 2])
+    grads = _gathered_grads(layer, c.group)
+    _assert_exact_shards(layer, dense, c.rank)
+    torch.testing.assert_close(yp, yd.detach()[..., c.rank * 2:(c.rank + 1) * 2], **EXACT)
+    _assert_same_grads(grads, dense)
+    assert dict(counted) == {}, dict(counted)
+
+
+@_check
+def vocab_embedding_output_scale(c):
+    """A scaled embedding (Gemma's: lookup times sqrt(hidden), the scale cast to the weight's
+    dtype first) as ``output_scale``; one all-reduce forward as without it."""
+    dense = _dense(nn.Embedding(7, 4), 90)
+    scale = 4 ** 0.5
+    layer = VocabParallelEmbedding.from_dense(dense, c.group, padded_num_embeddings=8, output_scale=scale)
+    ids = torch.tensor([[0, 6, 3], [5, 1, 4]])
+    with comm.count_collectives() as counted:
+        yp = layer(ids)
+    torch.testing.assert_close(yp, dense(ids).detach() * scale, **EXACT)
+    assert dict(counted)["all_reduce"] == 1
+
+
 def _body(rank, world):
     c = SimpleNamespace(rank=rank, world=world, group=dist.new_group(list(range(world))))
     return tputil.run_checks(_CHECKS, c)
@@ -377,6 +443,14 @@ def test_vocab_parallel_embedding_matches_dense_with_padding_idx_on_either_rank(
 
 def test_vocab_parallel_embedding_raises_index_error_before_any_collective(tp2):
     _ok(tp2, "embedding_out_of_range_ids")
+
+
+def test_column_parallel_replicated_parts_sum_their_gradients(tp2):
+    _ok(tp2, "column_linear_mqa_replicated_parts")
+
+
+def test_column_parallel_embedding_and_scaled_vocab_embedding(tp2):
+    _ok(tp2, "column_embedding_splits_heads", "vocab_embedding_output_scale")
 
 
 def test_constructors_reject_unsplittable_sizes(tp2):

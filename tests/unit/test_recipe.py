@@ -1,8 +1,10 @@
 """Recipe parsing and validation, one process."""
 
+import copy
 import warnings
 
 import pytest
+import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tpify
@@ -68,3 +70,79 @@ def test_recipes_ship_inside_the_wheel(tmp_path):
     names = tputil.build_wheel(tmp_path).namelist()
     assert {"tpify/recipes/gpt2.toml", "tpify/recipes/bert.toml"} <= set(names)
     assert not any(n.startswith("recipes/") for n in names)
+
+
+# ---- recipe keys of the layout issue: packed parts kept whole, per-head inputs, subclasses
+
+@pytest.mark.parametrize("rule, needle", [
+    ({"match": "a", "style": "colwise", "replicated_parts": [1]}, "'replicated_parts' is for style 'packed_colwise'"),
+    ({"match": "a", "style": "packed_colwise", "parts": 3, "replicated_parts": [0, 1, 2]}, "some, not all"),
+    ({"match": "a", "style": "packed_colwise", "parts": 3, "replicated_parts": [3]}, "below 3"),
+    ({"match": "a", "style": "packed_colwise", "parts": ["n", 0]}, "positive integer"),
+    ({"match": "a", "head_inputs": [{"arg": "alibi", "dim": 0}]}, "'head_inputs' must be a list"),
+    ({"match": "a", "head_inputs": {"arg": "alibi", "dim": 0, "heads": "n"}}, "'head_inputs' must be a list"),
+])
+def test_malformed_new_rule_keys_are_named(rule, needle):
+    with pytest.raises(RecipeError, match="rule #0") as err:
+        Recipe.from_dict({"model_type": "x", "rule": [rule]}, "test.toml")
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("entry", [{"forward": "magic"}, {"forward": "scaled"}, {"forward": "plain", "scale": "s"}])
+def test_malformed_subclasses_are_named(entry):
+    with pytest.raises(RecipeError, match=r"\[subclasses\] MyLinear"):
+        Recipe.from_dict({"model_type": "x", "subclasses": {"MyLinear": entry},
+                          "rule": [{"match": "a", "style": "colwise"}]}, "test.toml")
+
+
+def _falcon(**kw):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=101,
+                                          **kw))
+
+
+def test_a_subclass_that_overrides_forward_is_refused_unless_the_recipe_declares_it():
+    data = load_recipe("falcon")
+    recipe = Recipe.from_dict({k: v for k, v in _raw("falcon").items() if k != "subclasses"}, "nosub.toml")
+    with pytest.raises(tpify.PlanError, match="FalconLinear.*overrides forward.*\\[subclasses\\]"):
+        build_layout(_falcon(), recipe, 2)
+    assert build_layout(_falcon(), data, 2).modules["transformer.h.0.self_attention.query_key_value"].replicated_parts \
+        == (1, 2)
+
+
+def test_parts_weighed_by_a_config_value_the_module_does_not_use_are_refused():
+    # Falcon multi-query: config.num_kv_heads = 4, the attention module uses 1 K/V head; a recipe
+    # weighing [q | k | v] by the config would mis-split the weight and fail later inside HF code.
+    raw = _raw("falcon")
+    for rule in raw["rule"]:
+        if rule.get("style") == "packed_colwise":
+            rule["parts"] = ["num_attention_heads", "num_kv_heads", "num_kv_heads"]
+    with pytest.raises(tpify.PlanError, match=r"config.num_kv_heads = 4, but the module .*num_kv_heads = 1"):
+        build_layout(_falcon(num_kv_heads=4), Recipe.from_dict(raw, "bad.toml"), 2)
+
+
+def test_head_inputs_name_an_argument_the_module_takes_and_a_divisible_head_count():
+    raw = _raw("bloom")
+    for rule in raw["rule"]:
+        if "head_inputs" in rule:
+            rule["head_inputs"] = [{"arg": "alibi_slopes", "dim": 0, "heads": "n_head"}]
+    from transformers import BloomConfig, BloomForCausalLM
+
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=24, n_head=6, vocab_size=101))
+    # BloomAttention.forward takes **kwargs, so a misspelt name passes planning; the first call refuses it.
+    misspelt = tpify.parallelize(copy.deepcopy(bloom), tp_size=1, recipe=Recipe.from_dict(raw, "bad.toml"))
+    with pytest.raises(ValueError, match="called without argument 'alibi_slopes'"):
+        misspelt(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(tpify.PlanError, match=r"config.n_head \(heads of .*'alibi'\) = 6 is not divisible by tp_size = 4"):
+        build_layout(bloom, load_recipe("bloom"), 4)
+    layout = build_layout(bloom, load_recipe("bloom"), 2)
+    assert layout.head_inputs == {"transformer.h.0.self_attention": (("alibi", 0, 6),)}
+
+
+def _raw(name):
+    import tomllib
+    from tpify.recipe import recipe_dirs
+
+    path = next(d / f"{name}.toml" for d in recipe_dirs() if (d / f"{name}.toml").is_file())
+    return tomllib.loads(path.read_text())

@@ -45,9 +45,11 @@ SPECS = [
     (ShardSpec(0, (5,), 4, padded_size=8), (5, 2)),        # rank 3 holds padding only
     (ShardSpec(0, (7,), 2, padded_size=8), (7,)),          # a padded bias (1-D)
     (ShardSpec(0, (6,), 1), (6, 2)),                       # tp = 1: the whole tensor
+    (ShardSpec(0, (16, 4, 4), 2, replicated=(1, 2)), (24, 3)),  # multi-query [Q | K | V], K and V whole
+    (ShardSpec(1, (8, 2, 2), 4, replicated=(1, 2)), (3, 12)),   # the same, Conv1D layout, tp = 4
 ]
 IDS = [f"dim{s.dim}-parts{'x'.join(map(str, s.parts))}-tp{s.tp_size}-pad{s.padded_size}-{len(sh)}d"
-       for s, sh in SPECS]
+       + (f"-rep{'x'.join(map(str, s.replicated))}" if s.replicated else "") for s, sh in SPECS]
 
 
 def _expected_shard(spec, full, rank):
@@ -55,9 +57,12 @@ def _expected_shard(spec, full, rank):
     idx = []
     if spec.padded_size is None:
         offset = 0
-        for size in spec.parts:
-            chunk = size // spec.tp_size
-            idx += range(offset + rank * chunk, offset + (rank + 1) * chunk)
+        for i, size in enumerate(spec.parts):
+            if i in spec.replicated:  # kept whole on every rank
+                idx += range(offset, offset + size)
+            else:
+                chunk = size // spec.tp_size
+                idx += range(offset + rank * chunk, offset + (rank + 1) * chunk)
             offset += size
     else:
         chunk = spec.padded_size // spec.tp_size
@@ -81,7 +86,12 @@ def test_ranges_of_all_ranks_tile_the_dense_dimension_once(spec, shape):
         if spec.padded_size is None:
             assert held == spec.local_size, "an unpadded shard has no padding rows"
         covered += [i for a, b in ranges for i in range(a, b)]
-    assert sorted(covered) == list(range(spec.global_size)), "every dense index on exactly one rank"
+    replicated = [i for a, b in spec.ranges(0) for i in range(a, b)
+                  if any(sum(spec.parts[:j]) <= i < sum(spec.parts[:j + 1]) for j in spec.replicated)]
+    split = sorted(i for i in covered if i not in replicated)
+    assert split == sorted(set(range(spec.global_size)) - set(replicated)), "every split index on exactly one rank"
+    assert sorted(i for i in covered if i in replicated) == sorted(replicated * spec.tp_size), \
+        "every index of a replicated part on every rank"
 
 
 @pytest.mark.parametrize("spec,shape", SPECS, ids=IDS)
@@ -252,3 +262,16 @@ def test_shard_spec_of_reads_the_attribute_or_none():
     assert shard_spec_of(torch.zeros(3)) is None
     with pytest.raises(Exception):  # frozen dataclass: a spec cannot be changed behind a parameter
         spec.tp_size = 4
+
+
+def test_replicated_parts_are_located_in_the_shard_and_validated():
+    spec = ShardSpec(0, (16, 4, 4), 4, replicated=(1, 2))
+    assert spec.local_size == 4 + 4 + 4
+    assert spec.replicated_local_ranges() == [(4, 8), (8, 12)]
+    assert spec.ranges(3) == [(12, 16), (16, 20), (20, 24)]
+    assert ShardSpec(0, (8,), 2).replicated_local_ranges() == []
+    with pytest.raises(ValueError, match="some, not all"):
+        ShardSpec(0, (4, 4), 2, replicated=(0, 1))
+    with pytest.raises(ValueError, match="some, not all"):
+        ShardSpec(0, (4, 4), 2, replicated=(2,))
+    ShardSpec(0, (6, 3, 3), 2, replicated=(1, 2))  # a replicated part need not divide by tp
