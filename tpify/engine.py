@@ -26,8 +26,9 @@ __all__ = ["apply_layout", "ReplicatedInRegion", "HeadInputs"]
 
 def _build_layer(module: nn.Module, entry: ModuleLayout, tp_group: dist.ProcessGroup | None) -> nn.Module:
     if entry.style == "embedding_rowwise":
+        scale = getattr(module, entry.scale_attr) if entry.scale_attr else None
         return VocabParallelEmbedding.from_dense(module, tp_group, padded_num_embeddings=entry.padded_size,
-                                                 output_scale=entry.output_scale)
+                                                 output_scale=scale)
     if entry.style == "embedding_colwise":
         return ColumnParallelEmbedding.from_dense(module, tp_group)
     if entry.style == "rowwise":

@@ -251,7 +251,10 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
 
     ``output_scale`` multiplies the output by a constant, after the reduce, as the scaled
     embeddings of some families do (Gemma's ``GemmaTextScaledWordEmbedding``: the lookup times
-    ``sqrt(hidden_size)``, the scale first cast to the weight's dtype, as there).
+    ``sqrt(hidden_size)``). A tensor (the dense module's own 0-dim buffer) is kept as a
+    non-persistent buffer, so dtype conversions of the model treat it as they treat the dense
+    module's; a float is taken as float32. Either is cast to the weight's dtype before the
+    multiply, as there.
 
     Shapes:
         input: ``(B, T)`` integer ids in ``[0, num_embeddings)``.
@@ -272,7 +275,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         padding_idx: int | None = None,
         tp_group: dist.ProcessGroup | None = None,
         padded_num_embeddings: int | None = None,
-        output_scale: float | None = None,
+        output_scale: float | torch.Tensor | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -280,7 +283,10 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
-        self.output_scale = output_scale
+        if isinstance(output_scale, torch.Tensor):  # a buffer, as the dense module's: .to()/.double() convert it alike
+            self.register_buffer("output_scale", output_scale.detach().clone(), persistent=False)
+        else:
+            self.output_scale = output_scale
         self.tp_group = tp_group
         self.tp_size = comm.get_tp_size(tp_group)
         self.tp_rank = comm.get_tp_rank(tp_group)
@@ -329,15 +335,18 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         return self._scaled(comm.reduce_from_tp_region(out, self.tp_group))
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
-        if self.output_scale is None:
+        scale = self.output_scale
+        if scale is None:
             return out
-        return out * torch.tensor(self.output_scale, dtype=torch.float32).to(device=out.device, dtype=self.weight.dtype)
+        if not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(scale, dtype=torch.float32)
+        return out * scale.to(device=out.device, dtype=self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, padded={self.padded_num_embeddings}, "
                 f"embedding_dim={self.embedding_dim}, vocab_range=[{self.vocab_start_index}, "
                 f"{self.vocab_end_index}), tp_size={self.tp_size}"
-                + (f", output_scale={self.output_scale}" if self.output_scale is not None else ""))
+                + (f", output_scale={float(self.output_scale)}" if self.output_scale is not None else ""))
 
 
 class ColumnParallelEmbedding(KeepsShardSpecs, nn.Module):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from . import comm
@@ -116,7 +117,8 @@ class ModuleLayout:
         padded_size: the vocabulary padded to a multiple of ``tp_size`` (vocab-row styles), or None.
         replicated_parts: indices of packed parts kept whole on every rank (multi-query K/V).
         output_scale: the constant a scaled-embedding subclass multiplies its output by (the
-            recipe's ``[subclasses]``), or None.
+            recipe's ``[subclasses]``), or None; ``scale_attr`` the module attribute holding it
+            (surgery hands the attribute itself, a number or the module's buffer, to the layer).
     """
 
     fqn: str
@@ -126,6 +128,7 @@ class ModuleLayout:
     padded_size: int | None = None
     replicated_parts: tuple[int, ...] = ()
     output_scale: float | None = None
+    scale_attr: str | None = None
 
 
 @dataclass
@@ -340,13 +343,16 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
             forward, scale_attr = declared
             if forward == "scaled":
                 scale = getattr(module, scale_attr, None)
-                if kind != "embedding" or rule.style != "embedding_rowwise" or not isinstance(scale, (int, float)) \
-                        or isinstance(scale, bool):
+                number = (isinstance(scale, (int, float)) and not isinstance(scale, bool)) or (
+                    isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_meta
+                    and scale.is_floating_point())
+                if kind != "embedding" or rule.style != "embedding_rowwise" or not number:
                     errors.append(f"{fqn} ({type(module).__name__}): [subclasses] forward = 'scaled' applies to an "
                                   f"nn.Embedding with style 'embedding_rowwise' whose attribute {scale_attr!r} is a "
-                                  f"number; here the style is {rule.style!r} and {scale_attr} = {scale!r}")
+                                  f"number or a one-element float tensor holding a value; here the style is "
+                                  f"{rule.style!r} and {scale_attr} = {scale!r}")
                     continue
-                entry.output_scale = float(scale)
+                entry.output_scale, entry.scale_attr = float(scale), scale_attr
         embedding_style = rule.style in ("embedding_rowwise", "embedding_colwise")
         if (kind == "embedding") != embedding_style:
             errors.append(f"{fqn} is a {type(module).__name__}; style {rule.style!r} ({rule.describe()}) "
