@@ -251,11 +251,15 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
     layout = Layout(tp_size, recipe, type(model).__name__, renames=recipe.renames)
     errors: list[str] = []
     constraints: list[int] = []
+    indivisible: list[str] = []
 
     def need_divisible(what: str, value: int):
         constraints.append(value)
         if value % tp_size:
-            errors.append(f"{what} = {value} is not divisible by tp_size = {tp_size}")
+            indivisible.append(what)
+            fewer = (f" (fewer than tp_size: each rank must hold whole ones, and tpify does not copy one onto "
+                     f"several ranks)" if 0 < value < tp_size else "")
+            errors.append(f"{what} = {value} is not divisible by tp_size = {tp_size}{fewer}")
 
     for name in recipe.divisible + recipe.divide_config:
         value = getattr(config, name, None)
@@ -403,8 +407,9 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
                          f"{recipe.source} (names relative to the base model, as rules are written): {uncovered}. "
                          f"Add a rule for each (style 'replicate' to keep a full copy on every rank).")
     if errors:
+        # The sizes that would work answer a divisibility error only (not an uncovered module).
         hint = (f" tp sizes that would work for this model: {valid_tp_sizes(*constraints)}."
-                if constraints else "")
+                if indivisible and constraints else "")
         raise PlanError(f"cannot parallelize {type(model).__name__} with recipe {recipe.source} at "
                         f"tp_size = {tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
     layout.unmatched_rules = [r for r in recipe.rules if not matched[r.index] and not r.optional]

@@ -146,3 +146,19 @@ def _raw(name):
 
     path = next(d / f"{name}.toml" for d in recipe_dirs() if (d / f"{name}.toml").is_file())
     return tomllib.loads(path.read_text())
+
+
+def test_uncovered_modules_do_not_suggest_tp_sizes_and_too_few_kv_heads_say_so():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                         num_key_value_heads=1, intermediate_size=48, vocab_size=101))
+    with pytest.raises(tpify.PlanError) as err:
+        build_layout(model, load_recipe("qwen2"), 2)
+    message = str(err.value)
+    assert "config.num_key_value_heads (Qwen2ForCausalLM) = 1 is not divisible by tp_size = 2 (fewer than tp_size" in message
+    assert "tp sizes that would work for this model: [1]" in message
+    raw = {"model_type": "qwen2", "rule": [{"match": "embed_tokens", "style": "embedding_rowwise"}]}
+    with pytest.raises(tpify.PlanError) as err:
+        build_layout(model, Recipe.from_dict(raw, "partial.toml"), 1)
+    assert "covered by no rule" in str(err.value) and "tp sizes that would work" not in str(err.value)
