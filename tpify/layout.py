@@ -137,6 +137,7 @@ class Layout:
 
     Attributes:
         tp_size: ranks the model is split over.
+        pad_vocab_multiple: vocabulary-split tables are padded to a multiple of this times ``tp_size``.
         recipe: the recipe it came from.
         model_class: the class name of the model it was built for.
         modules: module FQN -> :class:`ModuleLayout`, for every ``nn.Linear``/``Conv1D``/
@@ -160,6 +161,7 @@ class Layout:
     tp_size: int
     recipe: Recipe
     model_class: str = ""
+    pad_vocab_multiple: int = 1
     modules: dict[str, ModuleLayout] = field(default_factory=dict)
     divides: dict[str, tuple[str, ...]] = field(default_factory=dict)
     config_divides: dict[str, int] = field(default_factory=dict)
@@ -228,11 +230,13 @@ def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None
     return [out_features // total * w for w in weights]
 
 
-def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
+def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_multiple: int = 1) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
     a style (``replicate`` counts). Rules that match nothing warn, unless ``optional``.
+    Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are padded to a multiple of
+    ``pad_vocab_multiple * tp_size`` rows.
 
     Raises:
         PlanError: with every problem found, each naming the module and the numbers: modules no
@@ -242,13 +246,17 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
     """
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
+        raise PlanError(f"pad_vocab_multiple must be a positive integer (the vocabulary is padded to a multiple of "
+                        f"pad_vocab_multiple * tp_size), got {pad_vocab_multiple!r}")
+    step = pad_vocab_multiple * tp_size
     peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
     if peft:
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
                         f"{' ...' if len(peft) > 3 else ''}). Parallelize the base model first, then add the adapters: "
                         f"model = tpify.parallelize(model); model = tpify.integrations.get_peft_model(model, lora_config)")
     config = getattr(model, "config", None)
-    layout = Layout(tp_size, recipe, type(model).__name__, renames=recipe.renames)
+    layout = Layout(tp_size, recipe, type(model).__name__, pad_vocab_multiple, renames=recipe.renames)
     errors: list[str] = []
     constraints: list[int] = []
     indivisible: list[str] = []
@@ -371,14 +379,14 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int) -> Layout:
                 need_divisible(f"{fqn}.embedding_dim ({type(module).__name__}, embedding_colwise)",
                                module.embedding_dim)
             else:
-                entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size)
+                entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size, pad_vocab_multiple)
         else:
             in_f, out_f = _dims(module)
             if rule.style == "rowwise":
                 need_divisible(f"{fqn}.in_features ({type(module).__name__}, rowwise)", in_f)
             elif rule.style == "colwise_rep":
-                if out_f % tp_size:
-                    entry.padded_size = pad_vocab_size(out_f, tp_size)
+                if out_f % step:
+                    entry.padded_size = pad_vocab_size(out_f, tp_size, pad_vocab_multiple)
             elif rule.style == "packed_colwise":
                 owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else None
                 sizes = _packed_sizes(rule, out_f, config, owner, fqn, errors)

@@ -266,6 +266,7 @@ def from_pretrained(
     torch_dtype: torch.dtype | str | None = None,
     model_class: type | None = None,
     recipe=None,
+    pad_vocab_multiple: int = 1,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -318,7 +319,7 @@ def from_pretrained(
     path = Path(path)
     error, found = None, {}
     try:  # every local check (checkpoint and layout), then one agreement: the same outcome on every rank
-        found = _open_checkpoint(path, model_class, torch_dtype, recipe, tp_size, tp_group)
+        found = _open_checkpoint(path, model_class, torch_dtype, recipe, tp_size, tp_group, pad_vocab_multiple)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
         error = e
     comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=tp_group)
@@ -337,7 +338,7 @@ def from_pretrained(
     return model
 
 
-def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group) -> dict:
+def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, pad_vocab_multiple=1) -> dict:
     """The local part of :func:`from_pretrained`: config, headers, the meta model, its layout
     (``api.prepare``) and the key map.
 
@@ -354,13 +355,15 @@ def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_g
     cls = _resolve_class(config, model_class)
     snap, weight_map, headers = _snapshot(path)  # every file opened once, for the whole load
     try:
-        return _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group)
+        return _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group,
+                           pad_vocab_multiple)
     except BaseException:
         snap.close()
         raise
 
 
-def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group) -> dict:
+def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group,
+                pad_vocab_multiple=1) -> dict:
     """The rest of :func:`_open_checkpoint`, on the opened files."""
     from accelerate import init_empty_weights
 
@@ -378,7 +381,7 @@ def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recip
     model.eval()
     _init_non_persistent_buffers(model)  # before surgery: the config still holds the dense values
 
-    size, layout = prepare(model, tp_size, tp_group, recipe)
+    size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple)
 
     # ---- match checkpoint keys to the dense meta model: local checks, before any collective
     dense_shapes = {fqn: tuple(t.shape) for fqn, t in _named_tensors(model)}

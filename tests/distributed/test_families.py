@@ -159,3 +159,43 @@ def _negative_body(rank, world):
     par(ids, labels=ids).loss.backward()  # HF's own loss on gathered logits now
     name = "model.layers.0.self_attn.q_layernorm.weight"
     return float((tputil.dense_named(par, "grad")[name] - tputil.dense_named(ref, "grad")[name]).abs().max())
+
+
+def test_pad_vocab_multiple_pads_to_a_gpu_friendly_width_and_strips_it_on_save(tmp_path):
+    """``pad_vocab_multiple=64``: GPT-2's vocabulary (101 here) padded to 128 rows at tp = 2 (64 per
+    rank, Megatron's make_vocab_size_divisible_by), the tied embedding and LM head alike; logits,
+    the vocab-parallel loss and every gradient equal dense (float64, TOL of the module); the saved
+    checkpoint holds the 101 dense rows (read back by plain transformers, bitwise) and loads again
+    with the same option."""
+    results = tputil.spawn(_padding_body, 2, str(tmp_path), timeout=300)
+    print("measured, pad_vocab_multiple = 64:", results[0])
+
+
+def _padding_body(rank, world, tmp):
+    import tpify
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tpify.verify import compare, dense_named
+
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=101, n_positions=32)).double().eval()
+    ref.loss_function = tputil.float64_loss_function(causal=True)
+    par = tpify.parallelize(copy.deepcopy(ref), tp_size=world, pad_vocab_multiple=64).eval()
+    assert tuple(par.transformer.wte.weight.shape) == (64, 32) and par.lm_head.weight is par.transformer.wte.weight
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
+    diffs = {"logits": compare(par(ids).logits, ref(ids).logits)}
+    loss_ref, loss_par = ref(ids, labels=ids).loss, par(ids, labels=ids).loss
+    diffs["loss"] = compare(loss_par, loss_ref)
+    loss_ref.backward()
+    loss_par.backward()
+    ref_grads, par_grads = dense_named(ref, "grad"), dense_named(par, "grad")
+    diffs["gradients"] = max((compare(par_grads[k], g) for k, g in ref_grads.items()), key=lambda d: d[0])
+    tpify.save_pretrained(par, tmp)
+    saved = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float64)
+    assert saved.transformer.wte.weight.shape == (101, 32)
+    assert torch.equal(saved.transformer.wte.weight, ref.transformer.wte.weight)
+    back = tpify.from_pretrained(tmp, tp_size=world, torch_dtype="float64", pad_vocab_multiple=64).eval()
+    assert tuple(back.transformer.wte.weight.shape) == (64, 32)
+    diffs["reloaded logits"] = compare(back(ids).logits, ref(ids).logits)
+    bad = {k: d for k, d in diffs.items() if not d[1]}
+    assert not bad, bad
+    return {k: d[0] for k, d in diffs.items()}
