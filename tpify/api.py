@@ -27,7 +27,7 @@ from .integrations.model import check_before_parallelize
 from .integrations.model import install as install_hf_methods
 from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, available_recipes, load_recipe
 
 __all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish"]
 
@@ -73,6 +73,10 @@ def _model_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not model_type:
         raise ValueError(f"{type(model).__name__} has no config.model_type; pass recipe='path/to/recipe.toml'")
+    if model_type not in available_recipes():  # transformers' own TP plan, imported with a notice (tpify/hf_plan.py)
+        from .hf_plan import recipe_for_unshipped
+
+        return recipe_for_unshipped(model, model_type)
     return load_recipe(model_type)
 
 
@@ -97,7 +101,7 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 
 
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
-            recipe: "str | Path | dict | Recipe | None") -> tuple[int, Layout]:
+            recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -107,7 +111,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
         raise ValueError(f"{type(model).__name__} is already parallelized")
     check_before_parallelize(model)
     size = resolve_tp_size(tp_size, tp_group)
-    return size, build_layout(model, _model_recipe(model, recipe), size)
+    return size, build_layout(model, _model_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple)
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None) -> nn.Module:
@@ -152,6 +156,7 @@ def parallelize(
     tp_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     recipe: "str | Path | dict | Recipe | None" = None,
+    pad_vocab_multiple: int = 1,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -171,6 +176,11 @@ def parallelize(
             ``tp_size < world``, TP groups of contiguous ranks are made and the rest is DP.
         tp_group: an existing process group to use as the TP group.
         recipe: a ``model_type`` name, a path to a ``.toml`` recipe, a mapping, or a Recipe.
+        pad_vocab_multiple: pad vocabulary-split tables (embedding, LM head) to a multiple of
+            ``pad_vocab_multiple * tp_size`` rows (Megatron-LM's ``make_vocab_size_divisible_by``,
+            128 there, keeps every rank's GEMM width a multiple of a tile; 64 suits current
+            GPUs). Default 1: the least padding that makes the rows divisible. The padded rows
+            are zeros no id reaches, never in the loss, stripped from gathered logits and saves.
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
@@ -195,7 +205,7 @@ def parallelize(
     """
     error, layout, size = None, None, None
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
-        size, layout = prepare(model, tp_size, tp_group, recipe)
+        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree on this rank, reported on the others
         error = e
     comm.agree("tpify.parallelize", fingerprint(model, layout, size, tp_group) if error is None else {}, error,

@@ -1,0 +1,542 @@
+"""transformers' own tensor-parallel plans, imported as tpify recipes.
+
+transformers declares, for 140+ model types, a tensor-parallel plan: ``config.base_model_tp_plan``
+(module globs relative to the base model -> a style name, ``"layers.*.self_attn.q_proj":
+"colwise"``), the head classes' ``_tp_plan`` (``{"lm_head": "colwise_gather_output"}``) and, added
+by ``DistributedMixin.init_parallel_plans``, ``"embed_tokens": "embedding_rowwise"``. A model
+instance holds the merged plan as ``model.tp_plan`` (names relative to the model itself). The
+styles are registered in ``transformers/distributed/tensor_parallel.py`` (``ALL_PARALLEL_STYLES``).
+
+:func:`recipe_from_hf_plan` maps that plan onto tpify's styles, pure (no collective, works on the
+meta device), and completes it with what the HF plan does not say:
+
+============================================  ===================================================
+HF style                                      tpify
+============================================  ===================================================
+``colwise``                                   ``colwise`` (output sharded by heads / features)
+``rowwise``                                   ``rowwise`` (input sharded, output all-reduced)
+``embedding_rowwise``                         ``embedding_rowwise`` (``replicate`` when the
+                                              embedding's class overrides ``forward``)
+``colwise_gather_output``, ``colwise_rep``    on a head-class module (the LM head):
+                                              ``colwise_rep``; inside the base model:
+                                              ``replicate`` (see below)
+``rowwise_split_input``, ``rowwise_rep``      ``replicate`` (see below)
+``packed_colwise`` on an ``nn.Linear``        ``packed_colwise`` with ``parts = 2`` (HF's
+                                              ``PackedColwiseParallel`` splits the output in
+                                              ``split_factor = 2`` equal halves: ``[gate|up]``)
+``replicate``                                 ``replicate``
+``replicated_with_grad_allreduce``            no rule: a replicated norm inside a sharded region;
+                                              tpify finds it by construction and all-reduces its
+                                              gradient (``tpify.engine.ReplicatedInRegion``)
+anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
+``moe_tp_experts``, ``packed_colwise`` on     style, the rule and the module
+MoE experts, ``packed_rowwise``,
+``mla_kv_a_proj``, ``all_reduce``,
+``local_params``, ``embedding_colwise``,
+parameter-level rules)
+============================================  ===================================================
+
+A gathered column-parallel layer inside the base model (``colwise_gather_output``, e.g. olmo2's
+``q_proj``/``k_proj``/``v_proj`` whose ``q_norm`` normalises over all heads, glm's packed
+``gate_up_proj``) gives every rank the full activation, and its partner
+``rowwise_split_input`` takes a full input; the pair computes the dense function. tpify has no
+gathered column-parallel layer inside a block, so both become ``replicate``: the same result
+(exact), without the memory saving. A recipe can do better for a packed layer
+(``packed_colwise`` + ``rowwise``); ``tpify draft`` writes that suggestion as a comment.
+
+Completed here (HF's plans say nothing of them):
+
+* ``divisible``: the config's head counts (``num_attention_heads``, ``num_key_value_heads``)
+  when a column-parallel layer's width is a head count times the head size;
+* ``divide`` / ``divide_config``: integer attributes of the attention modules equal to a head
+  count or a sharded width that their ``forward`` reads (``self.<attr>``), and head counts the
+  forward reads from the config; in transformers 5 most attention modules view with ``-1`` heads
+  and need none;
+* ``[loss]``: the head class's causal / masked LM loss (from ``model.loss_type``);
+* ``replicate`` for every ``nn.Linear``/``Conv1D``/``nn.Embedding`` the plan leaves out
+  (position embeddings, task heads), and optional rules for the task heads of other head classes
+  (``score``, ``qa_outputs``, ``classifier``), so that the layout covers the whole module tree;
+* a tied LM head follows its embedding: ``colwise_rep`` with ``embedding_rowwise``, ``replicate``
+  with ``replicate``.
+
+Refused (:class:`~tpify.recipe.RecipeError`): a parameter inside a head-split attention module
+that holds values for all heads (cohere's ``q_norm`` with ``use_qk_norm``, weight
+``(num_heads, head_dim)``): HF's plan splits the heads and would leave it whole (tpify cannot
+split it yet), which is not the dense model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .recipe import Recipe, RecipeError, _compile_glob
+
+__all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
+           "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard"]
+
+# Config attributes holding head counts, in the order they are reported (transformers maps
+# family-specific names such as n_head onto them through the config's attribute_map).
+HEAD_COUNT_ATTRS = ("num_attention_heads", "num_key_value_heads")
+# Small task heads of the head classes, kept whole (optional: a head class may lack them).
+TASK_HEADS = ("score", "qa_outputs", "classifier")
+
+# HF styles tpify cannot express, and why (the message of the RecipeError).
+_UNSUPPORTED = {
+    "sequence_parallel": "sequence parallelism (activations split along tokens) is not implemented in tpify",
+    "moe_tp_experts": "MoE experts (fused 3-D expert weights) are not supported by tpify",
+    "moe_identity_expert": "MoE experts are not supported by tpify",
+    "packed_rowwise": "a row-parallel layer over packed input parts has no tpify style",
+    "mla_kv_a_proj": "multi-head latent attention's split projection has no tpify style",
+    "all_reduce": "an all-reduce of a module's partial output (shared MoE experts) has no tpify style",
+    "local_params": "a module run with local shards of bare parameters (attention sinks) has no tpify style",
+    "embedding_colwise": ("HF's embedding_colwise gathers the hidden dimension after the lookup; tpify's "
+                          "embedding_colwise keeps the columns (heads) sharded, a different computation"),
+}
+
+
+def wildcard(name: str) -> str:
+    """Layer numbers -> ``*``, as transformers' ``replace_layer_number_by_wildcard``:
+    ``layers.3.mlp.up_proj`` -> ``layers.*.mlp.up_proj`` (only all-digit dotted segments)."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def _base(model: nn.Module) -> tuple[nn.Module, str]:
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    return (base, prefix) if isinstance(base, nn.Module) and base is not model else (model, "")
+
+
+def _rel(name: str, prefix: str) -> tuple[str, bool]:
+    """``(name relative to the base model, whether it is inside the base model)``."""
+    if not prefix:
+        return name, True
+    if name == prefix:
+        return "", True
+    if name.startswith(prefix + "."):
+        return name[len(prefix) + 1:], True
+    return name, False
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """transformers' merged tensor-parallel plan of ``model``, names relative to its base model.
+
+    Reads the instance's ``model.tp_plan`` (``DistributedMixin.init_parallel_plans`` merges the
+    class's ``_tp_plan``, ``config.base_model_tp_plan`` and the base model's implicit
+    ``embed_tokens`` rule), else the class and config plans. Keys of the base model lose its
+    prefix (``model.layers.*.mlp.up_proj`` -> ``layers.*.mlp.up_proj``); head-class keys
+    (``lm_head``) stay. Empty when the family defines no plan.
+    """
+    _, prefix = _base(model)
+    plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        config = getattr(model, "config", None)
+        plan = dict(getattr(type(model), "_tp_plan", None) or {})
+        base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+        if base_plan and isinstance(getattr(_base(model)[0], "embed_tokens", None), nn.Embedding):
+            base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
+        plan.update({(f"{prefix}.{k}" if prefix else k): v for k, v in base_plan.items()})
+    out = {}
+    for key, style in dict(plan).items():
+        out[_rel(key, prefix)[0]] = style
+    return out
+
+
+def has_hf_plan(model: nn.Module) -> bool:
+    """True when transformers defines a tensor-parallel plan for ``model``'s family
+    (``config.base_model_tp_plan`` or the model's merged ``tp_plan``)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "base_model_tp_plan", None)) or bool(hf_tp_plan(model))
+
+
+def _kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf")):
+        return "linear"
+    return None
+
+
+def _overrides_forward(module: nn.Module) -> bool:
+    for plain in (nn.Linear, nn.Embedding):
+        if isinstance(module, plain):
+            return type(module).forward is not plain.forward
+    return False
+
+
+def _out_features(module: nn.Module) -> int | None:
+    return getattr(module, "out_features", None) or getattr(module, "nf", None)
+
+
+def _config_int(config, name: str) -> int | None:
+    """``config.<name>`` when it is a positive integer, else None (some configs raise on access)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - per-layer configs raise on global access (gemma4's head_dim)
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _head_dim(config) -> int | None:
+    hd = _config_int(config, "head_dim")
+    if hd:
+        return hd
+    hidden, heads = _config_int(config, "hidden_size"), _config_int(config, "num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def head_counts(config) -> dict[str, int]:
+    """``{config attribute: value}`` of the head counts the config defines (integers only)."""
+    out = {}
+    for name in HEAD_COUNT_ATTRS:
+        value = _config_int(config, name)
+        if value:
+            out[name] = value
+    return out
+
+
+@dataclass
+class ImportedPlan:
+    """A recipe imported from an HF plan, as a recipe mapping plus the reasons behind each rule.
+
+    Attributes:
+        data: the recipe as the mapping ``Recipe.from_dict`` takes (what a TOML file parses to).
+        notes: one line per rule of ``data["rule"]``: what it is based on.
+        review: lines for the recipe author (what the import could not check).
+        hf_rules: the HF plan entries that were read (``{name: style}``).
+        source: the recipe's ``source`` string (says it was imported).
+    """
+
+    data: dict
+    notes: list[str]
+    review: list[str] = field(default_factory=list)
+    hf_rules: dict[str, str] = field(default_factory=dict)
+    source: str = ""
+
+    def recipe(self) -> Recipe:
+        """The :class:`~tpify.recipe.Recipe` (validated by ``Recipe.from_dict``)."""
+        return Recipe.from_dict(self.data, self.source)
+
+
+def _error(model: nn.Module, msg: str) -> RecipeError:
+    model_type = getattr(getattr(model, "config", None), "model_type", "?")
+    return RecipeError(f"cannot import transformers' tensor-parallel plan of {type(model).__name__} "
+                       f"(model_type {model_type!r}): {msg}. Write a tpify recipe for it (docs/recipes.md; "
+                       f"`tpify draft {model_type}` writes a draft to start from) and pass it as recipe='file.toml'")
+
+
+def import_hf_plan(model: nn.Module) -> ImportedPlan:
+    """Map ``model``'s transformers TP plan to a tpify recipe mapping, with a note per rule.
+
+    Pure: reads module types, shapes, the config and forward source code; no collective, no
+    tensor values (works on the meta device). See the module docstring for the style table.
+
+    Raises:
+        RecipeError: the model has no HF plan; a style tpify cannot express matches a module
+            (sequence parallel, MoE experts, ``local_params``, ...; the message names the style,
+            the rule and the module); a style on a module of the wrong type; a parameter-level
+            rule; a per-head parameter in a head-split attention module.
+    """
+    plan = hf_tp_plan(model)
+    if not plan:
+        raise _error(model, "transformers defines no tensor-parallel plan for it (config.base_model_tp_plan "
+                            "is empty)")
+    config = getattr(model, "config", None)
+    base, prefix = _base(model)
+    modules: dict[str, nn.Module] = {}
+    inside: dict[str, bool] = {}
+    for fqn, module in model.named_modules():
+        if not fqn and base is not model:
+            continue
+        rel, in_base = _rel(fqn, prefix)
+        modules[rel] = module
+        inside[rel] = in_base
+    by_key: dict[str, list[str]] = {}
+    for rel in modules:
+        by_key.setdefault(wildcard(rel), []).append(rel)
+    param_keys: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for rel, m in modules.items():
+        for p, param in m.named_parameters(recurse=False):
+            param_keys.setdefault(wildcard(f"{rel}.{p}" if rel else p), (f"{rel}.{p}", tuple(param.shape)))
+
+    styles: dict[str, str] = {}  # rel -> tpify style
+    rules: list[tuple[dict, str]] = []
+    review: list[str] = []
+    dropped: list[str] = []
+    by_construction: list[str] = []
+
+    def add_rule(key: str, names: list[str], style: str, note: str, **extra):
+        regex = _compile_glob(key)
+        hits = [r for r in modules if regex.match(r)]
+        match = key if sorted(hits) == sorted(names) else sorted(names)  # tpify '*' is any segment, HF's digits
+        if not any(inside[n] for n in names):
+            extra.setdefault("optional", True)  # a head-class module: other head classes lack it
+        rule = {"match": match, "style": style, **extra}
+        rules.append((rule, note))
+        for n in names:
+            styles[n] = style
+
+    for key, hf_style in plan.items():
+        names = by_key.get(key, [])
+        if not names:
+            if key in param_keys:
+                if hf_style in ("replicate", "replicated_with_grad_allreduce"):
+                    continue
+                pname, shape = param_keys[key]
+                what = ("MoE experts (fused 3-D expert parameters) are not supported by tpify" if len(shape) == 3
+                        else "tpify splits only whole nn.Linear / Conv1D / nn.Embedding modules")
+                raise _error(model, f"HF rule {key!r} = {hf_style!r} applies to the parameter {pname} of shape "
+                                    f"{shape}, not to a module: {what}")
+            dropped.append(f"{key} = {hf_style}")
+            continue
+        kinds = {_kind(modules[n]) for n in names}
+        first = names[0]
+        where = f"HF rule {key!r} = {hf_style!r} (module {first}, a {type(modules[first]).__name__})"
+        if hf_style in _UNSUPPORTED:
+            raise _error(model, f"{where}: {_UNSUPPORTED[hf_style]}")
+        if hf_style == "packed_colwise" and kinds != {"linear"}:
+            raise _error(model, f"{where}: HF packs MoE expert weights here (fused 3-D parameters); MoE experts "
+                                f"are not supported by tpify")
+        if hf_style == "replicated_with_grad_allreduce":
+            if kinds == {None}:
+                by_construction.append(key)
+                continue
+            add_rule(key, names, "replicate", f"HF {hf_style}: a full copy")
+            continue
+        if hf_style == "replicate":
+            add_rule(key, names, "replicate", "HF replicate")
+            continue
+        if hf_style == "embedding_rowwise":
+            if kinds != {"embedding"}:
+                raise _error(model, f"{where}: embedding_rowwise applies to an nn.Embedding")
+            if any(_overrides_forward(modules[n]) for n in names):
+                add_rule(key, names, "replicate",
+                         f"HF embedding_rowwise, but {type(modules[first]).__name__} overrides forward (a scaled "
+                         f"embedding?): kept whole; review: declare it in [subclasses] to shard it")
+                review.append(f"{key}: {type(modules[first]).__name__} overrides nn.Embedding.forward; replicated")
+            else:
+                add_rule(key, names, "embedding_rowwise", "HF embedding_rowwise: vocabulary rows split")
+            continue
+        if kinds != {"linear"}:
+            raise _error(model, f"{where}: the style applies to nn.Linear / Conv1D layers")
+        if hf_style == "colwise":
+            add_rule(key, names, "colwise", "HF colwise: output features split")
+        elif hf_style == "rowwise":
+            add_rule(key, names, "rowwise", "HF rowwise: input features split, output all-reduced")
+        elif hf_style == "packed_colwise":
+            add_rule(key, names, "packed_colwise", "HF packed_colwise (PackedColwiseParallel, split_factor 2): "
+                                                   "two equal packed parts, each split", parts=2)
+        elif hf_style in ("colwise_gather_output", "colwise_rep"):
+            if not all(inside[n] for n in names):
+                add_rule(key, names, "colwise_rep", f"HF {hf_style} on the head: vocabulary-parallel LM head, "
+                                                    f"logits gathered")
+            else:
+                add_rule(key, names, "replicate",
+                         f"HF {hf_style}: HF gathers this layer's output, so every rank computes the full "
+                         f"activation; tpify's exact equivalent is a full copy (review: a packed layer could be "
+                         f"packed_colwise, with its consumer rowwise)")
+        elif hf_style in ("rowwise_split_input", "rowwise_rep"):
+            add_rule(key, names, "replicate",
+                     f"HF {hf_style}: input whole, each rank multiplies its slice and the results are summed, "
+                     f"the dense result; tpify: a full copy (exact)")
+        else:
+            raise _error(model, f"{where}: unknown HF style {hf_style!r}")
+
+    _tie_heads(model, modules, styles, rules, add_rule)
+    _check_per_head_params(model, modules, styles)
+
+    # Everything the plan leaves out stays whole; the task heads of other head classes too.
+    covered = set(styles)
+    fill: dict[str, tuple[list[str], bool]] = {}
+    for rel, module in modules.items():
+        if _kind(module) is None or rel in covered:
+            continue
+        if any(rel.startswith(c + ".") for c, s in styles.items() if s == "replicate" and _kind(modules[c]) is None):
+            continue
+        key = wildcard(rel)
+        names, _ = fill.get(key, ([], True))
+        fill[key] = (names + [rel], inside[rel])
+    task_heads = [t for t in TASK_HEADS if t not in fill and t not in covered]
+    for key, (names, in_base) in fill.items():
+        head = key.split(".")[0] in TASK_HEADS or not in_base
+        add_rule(key, names, "replicate", "not in HF's plan: a full copy" + (" (task head)" if head else ""),
+                 **({"optional": True} if head else {}))
+    if task_heads:
+        rules.append(({"match": task_heads, "style": "replicate", "optional": True},
+                      "task heads of other head classes: a full copy (optional)"))
+
+    # Head counts: a column-parallel layer as wide as a head count times the head size splits heads.
+    heads = head_counts(config)
+    hd = _head_dim(config)
+    widths = {n * hd for n in heads.values()} if hd else set()
+    attention = sorted({r.rpartition(".")[0] for r, s in styles.items()
+                        if s in ("colwise", "packed_colwise") and inside[r] and _out_features(modules[r]) in widths})
+    divisible = list(heads) if attention else []
+    divides, divide_config = _forward_reads(modules, attention, config, heads, widths)
+    for rel, attrs in divides.items():
+        rules.append(({"match": wildcard(rel), "divide": attrs},
+                      f"{type(modules[rel]).__name__}.forward reads {attrs}: per-rank values"))
+    _merge_divide_rules(rules)
+
+    data: dict = {"model_type": getattr(config, "model_type", None) or type(model).__name__,
+                  "description": f"imported from transformers' tensor-parallel plan of {type(model).__name__} "
+                                 f"({len(plan)} HF rules)",
+                  "divisible": divisible}
+    if divide_config:
+        data["divide_config"] = divide_config
+    loss = {"ForCausalLM": "causal", "ForMaskedLM": "masked"}.get(getattr(model, "loss_type", None) or "")
+    if loss and "colwise_rep" in styles.values():
+        data["loss"] = {loss: [type(model).__name__]}
+    data["rule"] = [r for r, _ in rules]
+    if dropped:
+        review.append(f"HF rules that match nothing in {type(model).__name__} were left out: {dropped}")
+    if by_construction:
+        review.append(f"HF replicated_with_grad_allreduce on {by_construction}: no rule needed (a replicated "
+                      f"module inside a sharded region; tpify all-reduces its gradient by construction)")
+    source = (f"transformers' tp_plan of {type(model).__name__} (model_type {data['model_type']!r}), imported by "
+              f"tpify.hf_plan")
+    return ImportedPlan(data, [n for _, n in rules], review, dict(plan), source)
+
+
+def _tie_heads(model, modules, styles, rules, add_rule):
+    """A head tied to an embedding gets the style that shards the tied weight alike: ``colwise_rep``
+    with ``embedding_rowwise``, ``replicate`` with ``replicate`` (a rule for that head is replaced)."""
+    weights: dict[int, list[str]] = {}
+    for rel, module in modules.items():
+        w = getattr(module, "weight", None)
+        if isinstance(w, nn.Parameter):
+            weights.setdefault(id(w), []).append(rel)
+    for holders in weights.values():
+        embeds = [h for h in holders if _kind(modules[h]) == "embedding"]
+        heads = [h for h in holders if _kind(modules[h]) == "linear"]
+        if not embeds or not heads:
+            continue
+        estyle = styles.get(embeds[0], "replicate")
+        want = {"embedding_rowwise": "colwise_rep", "replicate": "replicate"}.get(estyle)
+        for h in heads:
+            if want is None or styles.get(h) == want:
+                continue
+            for entry in list(rules):
+                match = entry[0]["match"]
+                if h in (match if isinstance(match, list) else [match]) or (
+                        isinstance(match, str) and _compile_glob(match).match(h)):
+                    if match not in (h, [h], wildcard(h)):
+                        raise RecipeError(f"cannot import the tensor-parallel plan of {type(model).__name__}: "
+                                          f"{h} is tied to {embeds[0]} ({estyle}) and needs style {want!r}, but the "
+                                          f"rule {match!r} also covers other modules")
+                    rules.remove(entry)
+            note = (f"tied to {embeds[0]} ({estyle}): " +
+                    ("vocabulary-parallel LM head, logits gathered" if want == "colwise_rep" else "a full copy"))
+            add_rule(wildcard(h), [h], want, note, optional=True)
+
+
+def _check_per_head_params(model, modules, styles):
+    """Refuse a parameter holding all heads inside an attention module whose projections split heads."""
+    config = getattr(model, "config", None)
+    heads = head_counts(config)
+    hd = _head_dim(config)
+    if not heads or not hd:
+        return
+    widths = {n * hd for n in heads.values()}
+    parents = {r.rpartition(".")[0] for r, s in styles.items()
+               if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
+    for parent in sorted(parents):
+        for rel, module in modules.items():
+            if not rel.startswith(parent + ".") or _kind(module) is not None:
+                continue
+            for pname, param in module.named_parameters(recurse=False):
+                shape = tuple(param.shape)
+                per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
+                if per_head or any(s in widths for s in shape):
+                    raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or "
+                                        f"the full projection width), but HF's plan splits the heads of "
+                                        f"{parent}'s projections; tpify cannot split such a parameter yet (HF's "
+                                        f"plan would leave it whole, which is not the dense model). Keep the "
+                                        f"attention whole (replicate its projections) in a recipe")
+
+
+def _forward_source(module: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+_DIVIDE_NAME = re.compile(r"(head|hidden_size|embed_dim|split_size|inner_dim)", re.I)
+_NOT_DIVIDE_NAME = re.compile(r"(head_dim|head_size|group|per_head)", re.I)
+
+
+def _forward_reads(modules, attention, config, heads, widths):
+    """Attributes of the attention modules (and config head counts) their forward reads that
+    hold a head count or a sharded width: ``({module rel: [attrs]}, [config attrs])``."""
+    targets = set(heads.values()) | widths
+    divides: dict[str, list[str]] = {}
+    divide_config: list[str] = []
+    for rel in attention:
+        module = modules.get(rel)
+        if module is None:
+            continue
+        src = _forward_source(module)
+        used = set(re.findall(r"self\.(\w+)", src))
+        attrs = sorted(a for a in used
+                       if isinstance(getattr(module, a, None), int) and not isinstance(getattr(module, a), bool)
+                       and getattr(module, a) in targets and _DIVIDE_NAME.search(a) and not _NOT_DIVIDE_NAME.search(a))
+        if attrs:
+            divides[rel] = attrs
+        for name in set(re.findall(r"config\.(\w+)", src)):
+            if name in heads and name not in divide_config:
+                divide_config.append(name)
+    return divides, sorted(divide_config)
+
+
+def _merge_divide_rules(rules):
+    """One divide rule per glob (layers share their class)."""
+    seen: dict[str, dict] = {}
+    for rule, note in list(rules):
+        if "divide" in rule and "style" not in rule and isinstance(rule["match"], str):
+            if rule["match"] in seen:
+                rules.remove((rule, note))
+            else:
+                seen[rule["match"]] = rule
+
+
+def recipe_from_hf_plan(model: nn.Module) -> Recipe:
+    """transformers' tensor-parallel plan of ``model`` as a tpify :class:`~tpify.recipe.Recipe`.
+
+    Pure (no collective; works on a meta model). The recipe's ``source`` says it was imported.
+    The mapping of HF's styles, and what is added (head counts, per-rank attributes, the loss,
+    ``replicate`` for everything else), are in this module's docstring.
+
+    Raises:
+        RecipeError: no HF plan, or a style / module tpify cannot express (the message names the
+            style, the HF rule and the module).
+    """
+    return import_hf_plan(model).recipe()
+
+
+def recipe_for_unshipped(model: nn.Module, model_type: str) -> Recipe:
+    """The recipe :func:`tpify.parallelize` uses for a ``model_type`` without a shipped recipe:
+    the imported HF plan, with a one-line notice (``warnings.warn``).
+
+    Raises:
+        RecipeError: transformers defines no plan for it either (the message lists the shipped
+            recipes and says that ``tpify draft`` writes a draft), or the plan cannot be imported.
+    """
+    from .recipe import available_recipes
+
+    if not has_hf_plan(model):
+        raise RecipeError(
+            f"no tpify recipe for model_type {model_type!r} and transformers defines no tensor-parallel plan for it "
+            f"(config.base_model_tp_plan); shipped recipes: {available_recipes()}. Write one (docs/recipes.md) and "
+            f"pass it as parallelize(model, recipe='path/to/file.toml'); `tpify draft {model_type} --out "
+            f"{model_type}.toml` writes a draft from a trace of the model to review.")
+    recipe = recipe_from_hf_plan(model)
+    warnings.warn(f"tpify: no shipped recipe for {model_type}; using transformers' base_model_tp_plan (imported, "
+                  f"{len(recipe.rules)} rules)", stacklevel=4)
+    return recipe
