@@ -46,6 +46,7 @@ __all__ = [
     "gather_from_tp_region",
     "sum_grad_ranges",
     "all_reduce",
+    "all_reduce_async",
     "all_gather_last_dim",
     "barrier",
     "all_gather_objects",
@@ -110,6 +111,20 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = 
     _record("all_reduce", tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return tensor
+
+
+def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None):
+    """Start an in-place all-reduce (sum) of ``tensor`` over ``group`` and return its work handle
+    (call ``.wait()`` before reading ``tensor``), or None for a one-rank group (nothing to do).
+
+    Used by the column-parallel backward to overlap the input-gradient all-reduce with the
+    weight-gradient matmul (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``).
+    Counted by :func:`count_collectives` as an ``all_reduce``.
+    """
+    if get_tp_size(group) == 1:
+        return None
+    _record("all_reduce", tensor)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

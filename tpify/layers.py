@@ -44,6 +44,42 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, la
     return y.view(out_shape)
 
 
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """``copy(X) A_r + b_r`` with the input-gradient all-reduce overlapped (backward).
+
+    Forward: the local matmul, no communication (Megatron's ``f`` is the identity). Backward:
+    ``dX_r = dY_r A_r^T`` is computed first and its all-reduce over the TP group started
+    asynchronously; the weight and bias gradients (``X^T dY_r``, ``sum dY_r``), which need no
+    communication, are computed while it runs; then the all-reduce is awaited. The same one
+    all-reduce of ``B*T*in`` values as ``copy_to_tp_region`` (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``, arXiv:2104.04473 section 4.3).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, layout):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.layout, ctx.has_bias = group, layout, bias is not None
+        return _matmul(x, weight, bias, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = work = None
+        if need_x:  # linear: weight [out, in]; conv1d: [in, out]
+            grad_x = grad.matmul(weight if ctx.layout == "linear" else weight.t())
+            work = comm.all_reduce_async(grad_x, ctx.group)
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_w = None
+        if need_w:
+            grad_w = grad2.t().mm(x2) if ctx.layout == "linear" else x2.t().mm(grad2)
+        grad_b = grad2.sum(0) if need_b and ctx.has_bias else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None, None
+
+
 def _dense_layout(module: nn.Module) -> tuple[int, int, str]:
     """(in_features, out_features, layout) of an ``nn.Linear`` or transformers ``Conv1D``."""
     if isinstance(module, nn.Linear):
@@ -118,8 +154,11 @@ class ColumnParallelLinear(_ParallelLinear):
         ``gather_output=True`` ``(B, T, out_features)`` on every rank (padding stripped).
     Communication:
         forward: none, or one all-gather of the output with ``gather_output``.
-        backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)``; with
-        replicated parts, one more of their weight (and bias) gradient rows.
+        backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)``, started
+        asynchronously and overlapped with the weight-gradient matmul (``overlap_grad_reduce``,
+        default True; Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``; the
+        plain synchronous ``copy_to_tp_region`` under ``torch.compile``); with replicated
+        parts, one more of their weight (and bias) gradient rows.
     Dtype: the parameters' dtype; no casting.
     Raises:
         ValueError: a part of the output features is not divisible by ``tp_size``; a packed
@@ -145,6 +184,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__()
         self._init_common(in_features, out_features, tp_group, weight_layout)
         self.gather_output = gather_output
+        self.overlap_grad_reduce = True  # see forward; False: the plain copy_to_tp_region (for comparisons)
         parts = tuple(partition_sizes) if partition_sizes else (out_features,)
         if sum(parts) != out_features:
             raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
@@ -166,14 +206,16 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
-        x = comm.copy_to_tp_region(x, self.tp_group)
         weight, bias = self.weight, self.bias
         if self._partial_grads:
             where = [(n, d, r) for n, d, r in self._partial_grads if getattr(self, n) is not None]
             summed = comm.sum_grad_ranges([getattr(self, n) for n, _, _ in where], [(d, r) for _, d, r in where],
                                           self.tp_group)
             weight, bias = summed[0], (summed[1] if len(summed) > 1 else None)
-        y = _matmul(x, weight, bias, self.weight_layout)
+        if self.tp_size > 1 and self.overlap_grad_reduce and not torch.compiler.is_compiling():
+            y = _ColumnParallelMatmul.apply(x, weight, bias, self.tp_group, self.weight_layout)
+        else:  # under torch.compile the plain region operator (inductor schedules the collective itself)
+            y = _matmul(comm.copy_to_tp_region(x, self.tp_group), weight, bias, self.weight_layout)
         if self.gather_output:
             y = comm.gather_from_tp_region(y, self.tp_group)
             if y.shape[-1] != self.out_features:

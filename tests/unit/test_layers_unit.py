@@ -366,6 +366,26 @@ def column_linear_mqa_replicated_parts(c):
 
 
 @_check
+def column_linear_overlapped_backward_equals_the_plain_region_operator(c):
+    """The overlapped backward (async input-gradient all-reduce during the weight-gradient matmul)
+    gives bitwise the gradients of ``copy_to_tp_region`` + matmul, with the same one all-reduce."""
+    results = []
+    for overlap in (True, False):
+        for make in (lambda: nn.Linear(6, 8), lambda: Conv1D(8, 6)):
+            dense = _dense(make(), 100)
+            layer = ColumnParallelLinear.from_dense(dense, c.group)
+            layer.overlap_grad_reduce = overlap
+            x = _t(101, (2, 3, 6)).requires_grad_()
+            with comm.count_collectives() as bwd:
+                layer(x).backward(_t(102, (2, 3, 4)))
+            results.append((x.grad, layer.weight.grad, layer.bias.grad, dict(bwd)))
+    for (a, b) in zip(results[:2], results[2:]):
+        for ga, gb in zip(a[:3], b[:3]):
+            torch.testing.assert_close(ga, gb, **EXACT)
+        assert a[3] == b[3] == {"all_reduce": 1, "all_reduce_numel": 36}, (a[3], b[3])
+
+
+@_check
 def column_embedding_splits_heads(c):
     """``embedding_colwise``: T5's relative attention bias, columns = heads; no communication."""
     dense = _dense(nn.Embedding(10, 4), 80)
@@ -447,6 +467,10 @@ def test_vocab_parallel_embedding_raises_index_error_before_any_collective(tp2):
 
 def test_column_parallel_replicated_parts_sum_their_gradients(tp2):
     _ok(tp2, "column_linear_mqa_replicated_parts")
+
+
+def test_column_parallel_overlapped_backward(tp2):
+    _ok(tp2, "column_linear_overlapped_backward_equals_the_plain_region_operator")
 
 
 def test_column_parallel_embedding_and_scaled_vocab_embedding(tp2):
