@@ -101,7 +101,8 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 
 
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
-            recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1) -> tuple[int, Layout]:
+            recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
+            sequence_parallel: bool = False) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -111,7 +112,10 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
         raise ValueError(f"{type(model).__name__} is already parallelized")
     check_before_parallelize(model)
     size = resolve_tp_size(tp_size, tp_group)
-    return size, build_layout(model, _model_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    return size, build_layout(model, _model_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
+                              sequence_parallel=sequence_parallel)
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None) -> nn.Module:
@@ -157,6 +161,7 @@ def parallelize(
     tp_group: dist.ProcessGroup | None = None,
     recipe: "str | Path | dict | Recipe | None" = None,
     pad_vocab_multiple: int = 1,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -181,6 +186,12 @@ def parallelize(
             128 there, keeps every rank's GEMM width a multiple of a tile; 64 suits current
             GPUs). Default 1: the least padding that makes the rows divisible. The padded rows
             are zeros no id reaches, never in the loss, stripped from gathered logits and saves.
+        sequence_parallel: also split along the tokens what tensor parallelism leaves
+            replicated (LayerNorms, dropout, residual adds; Korthikanti et al.,
+            arXiv:2205.05198), where the recipe marks it (``[sequence_parallel]``): all-reduces
+            become reduce-scatter + all-gather pairs (same bytes), activation memory there
+            ``1/tp_size``. Training batches need ``T`` divisible by ``tp_size``
+            (:class:`tpify.engine.SequenceParallel`).
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
@@ -205,7 +216,7 @@ def parallelize(
     """
     error, layout, size = None, None, None
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
-        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple)
+        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree on this rank, reported on the others
         error = e
     comm.agree("tpify.parallelize", fingerprint(model, layout, size, tp_group) if error is None else {}, error,

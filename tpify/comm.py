@@ -13,6 +13,14 @@ vocab-parallel loss needs.
 | ``gather_from_tp_region``| all-gather the last dim, concat  | split the last dim, keep chunk r  |
 | ``sum_grad_ranges``      | identity                         | all-reduce (sum) of given slices  |
 
+Sequence parallelism (Korthikanti et al., arXiv:2205.05198) adds three along the tokens ``T``:
+
+| operator                             | forward                  | backward                         |
+| ------------------------------------ | ------------------------ | -------------------------------- |
+| ``scatter_to_sequence_region``       | split ``T``, keep chunk r | all-gather ``T``                |
+| ``gather_from_sequence_region``      | all-gather ``T``         | reduce-scatter ``T`` (or split)  |
+| ``reduce_scatter_to_sequence_region``| reduce-scatter ``T``     | all-gather ``T``                 |
+
 With a group of one rank (or ``group=None`` and no initialised process group) every operator
 is the identity and issues nothing, so a ``tp_size == 1`` model runs without ``torch.distributed``.
 
@@ -45,6 +53,9 @@ __all__ = [
     "scatter_to_tp_region",
     "gather_from_tp_region",
     "sum_grad_ranges",
+    "scatter_to_sequence_region",
+    "gather_from_sequence_region",
+    "reduce_scatter_to_sequence_region",
     "all_reduce",
     "all_reduce_async",
     "all_gather_last_dim",
@@ -140,6 +151,41 @@ def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -
     chunks = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(chunks, tensor, group=group)
     return torch.cat(chunks, dim=-1)
+
+
+def _all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather equal shards along ``dim`` in rank order (one ``all_gather_into_tensor``)."""
+    world = get_tp_size(group)
+    if world == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    _record("all_gather", moved)
+    out = torch.empty((world * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group and keep this rank's chunk along ``dim`` (one ``reduce_scatter_tensor``)."""
+    world = get_tp_size(group)
+    if world == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"cannot reduce-scatter a dimension of {moved.shape[0]} over {world} ranks")
+    _record("reduce_scatter", moved)
+    out = torch.empty((moved.shape[0] // world,) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _split_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    world = get_tp_size(group)
+    if world == 1:
+        return tensor
+    if tensor.shape[dim] % world:
+        raise ValueError(f"cannot split a dimension of {tensor.shape[dim]} over {world} ranks: it is not divisible")
+    return tensor.chunk(world, dim=dim)[get_tp_rank(group)].contiguous()
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -444,6 +490,83 @@ def sum_grad_ranges(xs: list[torch.Tensor], where: list[tuple[int, list[tuple[in
     if get_tp_size(group) == 1:
         return tuple(xs)
     return _SumGradRanges.apply(group, tuple(where), *xs)
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, 1, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, partial_grad):
+        ctx.group, ctx.partial_grad = group, partial_grad
+        return _all_gather_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.partial_grad:  # each rank holds part of the gradient of every token: sum, keep mine
+            return _reduce_scatter_dim(grad, 1, ctx.group), None, None
+        return _split_dim(grad, 1, ctx.group), None, None  # the same full gradient on every rank
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, 1, ctx.group), None
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sequence parallelism: keep this rank's chunk of the tokens, ``(B, T, H) -> (B, T/p, H)``.
+
+    Forward: no communication. Backward: one all-gather of the gradient along ``T``
+    (Korthikanti et al., arXiv:2205.05198, section 4.2.2).
+
+    Raises:
+        ValueError: ``T`` is not divisible by the group size.
+    """
+    if get_tp_size(group) == 1:
+        return x
+    return _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None,
+                                partial_grad: bool = True) -> torch.Tensor:
+    """Sequence parallelism: all-gather the tokens, ``(B, T/p, H) -> (B, T, H)``.
+
+    Forward: one all-gather along ``T`` (Megatron's ``g``). Backward: with ``partial_grad``
+    (the input of column-parallel layers, whose input gradients are partial sums per rank) one
+    reduce-scatter along ``T`` (Megatron's ``g-bar``), which replaces the column-parallel
+    all-reduce; without (the gathered output feeds replicated computation) a split, no
+    communication.
+    """
+    if get_tp_size(group) == 1:
+        return x
+    return _GatherFromSequenceRegion.apply(x, group, partial_grad)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sequence parallelism: sum the partial outputs of a row-parallel layer and keep this rank's
+    tokens, ``(B, T, H) -> (B, T/p, H)``: one reduce-scatter forward (half an all-reduce's
+    traffic), one all-gather of the gradient backward.
+
+    Raises:
+        ValueError: ``T`` is not divisible by the group size.
+    """
+    if get_tp_size(group) == 1:
+        return x
+    return _ReduceScatterToSequenceRegion.apply(x, group)
 
 
 def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

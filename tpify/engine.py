@@ -21,7 +21,7 @@ from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLi
 from .layout import Layout, ModuleLayout, PlanError
 from .random import RNGStreamTracker, install_rng_hooks
 
-__all__ = ["apply_layout", "ReplicatedInRegion", "HeadInputs"]
+__all__ = ["apply_layout", "ReplicatedInRegion", "HeadInputs", "SequenceParallel"]
 
 
 def _build_layer(module: nn.Module, entry: ModuleLayout, tp_group: dist.ProcessGroup | None) -> nn.Module:
@@ -100,8 +100,12 @@ def apply_layout(model: nn.Module, layout: Layout,
     # Dropout: TP-distinct random stream between column- and row-parallel layers (tpify.random).
     tracker, rng_handles = install_rng_hooks(model, layout, comm.get_tp_rank(tp_group))
     handles += rng_handles
+    sequence = None
+    if layout.sequence_parallel is not None and layout.tp_size > 1:
+        sequence = SequenceParallel(tracker, tp_group, layout.tp_size)
+        handles += sequence.install(model, layout.sequence_parallel)
     if layout.tp_size > 1:
-        watcher = ReplicatedInRegion(tracker, tp_group, handles)
+        watcher = ReplicatedInRegion(tracker, tp_group, handles, sequence)
         parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
         for fqn, module in model.named_modules():
             if not isinstance(module, parallel) and any(True for _ in module.parameters(recurse=False)):
@@ -121,14 +125,16 @@ class ReplicatedInRegion:
     LayerNorm weights of sequence parallelism). This forward pre-hook, on every module that holds
     parameters and is not a parallel layer, asks the model's dropout-stream tracker whether the
     call is inside a region (the region hooks keep ``tracker.in_region``, in train and eval
-    mode); the first time it is, each of the module's parameters gets a gradient hook that
-    all-reduces (sums) its gradient over the TP group. ``found`` lists those modules' FQNs.
+    mode), or whether the tokens are split (sequence parallelism: a LayerNorm there sees ``T/p``
+    tokens, so its gradient is a partial sum as well); the first time it is, each of the
+    module's parameters gets a gradient hook that all-reduces (sums) its gradient over the TP
+    group. ``found`` lists those modules' FQNs.
 
     Communication: backward, one all-reduce per such parameter (none for a model without them).
     """
 
-    def __init__(self, tracker, tp_group, handles: list):
-        self.tracker, self.tp_group, self.handles = tracker, tp_group, handles
+    def __init__(self, tracker, tp_group, handles: list, sequence: "SequenceParallel | None" = None):
+        self.tracker, self.tp_group, self.handles, self.sequence = tracker, tp_group, handles, sequence
         self.names: dict[int, str] = {}
         self.found: list[str] = []
         self._done: set[int] = set()
@@ -137,7 +143,8 @@ class ReplicatedInRegion:
         return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), self.tp_group)
 
     def __call__(self, module, args):
-        if not self.tracker.in_region or id(module) in self._done:
+        in_sequence = self.sequence is not None and self.sequence.active
+        if not (self.tracker.in_region or in_sequence) or id(module) in self._done:
             return None
         self._done.add(id(module))
         self.found.append(self.names.get(id(module), type(module).__name__))
@@ -202,3 +209,111 @@ class HeadInputs:
                                  f"which the recipe's head_inputs slices per rank; fix the argument name in the "
                                  f"recipe (the call passed {sorted(kwargs)} and {len(args)} positional arguments)")
         return tuple(args), kwargs
+
+
+def _hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, str | int]:
+    """The hidden states a layer is called with: the ``hidden_states`` keyword, else the first
+    positional argument; and where it was."""
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"], "hidden_states"
+    if args:
+        return args[0], 0
+    raise ValueError(f"tpify sequence parallelism: a call without hidden states (kwargs {sorted(kwargs)})")
+
+
+def _replace(args: tuple, kwargs: dict, where, value):
+    if where == "hidden_states":
+        kwargs["hidden_states"] = value
+        return args, kwargs
+    return (value,) + tuple(args[1:]), kwargs
+
+
+class SequenceParallel:
+    """Sequence parallelism (Korthikanti et al., arXiv:2205.05198, section 4.2.2) by hooks.
+
+    Outside attention and MLP, every transformer layer's work (LayerNorms, dropout, residual
+    adds) is the same on every rank of the TP group: sequence parallelism splits it along the
+    tokens. With the recipe's ``[sequence_parallel]`` table:
+
+    * ``split``: a forward pre-hook splits the first layer's hidden states ``(B, T, H)`` into
+      this rank's tokens ``(B, T/p, H)`` (:func:`tpify.comm.scatter_to_sequence_region`); the
+      residual stream stays split from there on.
+    * ``gather``: a forward pre-hook on each attention and MLP module all-gathers its input
+      along ``T`` (Megatron's ``g``); its backward reduce-scatters the partial input gradients,
+      replacing the column-parallel layers' all-reduce (they issue none while it is active).
+      Each row-parallel layer reduce-scatters its output along ``T`` instead of all-reducing
+      it (same bytes as the all-reduce it replaces: an all-reduce is a reduce-scatter plus an
+      all-gather) and sums its bias gradient.
+    * ``exit``: a forward hook all-gathers the output of the last module of the split stretch
+      (the final norm), so the heads and ``last_hidden_state`` see every token.
+
+    LayerNorm weights in the split stretch see ``T/p`` tokens: their gradients are summed over
+    the group (:class:`ReplicatedInRegion`). Dropout there draws from the per-rank stream (each
+    rank holds other tokens). Activation memory of the split stretch is ``1/p`` per rank.
+
+    ``active`` is decided per forward at ``split``: ``T`` divisible by ``tp_size``. Otherwise
+    (``generate`` decoding one token at a time) the forward runs without sequence parallelism,
+    exactly as tensor parallelism alone, which is allowed only without gradients: a backward
+    through such a forward would meet the LayerNorm gradient all-reduce meant for split tokens.
+
+    Raises:
+        ValueError: (forward) ``T`` not divisible by ``tp_size`` while gradients are enabled.
+    """
+
+    def __init__(self, tracker, tp_group, tp_size: int):
+        self.tracker, self.tp_group, self.tp_size = tracker, tp_group, tp_size
+        self.active = False
+
+    def install(self, model: nn.Module, where: dict) -> list:
+        from .random import DEFAULT, TP, _devices_of
+
+        self._streams = (DEFAULT, TP, _devices_of)
+        handles = [model.register_forward_pre_hook(self._reset), model.register_forward_hook(self._reset)]
+        handles.append(model.get_submodule(where["split"]).register_forward_pre_hook(self._split, with_kwargs=True))
+        for fqn in where["gather"]:
+            container = model.get_submodule(fqn)
+            handles.append(container.register_forward_pre_hook(self._gather, with_kwargs=True))
+            for module in container.modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    module.sequence_parallel = self
+                    if isinstance(module, RowParallelLinear):  # its output is split again: the per-rank stream
+                        handles.append(module.register_forward_hook(self._after_row))
+        handles.append(model.get_submodule(where["exit"]).register_forward_hook(self._exit))
+        return handles
+
+    def _reset(self, module, *args):
+        self.active = False
+
+    def _split(self, module, args, kwargs):
+        hidden, where = _hidden(args, kwargs)
+        tokens = hidden.shape[1]
+        self.active = tokens % self.tp_size == 0
+        if not self.active:
+            if torch.is_grad_enabled():
+                raise ValueError(f"tpify sequence parallelism: the sequence length {tokens} is not divisible by "
+                                 f"tp_size = {self.tp_size}; pad the batch to a multiple of {self.tp_size} tokens "
+                                 f"(without gradients, e.g. generate(), it runs without sequence parallelism)")
+            return None
+        if module.training:
+            self.tracker.switch(self._streams[1], self._streams[2](module))
+        return _replace(args, kwargs, where, comm.scatter_to_sequence_region(hidden, self.tp_group))
+
+    def _gather(self, module, args, kwargs):
+        if not self.active:
+            return None
+        hidden, where = _hidden(args, kwargs)
+        return _replace(args, kwargs, where, comm.gather_from_sequence_region(hidden, self.tp_group, True))
+
+    def _after_row(self, module, args, output):
+        if self.active and module.training:
+            self.tracker.switch(self._streams[1], self._streams[2](module))
+
+    def _exit(self, module, args, output):
+        if not self.active:
+            return None
+        self.active = False
+        self.tracker.switch(self._streams[0], self._streams[2](module))
+        if isinstance(output, torch.Tensor):
+            return comm.gather_from_sequence_region(output, self.tp_group, False)
+        first = comm.gather_from_sequence_region(output[0], self.tp_group, False)
+        return (first,) + tuple(output[1:])

@@ -535,7 +535,8 @@ def recipe_for_unshipped(model: nn.Module, model_type: str) -> Recipe:
             f"no tpify recipe for model_type {model_type!r} and transformers defines no tensor-parallel plan for it "
             f"(config.base_model_tp_plan); shipped recipes: {available_recipes()}. Write one (docs/recipes.md) and "
             f"pass it as parallelize(model, recipe='path/to/file.toml'); `tpify draft {model_type} --out "
-            f"{model_type}.toml` writes a draft from a trace of the model to review.")
+            f"{model_type}.toml` (or `tpify draft CHECKPOINT_DIR`) writes a draft from a trace of the model to "
+            f"review.")
     recipe = recipe_from_hf_plan(model)
     warnings.warn(f"tpify: no shipped recipe for {model_type}; using transformers' base_model_tp_plan (imported, "
                   f"{len(recipe.rules)} rules)", stacklevel=4)

@@ -158,7 +158,9 @@ class ColumnParallelLinear(_ParallelLinear):
         asynchronously and overlapped with the weight-gradient matmul (``overlap_grad_reduce``,
         default True; Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``; the
         plain synchronous ``copy_to_tp_region`` under ``torch.compile``); with replicated
-        parts, one more of their weight (and bias) gradient rows.
+        parts, one more of their weight (and bias) gradient rows. With sequence parallelism
+        active: none here (the input was all-gathered along ``T`` before the layer, and that
+        gather's backward reduce-scatters the input gradient).
     Dtype: the parameters' dtype; no casting.
     Raises:
         ValueError: a part of the output features is not divisible by ``tp_size``; a packed
@@ -185,6 +187,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._init_common(in_features, out_features, tp_group, weight_layout)
         self.gather_output = gather_output
         self.overlap_grad_reduce = True  # see forward; False: the plain copy_to_tp_region (for comparisons)
+        self.sequence_parallel = None  # tpify.engine.SequenceParallel when the layer is in a sequence-parallel layer
         parts = tuple(partition_sizes) if partition_sizes else (out_features,)
         if sum(parts) != out_features:
             raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
@@ -212,7 +215,11 @@ class ColumnParallelLinear(_ParallelLinear):
             summed = comm.sum_grad_ranges([getattr(self, n) for n, _, _ in where], [(d, r) for _, d, r in where],
                                           self.tp_group)
             weight, bias = summed[0], (summed[1] if len(summed) > 1 else None)
-        if self.tp_size > 1 and self.overlap_grad_reduce and not torch.compiler.is_compiling():
+        if self.sequence_parallel is not None and self.sequence_parallel.active:
+            # sequence parallelism: the input was all-gathered along T by the enclosing module's hook,
+            # whose backward reduce-scatters the partial input gradients (instead of copy's all-reduce)
+            y = _matmul(x, weight, bias, self.weight_layout)
+        elif self.tp_size > 1 and self.overlap_grad_reduce and not torch.compiler.is_compiling():
             y = _ColumnParallelMatmul.apply(x, weight, bias, self.tp_group, self.weight_layout)
         else:  # under torch.compile the plain region operator (inductor schedules the collective itself)
             y = _matmul(comm.copy_to_tp_region(x, self.tp_group), weight, bias, self.weight_layout)
@@ -241,7 +248,10 @@ class RowParallelLinear(_ParallelLinear):
         output: ``(B, T, out_features)``, identical on every rank.
     Communication:
         forward: one all-reduce (sum) of the output. backward: none (one all-gather of the
-        input gradient when the input was scattered).
+        input gradient when the input was scattered). With sequence parallelism active
+        (``sequence_parallel``, Korthikanti et al., arXiv:2205.05198): one reduce-scatter along
+        ``T`` forward, output ``(B, T/p, out_features)``; backward one all-gather of the output
+        gradient and one all-reduce of the bias gradient.
     Raises:
         ValueError: ``in_features`` is not divisible by ``tp_size``.
     """
@@ -261,6 +271,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__()
         self._init_common(in_features, out_features, tp_group, weight_layout)
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = None  # tpify.engine.SequenceParallel when the layer is in a sequence-parallel layer
         self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
         w_spec = ShardSpec(1 if weight_layout == "linear" else 0, (in_features,), self.tp_size)
         w_shape = _weight_shape(self.in_features_per_partition, out_features, weight_layout)
@@ -274,6 +285,15 @@ class RowParallelLinear(_ParallelLinear):
         """``(B, T, in_features // tp_size) -> (B, T, out_features)``, replicated."""
         if not self.input_is_parallel:
             x = comm.scatter_to_tp_region(x, self.tp_group)
+        if self.sequence_parallel is not None and self.sequence_parallel.active:
+            # sequence parallelism: sum the partial outputs and keep this rank's tokens (B, T/p, out);
+            # the bias then meets T/p tokens only, so its gradient is a partial sum: summed over the group
+            y = comm.reduce_scatter_to_sequence_region(_matmul(x, self.weight, None, self.weight_layout),
+                                                       self.tp_group)
+            if self.bias is None:
+                return y
+            bias, = comm.sum_grad_ranges([self.bias], [(0, [(0, self.bias.shape[0])])], self.tp_group)
+            return y + bias
         y = comm.reduce_from_tp_region(_matmul(x, self.weight, None, self.weight_layout), self.tp_group)
         return y + self.bias if self.bias is not None else y
 

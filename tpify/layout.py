@@ -149,6 +149,8 @@ class Layout:
         loss_kind: ``"causal"``, ``"masked"`` or None (HF's own loss on gathered logits).
         honours_num_items: whether the model's own loss divides by ``num_items_in_batch``.
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
+        sequence_parallel: with ``sequence_parallel=True``, the FQNs ``{"split": ..., "gather":
+            [...], "exit": ...}`` of the recipe's ``[sequence_parallel]`` table; else None.
         head_inputs: module FQN -> ``(argument, dim, dense head count)`` for each forward argument
             that holds one entry per attention head (ALiBi biases built by the base model for
             all heads): each rank gets its own heads' slice.
@@ -170,6 +172,7 @@ class Layout:
     honours_num_items: bool = True
     renames: tuple[tuple[str, str], ...] = ()
     head_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    sequence_parallel: dict | None = None
     region_starts: tuple[str, ...] = ()
     region_ends: tuple[str, ...] = ()
     unmatched_rules: list[Rule] = field(default_factory=list)
@@ -185,7 +188,7 @@ class Layout:
                                    for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.renames),
-                            sorted(self.head_inputs.items())])
+                            sorted(self.head_inputs.items()), self.sequence_parallel])
 
 
 def _dims(module: nn.Module) -> tuple[int, int]:
@@ -230,7 +233,8 @@ def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None
     return [out_features // total * w for w in weights]
 
 
-def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_multiple: int = 1) -> Layout:
+def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_multiple: int = 1,
+                 sequence_parallel: bool = False) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
@@ -410,6 +414,8 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     layout.region_starts = tuple(f for f, m in layout.modules.items()
                                  if m.style in ("colwise", "packed_colwise", "embedding_colwise"))
     layout.region_ends = tuple(f for f, m in layout.modules.items() if m.style == "rowwise")
+    if sequence_parallel:
+        layout.sequence_parallel = _sequence_layout(model, recipe, layout, errors)
     if uncovered:
         errors.insert(0, f"{len(uncovered)} module(s) of types {SHARDABLE_TYPES} are covered by no rule of recipe "
                          f"{recipe.source} (names relative to the base model, as rules are written): {uncovered}. "
@@ -422,6 +428,43 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                         f"tp_size = {tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
     layout.unmatched_rules = [r for r in recipe.rules if not matched[r.index] and not r.optional]
     return layout
+
+
+def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: list[str]) -> dict | None:
+    """Resolve the recipe's ``[sequence_parallel]`` globs to FQNs and check that every column- and
+    row-parallel layer lies inside a module whose input is gathered (elsewhere it would receive
+    ``T/p`` tokens, or reduce-scatter an output nobody gathers)."""
+    sp = recipe.sequence_parallel
+    if sp is None:
+        errors.append(f"sequence_parallel=True, but recipe {recipe.source} has no [sequence_parallel] table marking "
+                      f"where the tokens are split and gathered (docs/recipes.md)")
+        return None
+    from .recipe import _compile_glob
+
+    names = [(fqn, relative_fqn(model, fqn)) for fqn, _ in model.named_modules() if fqn]
+
+    def find(glob):
+        regex = _compile_glob(glob)
+        return [fqn for fqn, rel in names if regex.match(rel)]
+
+    out = {"split": find(sp["split"]), "exit": find(sp["exit"]), "gather": [f for g in sp["gather"] for f in find(g)]}
+    for key in ("split", "exit"):
+        if len(out[key]) != 1:
+            errors.append(f"[sequence_parallel] {key} = {sp[key]!r} must match exactly one module; it matches "
+                          f"{out[key][:4]}")
+    if not out["gather"]:
+        errors.append(f"[sequence_parallel] gather = {sp['gather']} matches no module")
+    gathers = tuple(out["gather"])
+    outside = [f for f in layout.region_starts + layout.region_ends
+               if not any(f.startswith(g + ".") for g in gathers)]
+    if outside:
+        errors.append(f"sequence parallelism: column/row-parallel layers {outside[:4]} lie outside every module of "
+                      f"[sequence_parallel] gather = {sp['gather']}; their input would be split along the tokens")
+    if any(m.style == "embedding_colwise" for m in layout.modules.values()):
+        errors.append("sequence parallelism is not supported with embedding_colwise (relative attention biases)")
+    if errors:
+        return None
+    return {"split": out["split"][0], "gather": list(gathers), "exit": out["exit"][0]}
 
 
 # Styles that shard a tied weight the same way: vocabulary rows, padded alike (embedding = LM head).

@@ -4,7 +4,9 @@ Data flows ``config -> meta model -> recipe surgery (on meta) -> read this rank'
 :func:`from_pretrained` never materialises the dense model: it builds it on the meta device
 (accelerate's ``init_empty_weights``), parallelizes it there with the pipeline of
 :func:`tpify.parallelize` (``api.prepare`` -> one agreement -> ``api.finish``), then
-each rank reads only its own bytes with ``safe_open(...).get_slice(name)`` through
+each rank reads only its own bytes with ``safe_open(...).get_slice(name)``: a shard that is one
+contiguous range of its file becomes a zero-copy view of the file's private mapping (as
+transformers 5 loads a whole model), the others are copied by
 :meth:`tpify.sharding.ShardSpec.read` (packed ``[Q|K|V]`` projections split per part, padded
 vocabularies padded with zero rows). :func:`save_pretrained` gathers each tensor to its dense
 layout with :meth:`~tpify.sharding.ShardSpec.gather` (padding stripped, packed parts re-packed) and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -54,7 +57,8 @@ class _Snapshot:
     A file is opened (``os.open``) the first time it is named and stays open until
     :meth:`close`; every later read goes through that descriptor (``/proc/self/fd/<n>`` on
     Linux), so a save that replaces the file meanwhile (``os.replace``) cannot change what this
-    load reads: it keeps reading the file it opened. Safetensors still maps one block at a time.
+    load reads: it keeps reading the file it opened (and the views :class:`_Reader` returns keep
+    that file's mapping).
     """
 
     def __init__(self, path: Path):
@@ -222,6 +226,40 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+@contextlib.contextmanager
+def _meta_params_skip_init():
+    """Inside accelerate's ``init_empty_weights``: the constructor's ``post_init`` skips the
+    initialisation of the (meta) parameters, and still initialises the (real) buffers.
+
+    Every parameter the constructor registers on the meta device is marked
+    ``_is_hf_initialized`` while the constructor runs; transformers' init functions
+    (``transformers.initialization``, and ``torch.nn.init`` under its ``initialize_weights``
+    guard) skip tensors so marked. Initialising a meta tensor computes nothing, but each call
+    goes through torch's Python reference of the op (about 2 ms per ``normal_``: 0.3 s for a
+    16-layer Llama); transformers' own ``from_pretrained`` skips it likewise (it builds the model
+    under ``torch.device("meta")``, where ``init_weights`` returns at once). The marks are removed
+    on exit, so later initialisations (:func:`_init_missing`, :func:`_init_non_persistent_buffers`)
+    see the parameters as before. Local; no communication.
+    """
+    registered = nn.Module.register_parameter  # accelerate's, which moves the parameter to meta
+    marked: list[torch.Tensor] = []
+
+    def register(module, name, param):
+        registered(module, name, param)
+        new = module._parameters.get(name)
+        if new is not None and new.is_meta and not hasattr(new, "_is_hf_initialized"):
+            new._is_hf_initialized = True
+            marked.append(new)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = registered
+        for param in marked:
+            param.__dict__.pop("_is_hf_initialized", None)
+
+
 def _tied_names(model: nn.Module) -> set[str]:
     """Names transformers declares as tied copies (``lm_head.weight``): not stored on save."""
     from transformers.modeling_utils import _get_tied_weight_keys
@@ -267,6 +305,7 @@ def from_pretrained(
     model_class: type | None = None,
     recipe=None,
     pad_vocab_multiple: int = 1,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -274,8 +313,14 @@ def from_pretrained(
     as :func:`tpify.parallelize`), and every parameter is then read with
     ``safe_open(file).get_slice(name)`` through its :class:`~tpify.sharding.ShardSpec`: rank
     ``r`` reads only the rows/columns it holds (packed ``[Q|K|V]`` per part, padded vocabularies
-    padded with zero rows), replicated parameters are read whole. A rank's peak memory is
-    about its shard plus one tensor in flight, never the dense model. Tied parameters
+    padded with zero rows), replicated parameters are read whole. Shards that are one
+    contiguous range of the file in the stored dtype (replicated tensors, column-parallel
+    ``nn.Linear`` weights, unpadded vocabulary rows) are zero-copy views of a private
+    (copy-on-write) mapping of the file, read from the page cache when first used, as
+    transformers 5 does for a whole model; the others are copied into owned memory. A rank's
+    peak memory is about its shard plus one tensor in flight, never the dense model. As with
+    transformers, replacing or deleting the files afterwards is safe, rewriting them in place
+    while the model lives is not. Tied parameters
     (``lm_head.weight`` = ``wte.weight``) are read once and stay one Parameter. Non-persistent
     buffers (BERT ``position_ids``, rotary ``inv_freq``) are computed by the model's constructor
     exactly as transformers does. Keys are mapped as transformers 5 maps them: the base-model
@@ -319,7 +364,8 @@ def from_pretrained(
     path = Path(path)
     error, found = None, {}
     try:  # every local check (checkpoint and layout), then one agreement: the same outcome on every rank
-        found = _open_checkpoint(path, model_class, torch_dtype, recipe, tp_size, tp_group, pad_vocab_multiple)
+        found = _open_checkpoint(path, model_class, torch_dtype, recipe, tp_size, tp_group,
+                                 (pad_vocab_multiple, sequence_parallel))
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
         error = e
     comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=tp_group)
@@ -338,7 +384,7 @@ def from_pretrained(
     return model
 
 
-def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, pad_vocab_multiple=1) -> dict:
+def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options=(1, False)) -> dict:
     """The local part of :func:`from_pretrained`: config, headers, the meta model, its layout
     (``api.prepare``) and the key map.
 
@@ -356,14 +402,14 @@ def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_g
     snap, weight_map, headers = _snapshot(path)  # every file opened once, for the whole load
     try:
         return _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group,
-                           pad_vocab_multiple)
+                           options)
     except BaseException:
         snap.close()
         raise
 
 
 def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group,
-                pad_vocab_multiple=1) -> dict:
+                options=(1, False)) -> dict:
     """The rest of :func:`_open_checkpoint`, on the opened files."""
     from accelerate import init_empty_weights
 
@@ -375,13 +421,13 @@ def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recip
                         if handle.get_slice(k).get_dtype() in ("F32", "F16", "BF16", "F64")), "F32")
     dtype = _resolve_dtype(config, {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                                     "F64": torch.float64}[float_dtype], torch_dtype)
-    with init_empty_weights(include_buffers=False), _default_dtype(dtype):
+    with init_empty_weights(include_buffers=False), _default_dtype(dtype), _meta_params_skip_init():
         model = cls._from_config(config)  # picks the attention implementation as from_pretrained does
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
     model.eval()
     _init_non_persistent_buffers(model)  # before surgery: the config still holds the dense values
 
-    size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple)
+    size, layout = prepare(model, tp_size, tp_group, recipe, *options)  # (pad_vocab_multiple, sequence_parallel)
 
     # ---- match checkpoint keys to the dense meta model: local checks, before any collective
     dense_shapes = {fqn: tuple(t.shape) for fqn, t in _named_tensors(model)}
@@ -530,38 +576,137 @@ def _set_tensor(model: nn.Module, holders: dict[int, list[tuple[nn.Module, str]]
             module._buffers[name] = value
 
 
-class _FileTensor:
-    """A ``get_slice``-like handle on one tensor of a file that keeps no mapping open.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
-    safetensors (>= 0.7) returns views of an mmap of the whole file, and a view's pages, once
-    read, stay resident while the view lives. Each ``[index]`` opens the file, returns the view
-    of just that block and keeps nothing else: :meth:`ShardSpec.read` copies it into the shard
-    and drops it, which unmaps it. So a load holds its shards plus one block in flight, and
-    the loaded model never depends on the file staying in place. ``file`` is the path of the
-    load's opened descriptor (:class:`_Snapshot`): every block comes from the file the load
-    opened, even if a save replaced it since.
+
+class _FileTensor:
+    """A ``get_slice``-like handle on one tensor of an opened file, for the copying reads.
+
+    The file is mapped once, at the first ``[index]`` (``safe_open`` of the load's opened
+    descriptor, :class:`_Snapshot`, so every block comes from the file the load opened even if a
+    save replaced it since), and each ``[index]`` is a view of that mapping (safetensors >= 0.7
+    returns views, no copy). :meth:`ShardSpec.read` copies the views into the preallocated
+    shard; :meth:`close` then drops the mapping, so the source pages a copy touched leave this
+    process's resident set: a load holds its shards plus one tensor's pages in flight.
     """
 
     def __init__(self, file: str, key: str, shape: tuple[int, ...]):
         self.file, self.key, self.shape = file, key, tuple(shape)
+        self._slice = None
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        return safe_open(str(self.file), framework="pt", device="cpu").get_slice(self.key)[index]
+        if self._slice is None:
+            self._slice = safe_open(self.file, framework="pt", device="cpu").get_slice(self.key)
+        return self._slice[index]
+
+    def close(self) -> None:
+        """Drop the mapping (it is unmapped when the last view of it is gone)."""
+        self._slice = None
 
     def read_whole(self, dtype: torch.dtype | None) -> torch.Tensor:
-        """The whole tensor (a replicated parameter), copied in blocks of rows into owned memory."""
+        """The whole tensor (a replicated parameter) copied into owned memory, converted to ``dtype``."""
         if not self.shape:  # a 0-d tensor
-            value = safe_open(str(self.file), framework="pt", device="cpu").get_tensor(self.key)
+            value = safe_open(self.file, framework="pt", device="cpu").get_tensor(self.key)
             return value.to(dtype) if dtype is not None else value.clone()
         return ShardSpec(0, (self.shape[0],), 1).read(self, 0, dtype)  # one "rank" holding everything
 
 
+def _contiguous_rows(spec: ShardSpec | None, shape: tuple[int, ...], tp_rank: int) -> tuple[int, int] | None:
+    """``(start, stop)`` along ``spec.dim`` when this rank's shard is one contiguous byte range
+    of the dense row-major tensor in the file (replicated tensors: the whole of dim 0), else
+    ``None`` (several ranges, vocab padding rows, a split after a dimension of size > 1)."""
+    if not shape:
+        return None
+    if spec is None:
+        return 0, shape[0]
+    ranges = spec.ranges(tp_rank)
+    if (len(ranges) != 1 or ranges[0][1] - ranges[0][0] != spec.local_size
+            or math.prod(shape[:spec.dim]) != 1):
+        return None
+    return ranges[0]
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a contiguous view of a mapped file) as a tensor whose storage is exactly its
+    bytes, not the whole dense tensor's: ``torch.save`` of a shard then writes the shard only,
+    and ``untyped_storage().nbytes()`` is the shard's size. Shares the memory, copies nothing."""
+    flat = view.reshape(-1).view(torch.uint8)  # numpy has no bfloat16: go through bytes
+    return torch.from_numpy(flat.numpy()).view(view.dtype).view(view.shape)
+
+
+class _Reader:
+    """Reads this rank's slice of each checkpoint tensor from the load's opened files.
+
+    A shard that is one contiguous byte range of its file (replicated tensors, row splits of
+    dimension 0: column-parallel ``nn.Linear`` weights and biases, unpadded vocabulary rows)
+    and is stored in the dtype asked for is returned as a zero-copy view of a private
+    (copy-on-write) mapping of the file, as transformers 5 does for a whole model: its pages
+    are read from the page cache when first touched, nothing is copied, and writes to the
+    tensor (training) copy the written pages, never touching the file. One mapping per file
+    serves every view. Any other shard (column splits of row-parallel weights, packed
+    ``[Q|K|V]`` parts, padded vocabularies, a dtype conversion, ``in_place`` loads) is copied
+    by :meth:`ShardSpec.read` through a :class:`_FileTensor` whose mapping is dropped right
+    after, so the source pages it touched do not stay resident.
+
+    Like transformers' own loads, a view reads the file it was opened from: replacing or
+    deleting the file (``os.replace``, as :func:`save_pretrained` does) changes nothing, but
+    rewriting that same file in place while the model lives changes the pages not yet read or
+    written.
+    """
+
+    def __init__(self, snap: _Snapshot, headers: dict, tp_rank: int):
+        self.snap, self.headers, self.tp_rank = snap, headers, tp_rank
+        self.maps: dict[str, object] = {}  # file name -> safe_open handle whose mapping the views share
+
+    def read(self, key: str, spec: ShardSpec | None, dtype: torch.dtype | None,
+             into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's slice of checkpoint tensor ``key``, converted to ``dtype`` (``None``: as
+        stored); with ``into``, copied into that tensor (converted to its dtype) and returned."""
+        shape, file = self.headers[key]
+        where = self.snap.where(file)
+        rows = _contiguous_rows(spec, shape, self.tp_rank)
+        if rows is not None and into is None:
+            if file not in self.maps:
+                self.maps[file] = safe_open(where, framework="pt", device="cpu")
+            file_slice = self.maps[file].get_slice(key)
+            stored = _SAFETENSORS_DTYPES.get(file_slice.get_dtype())
+            if dtype is None or dtype == stored:
+                dim = spec.dim if spec is not None else 0
+                index = (slice(None),) * dim + (slice(*rows),)
+                return _own_storage(file_slice[index])
+        file_tensor = _FileTensor(where, key, shape)
+        try:
+            if into is not None and rows is not None:  # straight from the mapping into the tensor
+                dim = spec.dim if spec is not None else 0
+                with torch.no_grad():
+                    into.copy_(file_tensor[(slice(None),) * dim + (slice(*rows),)].view(into.shape))
+                return into
+            cast = into.dtype if into is not None else dtype
+            value = spec.read(file_tensor, self.tp_rank, cast) if spec is not None else file_tensor.read_whole(cast)
+            if into is not None:
+                with torch.no_grad():
+                    into.copy_(value)
+                return into
+            return value
+        finally:
+            file_tensor.close()
+
+    def close(self) -> None:
+        """Drop the per-file handles (the views keep their mappings alive)."""
+        self.maps.clear()
+
+
 def _materialize(model, snap, source, headers, dtype, to_init, in_place: bool = False):
     """Replace every meta parameter/persistent buffer by this rank's slice read from the files
-    (``in_place``: copy the slices into the existing tensors, which keep their identity)."""
+    (``in_place``: copy the slices into the existing tensors, which keep their identity).
+
+    Reads go through :class:`_Reader`: contiguous shards in the stored dtype become zero-copy
+    views of the file's mapping, the others are copied into owned memory."""
     tp_rank = model.tp_info.tp_rank
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     tensors: dict[int, tuple[str, torch.Tensor]] = {}
@@ -576,22 +721,18 @@ def _materialize(model, snap, source, headers, dtype, to_init, in_place: bool = 
                     tensors[id(t)] = (fqn, t)
     from tqdm.auto import tqdm
 
-    for fqn, old in tqdm(list(tensors.values()), desc="tpify: loading", disable=tp_rank != 0 or None,
-                         leave=False):
-        key = source[fqn]
-        shape, file = headers[key]
-        file_tensor = _FileTensor(snap.where(file), key, shape)
-        cast = dtype if old.is_floating_point() else None
-        spec = shard_spec_of(old)
-        if in_place:
-            cast = old.dtype
-        value = (spec.read(file_tensor, tp_rank, cast) if spec is not None
-                 else file_tensor.read_whole(cast))
-        if in_place:
-            with torch.no_grad():
-                old.copy_(value)
-        else:
+    reader = _Reader(snap, headers, tp_rank)
+    try:
+        for fqn, old in tqdm(list(tensors.values()), desc="tpify: loading", disable=tp_rank != 0 or None,
+                             leave=False):
+            spec = shard_spec_of(old)
+            if in_place:
+                reader.read(source[fqn], spec, None, into=old)
+                continue
+            value = reader.read(source[fqn], spec, dtype if old.is_floating_point() else None)
             _set_tensor(model, holders, old, value)
+    finally:
+        reader.close()
     if to_init:
         _init_missing(model, to_init, dtype)
     leftover = [f for f, p in model.named_parameters() if p.is_meta]

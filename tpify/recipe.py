@@ -48,7 +48,9 @@ __all__ = ["Recipe", "Rule", "RecipeError", "STYLES", "load_recipe", "recipe_dir
 
 STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise", "embedding_rowwise", "embedding_colwise", "replicate")
 _RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when"}
-_TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses", "rule"}
+_TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
+             "sequence_parallel", "rule"}
+_SP_KEYS = {"split", "gather", "exit"}
 _HEAD_INPUT_KEYS = {"arg", "dim", "heads"}
 SUBCLASS_FORWARDS = ("plain", "scaled")
 LOSS_KINDS = ("causal", "masked", "seq2seq", "none")
@@ -117,13 +119,15 @@ class Recipe:
     ignores_num_items: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
+    sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob}
 
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
         return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs)
                  for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
-                   list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items())])
+                   list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
+                   self.sequence_parallel])
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -184,6 +188,15 @@ class Recipe:
                 fail(f"[subclasses] {name}: forward = 'scaled' needs scale = the name of the module attribute "
                      f"holding the factor (a float); 'plain' takes no scale")
             subclasses[name] = (entry["forward"], scale)
+        sp = data.get("sequence_parallel")
+        if sp is not None:
+            ok = (isinstance(sp, dict) and set(sp) == _SP_KEYS and isinstance(sp["split"], str) and sp["split"]
+                  and isinstance(sp["exit"], str) and sp["exit"] and isinstance(sp["gather"], list) and sp["gather"]
+                  and all(isinstance(g, str) and g for g in sp["gather"]))
+            if not ok:
+                fail("[sequence_parallel] must be a table with split = the glob of the module whose input is split "
+                     "along the tokens, gather = globs of the modules whose input is all-gathered (attention, MLP), "
+                     "exit = the glob of the module whose output is all-gathered")
         raw_rules = data.get("rule", [])
         if not isinstance(raw_rules, list) or not raw_rules:
             fail("a recipe needs at least one [[rule]]")
@@ -249,7 +262,8 @@ class Recipe:
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs)))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
-                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(tuple(r) for r in renames), subclasses)
+                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(tuple(r) for r in renames), subclasses,
+                   sp)
 
 
 def recipe_dirs() -> list[Path]:

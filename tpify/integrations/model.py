@@ -138,11 +138,16 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **k
     RNG tracker the same way), so gradients are bitwise those of the run without checkpointing.
 
     Raises:
-        TPUsageError: ``use_reentrant=True`` or a ``context_fn`` of the caller's (tpify needs its own).
+        TPUsageError: ``use_reentrant=True`` or a ``context_fn`` of the caller's (tpify needs its own);
+            a model parallelized with ``sequence_parallel=True``.
     """
     from transformers import PreTrainedModel
 
     kw = dict(gradient_checkpointing_kwargs or {})
+    if self.tp_info.layout.sequence_parallel is not None:
+        raise TPUsageError("gradient checkpointing with sequence parallelism is not supported yet (the recomputation "
+                           "would run without the sequence split); parallelize without sequence_parallel=True to "
+                           "use gradient checkpointing")
     if kw.get("use_reentrant", False) or "context_fn" in kw:
         raise TPUsageError("gradient checkpointing of a tensor-parallel model must be non-reentrant and use tpify's "
                            "context_fn (it restores the dropout streams in the recomputation); drop use_reentrant=True "

@@ -86,6 +86,10 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if unsupported:
             raise ValueError(f"tpify LoRA on tensor-parallel layers does not support {unsupported}; use plain LoRA "
                              f"(init_lora_weights=True or 'gaussian')")
+        if getattr(base_layer, "sequence_parallel", None) is not None:
+            raise NotImplementedError("tpify LoRA on a model parallelized with sequence_parallel=True is not supported "
+                                      "yet (the adapter's input-gradient sum would be counted twice); parallelize "
+                                      "without sequence parallelism for LoRA")
         super().__init__()
         kwargs.pop("fan_in_fan_out", None)
         kwargs.pop("is_target_conv_1d_layer", None)

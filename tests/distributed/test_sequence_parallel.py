@@ -1,0 +1,130 @@
+"""Sequence parallelism (Korthikanti et al., arXiv:2205.05198), float64 against the dense model.
+
+``parallelize(model, sequence_parallel=True)`` on Llama (grouped-query, untied head) and GPT-2
+(Conv1D, tied head), at tp = 2 (tp = 4: slow):
+
+* logits with a padding mask, the ``labels=`` loss, every gathered gradient (the LayerNorm
+  weights and row-parallel biases, which see ``T/p`` tokens per rank, included) equal dense;
+  tolerance ``atol=1e-10, rtol=1e-9`` (float64, only the order of sums differs);
+* the collectives of one step, counted: per layer two all-gathers (attention and MLP inputs) and
+  two reduce-scatters (their row-parallel outputs) forward, the reverse backward, each moving
+  ``B*T*H/p`` values per rank (the all-reduce they replace moves twice that: the same bytes in
+  all), plus one all-gather at the final norm forward and one at the split backward; the only
+  all-reduces left are the embedding's, the loss's 3, the LM head's input gradient and one per
+  LayerNorm weight / row-parallel bias gradient (small: ``H`` values each);
+* the LayerNorms inside the split stretch see ``(B, T/p, H)``: activation memory ``1/p``;
+* greedy ``generate`` (one token at a time: runs without sequence parallelism) equals dense;
+  a training forward whose ``T`` is not divisible by ``tp_size`` raises on every rank; a recipe
+  without ``[sequence_parallel]`` is a PlanError.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import tputil
+
+TOL = dict(atol=1e-10, rtol=1e-9)
+B, T, H, L = 2, 8, 32, 2
+
+
+def _models(world):
+    yield "llama", LlamaForCausalLM(LlamaConfig(num_hidden_layers=L, hidden_size=H, num_attention_heads=4,
+                                                num_key_value_heads=world, intermediate_size=48, vocab_size=101,
+                                                max_position_embeddings=64, pad_token_id=0))
+    yield "gpt2", GPT2LMHeadModel(GPT2Config(n_layer=L, n_embd=H, n_head=4, vocab_size=101, n_positions=64,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _body(rank, world):
+    import tpify
+    from tpify import comm
+    from tpify.verify import dense_named
+
+    out = {}
+    torch.manual_seed(0)
+    for name, model in _models(world):
+        ref = model.double()
+        ref.loss_function = tputil.float64_loss_function(causal=True)
+        par = tpify.parallelize(copy.deepcopy(ref), tp_size=world, sequence_parallel=True)
+        ids = torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        torch.testing.assert_close(par(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, **TOL)
+        seen = []
+        norms = [m for m in par.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+        hooks = [m.register_forward_pre_hook(lambda m, a: seen.append(tuple(a[0].shape))) for m in norms]
+        loss_ref = ref(ids, attention_mask=mask, labels=ids).loss
+        with comm.count_collectives() as fwd:
+            loss_par = par(ids, attention_mask=mask, labels=ids).loss
+        for h in hooks:
+            h.remove()
+        torch.testing.assert_close(loss_par, loss_ref, **TOL)
+        loss_ref.backward()
+        with comm.count_collectives() as bwd:
+            loss_par.backward()
+        ref_grads, par_grads = dense_named(ref, "grad"), dense_named(par, "grad")
+        worst = 0.0
+        for fqn, grad in ref_grads.items():
+            torch.testing.assert_close(par_grads[fqn], grad, **TOL, msg=lambda m: f"{name} {fqn}: {m}")
+            worst = max(worst, float((par_grads[fqn] - grad).abs().max()))
+        assert seen == [(B, T // world, H)] * len(norms), (name, seen)  # 2 per layer + the final one
+        shard = B * T * H // world
+        assert fwd["all_gather"] == 2 * L + 1 and fwd["all_gather_numel"] == (2 * L + 1) * shard, dict(fwd)
+        assert fwd["reduce_scatter"] == 2 * L and fwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(fwd)
+        assert bwd["all_gather"] == 2 * L + 1 and bwd["all_gather_numel"] == (2 * L + 1) * shard, dict(bwd)
+        assert bwd["reduce_scatter"] == 2 * L and bwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(bwd)
+        # forward all-reduces: the embedding's and the loss's 3; backward: one per norm weight/bias and
+        # row-parallel bias (partial over T/p tokens), plus the LM head's input gradient (copy)
+        norm_params = sum(1 for m in norms for _ in m.parameters())
+        row_biases = sum(1 for m in par.modules() if type(m).__name__ == "RowParallelLinear" and m.bias is not None)
+        assert fwd["all_reduce"] == 4, dict(fwd)
+        assert bwd["all_reduce"] == norm_params + row_biases + 1, (dict(bwd), norm_params, row_biases)
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(par.generate(ids[:1], **kw), ref.generate(ids[:1], **kw)), name
+        with pytest.raises(ValueError, match="sequence length 7 is not divisible by tp_size"):
+            par(ids[:, :7], labels=ids[:, :7])
+        out[name] = worst
+    return out
+
+
+def _run(world):
+    results = tputil.spawn(_body, world, timeout=600)
+    print(f"measured, tp = {world}: max |gradient - dense| with sequence parallelism:", results[0])
+
+
+def test_sequence_parallel_matches_dense_tp2():
+    _run(2)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_dense_tp4():
+    _run(4)
+
+
+def test_a_recipe_without_sequence_parallel_regions_is_refused():
+    import tpify
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=48))
+    with pytest.raises(tpify.PlanError, match=r"has no \[sequence_parallel\] table"):
+        tpify.parallelize(model, tp_size=1, sequence_parallel=True)
+
+
+def test_gradient_checkpointing_and_lora_are_refused_with_sequence_parallelism():
+    tputil.spawn(_refused_body, 2, timeout=200)
+
+
+def _refused_body(rank, world):
+    import peft
+    import tpify
+    from tpify.integrations import TPUsageError, get_peft_model
+
+    model = next(_models(world))[1]
+    par = tpify.parallelize(model, tp_size=world, sequence_parallel=True)
+    with pytest.raises(TPUsageError, match="sequence parallelism"):
+        par.gradient_checkpointing_enable()
+    with pytest.raises(NotImplementedError, match="sequence_parallel=True"):
+        get_peft_model(par, peft.LoraConfig(r=2, target_modules=["q_proj"]))
