@@ -29,7 +29,7 @@ from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
 from .recipe import Recipe, available_recipes, load_recipe
 
-__all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish"]
+__all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish", "resolve_recipe"]
 
 
 @dataclass
@@ -67,7 +67,14 @@ def get_tp_info(model: nn.Module) -> TPInfo:
     return info
 
 
-def _model_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None") -> Recipe:
+def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None" = None) -> Recipe:
+    """The recipe :func:`parallelize` uses for ``model``: ``recipe`` when given (a name, a path,
+    a mapping or a Recipe), else the shipped recipe of ``config.model_type``, else transformers'
+    own TP plan imported (:func:`tpify.hf_plan.recipe_for_unshipped`, with a notice). Local.
+
+    Raises:
+        RecipeError: none of these exists, or a malformed recipe; ValueError: no model_type.
+    """
     if recipe is not None:
         return load_recipe(recipe)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -114,7 +121,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     size = resolve_tp_size(tp_size, tp_group)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-    return size, build_layout(model, _model_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
+    return size, build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
                               sequence_parallel=sequence_parallel)
 
 

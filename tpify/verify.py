@@ -940,10 +940,25 @@ class _Case:
     recipe: object
 
 
+def _recipe_for(recipe, config):
+    """The recipe to verify: the given one, else the shipped one of ``config.model_type``, else None
+    (a family with an HF TP plan and no shipped recipe: ``parallelize`` imports the plan, which is
+    then what is verified). Raises RecipeError when none exists, before any rank starts."""
+    from .recipe import available_recipes, load_recipe
+
+    if recipe is None and config.model_type not in available_recipes():
+        if not getattr(config, "base_model_tp_plan", None):
+            from .recipe import RecipeError
+
+            raise RecipeError(f"no tpify recipe for model_type {config.model_type!r} and transformers defines no "
+                              f"tensor-parallel plan for it; pass --recipe FILE (tpify draft writes a draft)")
+        return None
+    return load_recipe(recipe if recipe is not None else config.model_type)
+
+
 def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
     """The cases of one target at one tp size, or a failed row saying why there are none."""
     from .cli.target import resolve_config
-    from .recipe import load_recipe
 
     label = spec.label or str(spec.target)
     try:
@@ -951,7 +966,7 @@ def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
         shrink = spec.shrink if spec.shrink is not None else (spec.config is None and not Path(str(spec.target)).is_dir())
         if shrink:
             config = small_config(config, (tp,))
-        recipe = load_recipe(spec.recipe if spec.recipe is not None else config.model_type)
+        recipe = _recipe_for(spec.recipe, config)
         heads = _select_heads(config, spec.head_classes)
     except Exception as e:  # noqa: BLE001 - one target's problem is one failed row
         return [], [Row(label, "-", tp, "setup", None, "-", False, f"{type(e).__name__}: {e}")]
@@ -1134,12 +1149,11 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
         ValueError: a head class that is not the family's, a tp size that is not a positive integer.
     """
     from .cli.target import resolve_config
-    from .recipe import load_recipe
 
     config = resolve_config(str(target))  # errors about the target itself are raised, not reported
     do_shrink = shrink if shrink is not None else not Path(str(target)).is_dir()
     small = small_config(config, tuple(tp_sizes)) if do_shrink else config
-    load_recipe(recipe if recipe is not None else config.model_type)
+    _recipe_for(recipe, config)
     _select_heads(small, head_classes)
     return verify_many([Target(str(target), recipe, head_classes, shrink=do_shrink)], tp_sizes, timeout_s=timeout_s,
                        progress=progress)

@@ -11,7 +11,15 @@ ONE spawned job (tests/tputil.spawn, 2 gloo ranks) runs :func:`tpify.verify.chec
   replicated); plus qwen3's sequence classification head (``score`` replicated);
 * draft recipes written by ``tpify draft`` (TOML, read back from the file): gpt2 (no HF plan:
   traced; packed ``c_attn``, ``divide = ["split_size"]``), llama (from the HF plan), stablelm
-  (no HF plan: traced; ``divide = ["num_heads", "num_key_value_heads"]``) and opt (traced).
+  (no HF plan: traced; ``divide = ["num_heads", "num_key_value_heads"]``), opt (traced), and glm
+  traced on purpose (the trace splits the packed ``gate_up_proj`` as ``packed_colwise``, parts 2,
+  which HF's plan keeps gathered).
+
+Negative control in the same job: glm's imported recipe with HF's ``colwise_gather_output`` /
+``rowwise_split_input`` read as plain ``colwise`` / ``rowwise`` (what a naive import would do)
+passes validation but splits the packed ``[gate | up]`` contiguously (rank 0 holds all of gate):
+its logits must FAIL, silently wrong numbers caught. This is why the import maps them to
+``replicate``.
 
 Each case compares, against the dense float64 model: every output with a left-padding mask,
 the ``labels=`` loss, every gathered gradient, greedy ``generate`` (identical token ids), and a
@@ -36,7 +44,10 @@ HF_PLAN_CASES = {  # label -> (model_type, task, config changes)
     "cohere": ("cohere", "causal-lm", {}),
     "glm": ("glm", "causal-lm", {}),
 }
-DRAFT_CASES = {"gpt2": "trace", "llama": "hf-plan", "stablelm": "trace", "opt": "trace"}
+# draft label -> (model_type, method asked, method expected): "auto" picks the HF plan when there is one.
+DRAFT_CASES = {"gpt2": ("gpt2", "auto", "trace"), "llama": ("llama", "auto", "hf-plan"),
+               "stablelm": ("stablelm", "auto", "trace"), "opt": ("opt", "auto", "trace"),
+               "glm traced": ("glm", "trace", "trace")}
 
 
 def _config(model_type, changes):
@@ -49,27 +60,58 @@ def _config(model_type, changes):
     return config
 
 
+def _naive_glm_recipe():
+    """glm's imported recipe with HF's gathered pair taken as plain colwise / rowwise."""
+    import torch
+
+    from tpify.cli.target import head_classes
+    from tpify.hf_plan import import_hf_plan
+
+    with torch.device("meta"):
+        model = head_classes("glm")["causal-lm"](_config("glm", {}))
+    data = import_hf_plan(model).data
+    for rule in data["rule"]:
+        if rule["match"] == "layers.*.mlp.gate_up_proj":
+            rule["style"] = "colwise"
+        if rule["match"] == "layers.*.mlp.down_proj":
+            rule["style"] = "rowwise"
+    return data
+
+
 def _body(rank, world, drafts, workdir):
     from transformers.utils import logging as hf_logging
 
+    import torch
+
     from tpify.cli.target import head_classes
+    from tpify.hf_plan import recipe_from_hf_plan
+    from tpify.recipe import available_recipes
     from tpify.verify import check_case
 
     hf_logging.set_verbosity_error()
     out = {}
     for label, (model_type, task, changes) in HF_PLAN_CASES.items():
         cls = head_classes(model_type)[task]
+        recipe = None  # parallelize's own choice: the imported plan (no shipped recipe)
+        if model_type in available_recipes():  # shipped since: pass the imported plan explicitly
+            with torch.device("meta"):
+                recipe = recipe_from_hf_plan(cls(_config(model_type, changes)))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            rows = check_case(cls, _config(model_type, changes), world, recipe=None, workdir=workdir,
+            rows = check_case(cls, _config(model_type, changes), world, recipe=recipe, workdir=workdir,
                               target=label, task=task)
         notices = sorted({str(w.message) for w in caught if "no shipped recipe" in str(w.message)})
         out[label] = (rows, notices)
-    for model_type, path in drafts.items():
+    naive = _naive_glm_recipe()
+    rows = check_case(head_classes("glm")["causal-lm"], _config("glm", {}), world, recipe=naive, workdir=workdir,
+                      target="naive glm", task="causal-lm")
+    out["naive glm"] = (rows, [])
+    for label, path in drafts.items():
+        model_type = DRAFT_CASES[label][0]
         cls = head_classes(model_type)["causal-lm"]
         rows = check_case(cls, _config(model_type, {}), world, recipe=path, workdir=workdir,
-                          target=f"draft {model_type}", task="causal-lm")
-        out[f"draft {model_type}"] = (rows, [])
+                          target=f"draft {label}", task="causal-lm")
+        out[f"draft {label}"] = (rows, [])
     return out
 
 
@@ -79,12 +121,15 @@ def results(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("hf_plan")
     drafts = {}
-    for model_type, method in DRAFT_CASES.items():
-        d = draft(model_type)
-        assert d.method == method, (model_type, d.method)
-        path = tmp / f"{model_type}.toml"
+    for label, (model_type, method, expected) in DRAFT_CASES.items():
+        d = draft(model_type, method=method)
+        assert d.method == expected, (label, d.method)
+        if label == "glm traced":
+            gate_up = next(r for r in d.data["rule"] if r["match"] == "layers.*.mlp.gate_up_proj")
+            assert (gate_up["style"], gate_up.get("parts")) == ("packed_colwise", 2), gate_up
+        path = tmp / f"{label.replace(' ', '_')}.toml"
         path.write_text(d.toml())
-        drafts[model_type] = str(path)
+        drafts[label] = str(path)
     per_rank = tputil.spawn(_body, 2, drafts, str(tmp / "work"), timeout=900)
     return per_rank[0]
 
@@ -107,13 +152,25 @@ def test_imported_hf_plan_is_exact(results, label):
     if HF_PLAN_CASES[label][1] == "causal-lm":
         assert "generate" in checks, checks
     model_type = HF_PLAN_CASES[label][0]
+    from tpify.recipe import available_recipes
+
+    if model_type in available_recipes():
+        pytest.skip(f"{model_type} ships a recipe now: the imported plan was passed explicitly (checked above)")
     assert any(n.startswith(f"tpify: no shipped recipe for {model_type}; using transformers' base_model_tp_plan "
                             f"(imported, ") for n in notices), notices
 
 
-@pytest.mark.parametrize("model_type", list(DRAFT_CASES))
-def test_draft_recipe_is_exact(results, model_type):
-    rows, _ = results[f"draft {model_type}"]
-    _assert_rows(f"draft {model_type}", rows)
+@pytest.mark.parametrize("label", list(DRAFT_CASES))
+def test_draft_recipe_is_exact(results, label):
+    rows, _ = results[f"draft {label}"]
+    _assert_rows(f"draft {label}", rows)
     checks = " | ".join(r.check for r in rows)
     assert "generate" in checks and "gradients" in checks, checks
+
+
+def test_naive_gathered_pair_is_caught(results):
+    """HF's gathered packed pair read as plain colwise / rowwise is silently wrong: caught."""
+    rows, _ = results["naive glm"]
+    logits = next(r for r in rows if r.check == "forward logits")
+    print(f"measured: naive glm import, max |logits - dense| = {logits.max_diff:.3g}")
+    assert not logits.passed and logits.max_diff > 1e-3, logits

@@ -171,10 +171,13 @@ def test_parallelize_picks_the_imported_plan_with_a_notice():
 def test_no_recipe_and_no_plan_names_tpify_draft():
     from tpify.api import prepare
 
+    model = _meta("stablelm")  # transformers defines no TP plan for stablelm
+    model.config.model_type = "tpify-test-unshipped"
     with pytest.raises(RecipeError) as e:
-        prepare(_meta("stablelm"), 1, None, None)
+        prepare(model, 1, None, None)
     msg = str(e.value)
-    assert "no tpify recipe for model_type 'stablelm'" in msg and "tpify draft stablelm" in msg, msg
+    assert "no tpify recipe for model_type 'tpify-test-unshipped'" in msg and "no tensor-parallel plan" in msg, msg
+    assert "tpify draft tpify-test-unshipped" in msg and "shipped recipes: [" in msg, msg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,3 +236,40 @@ def test_draft_command_writes_a_file(tmp_path):
     again = subprocess.run([sys.executable, "-m", "tpify.cli", "draft", "stablelm", "--out", str(out)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 1 and "--force" in again.stderr
+
+
+def test_traced_phi3_finds_packed_gqa_parts_and_forward_time_sizes():
+    """phi3's packed [Q|K|V] (GQA widths) and the sizes its forward slices with: query_pos =
+    config.num_attention_heads * head_dim (divide_config) and query_pos + num_key_value_heads *
+    head_dim (a sum, confirmed by the second trace); the shipped recipe says the same."""
+    from tpify.draft import draft
+
+    d = draft("phi3", ["causal-lm"], method="trace")
+    mine, shipped = d.recipe(), load_recipe("phi3")
+    assert _core(mine) == _core(shipped), _core(mine) ^ _core(shipped)
+    assert mine.divide_config == ("num_attention_heads",)
+    assert {p: r.divide for r in mine.rules if r.divide for p in r.patterns} == {
+        "layers.*.self_attn": ("num_key_value_heads",)}
+
+
+def test_traced_constant_size_keeps_the_layer_whole():
+    """codegen reshapes qkv_proj's output with a constant mp_num = 4, equal to the small config's
+    head count only by chance: the second trace (8 heads) shows it does not follow, so qkv_proj
+    stays whole instead of a recipe that divides num_attention_heads."""
+    from tpify.draft import draft
+
+    d = draft("codegen", ["causal-lm"])
+    styles = _styles(d.recipe())
+    assert styles["h.*.attn.qkv_proj"] == "replicate" and styles["h.*.mlp.fc_in"] == "colwise"
+    assert not any(r.divide for r in d.recipe().rules)
+    assert any("qkv_proj" in line and "a constant?" in line for line in d.review), d.review
+
+
+def test_traced_t5_splits_the_relative_attention_bias_by_heads():
+    from tpify.draft import draft
+
+    d = draft("t5", ["seq2seq-lm"])
+    styles = _styles(d.recipe())
+    assert styles["encoder.block.*.layer.*.SelfAttention.relative_attention_bias"] == "embedding_colwise"
+    assert styles["shared"] == styles["encoder.embed_tokens"] == styles["decoder.embed_tokens"] == "embedding_rowwise"
+    assert styles["lm_head"] == "colwise_rep" and d.recipe().loss == {"T5ForConditionalGeneration": "seq2seq"}

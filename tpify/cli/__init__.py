@@ -15,6 +15,10 @@ per-rank shapes, memory per rank, what stays replicated); on the meta device, in
 ``tpify verify MODEL_TYPE_OR_DIR --tp 2,4``: proves a recipe exact on a small random model of the
 family, every head class against the dense model in float64; launches its own gloo ranks.
 
+``tpify draft MODEL_TYPE_OR_DIR [--out FILE]``: writes a draft recipe to review, from
+transformers' own tensor-parallel plan when the family has one, else from a data-flow trace of
+a small random model; in this process.
+
 Run by hand, a subcommand launches its ranks itself with torchrun on this host; under torchrun
 (one or several hosts) it runs as the rank torchrun started.
 
@@ -27,6 +31,7 @@ The loss curve of ``tpify finetune`` needs matplotlib: ``pip install "tpify[cli]
 #   tpify/cli/finetune.py     the fine-tuning loop behind ``tpify finetune``
 #   tpify/cli/plan.py         tpify plan: a recipe's coverage report on a meta model (no ranks)
 #   tpify/cli/verify.py       tpify verify: a recipe against the dense model in float64 (its own ranks)
+#   tpify/cli/draft.py        tpify draft: a draft recipe from transformers' TP plan or a trace (no ranks)
 #   tpify/cli/demo_models.py  the embedded demo models: locators, GGUF -> safetensors
 #   tpify/cli/data/           the default fine-tuning text (GNU GPL v3)
 
@@ -156,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import verify as _verify  # tpify verify: launches its own gloo ranks (tpify/cli/verify.py)
 
     _verify.add_parser(sub)
+
+    from . import draft as _draft  # tpify draft: in-process, no ranks (tpify/cli/draft.py)
+
+    _draft.add_parser(sub)
     return parser
 
 

@@ -252,8 +252,8 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
         tpify.layout.PlanError: the recipe does not fit the model at ``tp_size``.
         PlanReportError: an unknown head class, or a layout this command cannot size exactly.
     """
+    from tpify.api import resolve_recipe
     from tpify.layout import build_layout, relative_fqn
-    from tpify.recipe import load_recipe
 
     from .target import resolve_config
 
@@ -261,7 +261,7 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
     cls = _head_class(config, head_class)
     dtype, dtype_source = _dtype_of(config)
     model = _meta_model(config, cls, dtype)
-    layout = build_layout(model, load_recipe(recipe if recipe is not None else config.model_type), tp_size)
+    layout = build_layout(model, resolve_recipe(model, recipe), tp_size)  # shipped, given, or HF's plan imported
     recipe_obj = layout.recipe
 
     # Every holder of every parameter (tied ones appear under several names).
