@@ -161,7 +161,8 @@ def _all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | N
     moved = tensor.movedim(dim, 0).contiguous()
     _record("all_gather", moved)
     out = torch.empty((world * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -175,7 +176,7 @@ def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup
         raise ValueError(f"cannot reduce-scatter a dimension of {moved.shape[0]} over {world} ranks")
     _record("reduce_scatter", moved)
     out = torch.empty((moved.shape[0] // world,) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, moved, group=group)
     return out.movedim(0, dim)
 
 
