@@ -34,6 +34,9 @@ import pytest
 
 import tputil
 
+# One spawned job proving six families and five drafts (about 40 s): the full suite's.
+pytestmark = pytest.mark.slow
+
 HF_PLAN_CASES = {  # label -> (model_type, task, config changes)
     "qwen3": ("qwen3", "causal-lm", {"tie_word_embeddings": True}),
     "qwen3 seq-cls": ("qwen3", "sequence-classification", {}),

@@ -149,6 +149,7 @@ def test_every_shipped_recipe_is_exact_tp4():
     _check_families(report, families, 4)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_gpt2():
     out = subprocess.run([sys.executable, "-m", "tpify.cli", "verify", "gpt2", "--tp", "2"], capture_output=True,
                          text=True, timeout=900)
@@ -162,6 +163,7 @@ def test_cli_end_to_end_gpt2():
     print(out.stdout.splitlines()[-2])
 
 
+@pytest.mark.slow
 def test_cli_wrong_recipe_fails_with_exit_status_1(tmp_path, capsys):
     from tpify.cli import main
 

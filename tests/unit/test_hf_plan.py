@@ -224,6 +224,7 @@ def test_traced_olmo2_keeps_the_attention_whole_like_hf():
     assert any("q_proj" in line and "reduces over the split dimension" in line for line in d.review), d.review
 
 
+@pytest.mark.slow
 def test_draft_command_writes_a_file(tmp_path):
     out = tmp_path / "stablelm.toml"
     proc = subprocess.run([sys.executable, "-m", "tpify.cli", "draft", "stablelm", "--out", str(out)],
