@@ -306,6 +306,7 @@ def from_pretrained(
     recipe=None,
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
+    disable_mmap: bool = False,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -318,9 +319,9 @@ def from_pretrained(
     ``nn.Linear`` weights, unpadded vocabulary rows) are zero-copy views of a private
     (copy-on-write) mapping of the file, read from the page cache when first used, as
     transformers 5 does for a whole model; the others are copied into owned memory. A rank's
-    peak memory is about its shard plus one tensor in flight, never the dense model. As with
-    transformers, replacing or deleting the files afterwards is safe, rewriting them in place
-    while the model lives is not. Tied parameters
+    peak memory is about its shard plus one block (16 MiB) in flight, never the dense model.
+    As with transformers, replacing or deleting the files afterwards is safe, rewriting them in
+    place while the model lives is not (``disable_mmap=True`` copies everything). Tied parameters
     (``lm_head.weight`` = ``wte.weight``) are read once and stay one Parameter. Non-persistent
     buffers (BERT ``position_ids``, rotary ``inv_freq``) are computed by the model's constructor
     exactly as transformers does. Keys are mapped as transformers 5 maps them: the base-model
@@ -339,6 +340,9 @@ def from_pretrained(
             ``_init_weights`` under a fixed seed (identical on every rank) with a warning, as
             transformers does; they must be replicated (a missing sharded tensor is an error).
         recipe: a recipe name, path, mapping or Recipe; default ``config.model_type``.
+        disable_mmap: copy every shard into owned memory, none left as a view of the file's
+            mapping (transformers' ``disable_mmap``): the model then no longer depends on the
+            files at all, at the cost of a copy (slower where first-touching new memory is slow).
 
     Returns:
         The parallelized model (``model.tp_info`` set), in eval mode like transformers' loads.
@@ -375,7 +379,7 @@ def from_pretrained(
         finish(model, found["tp_size"], found["layout"], tp_group)  # groups, surgery on meta, tp_info, hooks
         error = None
         try:
-            _materialize(model, snap, source, headers, dtype, to_init)
+            _materialize(model, snap, source, headers, dtype, to_init, copy=disable_mmap)
         except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
             error = e
         comm.agree("reading the checkpoint in tpify.from_pretrained", {}, error, group=tp_group)
@@ -584,29 +588,24 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 class _FileTensor:
     """A ``get_slice``-like handle on one tensor of an opened file, for the copying reads.
 
-    The file is mapped once, at the first ``[index]`` (``safe_open`` of the load's opened
-    descriptor, :class:`_Snapshot`, so every block comes from the file the load opened even if a
-    save replaced it since), and each ``[index]`` is a view of that mapping (safetensors >= 0.7
-    returns views, no copy). :meth:`ShardSpec.read` copies the views into the preallocated
-    shard; :meth:`close` then drops the mapping, so the source pages a copy touched leave this
-    process's resident set: a load holds its shards plus one tensor's pages in flight.
+    Each ``[index]`` maps the file anew (``safe_open`` of the load's opened descriptor,
+    :class:`_Snapshot`, so every block comes from the file the load opened even if a save
+    replaced it since; about 0.1 ms) and returns a view of just that block (safetensors >= 0.7
+    returns views, no copy). :meth:`ShardSpec.read` copies the view into the preallocated shard
+    and drops it, which unmaps it, so the source pages a copy touched leave this process's
+    resident set: a load holds its shards plus one block (``block_bytes``, 16 MiB) in flight.
+    Keeping one mapping per tensor instead saves nothing measurable (the cost is the page
+    faults, the same either way) and holds a whole tensor's pages.
     """
 
     def __init__(self, file: str, key: str, shape: tuple[int, ...]):
         self.file, self.key, self.shape = file, key, tuple(shape)
-        self._slice = None
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
     def __getitem__(self, index) -> torch.Tensor:
-        if self._slice is None:
-            self._slice = safe_open(self.file, framework="pt", device="cpu").get_slice(self.key)
-        return self._slice[index]
-
-    def close(self) -> None:
-        """Drop the mapping (it is unmapped when the last view of it is gone)."""
-        self._slice = None
+        return safe_open(self.file, framework="pt", device="cpu").get_slice(self.key)[index]
 
     def read_whole(self, dtype: torch.dtype | None) -> torch.Tensor:
         """The whole tensor (a replicated parameter) copied into owned memory, converted to ``dtype``."""
@@ -618,17 +617,30 @@ class _FileTensor:
 
 def _contiguous_rows(spec: ShardSpec | None, shape: tuple[int, ...], tp_rank: int) -> tuple[int, int] | None:
     """``(start, stop)`` along ``spec.dim`` when this rank's shard is one contiguous byte range
-    of the dense row-major tensor in the file (replicated tensors: the whole of dim 0), else
-    ``None`` (several ranges, vocab padding rows, a split after a dimension of size > 1)."""
+    of the dense row-major tensor in the file, else ``None``.
+
+    Contiguous: a replicated tensor (the whole of dim 0); a shard whose ranges, adjacent ones
+    merged (packed ``[Q|K|V]`` parts at tp = 1, the last rank's query chunk next to replicated
+    K/V), make one range with no padding rows, along dimension 0, along a dimension after
+    dimensions of size 1 only, or covering its dimension whole (tp = 1). Not contiguous: several
+    ranges, vocabulary padding rows, a column split of a matrix (row-parallel ``nn.Linear``,
+    column-parallel ``Conv1D``)."""
     if not shape:
         return None
     if spec is None:
         return 0, shape[0]
-    ranges = spec.ranges(tp_rank)
-    if (len(ranges) != 1 or ranges[0][1] - ranges[0][0] != spec.local_size
-            or math.prod(shape[:spec.dim]) != 1):
+    merged: list[list[int]] = []
+    for a, b in spec.ranges(tp_rank):
+        if merged and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    if len(merged) != 1 or merged[0][1] - merged[0][0] != spec.local_size:
         return None
-    return ranges[0]
+    a, b = merged[0]
+    if math.prod(shape[:spec.dim]) != 1 and (a, b) != (0, shape[spec.dim]):
+        return None
+    return a, b
 
 
 def _own_storage(view: torch.Tensor) -> torch.Tensor:
@@ -639,19 +651,30 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(flat.numpy()).view(view.dtype).view(view.shape)
 
 
+# Shards smaller than this are copied even when contiguous: a view keeps the page-cache pages it
+# touched mapped, counted whole (a kernel with large folios maps up to 2 MiB around a touched
+# byte), so a 4 KiB LayerNorm weight would cost up to 2 MiB of resident set; a copy costs 4 KiB.
+_VIEW_MIN_BYTES = 1 << 20
+
+
 class _Reader:
     """Reads this rank's slice of each checkpoint tensor from the load's opened files.
 
     A shard that is one contiguous byte range of its file (replicated tensors, row splits of
-    dimension 0: column-parallel ``nn.Linear`` weights and biases, unpadded vocabulary rows)
-    and is stored in the dtype asked for is returned as a zero-copy view of a private
-    (copy-on-write) mapping of the file, as transformers 5 does for a whole model: its pages
-    are read from the page cache when first touched, nothing is copied, and writes to the
-    tensor (training) copy the written pages, never touching the file. One mapping per file
-    serves every view. Any other shard (column splits of row-parallel weights, packed
-    ``[Q|K|V]`` parts, padded vocabularies, a dtype conversion, ``in_place`` loads) is copied
-    by :meth:`ShardSpec.read` through a :class:`_FileTensor` whose mapping is dropped right
-    after, so the source pages it touched do not stay resident.
+    dimension 0: column-parallel ``nn.Linear`` weights, unpadded vocabulary rows), of at least
+    ``_VIEW_MIN_BYTES`` (1 MiB) and stored in the dtype asked for is returned as a zero-copy
+    view of a private (copy-on-write) mapping of the file, as transformers 5 does for a whole
+    model: its pages are read from the page cache when first touched, nothing is copied, and
+    writes to the tensor (training) copy the written pages, never touching the file. One
+    mapping per file serves every view. Any other shard (column splits of row-parallel weights, packed
+    ``[Q|K|V]`` parts, padded vocabularies, a dtype conversion, ``in_place`` loads, every shard
+    when ``views`` is false) is copied by :meth:`ShardSpec.read` block by block through a
+    :class:`_FileTensor`, whose mappings are dropped after each block, so the source pages a
+    copy touched do not stay resident.
+
+    Why views: on the 2-core VM of issue 11, first-touching new anonymous memory costs about
+    0.4 s/GB and a copy's source pages (mapped, faulted, unmapped) about as much again, while
+    reading mapped page-cache pages costs about 0.2 s/GB: a copy costs four times a view.
 
     Like transformers' own loads, a view reads the file it was opened from: replacing or
     deleting the file (``os.replace``, as :func:`save_pretrained` does) changes nothing, but
@@ -659,8 +682,8 @@ class _Reader:
     written.
     """
 
-    def __init__(self, snap: _Snapshot, headers: dict, tp_rank: int):
-        self.snap, self.headers, self.tp_rank = snap, headers, tp_rank
+    def __init__(self, snap: _Snapshot, headers: dict, tp_rank: int, views: bool = True):
+        self.snap, self.headers, self.tp_rank, self.views = snap, headers, tp_rank, views
         self.maps: dict[str, object] = {}  # file name -> safe_open handle whose mapping the views share
 
     def read(self, key: str, spec: ShardSpec | None, dtype: torch.dtype | None,
@@ -670,43 +693,36 @@ class _Reader:
         shape, file = self.headers[key]
         where = self.snap.where(file)
         rows = _contiguous_rows(spec, shape, self.tp_rank)
-        if rows is not None and into is None:
+        if rows is not None and into is None and self.views:
             if file not in self.maps:
                 self.maps[file] = safe_open(where, framework="pt", device="cpu")
             file_slice = self.maps[file].get_slice(key)
             stored = _SAFETENSORS_DTYPES.get(file_slice.get_dtype())
-            if dtype is None or dtype == stored:
-                dim = spec.dim if spec is not None else 0
+            dim = spec.dim if spec is not None else 0
+            nbytes = math.prod(shape) // shape[dim] * (rows[1] - rows[0]) * (stored.itemsize if stored else 1)
+            if (dtype is None or dtype == stored) and nbytes >= _VIEW_MIN_BYTES:
                 index = (slice(None),) * dim + (slice(*rows),)
                 return _own_storage(file_slice[index])
         file_tensor = _FileTensor(where, key, shape)
-        try:
-            if into is not None and rows is not None:  # straight from the mapping into the tensor
-                dim = spec.dim if spec is not None else 0
-                with torch.no_grad():
-                    into.copy_(file_tensor[(slice(None),) * dim + (slice(*rows),)].view(into.shape))
-                return into
-            cast = into.dtype if into is not None else dtype
-            value = spec.read(file_tensor, self.tp_rank, cast) if spec is not None else file_tensor.read_whole(cast)
-            if into is not None:
-                with torch.no_grad():
-                    into.copy_(value)
-                return into
-            return value
-        finally:
-            file_tensor.close()
+        cast = into.dtype if into is not None else dtype
+        value = spec.read(file_tensor, self.tp_rank, cast) if spec is not None else file_tensor.read_whole(cast)
+        if into is not None:
+            with torch.no_grad():
+                into.copy_(value)
+            return into
+        return value
 
     def close(self) -> None:
         """Drop the per-file handles (the views keep their mappings alive)."""
         self.maps.clear()
 
 
-def _materialize(model, snap, source, headers, dtype, to_init, in_place: bool = False):
+def _materialize(model, snap, source, headers, dtype, to_init, in_place: bool = False, copy: bool = False):
     """Replace every meta parameter/persistent buffer by this rank's slice read from the files
     (``in_place``: copy the slices into the existing tensors, which keep their identity).
 
     Reads go through :class:`_Reader`: contiguous shards in the stored dtype become zero-copy
-    views of the file's mapping, the others are copied into owned memory."""
+    views of the file's mapping (unless ``copy``), the others are copied into owned memory."""
     tp_rank = model.tp_info.tp_rank
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     tensors: dict[int, tuple[str, torch.Tensor]] = {}
@@ -721,7 +737,7 @@ def _materialize(model, snap, source, headers, dtype, to_init, in_place: bool = 
                     tensors[id(t)] = (fqn, t)
     from tqdm.auto import tqdm
 
-    reader = _Reader(snap, headers, tp_rank)
+    reader = _Reader(snap, headers, tp_rank, views=not copy)
     try:
         for fqn, old in tqdm(list(tensors.values()), desc="tpify: loading", disable=tp_rank != 0 or None,
                              leave=False):
