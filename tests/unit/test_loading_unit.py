@@ -5,6 +5,8 @@ tests/distributed/test_loading.py. Comparisons are bitwise (``torch.equal``): lo
 move bytes, they compute nothing.
 """
 
+import hashlib
+import io
 import os
 import signal
 import subprocess
@@ -226,3 +228,45 @@ def test_load_during_concurrent_resaves_sees_one_checkpoint(tmp_path):
         proc.wait(timeout=30)
     assert loads >= 5 and seen == {0, 1}, (loads, seen)
     print(f"measured: {loads} loads during concurrent re-saves, models seen {sorted(seen)}")
+
+
+# ---- zero-copy views of the checkpoint's mapping (tpify/loading.py, _Reader)
+
+def _bert_base_big_vocab(tmp_path):
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                     vocab_size=20000, max_position_embeddings=32)
+    model = BertModel(cfg).eval()
+    path = tmp_path / "base"
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_views_are_private_and_outlive_a_resave(tmp_path):
+    """Shards loaded as views of the file's mapping (the 20000 x 16 float32 embedding, 1.2 MiB, is
+    above the 1 MiB view threshold): writing them leaves the file unchanged
+    (copy-on-write); a save over the directory (os.replace) leaves the loaded values unchanged;
+    each shard's storage is its own bytes only; disable_mmap=True loads the same bits."""
+    model, path = _bert_base_big_vocab(tmp_path)
+    file = path / "model.safetensors"
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    loaded = tpify.from_pretrained(path)
+    copied = tpify.from_pretrained(path, disable_mmap=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v) and torch.equal(copied.state_dict()[k], v), k
+    for p in loaded.parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    weight = loaded.embeddings.word_embeddings.weight
+    buf = io.BytesIO()
+    torch.save(weight.detach(), buf)
+    assert buf.tell() < weight.numel() * weight.element_size() + 4096, "torch.save writes the shard only"
+    with torch.no_grad():
+        weight.add_(1.0)
+    assert hashlib.sha256(file.read_bytes()).hexdigest() == digest, "a write reached the file"
+    before = {k: v.clone() for k, v in loaded.state_dict().items()}
+    torch.manual_seed(5)
+    other = tpify.parallelize(BertModel(model.config).eval(), tp_size=1)
+    tpify.save_pretrained(other, path)  # replaces model.safetensors (a new file, os.replace)
+    assert hashlib.sha256(file.read_bytes()).hexdigest() != digest
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed when the file was replaced"
