@@ -143,14 +143,7 @@ def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -
 
     Shapes: input ``(..., n)`` on each of the ``p`` ranks, output ``(..., p * n)``.
     """
-    world = get_tp_size(group)
-    if world == 1:
-        return tensor
-    tensor = tensor.contiguous()
-    _record("all_gather", tensor)
-    chunks = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(chunks, tensor, group=group)
-    return torch.cat(chunks, dim=-1)
+    return _all_gather_dim(tensor, -1, group)
 
 
 def _all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -181,11 +174,13 @@ def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup
 
 
 def _split_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's chunk of ``dim`` (a new contiguous tensor); no communication."""
     world = get_tp_size(group)
     if world == 1:
         return tensor
     if tensor.shape[dim] % world:
-        raise ValueError(f"cannot split a dimension of {tensor.shape[dim]} over {world} ranks: it is not divisible")
+        which = "a last dimension" if dim % tensor.dim() == tensor.dim() - 1 else f"dimension {dim}"
+        raise ValueError(f"cannot split {which} of {tensor.shape[dim]} over {world} ranks: it is not divisible")
     return tensor.chunk(world, dim=dim)[get_tp_rank(group)].contiguous()
 
 
@@ -376,16 +371,6 @@ def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=
         raise error(message if detail is None else f"{message} ({detail()})")
 
 
-def _split_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    world = get_tp_size(group)
-    if world == 1:
-        return tensor
-    size = tensor.shape[-1]
-    if size % world:
-        raise ValueError(f"cannot split a last dimension of {size} over {world} ranks: it is not divisible")
-    return tensor.chunk(world, dim=-1)[get_tp_rank(group)].contiguous()
-
-
 class _CopyToTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -438,7 +423,7 @@ class _ScatterToTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _split_last_dim(x, group)
+        return _split_dim(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -453,7 +438,7 @@ class _GatherFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+        return _split_dim(grad, -1, ctx.group), None
 
 
 class _SumGradRanges(torch.autograd.Function):
