@@ -19,7 +19,7 @@ from torch import nn
 from . import comm
 from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .layout import Layout, ModuleLayout, PlanError
-from .random import RNGStreamTracker, install_rng_hooks
+from .random import DEFAULT, TP, RNGStreamTracker, _devices_of, install_rng_hooks
 
 __all__ = ["apply_layout", "ReplicatedInRegion", "HeadInputs", "SequenceParallel"]
 
@@ -265,9 +265,6 @@ class SequenceParallel:
         self.active = False
 
     def install(self, model: nn.Module, where: dict) -> list:
-        from .random import DEFAULT, TP, _devices_of
-
-        self._streams = (DEFAULT, TP, _devices_of)
         handles = [model.register_forward_pre_hook(self._reset), model.register_forward_hook(self._reset)]
         handles.append(model.get_submodule(where["split"]).register_forward_pre_hook(self._split, with_kwargs=True))
         for fqn in where["gather"]:
@@ -295,7 +292,7 @@ class SequenceParallel:
                                  f"(without gradients, e.g. generate(), it runs without sequence parallelism)")
             return None
         if module.training:
-            self.tracker.switch(self._streams[1], self._streams[2](module))
+            self.tracker.switch(TP, _devices_of(module))
         return _replace(args, kwargs, where, comm.scatter_to_sequence_region(hidden, self.tp_group))
 
     def _gather(self, module, args, kwargs):
@@ -306,13 +303,13 @@ class SequenceParallel:
 
     def _after_row(self, module, args, output):
         if self.active and module.training:
-            self.tracker.switch(self._streams[1], self._streams[2](module))
+            self.tracker.switch(TP, _devices_of(module))
 
     def _exit(self, module, args, output):
         if not self.active:
             return None
         self.active = False
-        self.tracker.switch(self._streams[0], self._streams[2](module))
+        self.tracker.switch(DEFAULT, _devices_of(module))
         if isinstance(output, torch.Tensor):
             return comm.gather_from_sequence_region(output, self.tp_group, False)
         first = comm.gather_from_sequence_region(output[0], self.tp_group, False)

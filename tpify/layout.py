@@ -269,8 +269,8 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
         constraints.append(value)
         if value % tp_size:
             indivisible.append(what)
-            fewer = (f" (fewer than tp_size: each rank must hold whole ones, and tpify does not copy one onto "
-                     f"several ranks)" if 0 < value < tp_size else "")
+            fewer = (" (fewer than tp_size: each rank must hold whole ones, and tpify does not copy one onto "
+                     "several ranks)" if 0 < value < tp_size else "")
             errors.append(f"{what} = {value} is not divisible by tp_size = {tp_size}{fewer}")
 
     for name in recipe.divisible + recipe.divide_config:

@@ -218,8 +218,9 @@ class Recipe:
             divide = raw.get("divide", [])
             if not isinstance(divide, list) or not all(isinstance(d, str) for d in divide):
                 fail(f"{where} (match={patterns}): 'divide' must be a list of attribute names")
+            raw_inputs = raw.get("head_inputs", [])
             head_inputs = []
-            for item in raw.get("head_inputs", []) if isinstance(raw.get("head_inputs", []), list) else [None]:
+            for item in raw_inputs if isinstance(raw_inputs, list) else [None]:  # not a list: the error below
                 if (not isinstance(item, dict) or set(item) != _HEAD_INPUT_KEYS or not isinstance(item["arg"], str)
                         or not isinstance(item["dim"], int) or isinstance(item["dim"], bool)
                         or not isinstance(item["heads"], str)):

@@ -21,10 +21,10 @@ from transformers import BertConfig, BertForSequenceClassification, BertModel
 import tpify
 
 
-def _bert_base(tmp_path: Path) -> tuple[BertModel, Path]:
+def _bert_base(tmp_path: Path, vocab_size: int = 100) -> tuple[BertModel, Path]:
     torch.manual_seed(0)
     cfg = BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
-                     vocab_size=100, max_position_embeddings=32)
+                     vocab_size=vocab_size, max_position_embeddings=32)
     model = BertModel(cfg).eval()
     path = tmp_path / "base"
     model.save_pretrained(path)
@@ -232,22 +232,12 @@ def test_load_during_concurrent_resaves_sees_one_checkpoint(tmp_path):
 
 # ---- zero-copy views of the checkpoint's mapping (tpify/loading.py, _Reader)
 
-def _bert_base_big_vocab(tmp_path):
-    torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
-                     vocab_size=20000, max_position_embeddings=32)
-    model = BertModel(cfg).eval()
-    path = tmp_path / "base"
-    model.save_pretrained(path)
-    return model, path
-
-
 def test_views_are_private_and_outlive_a_resave(tmp_path):
     """Shards loaded as views of the file's mapping (the 20000 x 16 float32 embedding, 1.2 MiB, is
     above the 1 MiB view threshold): writing them leaves the file unchanged
     (copy-on-write); a save over the directory (os.replace) leaves the loaded values unchanged;
     each shard's storage is its own bytes only; disable_mmap=True loads the same bits."""
-    model, path = _bert_base_big_vocab(tmp_path)
+    model, path = _bert_base(tmp_path, vocab_size=20000)
     file = path / "model.safetensors"
     digest = hashlib.sha256(file.read_bytes()).hexdigest()
     loaded = tpify.from_pretrained(path)
