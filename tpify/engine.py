@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import (ColumnParallelEmbedding, ColumnParallelInput, ColumnParallelLinear, RowParallelLinear,
+                     VocabParallelEmbedding)
 from .layout import Layout, ModuleLayout, PlanError
 from .random import DEFAULT, TP, RNGStreamTracker, _devices_of, install_rng_hooks
 
@@ -46,7 +47,9 @@ def apply_layout(model: nn.Module, layout: Layout,
     attributes the layout divides (head counts) and its ``config_divides`` are divided by
     ``tp_size``; parameters that were the same object before (tied embeddings,
     ``BertLMPredictionHead.bias``) are the same object after. Works on the meta device too.
-    Installs the dropout-stream hooks (:func:`tpify.random.install_rng_hooks`).
+    Installs the dropout-stream hooks (:func:`tpify.random.install_rng_hooks`). The
+    column-parallel layers share one :class:`~tpify.layers.ColumnParallelInput` (layers reading
+    the same activation all-reduce its gradient once), cleared by a forward hook on ``model``.
 
     Returns:
         ``(tracker, handles)``: the model's dropout-stream tracker and every hook handle added.
@@ -61,6 +64,7 @@ def apply_layout(model: nn.Module, layout: Layout,
         warnings.warn(f"tpify: {rule.describe()} of recipe {layout.recipe.source} matched no module of "
                       f"{type(model).__name__}", stacklevel=3)
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old kept alive, new)
+    region_input = ColumnParallelInput()  # one input-gradient all-reduce per activation the layers share
     for fqn, entry in layout.modules.items():
         if entry.style == "replicate":
             continue
@@ -68,6 +72,8 @@ def apply_layout(model: nn.Module, layout: Layout,
         parent = model.get_submodule(parent_name)
         dense = getattr(parent, child)
         layer = _build_layer(dense, entry, tp_group)
+        if isinstance(layer, ColumnParallelLinear):
+            layer.region_input = region_input
         for name, new in list(layer.named_parameters(recurse=False)):
             old = getattr(dense, name)
             tied = replaced.get(id(old), (None, None))[1]
@@ -92,7 +98,7 @@ def apply_layout(model: nn.Module, layout: Layout,
     config = getattr(model, "config", None)
     for name, dense in layout.config_divides.items():  # HF code reading them at forward time sees per-rank values
         setattr(config, name, dense // layout.tp_size)
-    handles = []
+    handles = [model.register_forward_hook(region_input.clear)]
     for fqn, inputs in layout.head_inputs.items():
         module = model.get_submodule(fqn)
         hook = HeadInputs(fqn, module, inputs, tp_group)

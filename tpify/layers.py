@@ -15,6 +15,8 @@ were built from, so parameter names and layouts stay those of the checkpoint:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -23,7 +25,8 @@ from torch import nn
 from . import comm
 from .sharding import KeepsShardSpecs, ShardSpec, divide, shard_spec_of
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelEmbedding"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelEmbedding",
+           "ColumnParallelInput"]
 
 _LAYOUTS = ("linear", "conv1d")
 
@@ -44,21 +47,129 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, la
     return y.view(out_shape)
 
 
+def _graph_task_id() -> int:
+    """The id of the backward pass (autograd graph task) now running; -1 outside one."""
+    return torch._C._current_graph_task_id()
+
+
+class _InputGradSum:
+    """The input-gradient bookkeeping of one replicated input shared by column-parallel layers.
+
+    ``consumers`` counts, in forward, the layers that read the input with gradients on. In a
+    backward pass each of them adds its partial input gradient to ``pending`` (their local sum)
+    instead of handing it to autograd; the last to arrive starts the one all-reduce of the sum
+    asynchronously and computes its weight gradient while it runs. The entry node
+    (:class:`_EnterColumnParallelRegion`), which autograd runs after every consumer, hands the
+    reduced sum on, or reduces it itself when fewer consumers ran than read the input (an output
+    left out of the loss). The state belongs to one backward pass (``task``): a pass that reached
+    the consumers but not the entry (``torch.autograd.grad`` with respect to weights only) leaves
+    a stale sum that the next pass discards.
+    """
+
+    __slots__ = ("consumers", "task", "pending", "arrived", "reduced")
+
+    def __init__(self):
+        self.consumers = 0
+        self.reset(None)
+
+    def reset(self, task: int | None) -> None:
+        self.task, self.pending, self.arrived, self.reduced = task, None, 0, False
+
+    def add(self, grad_x: torch.Tensor, group) -> object | None:
+        """Add one consumer's partial input gradient; the all-reduce's work handle if it was the last."""
+        task = _graph_task_id()
+        if self.task != task:
+            self.reset(task)
+        self.pending = grad_x if self.pending is None else self.pending.add_(grad_x)
+        self.arrived += 1
+        if self.arrived == self.consumers:
+            self.reduced = True
+            return comm.all_reduce_async(self.pending, group)
+        return None
+
+
+class _EnterColumnParallelRegion(torch.autograd.Function):
+    """Megatron's ``f`` for a replicated input shared by column-parallel layers: identity
+    forward; backward: the all-reduced sum of the consumers' input gradients (see
+    :class:`_InputGradSum`)."""
+
+    @staticmethod
+    def forward(ctx, x, group, state):
+        ctx.group, ctx.state = group, state
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        state = ctx.state
+        total = None
+        if state.task == _graph_task_id() and state.pending is not None:
+            total = state.pending
+            if not state.reduced:  # a consumer's output did not reach this pass's loss
+                comm.all_reduce(total, ctx.group)
+        state.reset(None)
+        if grad is not None:  # defensive: only the consumers read the entry's output, and they return None
+            grad = comm.all_reduce(grad.clone(), ctx.group)
+            total = grad if total is None else total + grad
+        return total, None, None
+
+
+class ColumnParallelInput:
+    """Where replicated activations enter the column-parallel layers of one model (one TP group).
+
+    Megatron applies ``f`` (identity forward, all-reduce of the gradient backward) once where an
+    activation enters a column-parallel region, however many layers read it: its fused QKV is one
+    layer. Hugging Face models read the same normed hidden states with several layers (Llama's
+    ``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj`` and ``up_proj``). The column-parallel layers
+    of a model share one ``ColumnParallelInput``: a layer that gets the same tensor (the same
+    object, unmodified) as the previous one reuses its region entry, so the layers reading one
+    activation issue one all-reduce of its gradient in backward, not one each, and it still
+    overlaps a weight-gradient matmul (the last consumer's, :class:`_InputGradSum`). The cached
+    entry is dropped when the model's forward returns.
+    """
+
+    def __init__(self):
+        self._cached = None  # (weakref to x, x._version, entry output, _InputGradSum)
+
+    def enter(self, x: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, _InputGradSum]:
+        """``x``'s region entry and its gradient bookkeeping, created once per input tensor.
+        Call only with gradients recorded for ``x`` (``torch.is_grad_enabled() and x.requires_grad``)."""
+        cached = self._cached
+        if cached is not None and cached[0]() is x and cached[1] == x._version:
+            return cached[2], cached[3]
+        state = _InputGradSum()
+        y = _EnterColumnParallelRegion.apply(x, group, state)
+        self._cached = (weakref.ref(x), x._version, y, state)
+        return y, state
+
+    def clear(self, *_args) -> None:
+        """Drop the cached entry (a forward hook of the model's root module)."""
+        self._cached = None
+
+    def __deepcopy__(self, memo):
+        return type(self)()  # a copy shares nothing with this model's autograd graph
+
+    def __getstate__(self):
+        return {"_cached": None}
+
+
 class _ColumnParallelMatmul(torch.autograd.Function):
-    """``copy(X) A_r + b_r`` with the input-gradient all-reduce overlapped (backward).
+    """``f(X) A_r + b_r`` for one consumer of a shared region entry, with the input-gradient
+    all-reduce overlapped (backward).
 
     Forward: the local matmul, no communication (Megatron's ``f`` is the identity). Backward:
-    ``dX_r = dY_r A_r^T`` is computed first and its all-reduce over the TP group started
-    asynchronously; the weight and bias gradients (``X^T dY_r``, ``sum dY_r``), which need no
-    communication, are computed while it runs; then the all-reduce is awaited. The same one
-    all-reduce of ``B*T*in`` values as ``copy_to_tp_region`` (Megatron-LM's
-    ``LinearWithGradAccumulationAndAsyncCommunication``, arXiv:2104.04473 section 4.3).
+    ``dX_r = dY_r A_r^T`` is computed first and added to the entry's sum of partial input
+    gradients; the last consumer to arrive starts the all-reduce of that sum asynchronously. The
+    weight and bias gradients (``X^T dY_r``, ``sum dY_r``), which need no communication, are
+    computed while it runs; then it is awaited. One all-reduce of ``B*T*in`` values per shared
+    input, as Megatron-LM's fused layers do (``LinearWithGradAccumulationAndAsyncCommunication``,
+    arXiv:2104.04473 section 4.3).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, layout):
+    def forward(ctx, x, weight, bias, group, layout, state):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.layout, ctx.has_bias = group, layout, bias is not None
+        ctx.group, ctx.layout, ctx.has_bias, ctx.state = group, layout, bias is not None, state
         return _matmul(x, weight, bias, layout)
 
     @staticmethod
@@ -66,10 +177,10 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = work = None
+        work = None
         if need_x:  # linear: weight [out, in]; conv1d: [in, out]
             grad_x = grad.matmul(weight if ctx.layout == "linear" else weight.t())
-            work = comm.all_reduce_async(grad_x, ctx.group)
+            work = ctx.state.add(grad_x.to(x.dtype), ctx.group)
         x2 = x.reshape(-1, x.shape[-1])
         grad_w = None
         if need_w:
@@ -77,7 +188,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         grad_b = grad2.sum(0) if need_b and ctx.has_bias else None
         if work is not None:
             work.wait()
-        return grad_x, grad_w, grad_b, None, None
+        return None, grad_w, grad_b, None, None, None
 
 
 def _dense_layout(module: nn.Module) -> tuple[int, int, str]:
@@ -187,6 +298,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._init_common(in_features, out_features, tp_group, weight_layout)
         self.gather_output = gather_output
         self.overlap_grad_reduce = True  # see forward; False: the plain copy_to_tp_region (for comparisons)
+        self.region_input = ColumnParallelInput()  # shared by the layers of a model (tpify.engine.apply_layout)
         self.sequence_parallel = None  # tpify.engine.SequenceParallel when the layer is in a sequence-parallel layer
         parts = tuple(partition_sizes) if partition_sizes else (out_features,)
         if sum(parts) != out_features:
@@ -207,8 +319,10 @@ class ColumnParallelLinear(_ParallelLinear):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
+    def local_output(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, in_features) -> (B, T, out_features_per_partition)``: this rank's output shard,
+        never gathered, with the backward communication of the class docstring (the region entry
+        shared with the other layers reading ``x``)."""
         weight, bias = self.weight, self.bias
         if self._partial_grads:
             where = [(n, d, r) for n, d, r in self._partial_grads if getattr(self, n) is not None]
@@ -220,9 +334,19 @@ class ColumnParallelLinear(_ParallelLinear):
             # whose backward reduce-scatters the partial input gradients (instead of copy's all-reduce)
             y = _matmul(x, weight, bias, self.weight_layout)
         elif self.tp_size > 1 and self.overlap_grad_reduce and not torch.compiler.is_compiling():
-            y = _ColumnParallelMatmul.apply(x, weight, bias, self.tp_group, self.weight_layout)
+            if torch.is_grad_enabled() and x.requires_grad:
+                entry, state = self.region_input.enter(x, self.tp_group)
+                state.consumers += 1
+                y = _ColumnParallelMatmul.apply(entry, weight, bias, self.tp_group, self.weight_layout, state)
+            else:  # no input gradient: nothing to all-reduce
+                y = _matmul(x, weight, bias, self.weight_layout)
         else:  # under torch.compile the plain region operator (inductor schedules the collective itself)
             y = _matmul(comm.copy_to_tp_region(x, self.tp_group), weight, bias, self.weight_layout)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
+        y = self.local_output(x)
         if self.gather_output:
             y = comm.gather_from_tp_region(y, self.tp_group)
             if y.shape[-1] != self.out_features:

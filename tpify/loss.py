@@ -58,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # collective, whether any rank holds targets outside [0, V), and whether the ranks hold
         # the same targets (max and -min of a checksum): a rank alone with bad or different
         # targets would otherwise raise alone, or train on a mismatched batch.
-        m = z.max(dim=-1).values  # (N...,)
+        m = z.amax(dim=-1)  # (N...,)
         if tp_size > 1:  # one rank: vocab_parallel_cross_entropy has checked the targets already
             checksum = _checksum(target).to(m.dtype)
             checks = torch.stack([bad_targets.to(m.dtype), checksum, -checksum])
@@ -72,26 +72,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.raise_unless(checks[1] == -checks[2], ValueError,
                               "vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
                               "rank of a TP group must see the same batch (split data over DP replicas only)")
-        z = z - m.unsqueeze(-1)
-
-        # 2. z_t: the target's logit on the rank that owns it, 0 elsewhere; summed over ranks.
+        # 2. z_t = z[target] - m on the rank that owns the target, 0 elsewhere; summed over ranks.
         ignored = target == ignore_index
         owned = (target >= start) & (target < end) & ~ignored
         local_target = (target - start).masked_fill(~owned, 0)
-        z_t = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        z_t = (z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - m).masked_fill(~owned, 0.0)
         comm.all_reduce(z_t, group)
 
-        # 3. S = allreduce_sum(sum_v exp(z)).
-        softmax = z.exp()  # exp(-inf) = 0 on the padded columns
+        # 3. S = allreduce_sum(sum_v exp(z - m)), in one (N..., V/p) buffer (z's own when z is a cast or
+        # masked copy of the logits), which becomes the softmax, then the gradient: every new buffer
+        # of that size costs a pass over memory and, on a CPU, its page faults.
+        own_copy = padded is not None or compute_dtype != logits.dtype  # z is not the caller's logits
+        softmax = z.sub_(m.unsqueeze(-1)) if own_copy else z - m.unsqueeze(-1)
+        sum_z = None
+        if label_smoothing > 0:  # sum_v (z_v - m) over the true vocabulary, before the exponential
+            sum_z = (softmax if padded is None else softmax.masked_fill(padded, 0.0)).sum(dim=-1)
+        softmax.exp_()  # exp(-inf) = 0 on the padded columns
         sum_exp = softmax.sum(dim=-1)
         comm.all_reduce(sum_exp, group)
         log_s = sum_exp.log()
         loss = log_s - z_t
 
-        if label_smoothing > 0:
+        if sum_z is not None:
             # (1-eps)(log S - z_t) + eps(log S - mean_v z_v), the mean over the true V.
-            zs = z if padded is None else z.masked_fill(padded, 0.0)
-            sum_z = zs.sum(dim=-1)
             comm.all_reduce(sum_z, group)
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_s - sum_z / true_vocab)
         loss = loss.masked_fill(ignored, 0.0)
@@ -116,8 +119,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 grad.sub_(eps / ctx.true_vocab)
             else:
                 grad.sub_((~padded).to(grad.dtype) * (eps / ctx.true_vocab))
-        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
-        grad.mul_(grad_loss.unsqueeze(-1))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))  # ignored rows: 0
         return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 

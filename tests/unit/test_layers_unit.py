@@ -386,6 +386,72 @@ def column_linear_overlapped_backward_equals_the_plain_region_operator(c):
 
 
 @_check
+def column_linears_sharing_an_input_all_reduce_its_gradient_once(c):
+    """Layers that read the same activation (Llama's q/k/v, gate/up) share one region entry
+    (``ColumnParallelInput``): one all-reduce of the input gradient in backward, not one each,
+    with every gradient equal to dense's; a consumer whose output is left out of the loss, a
+    ``torch.autograd.grad`` pass that stops at the weights (leaving a partial sum behind), a
+    retained graph run twice and a layer reading another tensor all stay exact."""
+    from tpify.layers import ColumnParallelInput
+
+    denses = [_dense(nn.Linear(6, 8), 110 + 10 * i) for i in range(3)]
+    shared = ColumnParallelInput()
+    layers = [ColumnParallelLinear.from_dense(d, c.group) for d in denses]
+    for layer in layers:
+        layer.region_input = shared
+    x = _t(150, (2, 3, 6))
+    gouts = [_t(151 + i, (2, 3, 8)) for i in range(3)]
+
+    def dense_grads(used):
+        xd = x.clone().requires_grad_()
+        for d in denses:
+            d.zero_grad()
+        sum((d(xd) * g).sum() for i, (d, g) in enumerate(zip(denses, gouts)) if i in used).backward()
+        return xd.grad, [d.weight.grad for d in denses]
+
+    def parallel(used, twice=False, weights_first=False):
+        xp = x.clone().requires_grad_()
+        for layer in layers:
+            layer.zero_grad()
+        shared.clear()
+        outs = [layer(xp) for layer in layers]
+        local = [g[..., c.rank * 4:(c.rank + 1) * 4] for g in gouts]
+        loss = sum((o * g).sum() for i, (o, g) in enumerate(zip(outs, local)) if i in used)
+        if weights_first:  # reaches every consumer, not the entry: leaves a partial sum behind
+            torch.autograd.grad(loss, [layer.weight for layer in layers], retain_graph=True)
+        with comm.count_collectives() as bwd:
+            loss.backward(retain_graph=twice)
+            if twice:
+                loss.backward()
+        weights = [None if layer.weight.grad is None  # the same layers have gradients on every rank
+                   else shard_spec_of(layer.weight).gather(layer.weight.grad, c.group) for layer in layers]
+        return xp.grad, weights, dict(bwd)
+
+    results = {"all": parallel({0, 1, 2}), "one left out": parallel({0, 2}), "twice": parallel({0, 1, 2}, True),
+               "after a weights-only pass": parallel({0, 1, 2}, weights_first=True)}
+    # a layer reading another tensor gets its own entry
+    y = _t(160, (2, 3, 6)).requires_grad_()
+    shared.clear()
+    with comm.count_collectives() as two:
+        (layers[0](x.clone().requires_grad_()).sum() + layers[1](y).sum()).backward()
+    # --- asserts only from here on
+    for name, (xg, wgs, counted) in results.items():
+        used = {0, 2} if name == "one left out" else {0, 1, 2}
+        ref_x, ref_w = dense_grads(used)
+        scale = 2 if name == "twice" else 1
+        torch.testing.assert_close(xg, scale * ref_x, **TOL, msg=lambda m: f"{name}: input gradient: {m}")
+        for i in range(3):
+            expected = scale * ref_w[i] if i in used else None
+            if expected is None:
+                assert wgs[i] is None, name
+            else:
+                torch.testing.assert_close(wgs[i], expected, **TOL, msg=lambda m: f"{name}: weight {i}: {m}")
+        # one all-reduce of the 36-value input gradient (+ gathering nothing: counted before)
+        assert counted == {"all_reduce": scale, "all_reduce_numel": 36 * scale}, (name, counted)
+    assert dict(two) == {"all_reduce": 2, "all_reduce_numel": 72}, dict(two)
+
+
+@_check
 def column_embedding_splits_heads(c):
     """``embedding_colwise``: T5's relative attention bias, columns = heads; no communication."""
     dense = _dense(nn.Embedding(10, 4), 80)
@@ -471,6 +537,10 @@ def test_column_parallel_replicated_parts_sum_their_gradients(tp2):
 
 def test_column_parallel_overlapped_backward(tp2):
     _ok(tp2, "column_linear_overlapped_backward_equals_the_plain_region_operator")
+
+
+def test_column_parallel_layers_sharing_an_input_all_reduce_its_gradient_once(tp2):
+    _ok(tp2, "column_linears_sharing_an_input_all_reduce_its_gradient_once")
 
 
 def test_column_parallel_embedding_and_scaled_vocab_embedding(tp2):

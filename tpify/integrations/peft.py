@@ -158,7 +158,9 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         for a in adapters:
             lora_a = self.lora_A[a]
             hs.append(lora_a(self.lora_dropout[a](self._cast_input_dtype(x, lora_a.weight.dtype))))  # (B, T, r)
-        x, *hs = comm.copy_many_to_tp_region([x, *hs], base.tp_group)  # one all-reduce of dX, dh backward
+        # one all-reduce of dX and dh backward (the layer keeps its own, not the entry it would share
+        # with the other layers reading x: dh needs an all-reduce anyway, and dX rides on it)
+        x, *hs = comm.copy_many_to_tp_region([x, *hs], base.tp_group)
         y = _matmul(x, base.weight, base.bias, base.weight_layout)  # (B, T, out/p)
         dtype = y.dtype
         for a, h in zip(adapters, hs):
