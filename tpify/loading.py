@@ -314,12 +314,15 @@ def from_pretrained(
     as :func:`tpify.parallelize`), and every parameter is then read with
     ``safe_open(file).get_slice(name)`` through its :class:`~tpify.sharding.ShardSpec`: rank
     ``r`` reads only the rows/columns it holds (packed ``[Q|K|V]`` per part, padded vocabularies
-    padded with zero rows), replicated parameters are read whole. Shards that are one
-    contiguous range of the file in the stored dtype (replicated tensors, column-parallel
-    ``nn.Linear`` weights, unpadded vocabulary rows) are zero-copy views of a private
+    padded with zero rows), replicated parameters are read whole. Shards that are one range of
+    their split dimension in the stored dtype (replicated tensors, unpadded vocabulary rows,
+    column-parallel ``nn.Linear`` weights: contiguous; row-parallel ``nn.Linear`` weights: a
+    strided slice of every row, not contiguous) are zero-copy views of a private
     (copy-on-write) mapping of the file, read from the page cache when first used, as
-    transformers 5 does for a whole model; the others are copied into owned memory. A rank's
-    peak memory is about its shard plus one block (16 MiB) in flight, never the dense model.
+    transformers 5 does for a whole model; the others (packed parts, padded vocabularies, a
+    dtype conversion) are copied into owned memory. A rank's peak memory is about its shard
+    (plus, for strided views, the page-cache pages its rows share with the next rank's) plus
+    one block (16 MiB) in flight, never the dense model.
     As with transformers, replacing or deleting the files afterwards is safe, rewriting them in
     place while the model lives is not (``disable_mmap=True`` copies everything). Tied parameters
     (``lm_head.weight`` = ``wte.weight``) are read once and stay one Parameter. Non-persistent
@@ -615,16 +618,17 @@ class _FileTensor:
         return ShardSpec(0, (self.shape[0],), 1).read(self, 0, dtype)  # one "rank" holding everything
 
 
-def _contiguous_rows(spec: ShardSpec | None, shape: tuple[int, ...], tp_rank: int) -> tuple[int, int] | None:
-    """``(start, stop)`` along ``spec.dim`` when this rank's shard is one contiguous byte range
-    of the dense row-major tensor in the file, else ``None``.
+def _single_range(spec: ShardSpec | None, shape: tuple[int, ...], tp_rank: int) -> tuple[int, int] | None:
+    """``(start, stop)`` along ``spec.dim`` when this rank's shard is one range of that dimension
+    of the dense tensor (so a view of the file's bytes can hold it), else ``None``.
 
-    Contiguous: a replicated tensor (the whole of dim 0); a shard whose ranges, adjacent ones
+    One range: a replicated tensor (the whole of dim 0); a split whose ranges, adjacent ones
     merged (packed ``[Q|K|V]`` parts at tp = 1, the last rank's query chunk next to replicated
-    K/V), make one range with no padding rows, along dimension 0, along a dimension after
-    dimensions of size 1 only, or covering its dimension whole (tp = 1). Not contiguous: several
-    ranges, vocabulary padding rows, a column split of a matrix (row-parallel ``nn.Linear``,
-    column-parallel ``Conv1D``)."""
+    K/V), make one range with no padding rows. Along dimension 0 (column-parallel ``nn.Linear``
+    weights, vocabulary rows) the shard is one contiguous byte range of the file; along a later
+    dimension (row-parallel ``nn.Linear``, column-parallel ``Conv1D``) it is a strided one, a
+    slice of every row. Not one range: packed parts at tp > 1 (``[Q_r|K_r|V_r]``), vocabulary
+    padding rows."""
     if not shape:
         return None
     if spec is None:
@@ -637,18 +641,21 @@ def _contiguous_rows(spec: ShardSpec | None, shape: tuple[int, ...], tp_rank: in
             merged.append([a, b])
     if len(merged) != 1 or merged[0][1] - merged[0][0] != spec.local_size:
         return None
-    a, b = merged[0]
-    if math.prod(shape[:spec.dim]) != 1 and (a, b) != (0, shape[spec.dim]):
-        return None
-    return a, b
+    return merged[0][0], merged[0][1]
 
 
 def _own_storage(view: torch.Tensor) -> torch.Tensor:
-    """``view`` (a contiguous view of a mapped file) as a tensor whose storage is exactly its
-    bytes, not the whole dense tensor's: ``torch.save`` of a shard then writes the shard only,
-    and ``untyped_storage().nbytes()`` is the shard's size. Shares the memory, copies nothing."""
-    flat = view.reshape(-1).view(torch.uint8)  # numpy has no bfloat16: go through bytes
-    return torch.from_numpy(flat.numpy()).view(view.dtype).view(view.shape)
+    """``view`` (a view of a mapped file, contiguous or strided) as a tensor whose storage spans
+    only the bytes from its first element to its last, not the whole dense tensor's: ``torch.save``
+    of a shard then writes those bytes only, and for a contiguous shard ``untyped_storage().nbytes()``
+    is the shard's size (for a strided one, the span of its rows, the other ranks' columns in
+    between included). Shares the memory, copies nothing; keeps the strides."""
+    size = view.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(view.shape, view.stride())) if view.numel() else 0
+    start = view.storage_offset() * size
+    raw = torch.empty(0, dtype=torch.uint8).set_(view.untyped_storage())  # numpy has no bfloat16: bytes
+    flat = torch.from_numpy(raw.numpy()[start:start + span * size]).view(view.dtype)
+    return flat.as_strided(view.shape, view.stride())
 
 
 # Shards smaller than this are copied even when contiguous: a view keeps the page-cache pages it
@@ -660,21 +667,30 @@ _VIEW_MIN_BYTES = 1 << 20
 class _Reader:
     """Reads this rank's slice of each checkpoint tensor from the load's opened files.
 
-    A shard that is one contiguous byte range of its file (replicated tensors, row splits of
-    dimension 0: column-parallel ``nn.Linear`` weights, unpadded vocabulary rows), of at least
-    ``_VIEW_MIN_BYTES`` (1 MiB) and stored in the dtype asked for is returned as a zero-copy
-    view of a private (copy-on-write) mapping of the file, as transformers 5 does for a whole
-    model: its pages are read from the page cache when first touched, nothing is copied, and
-    writes to the tensor (training) copy the written pages, never touching the file. One
-    mapping per file serves every view. Any other shard (column splits of row-parallel weights, packed
-    ``[Q|K|V]`` parts, padded vocabularies, a dtype conversion, ``in_place`` loads, every shard
-    when ``views`` is false) is copied by :meth:`ShardSpec.read` block by block through a
-    :class:`_FileTensor`, whose mappings are dropped after each block, so the source pages a
-    copy touched do not stay resident.
+    A shard that is one range of its split dimension (:func:`_single_range`: replicated
+    tensors, unpadded vocabulary rows, column-parallel ``nn.Linear`` weights split along
+    dimension 0, which are one contiguous byte range of the file, and row-parallel ``nn.Linear``
+    or column-parallel ``Conv1D`` weights split along dimension 1, a strided slice of every row),
+    of at least ``_VIEW_MIN_BYTES`` (1 MiB) and stored in the dtype asked for, is returned as a
+    zero-copy view of a private (copy-on-write) mapping of the file, as transformers 5 does for
+    a whole model: its pages are read from the page cache when first touched, nothing is copied,
+    and writes to the tensor (training) copy the written pages, never touching the file. One
+    mapping per file serves every view. Any other shard (packed ``[Q|K|V]`` parts at tp > 1,
+    padded vocabularies, a dtype conversion, ``in_place`` loads, every shard when ``views`` is
+    false) is copied by :meth:`ShardSpec.read` block by block through a :class:`_FileTensor`,
+    whose mappings are dropped after each block, so the source pages a copy touched do not stay
+    resident.
 
     Why views: on the 2-core VM of issue 11, first-touching new anonymous memory costs about
     0.4 s/GB and a copy's source pages (mapped, faulted, unmapped) about as much again, while
     reading mapped page-cache pages costs about 0.2 s/GB: a copy costs four times a view.
+
+    The cost of a strided view: a page holding the end of this rank's slice of one row and the
+    start of the next rank's is mapped by both ranks, so a rank's resident set counts more than
+    its shard (at tp = 2 a 4 KiB half row of a 2048-wide float32 matrix straddles two pages).
+    These are page-cache pages, shared by every rank and by the page cache itself, not extra
+    memory of the machine; the first optimizer step's writes make private copies of the written
+    pages only. ``disable_mmap=True`` copies every shard into memory of its own instead.
 
     Like transformers' own loads, a view reads the file it was opened from: replacing or
     deleting the file (``os.replace``, as :func:`save_pretrained` does) changes nothing, but
@@ -692,7 +708,7 @@ class _Reader:
         stored); with ``into``, copied into that tensor (converted to its dtype) and returned."""
         shape, file = self.headers[key]
         where = self.snap.where(file)
-        rows = _contiguous_rows(spec, shape, self.tp_rank)
+        rows = _single_range(spec, shape, self.tp_rank)
         if rows is not None and into is None and self.views:
             if file not in self.maps:
                 self.maps[file] = safe_open(where, framework="pt", device="cpu")

@@ -260,3 +260,46 @@ def test_views_are_private_and_outlive_a_resave(tmp_path):
     assert hashlib.sha256(file.read_bytes()).hexdigest() != digest
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed when the file was replaced"
+
+
+def test_single_range_shards_are_views_strided_ones_too(tmp_path):
+    """At tp = 2, rank 1: a split of dimension 0 (column-parallel ``nn.Linear``) is a contiguous
+    view, a split of dimension 1 (row-parallel ``nn.Linear``) a strided view of the same mapping,
+    each holding exactly its slice, with storage spanning only its own first to last element;
+    writes to either stay private; packed parts and padded rows, which are not one range of the
+    file, and small tensors are copied (contiguous, own storage)."""
+    from tpify.loading import _headers, _Reader, _Snapshot
+    from tpify.sharding import ShardSpec
+
+    rows, cols = 512, 1024  # 2 MiB of float32: above the 1 MiB view threshold
+    dense = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    small = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    save_file({"w": dense, "small": small}, str(tmp_path / "model.safetensors"))
+    digest = hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    snap = _Snapshot(tmp_path)
+    headers, _ = _headers(snap, {"w": "model.safetensors", "small": "model.safetensors"})
+    reader = _Reader(snap, headers, tp_rank=1)
+    col = reader.read("w", ShardSpec(0, (rows,), 2), None)
+    row = reader.read("w", ShardSpec(1, (cols,), 2), None)
+    packed = reader.read("w", ShardSpec(1, (512, 256, 256), 2), None)
+    padded = reader.read("w", ShardSpec(0, (rows,), 2, padded_size=516), None)
+    copied = reader.read("small", ShardSpec(1, (16,), 2), None)
+    assert torch.equal(col, dense[256:]) and col.is_contiguous()
+    assert col.untyped_storage().nbytes() == col.numel() * 4
+    assert torch.equal(row, dense[:, 512:]) and row.stride() == (cols, 1) and not row.is_contiguous()
+    assert row.untyped_storage().nbytes() == ((rows - 1) * cols + 512) * 4, "from its first element to its last"
+    assert row.untyped_storage().data_ptr() == col.untyped_storage().data_ptr() - 256 * cols * 4 + 512 * 4, \
+        "the same mapping: no copy"
+    assert torch.equal(packed, torch.cat([dense[:, 256:512], dense[:, 640:768], dense[:, 896:]], dim=1))
+    assert torch.equal(padded[:254], dense[258:]) and not padded[254:].any()
+    assert torch.equal(copied, small[:, 8:])
+    for t in (packed, padded, copied):
+        assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * 4
+    with torch.no_grad():  # (col and row overlap here, one rank would not hold both)
+        row.add_(1.0)  # also writes rank 0's half of the pages it shares: private copies, not the file
+        assert torch.equal(row, dense[:, 512:] + 1.0)
+        col.mul_(2.0)
+    assert torch.equal(col[:, :512], 2.0 * dense[256:, :512])
+    assert hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest() == digest
+    reader.close()
+    snap.close()
