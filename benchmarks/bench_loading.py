@@ -30,7 +30,9 @@ that is one contiguous range of the file) is actually read from the page cache; 
 rank's. The machine is shared: while other processes load its 2 cores, the tp ranks (2 or 4
 processes) lose more than the one plain process, so compare runs taken alike. Memory: each
 rank's peak resident set size (``VmHWM``, imports included, file pages it mapped included), the
-worst rank's; and its RSS just before the load.
+worst rank's; its RSS just before the load; and its proportional set size after the read
+(``Pss``: a page mapped by n processes counts 1/n in each; views of one file shared by the ranks,
+and pages that hold the ends of two ranks' slices of a row, count once in all, not once per rank).
 ``--rounds`` rounds run every configuration once each, in an order rotated every round, so that
 noise from the shared machine hits all alike; reported are the medians over the rounds, with the
 time's min-max, and ratios to plain transformers' medians (time: load plus first read; memory:
@@ -79,6 +81,20 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: kilobytes
 
 
+def _pss() -> int:
+    """Proportional set size of this process in bytes (``Pss`` of ``/proc/self/smaps_rollup``):
+    each page counted divided by the number of processes that map it, so the page-cache pages
+    that several ranks map (the views of one file) are shared out among them instead of being
+    counted whole by each, as RSS does. 0 where the kernel does not report it."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _worker(args) -> None:
     """One rank of one configuration: load, read every weight once, print ``RESULT {json}``."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -124,7 +140,8 @@ def _worker(args) -> None:
             p.float().sum()
     wall_read = time.perf_counter() - start
     peak = _peak_rss()
-    print("RESULT " + json.dumps({"rank": args.rank, "wall": wall, "wall_read": wall_read, "peak": peak,
+    pss = _pss()  # every weight has been read: the most a view-loaded model maps
+    print("RESULT " + json.dumps({"rank": args.rank, "wall": wall, "wall_read": wall_read, "peak": peak, "pss": pss,
                                   "peak_loaded": peak_loaded, "base": base, "local_params": nparams}), flush=True)
     if args.worker != "plain":
         import torch.distributed as dist
@@ -244,6 +261,7 @@ def _measure(checkpoints: dict[str, Path], loaders: list[str], tps: list[int], r
             results[unit].append({
                 "wall": max(x["wall"] for x in ranks), "wall_read": max(x["wall_read"] for x in ranks),
                 "peak": worst["peak"], "base": worst["base"], "peak_loaded": max(x["peak_loaded"] for x in ranks),
+                "pss": max(x["pss"] for x in ranks),
                 "local_params": max(x["local_params"] for x in ranks)})
         print(f"round {r + 1}/{rounds} done (load average {_loadavg()})", flush=True)
     return results
@@ -253,8 +271,8 @@ def _table(results: dict, checkpoints: dict[str, Path], loaders: list[str], tps:
     mib = 2 ** 20
     lines = ["| checkpoint | loader | tp | params per rank | load call s | load + first read s (min-max) | "
              "time ratio to plain | peak RSS per rank MiB | peak ratio to plain | RSS before load MiB | "
-             "(peak - before) ratio to plain |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "(peak - before) ratio to plain | PSS after read per rank MiB | PSS ratio to plain |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def med(rows, key):
         return statistics.median(row[key] for row in rows)
@@ -263,7 +281,7 @@ def _table(results: dict, checkpoints: dict[str, Path], loaders: list[str], tps:
         plain = results[(label, "plain", 1)]
         if not plain or isinstance(plain[0], ConfigFailed):
             lines.append(f"| {label} | transformers | 1 | failed: {plain[0].reason if plain else 'not run'} "
-                         "| | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         p_time, p_peak, p_delta = med(plain, "wall_read"), med(plain, "peak"), med(plain, "peak") - med(plain, "base")
         order = [(label, "plain", 1)] + [(label, loader, tp) for tp in tps for loader in loaders
@@ -273,7 +291,7 @@ def _table(results: dict, checkpoints: dict[str, Path], loaders: list[str], tps:
             _, loader, tp = unit
             if rows and isinstance(rows[0], ConfigFailed):
                 lines.append(f"| {label} | {LABEL[loader]} | {tp} | not available: {rows[0].reason[:160]} "
-                             "| | | | | | | |")
+                             "| | | | | | | | | |")
                 continue
             times = [row["wall_read"] for row in rows]
             peak, base = med(rows, "peak"), med(rows, "base")
@@ -282,7 +300,8 @@ def _table(results: dict, checkpoints: dict[str, Path], loaders: list[str], tps:
                 f"| {med(rows, 'wall'):.2f} "
                 f"| {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) "
                 f"| **{statistics.median(times) / p_time:.2f}** | {peak / mib:.0f} | **{peak / p_peak:.2f}** "
-                f"| {base / mib:.0f} | {(peak - base) / p_delta:.2f} |")
+                f"| {base / mib:.0f} | {(peak - base) / p_delta:.2f} "
+                f"| {med(rows, 'pss') / mib:.0f} | {med(rows, 'pss') / max(1, med(plain, 'pss')):.2f} |")
     return lines
 
 
@@ -351,7 +370,10 @@ def main() -> None:
         "",
         f"{args.rounds} rounds, configurations interleaved (order rotated every round); medians over the rounds. "
         f"Times: the slowest rank's; load + first read = the load call plus one `p.float().sum()` of every weight "
-        f"(local shard). Peak RSS = VmHWM of the worst rank (imports and mapped file pages included). Ratios: to "
+        f"(local shard). Peak RSS = VmHWM of the worst rank (imports and mapped file pages included: a page-cache page "
+        f"that several ranks map, such as a page holding the end of one rank's slice of a row and the start of the "
+        f"next rank's, counts whole in each). PSS = the worst rank's proportional set size after the read (such a "
+        f"page counts 1/n in each of the n ranks mapping it). Ratios: to "
         f"plain transformers (`from_pretrained(path)`, one process) in the same run. HF TP = "
         f"`from_pretrained(path, distributed_config=DistributedConfig(tp_size=tp))`; at tp=1 it is plain "
         f"transformers. OMP_NUM_THREADS=1 per rank; gloo on CPU.",
