@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+from transformers import GPT2Config, GPT2Model
 
 import tputil
 

@@ -29,7 +29,6 @@ tensor-parallel side only and still equals dense PEFT; an accelerate loop resume
 raise on every rank instead of training wrong.
 """
 
-import copy
 import os
 import tempfile
 
