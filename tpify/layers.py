@@ -268,7 +268,9 @@ class ColumnParallelLinear(_ParallelLinear):
         backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)``, started
         asynchronously and overlapped with the weight-gradient matmul (``overlap_grad_reduce``,
         default True; Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``; the
-        plain synchronous ``copy_to_tp_region`` under ``torch.compile``); with replicated
+        plain synchronous ``copy_to_tp_region`` under ``torch.compile``), shared with the other
+        layers of ``region_input`` that read the same tensor (:class:`ColumnParallelInput`: one
+        all-reduce of their summed input gradients, not one each); with replicated
         parts, one more of their weight (and bias) gradient rows. With sequence parallelism
         active: none here (the input was all-gathered along ``T`` before the layer, and that
         gather's backward reduce-scatters the input gradient).
