@@ -146,10 +146,7 @@ class ColumnParallelInput:
         """Drop the cached entry (a forward hook of the model's root module)."""
         self._cached = None
 
-    def __deepcopy__(self, memo):
-        return type(self)()  # a copy shares nothing with this model's autograd graph
-
-    def __getstate__(self):
+    def __getstate__(self):  # pickling and copy.deepcopy: a copy shares nothing with this model's graph
         return {"_cached": None}
 
 

@@ -429,6 +429,11 @@ def column_linears_sharing_an_input_all_reduce_its_gradient_once(c):
 
     results = {"all": parallel({0, 1, 2}), "one left out": parallel({0, 2}), "twice": parallel({0, 1, 2}, True),
                "after a weights-only pass": parallel({0, 1, 2}, weights_first=True)}
+    # a copy of a layer holding a cached entry (a non-leaf tensor) copies no autograd state
+    shared.clear()
+    layers[0](x.clone().requires_grad_())
+    clone = copy.deepcopy(layers[0], {id(c.group): c.group})  # (a ProcessGroup cannot be copied)
+    clone_is_empty = clone.region_input._cached is None and shared._cached is not None
     # a layer reading another tensor gets its own entry
     y = _t(160, (2, 3, 6)).requires_grad_()
     shared.clear()
@@ -449,6 +454,7 @@ def column_linears_sharing_an_input_all_reduce_its_gradient_once(c):
         # one all-reduce of the 36-value input gradient (+ gathering nothing: counted before)
         assert counted == {"all_reduce": scale, "all_reduce_numel": 36 * scale}, (name, counted)
     assert dict(two) == {"all_reduce": 2, "all_reduce_numel": 72}, dict(two)
+    assert clone_is_empty
 
 
 @_check
