@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import (BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2LMHeadModel)
+from transformers import (BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM)
 
 import tputil
 
@@ -282,3 +282,51 @@ def test_bad_inputs_every_rank(results):
     assert open(os.path.join(src, "model.safetensors"), "rb").read() == results["before"], \
         "a failed save touched the old checkpoint"
     assert not [p for p in os.listdir(results["tmp"] / "bad") if p.startswith(".")], "temp dir left behind"
+
+
+def _body_strided(rank, world, path):
+    """Load a float64 Llama whose row-parallel shards are above the 1 MiB view threshold, so
+    ``o_proj``/``down_proj`` are strided views of the file: logits, the loss and the gradients
+    equal dense; a save gathers them back to the file's bytes."""
+    import tpify
+    from tpify.sharding import shard_spec_of
+
+    dense = LlamaForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model = tpify.from_pretrained(path, tp_size=world)
+    strided = sorted(n for n, p in model.named_parameters() if not p.is_contiguous())
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss_d = tputil.ref_lm_loss(dense(ids).logits, ids, causal=True)
+    loss_d.backward()
+    model.train()
+    loss_p = model(ids, labels=ids).loss
+    loss_p.backward()
+    grads = {n: shard_spec_of(p).gather(p.grad, None) for n, p in model.named_parameters() if n in strided}
+    out = os.path.join(os.path.dirname(path), "resaved")
+    tpify.save_pretrained(model, out)
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        saved = {}
+        for f in sorted(os.listdir(out)):
+            if f.endswith(".safetensors"):
+                saved.update(load_file(os.path.join(out, f)))
+        for n, p in dense.named_parameters():
+            assert torch.equal(saved[n], p.detach()), f"{n} changed through a strided load and save"
+    torch.testing.assert_close(loss_p, loss_d, **TOL)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, dense.get_parameter(n).grad, **TOL, msg=lambda m: f"gradient of {n}: {m}")
+    return strided
+
+
+def test_strided_views_train_and_save_exactly(tmp_path):
+    """Row-parallel shards above 1 MiB are strided views (not contiguous) on both ranks, and
+    behave as the dense weights do: forward, backward, save."""
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
+                      intermediate_size=1024, vocab_size=1000, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).double().save_pretrained(tmp_path / "llama")
+    strided = tputil.spawn(_body_strided, 2, str(tmp_path / "llama"))
+    expected = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("mlp.down_proj", "self_attn.o_proj")]
+    assert strided == [expected, expected], strided
