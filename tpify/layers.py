@@ -324,10 +324,8 @@ class ColumnParallelLinear(_ParallelLinear):
         else:
             self.register_parameter("bias", None)
 
-    def local_output(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T, in_features) -> (B, T, out_features_per_partition)``: this rank's output shard,
-        never gathered, with the backward communication of the class docstring (the region entry
-        shared with the other layers reading ``x``)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
         weight, bias = self.weight, self.bias
         if self._partial_grads:
             where = [(n, d, r) for n, d, r in self._partial_grads if getattr(self, n) is not None]
@@ -347,11 +345,6 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = _matmul(x, weight, bias, self.weight_layout)
         else:  # under torch.compile the plain region operator (inductor schedules the collective itself)
             y = _matmul(comm.copy_to_tp_region(x, self.tp_group), weight, bias, self.weight_layout)
-        return y
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
-        y = self.local_output(x)
         if self.gather_output:
             y = comm.gather_from_tp_region(y, self.tp_group)
             if y.shape[-1] != self.out_features:
