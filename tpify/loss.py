@@ -2,7 +2,7 @@
 
 Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3, "output embedding"): the LM head's
 logits stay split over the vocabulary, shape ``(B, T, V/p)`` per rank, and the softmax
-cross-entropy is computed from the shards with three all-reduces of ``B*T`` values instead of
+cross-entropy is computed from the shards with two all-reduces of ``B*T`` and ``2*B*T`` values instead of
 gathering ``B*T*V`` logits on every rank.
 
 :func:`vocab_parallel_cross_entropy` is the loss itself. :func:`install_parallel_lm_loss` (called
@@ -72,35 +72,34 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.raise_unless(checks[1] == -checks[2], ValueError,
                               "vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
                               "rank of a TP group must see the same batch (split data over DP replicas only)")
-        # 2. z_t = z[target] - m on the rank that owns the target, 0 elsewhere; summed over ranks.
+        # 2. z_t = z[target] - m on the rank that owns the target, 0 elsewhere (summed over ranks in 3).
         ignored = target == ignore_index
         owned = (target >= start) & (target < end) & ~ignored
         local_target = (target - start).masked_fill(~owned, 0)
         z_t = (z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - m).masked_fill(~owned, 0.0)
-        comm.all_reduce(z_t, group)
 
-        # 3. S = allreduce_sum(sum_v exp(z - m)), in one (N..., V/p) buffer (z's own when z is a cast or
-        # masked copy of the logits), which becomes the softmax, then the gradient: every new buffer
-        # of that size costs a pass over memory and, on a CPU, its page faults.
+        # 3. S = sum_v exp(z - m), in one (N..., V/p) buffer (z's own when z is a cast or masked copy
+        # of the logits) that is kept for backward and becomes the gradient there: every new buffer
+        # of that size costs a pass over memory and, on a CPU, its page faults. S and z_t (and, with
+        # label smoothing, sum_v (z_v - m) over the true vocabulary) ride on one all-reduce.
         own_copy = padded is not None or compute_dtype != logits.dtype  # z is not the caller's logits
-        softmax = z.sub_(m.unsqueeze(-1)) if own_copy else z - m.unsqueeze(-1)
-        sum_z = None
-        if label_smoothing > 0:  # sum_v (z_v - m) over the true vocabulary, before the exponential
-            sum_z = (softmax if padded is None else softmax.masked_fill(padded, 0.0)).sum(dim=-1)
-        softmax.exp_()  # exp(-inf) = 0 on the padded columns
-        sum_exp = softmax.sum(dim=-1)
-        comm.all_reduce(sum_exp, group)
+        exp_z = z.sub_(m.unsqueeze(-1)) if own_copy else z - m.unsqueeze(-1)
+        sums = [z_t]
+        if label_smoothing > 0:
+            sums.append((exp_z if padded is None else exp_z.masked_fill(padded, 0.0)).sum(dim=-1))
+        exp_z.exp_()  # exp(-inf) = 0 on the padded columns
+        sums.append(exp_z.sum(dim=-1))
+        packed = torch.stack(sums)
+        comm.all_reduce(packed, group)
+        z_t, sum_exp = packed[0], packed[-1]
         log_s = sum_exp.log()
         loss = log_s - z_t
-
-        if sum_z is not None:
+        if label_smoothing > 0:
             # (1-eps)(log S - z_t) + eps(log S - mean_v z_v), the mean over the true V.
-            comm.all_reduce(sum_z, group)
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_s - sum_z / true_vocab)
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_s - packed[1] / true_vocab)
         loss = loss.masked_fill(ignored, 0.0)
 
-        softmax.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, owned, ignored, padded)
+        ctx.save_for_backward(exp_z, sum_exp, local_target, owned, ignored, padded)
         ctx.label_smoothing = label_smoothing
         ctx.true_vocab = true_vocab
         ctx.logits_dtype = logits.dtype
@@ -109,17 +108,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        softmax, local_target, owned, ignored, padded = ctx.saved_tensors
+        exp_z, sum_exp, local_target, owned, ignored, padded = ctx.saved_tensors
         eps = ctx.label_smoothing
-        # dL/dz = (softmax - (1-eps) onehot_local(target) - eps/V) * grad_output; 0 on ignored rows.
-        grad = softmax  # reused in place: the Function is once-differentiable
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), owned.unsqueeze(-1).to(grad.dtype) * -(1.0 - eps))
+        # dL/dz = (exp(z - m)/S - (1-eps) onehot_local(target) - eps/V) * grad_output; 0 on ignored
+        # rows. The 1/S and grad_output scale the buffer in one pass.
+        g = grad_loss.masked_fill(ignored, 0.0)  # (N...,)
+        grad = exp_z.mul_((g / sum_exp).unsqueeze(-1))  # reused in place: the Function is once-differentiable
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), (owned.to(grad.dtype) * g * -(1.0 - eps)).unsqueeze(-1))
         if eps > 0:
-            if padded is None:
-                grad.sub_(eps / ctx.true_vocab)
-            else:
-                grad.sub_((~padded).to(grad.dtype) * (eps / ctx.true_vocab))
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))  # ignored rows: 0
+            grad.sub_((g * (eps / ctx.true_vocab)).unsqueeze(-1))
+            if padded is not None:
+                grad.masked_fill_(padded, 0.0)  # padded columns are not in the vocabulary
         return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
@@ -140,8 +139,8 @@ def vocab_parallel_cross_entropy(
     ``[r*V_padded/p, (r+1)*V_padded/p)`` of the global vocabulary)::
 
         m = allreduce_max(max_v z);  z -= m
-        z_t = allreduce_sum(z[target] on the owning rank, else 0)
-        S = allreduce_sum(sum_v exp(z));  loss = log S - z_t
+        z_t, S = allreduce_sum(z[target] on the owning rank, else 0;  sum_v exp(z))
+        loss = log S - z_t
         with label smoothing eps: (1 - eps)(log S - z_t) + eps(log S - mean_{v<V} z_v)
 
     Backward: ``dL/dz = (exp(z)/S - (1-eps) onehot_local(target) - eps/V) * grad_output``, no
@@ -155,9 +154,9 @@ def vocab_parallel_cross_entropy(
     Dtype: computed in float32 whatever the logits dtype (float64 stays float64); the loss is
         returned in that compute dtype and the gradient in the logits dtype.
     Communication:
-        forward: 3 all-reduces of ``numel(target)`` values (max, target logit, sum of exp; the
-        first carries 3 more values: the target checks), a 4th with ``label_smoothing > 0`` (sum
-        of logits). backward: none.
+        forward: 2 all-reduces: the max, ``numel(target)`` values (plus 3: the target checks);
+        then the target logit and the sum of exp, ``2 * numel(target)`` values (``3 *`` with
+        ``label_smoothing > 0``: the sum of logits too). backward: none.
 
     Args:
         logits: this rank's shard of the logits.
@@ -316,7 +315,7 @@ def install_parallel_lm_loss(model: nn.Module, layout) -> list:
     ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns hold 0). Without ``labels`` nothing
     changes: logits are gathered (``generate`` works).
 
-    Communication: with labels, the 3 all-reduces of ``B*T`` values of the loss replace the
+    Communication: with labels, the loss's 2 all-reduces (``B*T`` and ``2*B*T`` values) replace the
     all-gather of ``B*T*V/p`` logits per rank.
 
     Head classes whose loss kind is None (``GPT2DoubleHeadsModel``, ``BertForPreTraining``: a

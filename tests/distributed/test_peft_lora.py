@@ -9,7 +9,7 @@ train 2 AdamW steps on the same batches. Compared:
   parameters on both sides, and the base weights get no gradient;
 * the adapters after the steps: atol 1e-8, rtol 1e-6 (Adam amplifies ~1e-16 gradient noise near
   eps, see test_dp_tp_training.py);
-* collectives of one training step: the all-reduces of the model without adapters (4L + 5 for
+* collectives of one training step: the all-reduces of the model without adapters (4L + 4 for
   GPT-2, the analytic minimum, unchanged with adapters) and at most one more per adapted
   column-parallel layer (it all-reduces its dX with its adapter's dh instead of sharing the one
   all-reduce of the layers reading the same activation: BERT's query/key/value), at most
