@@ -284,7 +284,9 @@ def _exchange(what: str, mine, ranks: list[int]) -> list | None:
                                  f"every rank (a call under `if rank == 0:` is the usual cause: tpify's entry points "
                                  f"are collective); if those ranks are only slower, raise ${AGREEMENT_TIMEOUT_ENV}")
         time.sleep(delay)
-        delay = min(2 * delay, 0.05)
+        # At most 5 ms late after the last rank arrives (a load makes several agreements): a few
+        # hundred store lookups a second while a slow rank is awaited, which the store serves easily.
+        delay = min(2 * delay, 0.005)
     everyone = [pickle.loads(store.get(base + str(r))) for r in ranks]
     if store.add(base + "read", 1) == len(ranks):  # the last reader removes the round's keys
         for key in [base + str(r) for r in ranks] + [base + "read"]:
