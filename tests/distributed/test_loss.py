@@ -71,7 +71,7 @@ def _shard(full, rank, world):
 
 
 def _check_function(rank, world, dtype):
-    from tpify import vocab_parallel_cross_entropy
+    from tpify import count_collectives, vocab_parallel_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     for V in (37, 40):  # uneven (padded) and even vocabularies
@@ -88,8 +88,13 @@ def _check_function(rank, world, dtype):
                 w = torch.rand(ref.shape, generator=g, dtype=torch.float64)
                 (ref * w).sum().backward()
                 local = _shard(full, rank, world).to(dtype).requires_grad_()
-                out = vocab_parallel_cross_entropy(local, target, label_smoothing=eps, reduction=reduction,
-                                                   vocab_size=V)
+                with count_collectives() as counts:
+                    out = vocab_parallel_cross_entropy(local, target, label_smoothing=eps, reduction=reduction,
+                                                       vocab_size=V)
+                # 2 all-reduces: the row maxima (+ 3 target checks), then z_t and S (+ sum z with eps)
+                n = target.numel()
+                assert counts["all_reduce"] == 2, dict(counts)
+                assert counts["all_reduce_numel"] == (n + 3) + (3 if eps > 0 else 2) * n, dict(counts)
                 (out * w.to(out.dtype)).sum().backward()
                 ref_grad = _shard(ref_in.grad, rank, world)
                 assert local.grad.dtype == dtype
