@@ -36,6 +36,11 @@ Implementations, each with its own copy of the model and its own AdamW (default 
   Sequence parallelism: ``DistributedConfig.enable_sequence_parallel`` is documented in 5.23 as
   "Reserved ... Not wired up yet", so there is no HF TP+SP row.
 
+``--pin`` pins rank ``r`` of every group to core ``r`` (``os.sched_setaffinity``; only where tp
+is at most the core count), for every implementation alike; PyTorch's own
+``THP_MEM_ALLOC_ENABLE=1`` in the environment (inherited by the ranks) puts buffers of 2 MiB and
+more on transparent huge pages. Neither is on by default.
+
 How it is measured. Every tp size is one group of ``tp`` worker processes (spawned with
 ``torch.multiprocessing``, one gloo world per group over a ``FileStore``,
 ``GLOO_SOCKET_IFNAME=lo``, ``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=1`` per rank) that
@@ -92,6 +97,7 @@ OUT = ROOT / "benchmarks" / "out"
 PLAIN, TPIFY, TPIFY_SP, DTENSOR, HF_TP = "HF", "tpify", "tpify+SP", "DTensor", "HF TP"
 IMPL_ORDER = [PLAIN, TPIFY, TPIFY_SP, DTENSOR, HF_TP]
 GROUP_TIMEOUT_S = 900
+PIN_ENV = "TPIFY_BENCH_PIN"  # --pin, passed to the spawned ranks
 RESULT_TIMEOUT_S = 3600
 
 
@@ -228,6 +234,8 @@ def _worker(rank: int, tp: int, store_path: str, ckpt: str, shape: Shape, seed: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if os.environ.get(PIN_ENV) == "1" and tp <= (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {rank})  # --pin: rank r of every group on core r
     sys.path.insert(0, str(ROOT))
     try:
         import transformers
@@ -436,7 +444,8 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
              f"- model: {shape.describe()}; one step = forward with labels + backward + AdamW step (+ zero_grad)",
              f"- {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps) per implementation and tp, "
              f"rounds interleaved; median over the timed steps (each the slowest rank's); gloo on CPU, "
-             f"1 thread per rank",
+             f"1 thread per rank; ranks pinned to cores (--pin): {'yes' if args.pin else 'no'}; "
+             f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}",
              f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores; torch {torch.__version__}, "
              f"transformers {transformers.__version__}; started {started}",
              f"- load average before: {load_before}; after: {load_after}; 1-min load after each round: "
@@ -655,6 +664,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch (smoke run)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="also measure tpify with sequence_parallel=True (when tpify supports it)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin rank r of each group to core r (every implementation alike; tp <= cores)")
     parser.add_argument("--profile", action="store_true",
                         help="per-op profile of one tpify and one DTensor step at the first tp > 1 instead")
     parser.add_argument("--profile-top", type=int, default=15, help="ops listed per implementation")
@@ -667,6 +678,7 @@ def main() -> int:
     parser.add_argument("--png", default=None, help="bar chart (default benchmarks/out/step.png)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
+    os.environ[PIN_ENV] = "1" if args.pin else "0"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
