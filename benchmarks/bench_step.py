@@ -444,7 +444,8 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
              f"- model: {shape.describe()}; one step = forward with labels + backward + AdamW step (+ zero_grad)",
              f"- {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps) per implementation and tp, "
              f"rounds interleaved; median over the timed steps (each the slowest rank's); gloo on CPU, "
-             f"1 thread per rank; ranks pinned to cores (--pin): {'yes' if args.pin else 'no'}; "
+             f"1 thread per rank; ranks pinned to cores (--pin): "
+             f"{f'yes, rank r on core r where tp <= {os.cpu_count()}' if args.pin else 'no'}; "
              f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}",
              f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores; torch {torch.__version__}, "
              f"transformers {transformers.__version__}; started {started}",

@@ -83,11 +83,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # of that size costs a pass over memory and, on a CPU, its page faults. S and z_t (and, with
         # label smoothing, sum_v (z_v - m) over the true vocabulary) ride on one all-reduce.
         own_copy = padded is not None or compute_dtype != logits.dtype  # z is not the caller's logits
-        exp_z = z.sub_(m.unsqueeze(-1)) if own_copy else z - m.unsqueeze(-1)
+        shifted = z.sub_(m.unsqueeze(-1)) if own_copy else z - m.unsqueeze(-1)  # z - m
         sums = [z_t]
         if label_smoothing > 0:
-            sums.append((exp_z if padded is None else exp_z.masked_fill(padded, 0.0)).sum(dim=-1))
-        exp_z.exp_()  # exp(-inf) = 0 on the padded columns
+            sums.append((shifted if padded is None else shifted.masked_fill(padded, 0.0)).sum(dim=-1))
+        exp_z = shifted.exp_()  # the same buffer; exp(-inf) = 0 on the padded columns
         sums.append(exp_z.sum(dim=-1))
         packed = torch.stack(sums)
         comm.all_reduce(packed, group)
