@@ -147,30 +147,47 @@ def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -
 
 
 def _all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-gather equal shards along ``dim`` in rank order (one ``all_gather_into_tensor``)."""
+    """All-gather equal shards along ``dim`` in rank order (one ``all_gather_into_tensor``).
+
+    The shards are gathered as they are, into a ``(p, *shape)`` buffer, and the result is that
+    buffer with the rank axis moved next to ``dim`` and merged into it: a contiguous tensor (one
+    copy where ``dim`` is not the outermost non-trivial dimension, e.g. ``T`` of ``(B, T, H)``
+    with ``B > 1``; none otherwise), so its consumers need not copy it again.
+    """
     world = get_tp_size(group)
     if world == 1:
         return tensor
-    moved = tensor.movedim(dim, 0).contiguous()
-    _record("all_gather", moved)
-    out = torch.empty((world * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    dim = dim % tensor.dim()
+    shard = tensor.contiguous()
+    _record("all_gather", shard)
+    shape = tuple(shard.shape)
+    # gloo wants the output as the shards stacked along dim 0: (p * shape[0], *shape[1:])
+    out = torch.empty((world * shape[0],) + shape[1:], dtype=shard.dtype, device=shard.device)
     # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, moved, group=group)
-    return out.movedim(0, dim)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard, group=group)
+    return out.view((world,) + shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum over the group and keep this rank's chunk along ``dim`` (one ``reduce_scatter_tensor``)."""
+    """Sum over the group and keep this rank's chunk along ``dim`` (one ``reduce_scatter_tensor``).
+
+    The input is laid out once as ``(p, ..., n/p, ...)`` (rank ``r``'s chunk contiguous; a copy
+    unless ``dim`` is already outermost) so that the output, this rank's chunk, comes out
+    contiguous in the input's dimension order.
+    """
     world = get_tp_size(group)
     if world == 1:
         return tensor
-    moved = tensor.movedim(dim, 0).contiguous()
-    if moved.shape[0] % world:
-        raise ValueError(f"cannot reduce-scatter a dimension of {moved.shape[0]} over {world} ranks")
-    _record("reduce_scatter", moved)
-    out = torch.empty((moved.shape[0] // world,) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, moved, group=group)
-    return out.movedim(0, dim)
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % world:
+        raise ValueError(f"cannot reduce-scatter a dimension of {tensor.shape[dim]} over {world} ranks")
+    chunks = tensor.unflatten(dim, (world, tensor.shape[dim] // world)).movedim(dim, 0).contiguous()
+    _record("reduce_scatter", chunks)
+    out = torch.empty(tuple(chunks.shape[1:]), dtype=chunks.dtype, device=chunks.device)
+    # the input as the chunks stacked along dim 0: (p * chunk.shape[0], *chunk.shape[1:])
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, chunks.flatten(0, 1),
+                                                                               group=group)
+    return out
 
 
 def _split_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
