@@ -12,7 +12,8 @@
   all), plus one all-gather at the final norm forward and one at the split backward; the only
   all-reduces left are the embedding's, the loss's 2, the LM head's input gradient and one per
   LayerNorm weight / row-parallel bias gradient (small: ``H`` values each);
-* the LayerNorms inside the split stretch see ``(B, T/p, H)``: activation memory ``1/p``;
+* the LayerNorms inside the split stretch see ``(B, T/p, H)``: activation memory ``1/p``; they
+  and the column-parallel layers after each all-gather (``(B, T, H)``) get contiguous inputs;
 * greedy ``generate`` (one token at a time: runs without sequence parallelism) equals dense;
   a training forward whose ``T`` is not divisible by ``tp_size`` raises on every rank; a recipe
   without ``[sequence_parallel]`` is a PlanError.
@@ -55,7 +56,13 @@ def _body(rank, world):
         torch.testing.assert_close(par(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, **TOL)
         seen = []
         norms = [m for m in par.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
-        hooks = [m.register_forward_pre_hook(lambda m, a: seen.append(tuple(a[0].shape))) for m in norms]
+        hooks = [m.register_forward_pre_hook(lambda m, a: seen.append((tuple(a[0].shape), a[0].is_contiguous())))
+                 for m in norms]
+        columns = [m for m in par.modules() if type(m).__name__ == "ColumnParallelLinear"
+                   and m.sequence_parallel is not None]  # those in the gathered modules
+        gathered = []
+        hooks += [m.register_forward_pre_hook(lambda m, a: gathered.append((tuple(a[0].shape), a[0].is_contiguous())))
+                  for m in columns]
         loss_ref = ref(ids, attention_mask=mask, labels=ids).loss
         with comm.count_collectives() as fwd:
             loss_par = par(ids, attention_mask=mask, labels=ids).loss
@@ -70,7 +77,9 @@ def _body(rank, world):
         for fqn, grad in ref_grads.items():
             torch.testing.assert_close(par_grads[fqn], grad, **TOL, msg=lambda m: f"{name} {fqn}: {m}")
             worst = max(worst, float((par_grads[fqn] - grad).abs().max()))
-        assert seen == [(B, T // world, H)] * len(norms), (name, seen)  # 2 per layer + the final one
+        # 2 per layer + the final one; contiguous, as every collective's result is in HF's (B, T, H) order
+        assert seen == [((B, T // world, H), True)] * len(norms), (name, seen)
+        assert columns and gathered == [((B, T, H), True)] * len(columns), (name, gathered)
         shard = B * T * H // world
         assert fwd["all_gather"] == 2 * L + 1 and fwd["all_gather_numel"] == (2 * L + 1) * shard, dict(fwd)
         assert fwd["reduce_scatter"] == 2 * L and fwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(fwd)
