@@ -58,6 +58,8 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "all_reduce",
     "all_reduce_async",
+    "reduce_scatter_dim_async",
+    "all_gather_dim",
     "all_gather_last_dim",
     "barrier",
     "all_gather_objects",
@@ -143,13 +145,15 @@ def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -
 
     Shapes: input ``(..., n)`` on each of the ``p`` ranks, output ``(..., p * n)``.
     """
-    return _all_gather_dim(tensor, -1, group)
+    return all_gather_dim(tensor, -1, group)
 
 
-def _all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-gather equal shards along ``dim`` in rank order (one ``all_gather_into_tensor``).
+def all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather equal shards along ``dim`` in rank order, no autograd rule.
 
-    The shards are gathered as they are, into a ``(p, *shape)`` buffer, and the result is that
+    Shapes: ``(..., n, ...)`` per rank -> ``(..., p * n, ...)``. Communication: one all-gather
+    (``all_gather_into_tensor``) of ``tensor.numel()`` values per rank, counted by
+    :func:`count_collectives` as ``all_gather``. The shards are gathered as they are, into a ``(p, *shape)`` buffer, and the result is that
     buffer with the rank axis moved next to ``dim`` and merged into it: a contiguous tensor (one
     copy where ``dim`` is not the outermost non-trivial dimension, e.g. ``T`` of ``(B, T, H)``
     with ``B > 1``; none otherwise), so its consumers need not copy it again.
@@ -168,16 +172,24 @@ def _all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | N
     return out.view((world,) + shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
-def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum over the group and keep this rank's chunk along ``dim`` (one ``reduce_scatter_tensor``).
+def reduce_scatter_dim_async(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None):
+    """Start a reduce-scatter (sum) of ``tensor`` along ``dim``: ``(out, work)``, where ``out`` will
+    hold this rank's chunk of the sum once ``work.wait()`` returns (``work`` is None for a
+    one-rank group, where ``out`` is ``tensor``).
 
-    The input is laid out once as ``(p, ..., n/p, ...)`` (rank ``r``'s chunk contiguous; a copy
-    unless ``dim`` is already outermost) so that the output, this rank's chunk, comes out
-    contiguous in the input's dimension order.
+    Shapes: ``tensor`` ``(..., n, ...)`` with ``n`` at ``dim``; ``out`` ``(..., n/p, ...)``,
+    contiguous in the input's dimension order. The input is laid out once as ``(p, ..., n/p,
+    ...)`` (rank ``r``'s chunk contiguous; a copy unless ``dim`` is already outermost).
+    Communication: one reduce-scatter of ``tensor.numel()`` values in (counted by
+    :func:`count_collectives` as ``reduce_scatter``). Used by the column-parallel backward under
+    sequence parallelism, overlapped with the weight gradient.
+
+    Raises:
+        ValueError: ``n`` is not divisible by the group size.
     """
     world = get_tp_size(group)
     if world == 1:
-        return tensor
+        return tensor, None
     dim = dim % tensor.dim()
     if tensor.shape[dim] % world:
         raise ValueError(f"cannot reduce-scatter a dimension of {tensor.shape[dim]} over {world} ranks")
@@ -185,8 +197,16 @@ def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup
     _record("reduce_scatter", chunks)
     out = torch.empty(tuple(chunks.shape[1:]), dtype=chunks.dtype, device=chunks.device)
     # the input as the chunks stacked along dim 0: (p * chunk.shape[0], *chunk.shape[1:])
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, chunks.flatten(0, 1),
-                                                                               group=group)
+    work = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        out, chunks.flatten(0, 1), group=group, async_op=True)
+    return out, work
+
+
+def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group and keep this rank's chunk along ``dim`` (one reduce-scatter, waited for)."""
+    out, work = reduce_scatter_dim_async(tensor, dim, group)
+    if work is not None:
+        work.wait()
     return out
 
 
@@ -505,14 +525,14 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim(grad, 1, ctx.group), None
+        return all_gather_dim(grad, 1, ctx.group), None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, partial_grad):
         ctx.group, ctx.partial_grad = group, partial_grad
-        return _all_gather_dim(x, 1, group)
+        return all_gather_dim(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -529,7 +549,7 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim(grad, 1, ctx.group), None
+        return all_gather_dim(grad, 1, ctx.group), None
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

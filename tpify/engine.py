@@ -247,6 +247,11 @@ class SequenceParallel:
     * ``gather``: a forward pre-hook on each attention and MLP module all-gathers its input
       along ``T`` (Megatron's ``g``); its backward reduce-scatters the partial input gradients,
       replacing the column-parallel layers' all-reduce (they issue none while it is active).
+      The gather is a region entry of the layers' :class:`~tpify.layers.ColumnParallelInput`:
+      the layers reading the gathered tensor add up their input gradients, and the last of them
+      starts the one reduce-scatter asynchronously and computes its weight gradient while it
+      runs (Megatron's overlap under sequence parallelism); under ``torch.compile`` the plain
+      :func:`tpify.comm.gather_from_sequence_region`.
       Each row-parallel layer reduce-scatters its output along ``T`` instead of all-reducing
       it (same bytes as the all-reduce it replaces: an all-reduce is a reduce-scatter plus an
       all-gather) and sums its bias gradient.
@@ -269,6 +274,7 @@ class SequenceParallel:
     def __init__(self, tracker, tp_group, tp_size: int):
         self.tracker, self.tp_group, self.tp_size = tracker, tp_group, tp_size
         self.active = False
+        self.region_input = None  # the column-parallel layers' ColumnParallelInput (install)
 
     def install(self, model: nn.Module, where: dict) -> list:
         handles = [model.register_forward_pre_hook(self._reset), model.register_forward_hook(self._reset)]
@@ -277,6 +283,8 @@ class SequenceParallel:
             container = model.get_submodule(fqn)
             handles.append(container.register_forward_pre_hook(self._gather, with_kwargs=True))
             for module in container.modules():
+                if isinstance(module, ColumnParallelLinear):
+                    self.region_input = module.region_input  # the model's one ColumnParallelInput
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                     module.sequence_parallel = self
                     if isinstance(module, RowParallelLinear):  # its output is split again: the per-rank stream
@@ -305,7 +313,12 @@ class SequenceParallel:
         if not self.active:
             return None
         hidden, where = _hidden(args, kwargs)
-        return _replace(args, kwargs, where, comm.gather_from_sequence_region(hidden, self.tp_group, True))
+        if self.region_input is None or torch.compiler.is_compiling():
+            # the plain g (under torch.compile the compiler schedules the collectives itself)
+            return _replace(args, kwargs, where, comm.gather_from_sequence_region(hidden, self.tp_group, True))
+        # a region entry the column-parallel layers inside share: one reduce-scatter of their summed
+        # input gradients, overlapped with the last one's weight gradient
+        return _replace(args, kwargs, where, self.region_input.gather(hidden, self.tp_group))
 
     def _after_row(self, module, args, output):
         if self.active and module.training:

@@ -57,59 +57,80 @@ class _InputGradSum:
 
     ``consumers`` counts, in forward, the layers that read the input with gradients on. In a
     backward pass each of them adds its partial input gradient to ``pending`` (their local sum)
-    instead of handing it to autograd; the last to arrive starts the one all-reduce of the sum
-    asynchronously and computes its weight gradient while it runs. The entry node
-    (:class:`_EnterColumnParallelRegion`), which autograd runs after every consumer, hands the
-    reduced sum on, or reduces it itself when fewer consumers ran than read the input (an output
-    left out of the loss). The state belongs to one backward pass (``task``): a pass that reached
-    the consumers but not the entry (``torch.autograd.grad`` with respect to weights only) leaves
-    a stale sum that the next pass discards.
+    instead of handing it to autograd; the last to arrive starts the one reduction of the sum
+    asynchronously and computes its weight gradient while it runs. The reduction is an all-reduce
+    (``scatter_dim`` None: tensor parallelism's ``f``, ``result`` is ``pending`` summed in place)
+    or, under sequence parallelism, a reduce-scatter along ``scatter_dim`` (``result`` is this
+    rank's tokens of the sum). The entry node (:class:`_EnterColumnParallelRegion`), which
+    autograd runs after every consumer, hands ``result`` on, or reduces the sum itself when fewer
+    consumers ran than read the input (an output left out of the loss). The state belongs to one
+    backward pass (``task``): a pass that reached the consumers but not the entry
+    (``torch.autograd.grad`` with respect to weights only) leaves a stale sum that the next pass
+    discards.
     """
 
-    __slots__ = ("consumers", "task", "pending", "arrived", "reduced")
+    __slots__ = ("consumers", "scatter_dim", "task", "pending", "arrived", "result")
 
-    def __init__(self):
+    def __init__(self, scatter_dim: int | None = None):
         self.consumers = 0
+        self.scatter_dim = scatter_dim
         self.reset(None)
 
     def reset(self, task: int | None) -> None:
-        self.task, self.pending, self.arrived, self.reduced = task, None, 0, False
+        self.task, self.pending, self.arrived, self.result = task, None, 0, None
+
+    def reduce_async(self, tensor: torch.Tensor, group) -> tuple[torch.Tensor, object | None]:
+        """Start this entry's reduction of ``tensor``: (the result once waited for, the work handle)."""
+        if self.scatter_dim is None:
+            return tensor, comm.all_reduce_async(tensor, group)
+        return comm.reduce_scatter_dim_async(tensor, self.scatter_dim, group)
+
+    def reduce(self, tensor: torch.Tensor, group) -> torch.Tensor:
+        """This entry's reduction of ``tensor``, waited for."""
+        out, work = self.reduce_async(tensor, group)
+        if work is not None:
+            work.wait()
+        return out
 
     def add(self, grad_x: torch.Tensor, group) -> object | None:
-        """Add one consumer's partial input gradient; the all-reduce's work handle if it was the last."""
+        """Add one consumer's partial input gradient; the reduction's work handle if it was the last."""
         task = _graph_task_id()
         if self.task != task:
             self.reset(task)
         self.pending = grad_x if self.pending is None else self.pending.add_(grad_x)
         self.arrived += 1
         if self.arrived == self.consumers:
-            self.reduced = True
-            return comm.all_reduce_async(self.pending, group)
+            self.result, work = self.reduce_async(self.pending, group)
+            return work
         return None
 
 
 class _EnterColumnParallelRegion(torch.autograd.Function):
-    """Megatron's ``f`` for a replicated input shared by column-parallel layers: identity
-    forward; backward: the all-reduced sum of the consumers' input gradients (see
-    :class:`_InputGradSum`)."""
+    """Where a replicated activation enters the column-parallel layers that share it.
+
+    Tensor parallelism (``state.scatter_dim`` None): Megatron's ``f``, identity forward. Sequence
+    parallelism: Megatron's ``g``, the all-gather of the tokens ``(B, T/p, H) -> (B, T, H)``
+    forward. Backward: the reduced sum of the consumers' input gradients (all-reduced, or
+    reduce-scattered back to this rank's tokens; see :class:`_InputGradSum`)."""
 
     @staticmethod
     def forward(ctx, x, group, state):
         ctx.group, ctx.state = group, state
         ctx.set_materialize_grads(False)
-        return x.view_as(x)
+        if state.scatter_dim is None:
+            return x.view_as(x)
+        return comm.all_gather_dim(x, state.scatter_dim, group)
 
     @staticmethod
     def backward(ctx, grad):
         state = ctx.state
         total = None
         if state.task == _graph_task_id() and state.pending is not None:
-            total = state.pending
-            if not state.reduced:  # a consumer's output did not reach this pass's loss
-                comm.all_reduce(total, ctx.group)
+            # the last consumer started the reduction and waited for it; else one did not run
+            total = state.result if state.result is not None else state.reduce(state.pending, ctx.group)
         state.reset(None)
-        if grad is not None:  # defensive: only the consumers read the entry's output, and they return None
-            grad = comm.all_reduce(grad.clone(), ctx.group)
+        if grad is not None:  # a reader other than the sharing layers (or one not sharing): its partial gradient
+            grad = state.reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group)
             total = grad if total is None else total + grad
         return total, None, None
 
@@ -127,26 +148,50 @@ class ColumnParallelInput:
     overlaps a weight-gradient matmul (the last consumer's, :class:`_InputGradSum`). The cached
     entry is dropped when the model's forward returns.
 
-    Shapes: the input ``(B, T, H)`` (any shape), replicated on every rank; the entry is a view of it.
-    Communication: forward none; backward one all-reduce (sum) of the input's shape per shared
-    input, issued by the last consumer (or by the entry node when a consumer's output did not
-    reach the loss). Errors: none of its own. Method: Megatron-LM's ``f`` operator
-    (arXiv:1909.08053, section 3), applied once per activation as its fused QKV layer does.
+    Under sequence parallelism the entry is the all-gather of the tokens (:meth:`gather`, called
+    by the sequence-parallel hook before attention or the MLP); the layers reading the gathered
+    tensor share it the same way (:meth:`lookup`), and its backward is one reduce-scatter of their
+    summed input gradients, started by the last of them and overlapped with its weight gradient.
+
+    Shapes: the input ``(B, T, H)`` (any shape), replicated on every rank; the entry is a view of
+    it (sequence parallelism: ``(B, T/p, H)`` in, ``(B, T, H)`` gathered out).
+    Communication: forward none (sequence parallelism: one all-gather); backward one all-reduce
+    (sum) of the input's shape per shared input (sequence parallelism: one reduce-scatter),
+    issued by the last consumer (or by the entry node when a consumer's output did not reach the
+    loss). Errors: none of its own. Method: Megatron-LM's ``f`` operator (arXiv:1909.08053,
+    section 3), applied once per activation as its fused QKV layer does; with sequence
+    parallelism ``g``/``g-bar`` (Korthikanti et al., arXiv:2205.05198, section 4.2.2).
     """
 
     def __init__(self):
-        self._cached = None  # (weakref to x, x._version, entry output, _InputGradSum)
+        self._cached = None  # (weakref to the layers' input, its _version, entry output, _InputGradSum)
 
     def enter(self, x: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, _InputGradSum]:
         """``x``'s region entry and its gradient bookkeeping, created once per input tensor.
         Call only with gradients recorded for ``x`` (``torch.is_grad_enabled() and x.requires_grad``)."""
-        cached = self._cached
-        if cached is not None and cached[0]() is x and cached[1] == x._version:
-            return cached[2], cached[3]
+        cached = self.lookup(x)
+        if cached is not None:
+            return cached
         state = _InputGradSum()
         y = _EnterColumnParallelRegion.apply(x, group, state)
         self._cached = (weakref.ref(x), x._version, y, state)
         return y, state
+
+    def gather(self, x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> torch.Tensor:
+        """Sequence parallelism: all-gather ``x`` along ``dim`` (``(B, T/p, H) -> (B, T, H)``) as a
+        region entry whose backward reduce-scatters the summed input gradients of the layers
+        that read the result (they find it with :meth:`lookup`)."""
+        state = _InputGradSum(scatter_dim=dim)
+        y = _EnterColumnParallelRegion.apply(x, group, state)
+        self._cached = (weakref.ref(y), y._version, y, state)
+        return y
+
+    def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, _InputGradSum] | None:
+        """The cached entry and bookkeeping for input ``x`` (the same object, unmodified), or None."""
+        cached = self._cached
+        if cached is not None and cached[0]() is x and cached[1] == x._version:
+            return cached[2], cached[3]
+        return None
 
     def clear(self, *_args) -> None:
         """Drop the cached entry (a forward hook of the model's root module)."""
@@ -275,8 +320,9 @@ class ColumnParallelLinear(_ParallelLinear):
         layers of ``region_input`` that read the same tensor (:class:`ColumnParallelInput`: one
         all-reduce of their summed input gradients, not one each); with replicated
         parts, one more of their weight (and bias) gradient rows. With sequence parallelism
-        active: none here (the input was all-gathered along ``T`` before the layer, and that
-        gather's backward reduce-scatters the input gradient).
+        active: none of its own (the input was all-gathered along ``T`` before the layer, by a
+        region entry of ``region_input`` whose one reduce-scatter of the summed input gradients
+        the last layer reading it starts, overlapped with its weight gradient).
     Dtype: the parameters' dtype; no casting.
     Raises:
         ValueError: a part of the output features is not divisible by ``tp_size``; a packed
@@ -333,9 +379,18 @@ class ColumnParallelLinear(_ParallelLinear):
                                           self.tp_group)
             weight, bias = summed[0], (summed[1] if len(summed) > 1 else None)
         if self.sequence_parallel is not None and self.sequence_parallel.active:
-            # sequence parallelism: the input was all-gathered along T by the enclosing module's hook,
-            # whose backward reduce-scatters the partial input gradients (instead of copy's all-reduce)
-            y = _matmul(x, weight, bias, self.weight_layout)
+            # sequence parallelism: the input was all-gathered along T by the enclosing module's hook
+            # (a region entry of region_input), whose backward reduce-scatters the partial input
+            # gradients instead of copy's all-reduce: the layers reading that tensor share it, and the
+            # last of them starts it overlapped with its weight gradient; any other input's partial
+            # gradient flows back to that entry through autograd
+            overlap = self.overlap_grad_reduce and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            shared = self.region_input.lookup(x) if overlap else None
+            if shared is not None and x.requires_grad:
+                shared[1].consumers += 1
+                y = _ColumnParallelMatmul.apply(x, weight, bias, self.tp_group, self.weight_layout, shared[1])
+            else:
+                y = _matmul(x, weight, bias, self.weight_layout)
         elif self.tp_size > 1 and self.overlap_grad_reduce and not torch.compiler.is_compiling():
             if torch.is_grad_enabled() and x.requires_grad:
                 entry, state = self.region_input.enter(x, self.tp_group)

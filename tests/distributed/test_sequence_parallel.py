@@ -13,7 +13,8 @@
   all-reduces left are the embedding's, the loss's 2, the LM head's input gradient and one per
   LayerNorm weight / row-parallel bias gradient (small: ``H`` values each);
 * the LayerNorms inside the split stretch see ``(B, T/p, H)``: activation memory ``1/p``; they
-  and the column-parallel layers after each all-gather (``(B, T, H)``) get contiguous inputs;
+  and the column-parallel layers after each all-gather (``(B, T, H)``) get contiguous inputs,
+  and those layers share the gather's reduce-scatter (the overlapped matmul in each);
 * greedy ``generate`` (one token at a time: runs without sequence parallelism) equals dense;
   a training forward whose ``T`` is not divisible by ``tp_size`` raises on every rank; a recipe
   without ``[sequence_parallel]`` is a PlanError.
@@ -63,6 +64,9 @@ def _body(rank, world):
         gathered = []
         hooks += [m.register_forward_pre_hook(lambda m, a: gathered.append((tuple(a[0].shape), a[0].is_contiguous())))
                   for m in columns]
+        backward_of = []  # the shared entry's overlapped matmul, not a plain one, in every gathered column layer
+        hooks += [m.register_forward_hook(lambda m, a, out: backward_of.append(type(out.grad_fn).__name__))
+                  for m in columns]
         loss_ref = ref(ids, attention_mask=mask, labels=ids).loss
         with comm.count_collectives() as fwd:
             loss_par = par(ids, attention_mask=mask, labels=ids).loss
@@ -80,6 +84,7 @@ def _body(rank, world):
         # 2 per layer + the final one; contiguous, as every collective's result is in HF's (B, T, H) order
         assert seen == [((B, T // world, H), True)] * len(norms), (name, seen)
         assert columns and gathered == [((B, T, H), True)] * len(columns), (name, gathered)
+        assert backward_of == ["_ColumnParallelMatmulBackward"] * len(columns), (name, backward_of)
         shard = B * T * H // world
         assert fwd["all_gather"] == 2 * L + 1 and fwd["all_gather_numel"] == (2 * L + 1) * shard, dict(fwd)
         assert fwd["reduce_scatter"] == 2 * L and fwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(fwd)

@@ -458,6 +458,71 @@ def column_linears_sharing_an_input_all_reduce_its_gradient_once(c):
 
 
 @_check
+def column_linears_sharing_a_sequence_parallel_gather_reduce_scatter_once(c):
+    """Sequence parallelism: the all-gather of the tokens ``(B, T/p, H) -> (B, T, H)`` is a region
+    entry (``ColumnParallelInput.gather``); the layers reading the gathered tensor share it, and
+    their summed input gradient is reduce-scattered back to this rank's tokens once (started by
+    the last of them, overlapped with its weight gradient), equal to dense's; a consumer whose
+    output is left out of the loss, and one that does not share (``overlap_grad_reduce=False``:
+    its partial gradient reaches the entry through autograd, reduce-scattered on its own), stay
+    exact."""
+    from tpify.layers import ColumnParallelInput
+
+    denses = [_dense(nn.Linear(6, 8), 170 + 10 * i) for i in range(3)]
+    shared = ColumnParallelInput()
+    layers = [ColumnParallelLinear.from_dense(d, c.group) for d in denses]
+    for layer in layers:
+        layer.region_input = shared
+        layer.sequence_parallel = SimpleNamespace(active=True)
+    x = _t(200, (2, 4, 6))  # (B, T, H): rank r holds tokens [2r, 2r + 2)
+    gouts = [_t(201 + i, (2, 4, 8)) for i in range(3)]
+
+    def dense_grads(used):
+        xd = x.clone().requires_grad_()
+        for d in denses:
+            d.zero_grad()
+        sum((d(xd) * g).sum() for i, (d, g) in enumerate(zip(denses, gouts)) if i in used).backward()
+        return xd.grad[:, c.rank * 2:(c.rank + 1) * 2], [d.weight.grad for d in denses]
+
+    def parallel(used, plain=()):
+        xp = x[:, c.rank * 2:(c.rank + 1) * 2].clone().requires_grad_()
+        for i, layer in enumerate(layers):
+            layer.zero_grad()
+            layer.overlap_grad_reduce = i not in plain
+        shared.clear()
+        with comm.count_collectives() as fwd:
+            gathered = shared.gather(xp, c.group)
+        outs = [layer(gathered) for layer in layers]
+        consumers = shared.lookup(gathered)[1].consumers
+        local = [g[..., c.rank * 4:(c.rank + 1) * 4] for g in gouts]
+        loss = sum((o * g).sum() for i, (o, g) in enumerate(zip(outs, local)) if i in used)
+        with comm.count_collectives() as bwd:
+            loss.backward()
+        weights = [None if layer.weight.grad is None
+                   else shard_spec_of(layer.weight).gather(layer.weight.grad, c.group) for layer in layers]
+        return xp.grad, weights, dict(fwd), dict(bwd), consumers, tuple(gathered.shape), gathered.is_contiguous()
+
+    results = {"all": (parallel({0, 1, 2}), {0, 1, 2}, 1, 3),
+               "one left out": (parallel({0, 2}), {0, 2}, 1, 3),
+               "one not sharing": (parallel({0, 1, 2}, plain=(1,)), {0, 1, 2}, 2, 2)}
+    for layer in layers:
+        layer.overlap_grad_reduce = True
+    # --- asserts only from here on
+    for name, ((xg, wgs, fwd, bwd, consumers, shape, contiguous), used, scatters, sharing) in results.items():
+        ref_x, ref_w = dense_grads(used)
+        torch.testing.assert_close(xg, ref_x, **TOL, msg=lambda m: f"{name}: input gradient: {m}")
+        for i in range(3):
+            if i not in used:
+                assert wgs[i] is None, name
+            else:
+                torch.testing.assert_close(wgs[i], ref_w[i], **TOL, msg=lambda m: f"{name}: weight {i}: {m}")
+        assert (shape, contiguous, consumers) == ((2, 4, 6), True, sharing), (name, shape, contiguous, consumers)
+        assert fwd == {"all_gather": 1, "all_gather_numel": 24}, (name, fwd)
+        # the shared sum reduce-scattered once (48 values in, 24 out per rank); a non-sharing reader once more
+        assert bwd == {"reduce_scatter": scatters, "reduce_scatter_numel": 48 * scatters}, (name, bwd)
+
+
+@_check
 def column_embedding_splits_heads(c):
     """``embedding_colwise``: T5's relative attention bias, columns = heads; no communication."""
     dense = _dense(nn.Embedding(10, 4), 80)
@@ -547,6 +612,10 @@ def test_column_parallel_overlapped_backward(tp2):
 
 def test_column_parallel_layers_sharing_an_input_all_reduce_its_gradient_once(tp2):
     _ok(tp2, "column_linears_sharing_an_input_all_reduce_its_gradient_once")
+
+
+def test_column_parallel_layers_sharing_a_sequence_parallel_gather_reduce_scatter_once(tp2):
+    _ok(tp2, "column_linears_sharing_a_sequence_parallel_gather_reduce_scatter_once")
 
 
 def test_column_parallel_embedding_and_scaled_vocab_embedding(tp2):
