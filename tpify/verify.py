@@ -558,10 +558,10 @@ def _accepts(cls: type, name: str) -> bool:
 _PAD_RIGHT = {"bloom"}
 
 
-def _make_inputs(task: str, cls: type, config) -> tuple[dict, dict, dict | None]:
+def _make_inputs(task: str, cls: type, config, tokens: int = _T) -> tuple[dict, dict, dict | None]:
     """``(inputs, labels, generate kwargs or None)`` for one case, the same on every rank.
 
-    ``inputs`` (no labels): ``input_ids`` ``(B, T)`` = (2, 10) of ordinary tokens, the second
+    ``inputs`` (no labels): ``input_ids`` ``(B, T)`` = (2, ``tokens``, 10 by default) of ordinary tokens, the second
     row left-padded by 3 pad tokens and ``attention_mask`` 0 there; ``(B, C, T)`` for multiple
     choice; ``decoder_input_ids`` ``(B, 6)`` for the base and LM classes of encoder-decoders.
     ``labels``: what the head's loss takes, ``-100`` at some positions (and at padding).
@@ -572,7 +572,7 @@ def _make_inputs(task: str, cls: type, config) -> tuple[dict, dict, dict | None]
     specials = [v for k, v in config.to_dict().items()
                 if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 64]
     low = min(max(specials, default=-1) + 1, vocab - 1)
-    shape = (_B, _C, _T) if task in ("multiple-choice", "double-heads") else (_B, _T)
+    shape = (_B, _C, tokens) if task in ("multiple-choice", "double-heads") else (_B, tokens)
     ids = torch.randint(low, vocab, shape, generator=g)
     mask = torch.ones_like(ids)
     padded = slice(-_PAD_LEFT, None) if config.model_type in _PAD_RIGHT else slice(None, _PAD_LEFT)
@@ -604,7 +604,7 @@ def _make_inputs(task: str, cls: type, config) -> tuple[dict, dict, dict | None]
     elif task == "sequence-classification":
         labels = {"labels": torch.randint(0, num_labels, (_B,), generator=g)}
     elif task == "token-classification":
-        tl = torch.randint(0, num_labels, (_B, _T), generator=g)
+        tl = torch.randint(0, num_labels, (_B, tokens), generator=g)
         tl[mask == 0] = -100
         labels = {"labels": tl}
     elif task == "question-answering":
@@ -617,7 +617,7 @@ def _make_inputs(task: str, cls: type, config) -> tuple[dict, dict, dict | None]
         labels = {"labels": token_labels, "next_sentence_label": torch.tensor([1, 0])}
     elif task == "double-heads":
         labels = {"labels": token_labels, "mc_labels": torch.tensor([1, 0])}
-        inputs["mc_token_ids"] = torch.full((_B, _C), _T - 1)
+        inputs["mc_token_ids"] = torch.full((_B, _C), tokens - 1)
     labels = {k: v for k, v in labels.items() if _accepts(cls, k)}
     gen = None
     if task in GENERATIVE_TASKS:
@@ -717,9 +717,12 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
        without labels (base models) take a fixed random projection of their outputs instead.
     4. ``gradients (N tensors)``: every parameter's gradient after ``backward``, sharded ones
        gathered (:func:`dense_named`); a gradient on one side only fails.
-    5. ``generate``: greedy ``generate()`` (5 new tokens, KV cache, the padded batch) for causal
+    5. ``sequence parallel: ...``, where the recipe has a ``[sequence_parallel]`` table: steps
+       2 to 4 again with ``parallelize(..., sequence_parallel=True)`` on a batch of ``T`` = 10
+       rounded up to a multiple of ``tp_size`` tokens, against a fresh copy of the reference.
+    6. ``generate``: greedy ``generate()`` (5 new tokens, KV cache, the padded batch) for causal
        and seq2seq LMs: identical token ids.
-    6. ``save``/``save/load``: ``tpify.save_pretrained`` to ``workdir``; the checkpoint read by
+    7. ``save``/``save/load``: ``tpify.save_pretrained`` to ``workdir``; the checkpoint read by
        plain transformers (``cls.from_pretrained(dtype=float64)``) holds the dense weights bit
        for bit; ``tpify.from_pretrained(tp_size=..., torch_dtype="float64")`` of it gives the
        outputs that transformers' own dense load of it gives (the loaded model is compared with
@@ -823,11 +826,8 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
 
         run("loss", loss)
 
-        def gradients():
-            loss_ref, loss_par = state["losses"]
-            loss_ref.backward()
-            loss_par.backward()
-            ref_g, par_g = dense_named(ref, "grad"), dense_named(par, "grad")
+        def compare_gradients(check, par_model, ref_model):
+            ref_g, par_g = dense_named(ref_model, "grad"), dense_named(par_model, "grad")
             problems, worst = [], 0.0
             if ref_g.keys() != par_g.keys():
                 problems.append(f"parameter names differ: dense only {sorted(set(ref_g) - set(par_g))[:5]}, "
@@ -844,10 +844,40 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
                 if not ok:
                     problems.append(f"{name}: max |diff| {diff:.3g} ({why})")
             n = sum(1 for g in ref_g.values() if g is not None)
-            row(f"gradients ({n} tensors)", worst, not problems,
+            row(f"{check} ({n} tensors)", worst, not problems,
                 "\n".join(sorted(problems)[:8]) + (f"\n... {len(problems) - 8} more" if len(problems) > 8 else ""))
 
+        def gradients():
+            loss_ref, loss_par = state["losses"]
+            loss_ref.backward()
+            loss_par.backward()
+            compare_gradients("gradients", par, ref)
+
         run("gradients", gradients)
+
+        def sequence_parallel():
+            # the recipe's [sequence_parallel] regions: outputs, loss and every gradient again, with
+            # sequence_parallel=True, on a batch whose length tp_size divides
+            if par.tp_info.layout.recipe.sequence_parallel is None:
+                return
+            tokens = tp_size * -(-_T // tp_size)
+            sp_inputs, sp_labels, _ = _make_inputs(task, cls, config, tokens)
+            dense = copy.deepcopy(ref)
+            dense.zero_grad(set_to_none=True)
+            sp = tpify.parallelize(copy.deepcopy(dense), tp_group=group, recipe=recipe, sequence_parallel=True)
+            with torch.no_grad():
+                compare_outputs("sequence parallel: forward", sp(**sp_inputs), dense(**sp_inputs))
+            if sp_labels:  # (with labels the LM heads keep their logits vocab-sharded: compared above)
+                loss_dense, loss_sp = _loss_of(dense(**sp_inputs, **sp_labels)), _loss_of(sp(**sp_inputs, **sp_labels))
+            else:
+                loss_dense, loss_sp = _synthetic_loss(dense(**sp_inputs)), _synthetic_loss(sp(**sp_inputs))
+            diff, ok, why = compare(loss_sp, loss_dense)
+            row(f"sequence parallel: loss (T = {tokens})", diff, ok, why)
+            loss_dense.backward()
+            loss_sp.backward()
+            compare_gradients("sequence parallel: gradients", sp, dense)
+
+        run("sequence parallel", sequence_parallel)
 
         def generate():
             if gen is None:

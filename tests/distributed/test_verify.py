@@ -4,7 +4,8 @@
   later are picked up), every head class of its family, on the family's small random config
   (:func:`tpify.verify.small_config`), at tp = 2 in ONE spawned job (tp = 4: slow): outputs with
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
-  save/load round trip. Tolerance ``atol=1e-10, rtol=1e-9`` in float64: both sides compute the
+  save/load round trip, and for the recipes with a ``[sequence_parallel]`` table the outputs,
+  loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10, rtol=1e-9`` in float64: both sides compute the
   same thing and only the order of the sums differs (a few ulps: measured <= 9.1e-13, phi's base
   model gradients); a wrong shard gives >= 1e-3
   (the negative control below measures 0.12). A directory target (a small tied-embedding Llama
@@ -122,6 +123,15 @@ def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tmp_path):
     report = verify_many(targets, (2,), timeout_s=1500)
     _timings(report, 2)
     _check_families(report, families, 2)
+
+    # the recipes with a [sequence_parallel] table are verified with it too, every head class
+    with_sp = {m for m in families if "sequence_parallel" in _recipe_toml(m)}
+    assert {"gpt2", "llama"} <= with_sp, with_sp
+    for family in with_sp:
+        heads = {r.head for r in report.rows if r.target == family}
+        sp_heads = {r.head for r in report.rows
+                    if r.target == family and r.check.startswith("sequence parallel: gradients")}
+        assert sp_heads == heads, (family, heads - sp_heads)
 
     tied = [r for r in report.rows if r.target == "llama-tied directory"]
     assert {r.head for r in tied} == {"LlamaModel", "LlamaForCausalLM"} and all(r.passed for r in tied), tied
