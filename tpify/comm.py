@@ -155,9 +155,9 @@ def all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | No
     (``all_gather_into_tensor``) of ``tensor.numel()`` values per rank, counted by
     :func:`count_collectives` as ``all_gather``. The shards are gathered as they are, into a
     ``(p, *shape)`` buffer, and the result is that buffer with the rank axis moved next to
-    ``dim`` and merged into it: a contiguous tensor (one
-    copy where ``dim`` is not the outermost non-trivial dimension, e.g. ``T`` of ``(B, T, H)``
-    with ``B > 1``; none otherwise), so its consumers need not copy it again.
+    ``dim`` and merged into it: a contiguous tensor (one copy where ``dim`` is not the outermost
+    non-trivial dimension, e.g. ``T`` of ``(B, T, H)`` with ``B > 1``; none otherwise), so its
+    consumers need not copy it again.
     """
     world = get_tp_size(group)
     if world == 1:
