@@ -561,9 +561,10 @@ _PAD_RIGHT = {"bloom"}
 def _make_inputs(task: str, cls: type, config, tokens: int = _T) -> tuple[dict, dict, dict | None]:
     """``(inputs, labels, generate kwargs or None)`` for one case, the same on every rank.
 
-    ``inputs`` (no labels): ``input_ids`` ``(B, T)`` = (2, ``tokens``, 10 by default) of ordinary tokens, the second
-    row left-padded by 3 pad tokens and ``attention_mask`` 0 there; ``(B, C, T)`` for multiple
-    choice; ``decoder_input_ids`` ``(B, 6)`` for the base and LM classes of encoder-decoders.
+    ``inputs`` (no labels): ``input_ids`` ``(B, T)`` = (2, ``tokens``; 10 by default) of ordinary
+    tokens, the second row left-padded by 3 pad tokens and ``attention_mask`` 0 there;
+    ``(B, C, T)`` for multiple choice; ``decoder_input_ids`` ``(B, 6)`` for the base and LM
+    classes of encoder-decoders.
     ``labels``: what the head's loss takes, ``-100`` at some positions (and at padding).
     """
     g = torch.Generator().manual_seed(1)
@@ -647,6 +648,14 @@ def _synthetic_loss(out) -> torch.Tensor:
     if total is None:
         raise ValueError("the model returned no floating output to take gradients from")
     return total
+
+
+def _case_loss(model, inputs: dict, labels: dict) -> torch.Tensor:
+    """The scalar a case differentiates: the model's loss with ``labels``, or, for a class without
+    labels, a fixed random projection of its outputs (:func:`_synthetic_loss`)."""
+    if labels:
+        return _loss_of(model(**inputs, **labels))
+    return _synthetic_loss(model(**inputs))
 
 
 def _loss_of(out) -> torch.Tensor:
@@ -813,15 +822,10 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
         run("forward", forward)
 
         def loss():
-            if labels:
-                loss_ref = _loss_of(ref(**inputs, **labels))
-                loss_par = _loss_of(par(**inputs, **labels))
-                diff, ok, why = compare(loss_par, loss_ref)
-                row(f"labels= loss ({', '.join(labels)})", diff, ok, why)
-            else:  # no labels for this class: a fixed projection of every output
-                loss_ref, loss_par = _synthetic_loss(ref(**inputs)), _synthetic_loss(par(**inputs))
-                diff, ok, why = compare(loss_par, loss_ref)
-                row("outputs x fixed weights (no labels)", diff, ok, why)
+            loss_ref, loss_par = _case_loss(ref, inputs, labels), _case_loss(par, inputs, labels)
+            diff, ok, why = compare(loss_par, loss_ref)
+            row(f"labels= loss ({', '.join(labels)})" if labels else "outputs x fixed weights (no labels)", diff, ok,
+                why)
             state["losses"] = (loss_ref, loss_par)
 
         run("loss", loss)
@@ -867,10 +871,8 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
             sp = tpify.parallelize(copy.deepcopy(dense), tp_group=group, recipe=recipe, sequence_parallel=True)
             with torch.no_grad():
                 compare_outputs("sequence parallel: forward", sp(**sp_inputs), dense(**sp_inputs))
-            if sp_labels:  # (with labels the LM heads keep their logits vocab-sharded: compared above)
-                loss_dense, loss_sp = _loss_of(dense(**sp_inputs, **sp_labels)), _loss_of(sp(**sp_inputs, **sp_labels))
-            else:
-                loss_dense, loss_sp = _synthetic_loss(dense(**sp_inputs)), _synthetic_loss(sp(**sp_inputs))
+            # (a forward of its own: with labels the LM heads keep their logits vocab-sharded)
+            loss_dense, loss_sp = _case_loss(dense, sp_inputs, sp_labels), _case_loss(sp, sp_inputs, sp_labels)
             diff, ok, why = compare(loss_sp, loss_dense)
             row(f"sequence parallel: loss (T = {tokens})", diff, ok, why)
             loss_dense.backward()

@@ -5,9 +5,9 @@
   (:func:`tpify.verify.small_config`), at tp = 2 in ONE spawned job (tp = 4: slow): outputs with
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
   save/load round trip, and for the recipes with a ``[sequence_parallel]`` table the outputs,
-  loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10, rtol=1e-9`` in float64: both sides compute the
-  same thing and only the order of the sums differs (a few ulps: measured <= 9.1e-13, phi's base
-  model gradients); a wrong shard gives >= 1e-3
+  loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10,
+  rtol=1e-9`` in float64: both sides compute the same thing and only the order of the sums
+  differs (a few ulps: measured <= 9.1e-13, phi's base model gradients); a wrong shard gives >= 1e-3
   (the negative control below measures 0.12). A directory target (a small tied-embedding Llama
   config.json, used as it is) runs in the same job.
 * Negative controls in the same job: a gpt2 recipe that passes validation but splits the packed
