@@ -14,26 +14,29 @@ a meta model next to its checkpoint checks, agrees once on both, runs 3, then re
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .engine import apply_layout
+from .engine import BatchCheck, apply_layout
 from .layout import Layout, build_layout
 from .integrations.model import check_before_parallelize
 from .integrations.model import install as install_hf_methods
 from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
 from .recipe import Recipe, available_recipes, load_recipe
+from .sharding import shard_spec_of
 
 __all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish", "resolve_recipe"]
 
 
 @dataclass
-class TPInfo:
+class TPInfo(comm.SharesProcessGroups):
     """What tpify did to a model; stored as ``model.tp_info`` (the one attribute tpify sets on the
     root model; a model is parallelized by tpify exactly when it has one).
 
@@ -42,8 +45,19 @@ class TPInfo:
         tp_group, dp_group: the process groups (``None``: the default group / no DP group).
         layout: the :class:`~tpify.layout.Layout` the model was split by.
         rng: the model's dropout-stream tracker (:class:`tpify.random.RNGStreamTracker`).
-        hooks: every hook handle tpify added (dropout streams, the parallel LM loss, the DDP
-            guard); :func:`remove_hooks` removes them.
+        hooks: the hook handles that make the model compute what the dense one does (dropout
+            streams, head inputs, sequence parallelism, the parallel LM loss);
+            :func:`remove_hooks` removes them.
+        guards: the hook handles that refuse what would be silently wrong (inputs that differ
+            between the ranks of the TP group, a foreign DDP, TRL's fused LM head); kept by
+            :func:`remove_hooks`.
+        specs: every parameter's :class:`~tpify.sharding.ShardSpec` (``None``: replicated), by
+            FQN in the parallelized model, recorded after surgery: a wrapper that replaces the
+            parameters (FSDP2's ``fully_shard``) drops the ``tp_shard_spec`` attribute, and
+            the gradient norm, the replica check and saving then read the spec from here.
+        dp_source: how ``dp_group`` was found: ``"mesh"`` (the ``("dp", "tp")`` DeviceMesh),
+            ``"argument"`` (``parallelize(dp_group=...)``), ``"inferred"`` (from the TP groups of
+            every rank: the ranks holding the same TP rank) or ``"none"`` (no data parallelism).
     """
 
     tp_size: int
@@ -53,6 +67,9 @@ class TPInfo:
     layout: Layout
     rng: object = None
     hooks: list = field(default_factory=list)
+    guards: list = field(default_factory=list)
+    specs: dict = field(default_factory=dict)
+    dp_source: str = "none"
 
 
 def get_tp_info(model: nn.Module) -> TPInfo:
@@ -87,11 +104,45 @@ def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None"
     return load_recipe(model_type)
 
 
+#: Elements of each tensor that :func:`weights_digest` samples.
+_SAMPLES_PER_TENSOR = 16
+
+
+def weights_digest(tensors) -> str | None:
+    """A digest of a sample of the values of ``tensors`` (``None`` if any is on the meta device).
+
+    The ranks of a TP group must start from the same dense weights: a model built with
+    ``from_config`` without a common seed holds different random weights on each rank, and its
+    shards would make a model that exists nowhere, with replicated weights that differ. Up to
+    16 evenly spaced elements of each tensor (first and last included) are compared, by their
+    values converted to float64 (exact for every floating and integer dtype up to 2**53): any
+    two independent random initialisations differ there. One gather of the samples (one
+    device-to-host copy), no collective.
+    """
+    tensors = list(tensors)
+    if not tensors or any(t.is_meta for t in tensors):
+        return None
+    samples = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)  # a view for contiguous tensors (nearly all); else one copy
+        n = flat.numel()
+        if n == 0:
+            continue
+        index = torch.linspace(0, n - 1, min(n, _SAMPLES_PER_TENSOR), device=flat.device).round().long()
+        samples.append(flat[index].to(torch.float64))
+    if not samples:
+        return None
+    values = torch.cat(samples).cpu()
+    return hashlib.sha1(values.numpy().tobytes()).hexdigest()[:16]
+
+
 def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp_group=None) -> dict:
     """What every rank must share to parallelize ``model`` together (compared by ``comm.agree``).
 
     The tp size, the model class, a digest of its config (without paths), of the recipe and of
-    the layout, the parameters' dtypes and device types, and the TP group's ranks.
+    the layout, the parameters' dtypes and device types, a sample of the weights
+    (:func:`weights_digest`; not on the meta device, where the checkpoint's own checks apply),
+    and the TP group's ranks (when the agreement is over the TP group).
     """
     config = getattr(model, "config", None)
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config)) if config is not None else {}
@@ -99,6 +150,9 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
     params = list(model.parameters())
     out = {"tp_size": tp_size, "model class": type(model).__name__, "config": comm.digest(config_dict),
            "dtypes": sorted({str(p.dtype) for p in params}), "device types": sorted({p.device.type for p in params})}
+    weights = weights_digest([*model.parameters(), *model.buffers()])
+    if weights is not None:
+        out["weights (a sample of every tensor; seed from_config alike on every rank)"] = weights
     if layout is not None:
         out["recipe"] = comm.digest(layout.recipe.digest_data())
         out["layout"] = layout.digest()
@@ -109,7 +163,7 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
-            sequence_parallel: bool = False) -> tuple[int, Layout]:
+            sequence_parallel: bool = False, dp_group: dist.ProcessGroup | None = None) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -119,29 +173,47 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
         raise ValueError(f"{type(model).__name__} is already parallelized")
     check_before_parallelize(model)
     size = resolve_tp_size(tp_size, tp_group)
+    check_dp_group(dp_group, tp_group)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     return size, build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
                               sequence_parallel=sequence_parallel)
 
 
-def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None) -> nn.Module:
+def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
+           dp_group: dist.ProcessGroup | None = None, tp_groups: list | None = None) -> nn.Module:
     """The collective half of the pipeline, after the agreement: groups, surgery, ``tp_info``, the
-    parallel LM loss and the HF methods."""
-    tp_group, dp_group = resolve_groups(size, tp_group)
+    parallel LM loss, the HF methods and the guards.
+
+    ``tp_groups``: every rank's TP-group ranks, as the agreement shared them
+    (:func:`agreement_scope`), when the DP group must be inferred."""
+    tp_group, dp_group, dp_source = resolve_groups(size, tp_group, dp_group, tp_groups)
+    if dp_source == "argument":  # the DP peers must hold the same shard of the same model
+        comm.agree("tpify.parallelize (the DP group passed as dp_group)",
+                   {"tp_size": size, "tp rank": comm.get_tp_rank(tp_group), "layout": layout.digest(),
+                    "model class": type(model).__name__}, group=dp_group)
     tracker, hooks = apply_layout(model, layout, tp_group)
-    model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, layout, tracker, hooks)
+    specs = {name: shard_spec_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, layout, tracker, hooks,
+                           specs=specs, dp_source=dp_source)
     hooks += install_parallel_lm_loss(model, layout)  # labels= -> loss from vocab-sharded logits (tpify/loss.py)
-    hooks += install_hf_methods(model)  # TP-aware save_pretrained, resize_token_embeddings refused, DDP guard
+    guards = model.tp_info.guards
+    if size > 1:  # before every other hook (prepend): no collective runs on inputs that differ between ranks
+        guards += BatchCheck(type(model).__name__, tp_group).install(model)
+    guards += install_hf_methods(model)  # TP-aware save_pretrained, resize refused; DDP and fused-head guards
     return model
 
 
 def remove_hooks(model: nn.Module) -> int:
-    """Remove every hook tpify added to a parallelized model; return how many.
+    """Remove the hooks tpify added to a parallelized model to compute what the dense model does;
+    return how many.
 
     Afterwards the model still computes the same forward (the parallel layers stay), but dropout
-    in sharded regions draws from the default stream, ``labels=`` gives HF's own loss on the
-    gathered logits, and nothing refuses a foreign DDP.
+    in sharded regions draws from the default stream and ``labels=`` gives HF's own loss on the
+    gathered logits. The guards stay (``tp_info.guards``): inputs that differ between the ranks
+    of the TP group, a DDP over other ranks than the model's DP group and TRL's fused LM head
+    (which reads the vocabulary shard ``lm_head.weight`` as if it were the whole head) are still
+    refused, since without them the model would train silently wrong.
 
     Raises:
         ValueError: the model was not parallelized by tpify.
@@ -153,12 +225,76 @@ def remove_hooks(model: nn.Module) -> int:
     return count
 
 
-def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None):
-    """(tp_group, dp_group) for a validated ``tp_size``; creates the mesh when needed (collective)."""
-    if tp_group is not None or not (dist.is_available() and dist.is_initialized()):
+def check_dp_group(dp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None) -> None:
+    """Local checks of a ``dp_group`` argument; no collective.
+
+    Raises:
+        ValueError: ``dp_group`` without ``tp_group`` (the mesh makes both), a DP group that does
+            not contain this process, or one that shares another rank with the TP group (a DP
+            replica must hold the same shard on other ranks).
+    """
+    if dp_group is None:
+        return
+    if tp_group is None:
+        raise ValueError("dp_group= needs tp_group= too: without tp_group tpify makes both groups itself, on a "
+                         "('dp', 'tp') DeviceMesh; pass tp_size= alone, or both groups")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(dp_group) < 0:
+        raise ValueError("dp_group does not contain this process: pass each rank its own DP group (the ranks that "
+                         "hold the same TP rank)")
+    shared = set(dist.get_process_group_ranks(dp_group)) & set(dist.get_process_group_ranks(tp_group))
+    if shared != {dist.get_rank()}:
+        raise ValueError(f"dp_group and tp_group share ranks {sorted(shared - {dist.get_rank()})}: a DP group holds "
+                         f"one rank of each TP group (the ranks that hold the same shard)")
+
+
+def agreement_scope(tp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None):
+    """``(group, share)`` for the entry point's agreement: over the TP group, or over the whole
+    world when the DP group must be inferred (a ``tp_group`` smaller than the world and no
+    ``dp_group``), with each rank's TP-group ranks to share. Local; no collective."""
+    if tp_group is None or dp_group is not None or not (dist.is_available() and dist.is_initialized()):
         return tp_group, None
-    mesh = init_tp_mesh(tp_size)
-    return mesh["tp"].get_group(), mesh["dp"].get_group()
+    if dist.get_world_size(tp_group) == dist.get_world_size():
+        return tp_group, None
+    ranks = tuple(sorted(dist.get_process_group_ranks(tp_group))) if dist.get_rank(tp_group) >= 0 else ()
+    return None, ranks
+
+
+def _infer_dp_group(tp_groups: list[tuple[int, ...]]):
+    """The DP group from every rank's TP-group ranks (the same list on every rank): the ranks
+    that hold the same TP rank, one of each TP group (collective: one ``new_group`` per DP group,
+    in the same order on every rank).
+
+    Raises:
+        ValueError: on every rank alike, when the TP groups do not split the world into groups of
+            one size (a rank in two groups, sizes that differ).
+    """
+    world = len(tp_groups)
+    groups = sorted(set(tp_groups))
+    size = len(groups[0])
+    ok = (all(len(g) == size for g in groups) and sorted(r for g in groups for r in g) == list(range(world))
+          and all(r in tp_groups[r] for r in range(world)))
+    if not ok:
+        raise ValueError(f"cannot infer the DP group: the ranks' TP groups {groups} do not split the world of {world} "
+                         f"ranks into groups of one size; pass dp_group= (the ranks holding the same TP rank)")
+    dp_lists = [[g[i] for g in groups] for i in range(size)]
+    mine, _ = dist.new_subgroups_by_enumeration(dp_lists)
+    return mine
+
+
+def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None = None,
+                   tp_groups: list | None = None):
+    """``(tp_group, dp_group, dp_source)`` for a validated ``tp_size``; creates the mesh or the DP
+    groups when needed (collective). See :attr:`TPInfo.dp_source`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tp_group, None, "none"
+    if tp_group is None:
+        mesh = init_tp_mesh(tp_size)
+        return mesh["tp"].get_group(), mesh["dp"].get_group(), "mesh"
+    if dp_group is not None:
+        return tp_group, dp_group, "argument"
+    if tp_groups is None:  # the TP group is the whole world
+        return tp_group, None, "none"
+    return tp_group, _infer_dp_group(tp_groups), "inferred"
 
 
 def parallelize(
@@ -166,6 +302,7 @@ def parallelize(
     *,
     tp_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
     recipe: "str | Path | dict | Recipe | None" = None,
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
@@ -187,6 +324,11 @@ def parallelize(
         tp_size: ranks per TP group; default the whole world (or ``tp_group``'s size). With
             ``tp_size < world``, TP groups of contiguous ranks are made and the rest is DP.
         tp_group: an existing process group to use as the TP group.
+        dp_group: with ``tp_group``, the DP group (the ranks holding the same TP rank, one of each
+            TP group; they must hold the same shard: checked by an agreement over it). Default:
+            with ``tp_group`` smaller than the world, inferred from every rank's TP group (every
+            rank of the world must then call ``parallelize``; the agreement is over the world);
+            without ``tp_group``, the mesh's. ``model.tp_info.dp_source`` says which.
         recipe: a ``model_type`` name, a path to a ``.toml`` recipe, a mapping, or a Recipe.
         pad_vocab_multiple: pad vocabulary-split tables (embedding, LM head) to a multiple of
             ``pad_vocab_multiple * tp_size`` rows (Megatron-LM's ``make_vocab_size_divisible_by``,
@@ -217,15 +359,21 @@ def parallelize(
         PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules,
             indivisible head counts or features (the message names the module, the numbers and
             the tp sizes that would work).
-        ValueError: inconsistent ``tp_size``/``tp_group``, or ``tp_size > 1`` without
-            ``torch.distributed``.
-        AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
+        TPUsageError: a model whose parameters are already DTensors (FSDP2's ``fully_shard``
+            or a DTensor TP plan applied before ``parallelize``: shard with FSDP after it).
+        ValueError: inconsistent ``tp_size``/``tp_group``, ``tp_size > 1`` without
+            ``torch.distributed``, a ``dp_group`` without ``tp_group``, not containing this rank
+            or sharing ranks with the TP group, TP groups that do not split the world evenly
+            (when the DP group is inferred).
+        AgreementError: another rank failed its checks, or the ranks disagree (listed per rank:
+            tp size, config, recipe, dtypes, a sample of the weights, ...).
     """
     error, layout, size = None, None, None
+    group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
-        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel)
+        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree on this rank, reported on the others
         error = e
-    comm.agree("tpify.parallelize", fingerprint(model, layout, size, tp_group) if error is None else {}, error,
-               group=tp_group)
-    return finish(model, size, layout, tp_group)
+    tp_groups = comm.agree("tpify.parallelize", fingerprint(model, layout, size, group) if error is None else {},
+                           error, group=group, share=share)
+    return finish(model, size, layout, tp_group, dp_group, tp_groups)

@@ -38,6 +38,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Iterator
 
@@ -67,6 +68,11 @@ __all__ = [
     "agree",
     "digest",
     "AgreementError",
+    "SharesProcessGroups",
+    "checksum",
+    "check_same_inputs",
+    "was_checked",
+    "forget_checked",
 ]
 
 _counters: list[Counter] = []
@@ -239,6 +245,31 @@ def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
     return out
 
 
+class SharesProcessGroups:
+    """Mixin: ``copy.deepcopy`` shares the process groups an object holds instead of copying them.
+
+    A ``ProcessGroup`` cannot be copied (nor pickled): it is a connection to the other ranks,
+    and a copy of a tensor-parallel module must talk to the same ranks as the original. Every
+    tpify object that holds a group (the parallel layers, ``TPInfo``, the model's hooks) copies
+    its attributes as ``copy.deepcopy`` would, with its groups entered in the copy's memo as
+    themselves; everything else is copied. So ``copy.deepcopy`` of a parallelized model (or of
+    one parallel layer: PEFT's ``modules_to_save`` copies the LM head) works and shares the
+    groups.
+    """
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        for value in self.__dict__.values():
+            if isinstance(value, dist.ProcessGroup):
+                memo[id(value)] = value
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+
 class AgreementError(RuntimeError):
     """Ranks that must agree do not: different arguments, models, recipes or tp sizes, or another
     rank failed before the first collective. Raised on every rank at the same point."""
@@ -340,7 +371,7 @@ def _exchange(what: str, mine, ranks: list[int]) -> list | None:
 
 
 def agree(what: str, fingerprint: dict, error: BaseException | None = None,
-          group: dist.ProcessGroup | None = None) -> None:
+          group: dist.ProcessGroup | None = None, share=None) -> list | None:
     """The first communication of a tpify entry point: every rank learns every rank's outcome.
 
     Each rank brings what it checked locally: a ``fingerprint`` (small, picklable values that must
@@ -357,7 +388,12 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     interpreter exit), or when that rank enters another tpify entry point (each rank numbers its
     agreements per group), or after ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (default 300).
 
-    Without torch.distributed (or a one-rank group) it only re-raises ``error``.
+    ``share``: a small picklable value of this rank's that is not compared (each rank's own
+    process-group ranks, say); once the agreement holds, every rank receives every rank's, in
+    the group's rank order, as the return value (``None`` when ``share`` is None).
+
+    Without torch.distributed (or a one-rank group) it only re-raises ``error`` (and returns
+    ``[share]``).
 
     Communication: none through the process group (so no collective can be mismatched): a
     few small keys in the default group's store (``tpify/agree/...``), removed by the last
@@ -371,17 +407,19 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     if not (dist.is_available() and dist.is_initialized()) or get_tp_size(group) == 1:
         if error is not None:
             raise error
-        return
+        return None if share is None else [share]
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     if dist.get_rank() not in ranks:  # a group of other ranks: nothing to agree with them
         raise error if error is not None else ValueError(f"{what}: the group {ranks} does not contain this "
                                                          f"process (rank {dist.get_rank()})")
-    mine = (None, f"{type(error).__name__}: {error}") if error is not None else (fingerprint, None)
+    mine = (None, f"{type(error).__name__}: {error}", None) if error is not None else (fingerprint, None, share)
     everyone = _exchange(what, mine, ranks)
     if everyone is None:
         everyone = all_gather_objects(mine, group)
     if error is not None:
         raise error
+    shared = [value for _, _, value in everyone]
+    everyone = [(fp, message) for fp, message, _ in everyone]
     failed = [(ranks[i], message) for i, (_, message) in enumerate(everyone) if message is not None]
     if failed:
         rank, message = failed[0]
@@ -394,6 +432,7 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
                  for k in differing]
         raise AgreementError(f"the ranks disagree on {what}: " + "; ".join(parts) + ". Launch every rank with the "
                              "same model, checkpoint, recipe, tp_size, dtype and arguments.")
+    return None if share is None else shared
 
 
 def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=None) -> None:
@@ -409,6 +448,99 @@ def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=
         torch._assert_async(ok, message)
     elif not bool(ok):
         raise error(message if detail is None else f"{message} ({detail()})")
+
+
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """An order-sensitive checksum of a tensor's values, a 0-dim int64 tensor in ``[0, 2**24)``
+    (exact in float32, so it can ride on a float all-reduce).
+
+    Integer and bool tensors are summed as integers; floating tensors by their bit patterns
+    (viewed as integers of their width), so the checksum is exact and independent of the order
+    of summation: equal tensors give equal checksums on every rank and device. A pass over the
+    tensor on its device; no communication, no host sync.
+    """
+    flat = tensor.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    flat = flat.to(torch.int64).remainder(1000003)
+    weights = torch.arange(flat.numel(), device=flat.device) % 9973 + 1
+    return ((flat + 101) * weights).sum().remainder(16777213)
+
+
+_checked: list[tuple[weakref.ref, int]] = []  # what check_same_inputs(..., remember=True) compared, with versions
+
+
+def was_checked(tensor: torch.Tensor) -> bool:
+    """Whether the model call now running compared ``tensor``'s values across the TP group
+    (:func:`check_same_inputs` with ``remember=True``): that tensor, or a view of all of its
+    elements (HF models reshape ``input_ids`` before the embedding), unmodified since (views
+    share the version counter). Every rank of the group passed the same check on the same
+    inputs, so every rank answers alike; :func:`forget_checked` ends the call."""
+    for ref, version in _checked:
+        checked = ref()
+        if (checked is not None and version == tensor._version and checked.dtype == tensor.dtype
+                and checked.numel() == tensor.numel() and checked.data_ptr() == tensor.data_ptr()
+                and checked.is_contiguous() and tensor.is_contiguous()):
+            return True
+    return False
+
+
+def forget_checked(*_args) -> None:
+    """End the model call whose checked inputs :func:`was_checked` knows (a forward hook that
+    runs even when the forward raises)."""
+    _checked.clear()
+
+
+def check_same_inputs(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, what: str,
+                      flag: torch.Tensor | None = None, remember: bool = False) -> torch.Tensor | None:
+    """Raise, on every rank of ``group``, unless every rank holds the same tensors (names, shapes,
+    dtypes and values).
+
+    The ranks of a TP group hold one model replica, so they must be given one batch: a rank
+    that sampled other token ids (a per-rank seed) would otherwise sum the embeddings of
+    different tokens and train on a mix, silently; one given another sequence length would make
+    the next collective mismatch (an abort inside gloo, a hang or garbage with NCCL). This check
+    runs before any other collective of the call.
+
+    Method: a digest of the names, shapes and dtypes and the sum of :func:`checksum` of the
+    values (weighted by position), each with its negation, in one all-reduce (max) of 4 int64
+    values: all equal exactly when ``max == -max(-x)``. Cost: one pass over the tensors, one
+    small all-reduce and one host sync.
+
+    ``flag``: a 0-dim bool tensor of this rank's (a local check that failed, say) that rides
+    on the same all-reduce (a 5th value); returned as "true on any rank", so the caller raises
+    on every rank. ``None`` when not given (or on a one-rank group: ``flag`` itself).
+    ``remember``: record the tensors as checked for the model call now starting
+    (:func:`was_checked`, until :func:`forget_checked`).
+
+    Raises:
+        ValueError: the ranks hold tensors of other names, shapes or dtypes, or other values;
+            every rank raises (under ``torch.compile``: ``RuntimeError``, from
+            ``torch._assert_async``).
+    """
+    if get_tp_size(group) == 1 or not named:
+        return flag
+    device = named[0][1].device
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
+    shape_code = int(digest(layout), 16) >> 4  # < 2**44
+    value_code = sum((i + 1) * checksum(t) for i, (_, t) in enumerate(named))
+    values = [torch.tensor(shape_code, device=device), torch.tensor(-shape_code, device=device),
+              value_code.to(device), -value_code.to(device)]
+    if flag is not None:
+        values.append(flag.to(device=device, dtype=torch.int64))
+    packed = torch.stack(values)
+    all_reduce(packed, group, op="max")
+    raise_unless(packed[0] == -packed[1], ValueError,
+                 f"{what}: the ranks of the TP group were given inputs of different names, shapes or dtypes (this "
+                 f"rank: {layout}). Every rank of a TP group must get the same batch: split the data over DP "
+                 f"replicas only")
+    raise_unless(packed[2] == -packed[3], ValueError,
+                 f"{what}: the ranks of the TP group were given different input values (same shapes: {layout}). "
+                 f"Every rank of a TP group must get the same batch: split the data over DP replicas only, and "
+                 f"seed any sampling identically on the ranks of a TP group")
+    if remember and not torch.compiler.is_compiling():
+        _checked[:] = [(weakref.ref(t), t._version) for _, t in named]
+    return packed[4] > 0 if flag is not None else None
 
 
 class _CopyToTPRegion(torch.autograd.Function):

@@ -22,7 +22,7 @@ from .layers import (ColumnParallelEmbedding, ColumnParallelInput, ColumnParalle
 from .layout import Layout, ModuleLayout, PlanError
 from .random import DEFAULT, TP, RNGStreamTracker, _devices_of, install_rng_hooks
 
-__all__ = ["apply_layout", "ReplicatedInRegion", "HeadInputs", "SequenceParallel"]
+__all__ = ["apply_layout", "ReplicatedInRegion", "HeadInputs", "SequenceParallel", "BatchCheck"]
 
 
 def _build_layer(module: nn.Module, entry: ModuleLayout, tp_group: dist.ProcessGroup | None) -> nn.Module:
@@ -120,7 +120,45 @@ def apply_layout(model: nn.Module, layout: Layout,
     return tracker, handles
 
 
-class ReplicatedInRegion:
+class BatchCheck(comm.SharesProcessGroups):
+    """Forward pre-hook of a parallelized model: every rank of the TP group got the same inputs.
+
+    The ranks of a TP group hold one replica of the model and must see one batch. A rank given
+    other token ids (data sampled with a per-rank seed, as DP code often does) would sum the
+    embeddings of different tokens and train on the mix without an error; one given another
+    sequence length would break the next collective (gloo aborts inside the all-reduce, NCCL can
+    hang or return garbage). Before any collective of the call, this hook compares the names,
+    shapes, dtypes and values of every tensor argument of the model's forward across the TP
+    group (:func:`tpify.comm.check_same_inputs`: one all-reduce of 4 int64 values, one host
+    sync), so every rank raises the same ``ValueError`` instead. The embedding's own check then
+    has nothing left to do for these ids. Under ``torch.compile`` the hook is skipped (the
+    vocab-parallel embedding and loss still check ids and targets).
+
+    Installed with ``prepend=True`` by :func:`tpify.api.finish` as a guard (kept by
+    :func:`tpify.remove_hooks`). Cost per forward (``generate``: per token): one small
+    all-reduce and one pass over the inputs.
+    """
+
+    def __init__(self, model_name: str, tp_group):
+        self.model_name, self.tp_group = model_name, tp_group
+
+    def __call__(self, module, args, kwargs):
+        comm.forget_checked()
+        if torch.compiler.is_compiling():
+            return None
+        named = [(f"argument {i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        named += [(k, v) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
+        comm.check_same_inputs(named, self.tp_group, f"{self.model_name}.forward", remember=True)
+        return None
+
+    def install(self, model: nn.Module) -> list:
+        """Register the check before every other pre-hook, and, after the forward (also when it
+        raises), the end of the call's checked inputs; return the two handles."""
+        return [model.register_forward_pre_hook(self, with_kwargs=True, prepend=True),
+                model.register_forward_hook(comm.forget_checked, always_call=True)]
+
+
+class ReplicatedInRegion(comm.SharesProcessGroups):
     """Gradient all-reduce for replicated parameters used inside a sharded region, found by construction.
 
     Between a column-parallel layer's output and the next row-parallel layer's input each rank
@@ -160,7 +198,7 @@ class ReplicatedInRegion:
         return None
 
 
-class HeadInputs:
+class HeadInputs(comm.SharesProcessGroups):
     """Forward pre-hook giving a module this rank's heads of the per-head tensors it is passed.
 
     Some base models build a tensor for all attention heads and pass it to every layer: ALiBi
@@ -234,7 +272,7 @@ def _replace(args: tuple, kwargs: dict, where, value):
     return (value,) + tuple(args[1:]), kwargs
 
 
-class SequenceParallel:
+class SequenceParallel(comm.SharesProcessGroups):
     """Sequence parallelism (Korthikanti et al., arXiv:2205.05198, section 4.2.2) by hooks.
 
     Outside attention and MLP, every transformer layer's work (LayerNorms, dropout, residual

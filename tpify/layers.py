@@ -15,6 +15,7 @@ were built from, so parameter names and layouts stay those of the checkpoint:
 
 from __future__ import annotations
 
+import contextvars
 import weakref
 
 import torch
@@ -26,7 +27,7 @@ from . import comm
 from .sharding import KeepsShardSpecs, ShardSpec, divide, shard_spec_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelEmbedding",
-           "ColumnParallelInput"]
+           "ColumnParallelInput", "keep_logits_sharded", "gather_logits_again"]
 
 _LAYOUTS = ("linear", "conv1d")
 
@@ -45,6 +46,28 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, la
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.addmm(bias, x2, weight) if bias is not None else x2 @ weight
     return y.view(out_shape)
+
+
+def _autocast_inputs(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
+    """``(x, *tensors)`` cast to the autocast dtype of ``x``'s device when autocast is on there
+    (what ``torch.amp.custom_fwd(cast_inputs=...)`` does), unchanged otherwise.
+
+    A custom autograd Function runs its backward outside autocast: a forward that let autocast
+    cast the matmul's operands but saved the originals would meet a ``bfloat16`` gradient and
+    ``float32`` weights there. Casting once in forward and saving the cast operands makes the
+    backward run the matmuls in the dtype the forward used, as autocast does for ``F.linear``
+    (the gradients reach the ``float32`` parameters cast back by autograd, as through
+    autocast's own cast nodes), and saves the half-size copies, as autocast does.
+    """
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *tensors)
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.is_floating_point() else t
+
+    return (cast(x), *(cast(t) for t in tensors))
 
 
 def _graph_task_id() -> int:
@@ -216,9 +239,12 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, layout, state):
+        ctx.input_dtype = x.dtype
+        x, weight, bias = _autocast_inputs(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.layout, ctx.has_bias, ctx.state = group, layout, bias is not None, state
-        return _matmul(x, weight, bias, layout)
+        with torch.autocast(x.device.type, enabled=False):
+            return _matmul(x, weight, bias, layout)
 
     @staticmethod
     def backward(ctx, grad):
@@ -228,7 +254,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         work = None
         if need_x:  # linear: weight [out, in]; conv1d: [in, out]
             grad_x = grad.matmul(weight if ctx.layout == "linear" else weight.t())
-            work = ctx.state.add(grad_x.to(x.dtype), ctx.group)
+            work = ctx.state.add(grad_x.to(ctx.input_dtype), ctx.group)
         x2 = x.reshape(-1, x.shape[-1])
         grad_w = None
         if need_w:
@@ -267,6 +293,43 @@ def _copy_shards(layer: nn.Module, dense: nn.Module, tp_rank: int) -> nn.Module:
                 new.tp_shard_spec = spec
             setattr(layer, name, new)
     return layer
+
+
+class _ShardedLogitsCall:
+    """The state of a call whose LM-head logits stay split over the vocabulary (see
+    :func:`keep_logits_sharded`)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+
+_sharded_logits: contextvars.ContextVar = contextvars.ContextVar("tpify_sharded_logits", default=None)
+
+
+def keep_logits_sharded(group: dist.ProcessGroup | None) -> contextvars.Token:
+    """From now on (until :func:`gather_logits_again` with the returned token), the column-parallel
+    layers built with ``gather_output=True`` over ``group`` (the LM head, and any copy of it:
+    PEFT's ``modules_to_save`` deep-copies it) keep their output split over the vocabulary.
+
+    The parallel LM loss (:mod:`tpify.loss`) sets it for the duration of a model's forward with
+    ``labels=``: the loss is computed from the vocabulary shards, never gathered. A context, not
+    an attribute of the head, so that it holds for every copy of the head and is never left
+    behind on the module. Local; no communication.
+    """
+    return _sharded_logits.set(_ShardedLogitsCall(group))
+
+
+def gather_logits_again(token: contextvars.Token | None = None) -> None:
+    """End :func:`keep_logits_sharded` (``token``: the one it returned; ``None``: unconditionally)."""
+    if token is not None:
+        try:
+            _sharded_logits.reset(token)
+            return
+        except ValueError:  # set in another context: fall back to clearing it
+            pass
+    _sharded_logits.set(None)
 
 
 class _ParallelLinear(KeepsShardSpecs, nn.Module):
@@ -400,11 +463,19 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = _matmul(x, weight, bias, self.weight_layout)
         else:  # under torch.compile the plain region operator (inductor schedules the collective itself)
             y = _matmul(comm.copy_to_tp_region(x, self.tp_group), weight, bias, self.weight_layout)
-        if self.gather_output:
+        if self.gathers():
             y = comm.gather_from_tp_region(y, self.tp_group)
             if y.shape[-1] != self.out_features:
                 y = y[..., : self.out_features]
         return y
+
+    def gathers(self) -> bool:
+        """Whether this call gathers the output: ``gather_output``, unless the parallel LM loss keeps
+        the logits split over the vocabulary (:func:`keep_logits_sharded`)."""
+        if not self.gather_output:
+            return False
+        call = _sharded_logits.get()
+        return call is None or call.group is not self.tp_group
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -470,9 +541,10 @@ class RowParallelLinear(_ParallelLinear):
             if self.bias is None:
                 return y
             bias, = comm.sum_grad_ranges([self.bias], [(0, [(0, self.bias.shape[0])])], self.tp_group)
-            return y + bias
+            return y + bias.to(y.dtype)
         y = comm.reduce_from_tp_region(_matmul(x, self.weight, None, self.weight_layout), self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        # in the output's dtype, as F.linear adds it (bfloat16 under autocast, not promoted to float32)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, in_features_per_partition={self.in_features_per_partition}, "
@@ -501,7 +573,12 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
     Communication:
         forward: one all-reduce (sum) of the output. backward: none.
     Raises:
-        IndexError: (forward) an id outside ``[0, num_embeddings)``, as ``nn.Embedding``.
+        IndexError: (forward) an id outside ``[0, num_embeddings)``, as ``nn.Embedding``, on every
+            rank before the output's all-reduce.
+        ValueError: (forward) the ranks of the TP group were given different ids (or shapes):
+            each would sum the embeddings of different tokens. Checked by one all-reduce of 5
+            values (the bounds ride on it) before the output's (:func:`tpify.comm.check_same_inputs`),
+            unless the model's own call checked these ids already (:class:`tpify.engine.BatchCheck`).
         NotImplementedError: the dense embedding uses ``max_norm``, ``scale_grad_by_freq`` or
             ``sparse``, which cannot be computed from one shard of the table.
     """
@@ -564,9 +641,15 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
             return self._scaled(F.embedding(input_ids, self.weight, self.padding_idx))
         if input_ids.numel():  # a host sync eagerly, as the dense lookup's bounds check
             low, high = torch.aminmax(input_ids)
-            comm.raise_unless((low >= 0) & (high < self.num_embeddings), IndexError,
+            bad = (low < 0) | (high >= self.num_embeddings)
+            if not comm.was_checked(input_ids):
+                # the model's own call did not check that every rank holds these ids (tpify.engine.BatchCheck):
+                # check here, with the bounds riding on the check, so that every rank raises alike
+                bad = comm.check_same_inputs([("input_ids", input_ids)], self.tp_group, "VocabParallelEmbedding",
+                                             flag=bad)
+            comm.raise_unless(~bad, IndexError,
                               f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}) (index out of "
-                              f"range in self)", detail=lambda: f"got min {int(low)}, max {int(high)}")
+                              f"range in self)", detail=lambda: f"this rank: min {int(low)}, max {int(high)}")
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)

@@ -148,6 +148,9 @@ class Layout:
         lm_head: the FQN of the vocabulary-parallel LM head (style ``colwise_rep``), or None.
         loss_kind: ``"causal"``, ``"masked"`` or None (HF's own loss on gathered logits).
         honours_num_items: whether the model's own loss divides by ``num_items_in_batch``.
+        loss_terms: ``(output field, coefficient)`` pairs HF adds to the LM loss (a mixture of
+            experts' ``router_aux_loss_coef * aux_loss``); the coefficient is a config
+            attribute name or a number (the recipe's ``[loss] terms``).
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
         sequence_parallel: with ``sequence_parallel=True``, the FQNs ``{"split": ..., "gather":
             [...], "exit": ...}`` of the recipe's ``[sequence_parallel]`` table; else None.
@@ -170,6 +173,7 @@ class Layout:
     lm_head: str | None = None
     loss_kind: str | None = None
     honours_num_items: bool = True
+    loss_terms: tuple[tuple[str, str | float], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     head_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     sequence_parallel: dict | None = None
@@ -187,7 +191,7 @@ class Layout:
         return comm.digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.output_scale)
                                    for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
-                            self.lm_head, self.loss_kind, self.honours_num_items, list(self.renames),
+                            self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),
                             sorted(self.head_inputs.items()), self.sequence_parallel])
 
 
@@ -411,6 +415,12 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                       f"'replicate' or 'colwise'")
     layout.lm_head = heads[0] if heads else None
     layout.loss_kind, layout.honours_num_items = _loss_of(model, recipe) if heads else (None, True)
+    if layout.loss_kind is not None:
+        layout.loss_terms = recipe.loss_terms
+        for output, coefficient in recipe.loss_terms:
+            if isinstance(coefficient, str) and not isinstance(getattr(config, coefficient, None), (int, float)):
+                errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config.{coefficient}, which "
+                              f"{type(model).__name__}'s config does not hold as a number")
     layout.region_starts = tuple(f for f, m in layout.modules.items()
                                  if m.style in ("colwise", "packed_colwise", "embedding_colwise"))
     layout.region_ends = tuple(f for f, m in layout.modules.items() if m.style == "rowwise")

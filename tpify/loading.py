@@ -301,6 +301,7 @@ def from_pretrained(
     *,
     tp_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
     torch_dtype: torch.dtype | str | None = None,
     model_class: type | None = None,
     recipe=None,
@@ -334,7 +335,7 @@ def from_pretrained(
     Args:
         path: local directory with ``config.json`` and ``model.safetensors`` or several files
             plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded.
-        tp_size, tp_group: as in :func:`tpify.parallelize` (default: the whole world).
+        tp_size, tp_group, dp_group: as in :func:`tpify.parallelize` (default: the whole world).
         torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
             Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
         model_class: the ``transformers`` class to build; default ``config.architectures[0]``.
@@ -366,32 +367,46 @@ def from_pretrained(
     Warns:
         UserWarning: checkpoint tensors the model does not use (like transformers' "unexpected").
     """
-    from .api import finish
+    from .api import agreement_scope, finish
 
     path = Path(path)
     error, found = None, {}
+    group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check (checkpoint and layout), then one agreement: the same outcome on every rank
         found = _open_checkpoint(path, model_class, torch_dtype, recipe, tp_size, tp_group,
-                                 (pad_vocab_multiple, sequence_parallel))
+                                 (pad_vocab_multiple, sequence_parallel, dp_group), group)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
         error = e
-    comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=tp_group)
+    tp_groups = comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=group, share=share)
     model, source, headers, dtype, to_init, snap = (found[k] for k in ("model", "source", "headers", "dtype",
                                                                          "to_init", "snap"))
     try:
-        finish(model, found["tp_size"], found["layout"], tp_group)  # groups, surgery on meta, tp_info, hooks
-        error = None
+        # groups, surgery on meta, tp_info, hooks
+        finish(model, found["tp_size"], found["layout"], tp_group, dp_group, tp_groups)
+        error, read = None, {}
         try:
             _materialize(model, snap, source, headers, dtype, to_init, copy=disable_mmap)
+            read = _replicated_fingerprint(model)
         except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
             error = e
-        comm.agree("reading the checkpoint in tpify.from_pretrained", {}, error, group=tp_group)
+        comm.agree("reading the checkpoint in tpify.from_pretrained", read, error, group=tp_group)
     finally:
         snap.close()  # the files stay open from the headers to the last slice: one save, never a mix
     return model
 
 
-def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options=(1, False)) -> dict:
+def _replicated_fingerprint(model: nn.Module) -> dict:
+    """A sample of the values every rank read whole (replicated parameters and buffers), to
+    compare across the TP group: a copy of the checkpoint that differs on one host (same names
+    and shapes, other values) would otherwise make the replicas disagree silently."""
+    from .api import weights_digest
+
+    replicated = [t for t in [*model.parameters(), *model.buffers()] if shard_spec_of(t) is None]
+    return {"replicated weights read (a sample)": weights_digest(replicated)}
+
+
+def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options=(1, False, None),
+                     agree_group=None) -> dict:
     """The local part of :func:`from_pretrained`: config, headers, the meta model, its layout
     (``api.prepare``) and the key map.
 
@@ -409,14 +424,14 @@ def _open_checkpoint(path: Path, model_class, torch_dtype, recipe, tp_size, tp_g
     snap, weight_map, headers = _snapshot(path)  # every file opened once, for the whole load
     try:
         return _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group,
-                           options)
+                           options, agree_group)
     except BaseException:
         snap.close()
         raise
 
 
 def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recipe, tp_size, tp_group,
-                options=(1, False)) -> dict:
+                options=(1, False, None), agree_group=None) -> dict:
     """The rest of :func:`_open_checkpoint`, on the opened files."""
     from accelerate import init_empty_weights
 
@@ -434,14 +449,14 @@ def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recip
     model.eval()
     _init_non_persistent_buffers(model)  # before surgery: the config still holds the dense values
 
-    size, layout = prepare(model, tp_size, tp_group, recipe, *options)  # (pad_vocab_multiple, sequence_parallel)
+    size, layout = prepare(model, tp_size, tp_group, recipe, *options)  # (pad_vocab_multiple, sequence_parallel, dp)
 
     # ---- match checkpoint keys to the dense meta model: local checks, before any collective
     dense_shapes = {fqn: tuple(t.shape) for fqn, t in _named_tensors(model)}
     source, to_init = _match_checkpoint(model, headers, dense_shapes, path, cls.__name__, layout.renames,
                                         may_init=lambda fqns: _replicated_head(model, fqns, layout))
 
-    shared = {**fingerprint(model, layout, size, tp_group), "dtype": str(dtype),
+    shared = {**fingerprint(model, layout, size, agree_group), "dtype": str(dtype),
               "checkpoint tensors": comm.digest(sorted((k, list(v[0])) for k, v in headers.items()))}
     return {"model": model, "tp_size": size, "layout": layout, "source": source, "headers": headers, "dtype": dtype,
             "to_init": to_init, "fingerprint": shared, "snap": snap}

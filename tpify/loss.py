@@ -22,17 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .layers import gather_logits_again, keep_logits_sharded
 
 __all__ = ["vocab_parallel_cross_entropy", "install_parallel_lm_loss"]
 
 _REDUCTIONS = ("none", "sum", "mean")
-
-
-def _checksum(target: torch.Tensor) -> torch.Tensor:
-    """An order-sensitive checksum of integer targets, a 0-dim int64 tensor exact in float32 (< 2**24)."""
-    flat = target.reshape(-1).to(torch.int64)
-    weights = torch.arange(flat.numel(), device=flat.device) % 9973 + 1
-    return ((flat + 101) * weights).sum().remainder(16777213)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -54,17 +48,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z = z.masked_fill(padded, float("-inf"))
 
         # 1. m = allreduce_max(max_v z); no gradient flows through m (it cancels in the loss).
-        # Three more values ride on this all-reduce, so that every rank learns, at no extra
-        # collective, whether any rank holds targets outside [0, V), and whether the ranks hold
-        # the same targets (max and -min of a checksum): a rank alone with bad or different
-        # targets would otherwise raise alone, or train on a mismatched batch.
+        # Five more values ride on this all-reduce, so that every rank learns, at no extra
+        # collective, whether any rank holds targets outside [0, V), whether the ranks hold the
+        # same targets (max and -min of a checksum) and shards of the same width (max and -min):
+        # a rank alone with bad or different targets would otherwise raise alone, or train on a
+        # mismatched batch; shards of different widths would place the vocabulary wrongly.
         m = z.amax(dim=-1)  # (N...,)
         if tp_size > 1:  # one rank: vocab_parallel_cross_entropy has checked the targets already
-            checksum = _checksum(target).to(m.dtype)
-            checks = torch.stack([bad_targets.to(m.dtype), checksum, -checksum])
+            checksum = comm.checksum(target).to(m.dtype)
+            width = torch.tensor(float(per_partition), dtype=m.dtype, device=m.device)
+            checks = torch.stack([bad_targets.to(m.dtype), checksum, -checksum, width, -width])
             packed = torch.cat([m.reshape(-1), checks])
             comm.all_reduce(packed, group, op="max")
-            m, checks = packed[:-3].view_as(m), packed[-3:]
+            m, checks = packed[:-5].view_as(m), packed[-5:]
+            comm.raise_unless(checks[3] == -checks[4], ValueError,
+                              f"vocab_parallel_cross_entropy: the ranks of the TP group hold logits shards of "
+                              f"different widths (this rank: {per_partition} columns); every rank must hold V_padded / "
+                              f"tp_size columns of the same padded vocabulary")
             comm.raise_unless(checks[0] <= 0, ValueError,
                               f"vocab_parallel_cross_entropy: a rank of the TP group holds targets outside [0, "
                               f"{true_vocab}) that are not ignore_index = {ignore_index}; fix the labels or set ignore_index",
@@ -154,7 +154,7 @@ def vocab_parallel_cross_entropy(
     Dtype: computed in float32 whatever the logits dtype (float64 stays float64); the loss is
         returned in that compute dtype and the gradient in the logits dtype.
     Communication:
-        forward: 2 all-reduces: the max, ``numel(target)`` values (plus 3: the target checks);
+        forward: 2 all-reduces: the max, ``numel(target)`` values (plus 5: the target and shard-width checks);
         then the target logit and the sum of exp, ``2 * numel(target)`` values (``3 *`` with
         ``label_smoothing > 0``: the sum of logits too). backward: none.
 
@@ -177,8 +177,9 @@ def vocab_parallel_cross_entropy(
     Raises:
         ValueError: bad ``reduction``/``label_smoothing``/``vocab_size`` or shapes that do not
             match (before any collective); a target outside ``[0, V)`` that is not
-            ``ignore_index`` on any rank, or targets that differ between the ranks of the group:
-            learnt by every rank from the first all-reduce (three values ride on it), so every
+            ``ignore_index`` on any rank, targets that differ between the ranks of the group, or
+            shards of different widths: learnt by every rank from the first all-reduce (five
+            values ride on it), so every
             rank raises, none waits. Under ``torch.compile`` these data checks raise
             ``RuntimeError`` with the same message (``torch._assert_async``).
     """
@@ -245,15 +246,45 @@ def _labels_from_call(model: nn.Module, args: tuple, kwargs: dict):
 class _ParallelLMLoss:
     """The pre-hook/hook pair that computes ``output.loss`` from the vocab-sharded logits."""
 
-    def __init__(self, head: nn.Module, kind: str | None, honours_num_items: bool):
+    def __init__(self, head: nn.Module, kind: str | None, honours_num_items: bool, terms=()):
         self.head = head
         self.kind = kind
         self.honours_num_items = honours_num_items
+        self.terms = tuple(terms)
         self.pending: dict | None = None
 
+    def _add_terms(self, model: nn.Module, output, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus the terms HF adds to its LM loss (``[loss] terms``: a mixture of experts'
+        ``router_aux_loss_coef * aux_loss`` when ``output_router_logits`` is on), as HF adds them.
+
+        Raises:
+            TPUsageError: the output holds another loss term (a field named ``*loss`` with a value)
+                that the recipe does not declare: HF would have added it to ``labels=``'s loss, and
+                the vocab-parallel loss, which replaces HF's, would silently drop it.
+        """
+        declared = {name for name, _ in self.terms}
+        fields = output.keys() if hasattr(output, "keys") else ()
+        undeclared = [k for k in fields if k.endswith("loss") and k != "loss" and k not in declared
+                      and output[k] is not None]
+        if undeclared:
+            from .integrations.model import TPUsageError
+
+            raise TPUsageError(
+                f"{type(model).__name__}'s output holds {undeclared}, loss terms HF adds to its labels= loss; tpify "
+                f"computes that loss from the vocabulary shards instead of HF and would drop them. Declare each in the "
+                f"recipe's [loss] table: terms = [{{ output = \"{undeclared[0]}\", coefficient = \"<the config "
+                f"attribute HF multiplies it by>\" }}] (docs/recipes.md), or run without them")
+        for name, coefficient in self.terms:
+            value = output.get(name) if hasattr(output, "get") else None
+            if value is None:  # HF adds it only when computed (MoE: output_router_logits)
+                continue
+            scale = getattr(model.config, coefficient) if isinstance(coefficient, str) else coefficient
+            loss = loss + scale * value.to(loss.device)
+        return loss
+
     def pre_hook(self, model, args, kwargs):
-        # Every call decides afresh, so a call that raised cannot leave the head sharded.
-        self.head.gather_output = True
+        # Every call decides afresh, so a call that raised cannot leave the logits sharded.
+        gather_logits_again()
         self.pending = None
         if self.kind is None:
             # Not a plain LM loss (GPT2DoubleHeadsModel, BertForPreTraining): leave the call as it
@@ -266,17 +297,26 @@ class _ParallelLMLoss:
             bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs).arguments
             if bound.get("decoder_input_ids") is None and bound.get("decoder_inputs_embeds") is None:
                 kwargs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
-        self.head.gather_output = False
         self.pending = {"labels": labels, "num_items_in_batch": kwargs.get("num_items_in_batch"),
-                        "shift_labels": kwargs.get("shift_labels"), "ignore_index": kwargs.get("ignore_index", -100)}
+                        "shift_labels": kwargs.get("shift_labels"), "ignore_index": kwargs.get("ignore_index", -100),
+                        "token": keep_logits_sharded(self.head.tp_group)}
         return args, kwargs
 
     def hook(self, model, args, kwargs, output):
         pending, self.pending = self.pending, None
-        self.head.gather_output = True
         if pending is None:
             return output
+        gather_logits_again(pending["token"])
         logits = output.logits if hasattr(output, "logits") else output[0]  # (B, T, V_padded/p)
+        if logits.shape[-1] != self.head.out_features_per_partition:
+            raise ValueError(f"tpify's parallel LM loss expected the logits of {type(model).__name__} split over the "
+                             f"vocabulary, {self.head.out_features_per_partition} columns per rank, but they have "
+                             f"{logits.shape[-1]}: the logits did not come from the vocab-parallel head (a wrapper "
+                             f"that replaces it, or code that gathers them). Nothing was computed")
+        if isinstance(output, tuple) and self.terms:
+            raise ValueError(f"tpify's parallel LM loss adds the recipe's [loss] terms "
+                             f"{[name for name, _ in self.terms]} from the model's output fields; call "
+                             f"{type(model).__name__} with return_dict=True")
         labels = pending["labels"].to(logits.device)
         ignore_index = pending["ignore_index"]
         if self.kind == "causal":
@@ -292,6 +332,7 @@ class _ParallelLMLoss:
                                             tp_group=self.head.tp_group, vocab_size=self.head.out_features)
         if num_items is not None:
             loss = mean_or_nan(loss, num_items)
+        loss = self._add_terms(model, output, loss)
         if isinstance(output, tuple):
             return (loss,) + output
         values = {k: v for k, v in output.items() if k != "loss"}
@@ -311,6 +352,8 @@ def install_parallel_lm_loss(model: nn.Module, layout) -> list:
     (``prepare_decoder_input_ids_from_labels``) when the call gives none; ``-100`` (or ``ignore_index``) is
     ignored; the mean is over the non-ignored tokens, or the sum divided by
     ``num_items_in_batch`` when the model's own loss honours it (``layout.honours_num_items``).
+    The recipe's ``[loss] terms`` are added as HF adds them (a mixture of experts'
+    ``router_aux_loss_coef * aux_loss``); an output that holds another loss term raises.
     ``output.logits`` is then this rank's shard ``(B, T, V_padded/tp_size)`` (columns
     ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns hold 0). Without ``labels`` nothing
     changes: logits are gathered (``generate`` works).
@@ -327,6 +370,7 @@ def install_parallel_lm_loss(model: nn.Module, layout) -> list:
     """
     if layout.lm_head is None:
         return []
-    owner = _ParallelLMLoss(model.get_submodule(layout.lm_head), layout.loss_kind, layout.honours_num_items)
+    owner = _ParallelLMLoss(model.get_submodule(layout.lm_head), layout.loss_kind, layout.honours_num_items,
+                            layout.loss_terms)
     return [model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True),
             model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False)]

@@ -156,6 +156,15 @@ class RNGStreamTracker:
         self.current, states = snapshot
         self._states = {k: t.clone() for k, t in states.items()}
 
+    def __deepcopy__(self, memo):
+        """A copy (of a copied model) is a live tracker too: :func:`manual_seed` reseeds it."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: (v if k != "_states" else {key: t.clone() for key, t in v.items()})
+                             for k, v in self.__dict__.items()})
+        _LIVE.add(new)
+        return new
+
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (same devices), global generators included."""
         self.seed, self.tp_rank, self.current = state["seed"], state["tp_rank"], state["current"]

@@ -54,7 +54,8 @@ _SP_KEYS = {"split", "gather", "exit"}
 _HEAD_INPUT_KEYS = {"arg", "dim", "heads"}
 SUBCLASS_FORWARDS = ("plain", "scaled")
 LOSS_KINDS = ("causal", "masked", "seq2seq", "none")
-_LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items"}
+_LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items", "terms"}
+_TERM_KEYS = {"output", "coefficient"}
 _CHECKPOINT_KEYS = {"renames"}
 
 
@@ -117,6 +118,8 @@ class Recipe:
     divide_config: tuple[str, ...] = ()
     loss: dict[str, str] = field(default_factory=dict)  # head class name -> "causal" | "masked" | "none"
     ignores_num_items: tuple[str, ...] = ()
+    # (output field, coefficient: config attribute or number) HF adds to the LM loss (MoE aux losses)
+    loss_terms: tuple[tuple[str, str | float], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
     sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob}
@@ -127,7 +130,7 @@ class Recipe:
                  for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
-                   self.sequence_parallel])
+                   self.sequence_parallel, list(self.loss_terms)])
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -159,7 +162,19 @@ class Recipe:
         if not isinstance(loss_table, dict) or set(loss_table) - _LOSS_KEYS:
             fail(f"[loss] must be a table with keys among {sorted(_LOSS_KEYS)}")
         loss: dict[str, str] = {}
+        loss_terms = []
+        for term in loss_table.get("terms", []) if isinstance(loss_table.get("terms", []), list) else [None]:
+            coefficient = term.get("coefficient") if isinstance(term, dict) else None
+            if (not isinstance(term, dict) or set(term) != _TERM_KEYS or not isinstance(term["output"], str)
+                    or not term["output"] or isinstance(coefficient, bool)
+                    or not isinstance(coefficient, (str, int, float)) or coefficient == ""):
+                fail("[loss] terms must be a list of { output = the model output's field (\"aux_loss\"), "
+                     "coefficient = the config attribute HF multiplies it by (\"router_aux_loss_coef\"), or a "
+                     "number } tables")
+            loss_terms.append((term["output"], coefficient))
         for kind, names in loss_table.items():
+            if kind == "terms":
+                continue
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 fail(f"[loss] {kind} must be a list of head class names")
             if kind == "ignores_num_items":
@@ -263,8 +278,8 @@ class Recipe:
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs)))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
-                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(tuple(r) for r in renames), subclasses,
-                   sp)
+                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms),
+                   tuple(tuple(r) for r in renames), subclasses, sp)
 
 
 def recipe_dirs() -> list[Path]:

@@ -220,22 +220,18 @@ def shard_spec_of(tensor: torch.Tensor) -> ShardSpec | None:
     return getattr(tensor, "tp_shard_spec", None)
 
 
-class KeepsShardSpecs:
+class KeepsShardSpecs(comm.SharesProcessGroups):
     """Mixin for modules holding sharded parameters: ``copy.deepcopy`` keeps their ``tp_shard_spec``.
 
     ``nn.Parameter.__deepcopy__`` rebuilds a parameter from its data and ``requires_grad`` only,
     so a deep copy of a parallelized model would hold shards without specs, which the gradient
     norm, the replica check and saving would then treat as replicated. This ``__deepcopy__``
-    copies the module as ``copy.deepcopy`` would, then puts each spec back.
+    copies the module as ``copy.deepcopy`` would (sharing its process group:
+    :class:`~tpify.comm.SharesProcessGroups`), then puts each spec back.
     """
 
     def __deepcopy__(self, memo):
-        import copy
-
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            new.__dict__[key] = copy.deepcopy(value, memo)
+        new = super().__deepcopy__(memo)
         for name, param in self.named_parameters(remove_duplicate=False):  # children's too (LoRA factors)
             spec = shard_spec_of(param)
             if spec is not None:

@@ -6,7 +6,12 @@
 * Token ids outside ``[0, vocab)`` (too large, negative) raise ``IndexError`` on every rank, as
   the dense ``nn.Embedding`` does, instead of returning the embedding of nothing.
 * Labels out of range on one rank only, or labels that differ between the TP ranks (a TP rank
-  fed another batch): every rank raises ``ValueError`` from the loss, none is left waiting.
+  fed another batch): every rank raises ``ValueError``, none is left waiting: from the model's
+  input check (``tpify.engine.BatchCheck``) when the model is called, from the loss itself when
+  ``vocab_parallel_cross_entropy`` is called directly.
+* Token ids that differ between the TP ranks (a per-rank sampling seed), or another sequence
+  length on one rank: every rank raises ``ValueError`` before any other collective, whether the
+  model or its embedding alone is called.
 """
 
 import torch
@@ -42,16 +47,31 @@ def _body(rank, world):
             except IndexError as e:
                 errors[(what, name)] = str(e)
     # Targets bad on one rank only, or different on the two ranks: every rank raises (no rank is
-    # left waiting in the loss's next all-reduce).
+    # left waiting in the loss's next all-reduce), through the model and through the loss alone.
+    logits = par(ids).logits[..., 50258 // 2 * rank: 50258 // 2 * (rank + 1)].detach()  # this rank's shard
     for what in ("bad on rank 1", "different"):
         labels = ids.clone()
         if rank == 1:
             labels[0, 2] = 50257 if what == "bad on rank 1" else (labels[0, 2] + 1) % 50257
-        try:
-            par(ids, labels=labels)
-            errors[(what, "tp")] = None
-        except ValueError as e:
-            errors[(what, "tp")] = str(e)
+        for how, call in (("tp", lambda: par(ids, labels=labels)),
+                          ("loss", lambda: tpify.vocab_parallel_cross_entropy(
+                              torch.nn.functional.pad(logits, (0, 1)) if rank == 1 else logits, labels,
+                              vocab_size=50257))):
+            try:
+                call()
+                errors[(what, how)] = None
+            except ValueError as e:
+                errors[(what, how)] = str(e)
+    # Token ids that differ on one rank, or another sequence length: the model's input check, and the
+    # embedding's own when it is called alone.
+    embedding = par.get_input_embeddings()
+    for what, x in (("other ids", ids if rank == 0 else ids.roll(1, dims=1)), ("other length", ids[:, :8 - rank])):
+        for how, call in (("tp", lambda: par(x)), ("embedding", lambda: embedding(x))):
+            try:
+                call()
+                errors[(what, how)] = None
+            except ValueError as e:
+                errors[(what, how)] = str(e)
     torch.distributed.barrier()  # every rank got here: no rank is left in a collective
     return out, errors
 
@@ -59,10 +79,16 @@ def _body(rank, world):
 def test_ignored_labels_give_nan_loss_zero_gradients_and_bad_ids_raise():
     for rank, (out, errors) in enumerate(tputil.spawn(_body, 2, timeout=120)):
         where = "this rank" if rank == 1 else "another rank"
-        message = errors[("bad on rank 1", "tp")]
+        message = errors[("bad on rank 1", "loss")]
         assert message.startswith("vocab_parallel_cross_entropy: a rank of the TP group holds targets outside "
                                   "[0, 50257)") and message.endswith(f"({where} holds them)"), errors
-        assert "hold different targets" in errors[("different", "tp")], errors
+        assert "hold different targets" in errors[("different", "loss")], errors
+        for what in ("bad on rank 1", "different", "other ids"):
+            assert "the ranks of the TP group were given different input values" in errors[(what, "tp")], errors
+        assert "VocabParallelEmbedding: the ranks of the TP group were given different input values" in errors[
+            ("other ids", "embedding")], errors
+        for how in ("tp", "embedding"):
+            assert "given inputs of different names, shapes or dtypes" in errors[("other length", how)], errors
         for what in ("all ignored", "one token"):
             assert out[(what, "dense")][:2] == (True, True), out  # HF: NaN loss, zero gradients
             assert out[(what, "tp")][:2] == (True, True), out

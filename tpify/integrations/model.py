@@ -13,6 +13,9 @@ would silently do the wrong thing on shards, so :func:`install` (called by
   ``activation_checkpointing_enable`` and Trainer's ``gradient_checkpointing=True``) checkpoints
   non-reentrantly with the model's ``tp_info.rng.checkpoint_context_fn``, which restores tpify's
   dropout streams in the recomputed forward.
+* TRL's fused LM head (``model(..., fused_lm_head=True)``, installed by ``trl``'s
+  ``add_fused_lm_head``) multiplies by ``lm_head.weight``, a vocabulary shard here: the call
+  raises :class:`TPUsageError` naming TRL, on every rank, before any collective.
 * A ``DistributedDataParallel`` wrapper whose process group is not the model's DP group (what
   ``transformers.Trainer`` and ``accelerate.Accelerator.prepare`` build over the whole world)
   would have broadcast rank 0's shards to every rank at construction and would average gradients
@@ -189,13 +192,37 @@ def _refuse_foreign_ddp(model: nn.Module, args, kwargs):
     return None
 
 
+def _refuse_fused_lm_head(model: nn.Module, args, kwargs):
+    """Forward pre-hook: raise on TRL's fused LM head call (``fused_lm_head=True``) when the LM
+    head is split over the vocabulary."""
+    if not kwargs.get("fused_lm_head"):
+        return None
+    info = model.tp_info
+    head = info.layout.lm_head
+    raise TPUsageError(
+        f"{type(model).__name__} was called with fused_lm_head=True: TRL's fused LM head (trl's add_fused_lm_head, "
+        f"used by SFTTrainer, DPOTrainer, GRPOTrainer and others) multiplies the hidden states by "
+        f"{head or 'the LM head'}.weight directly, which on this tensor-parallel model (tp_size = {info.tp_size}) is "
+        f"this rank's shard of the vocabulary: its log-probs and loss would be silently wrong. TRL trainers on tpify "
+        f"models are not supported yet; train with tpify.integrations.TPTrainer")
+
+
 def check_before_parallelize(model: nn.Module) -> None:
     """Refuse, before anything changes, a model whose HF state tpify cannot take over.
 
     Raises:
         TPUsageError: gradient checkpointing was enabled before parallelizing (its recomputation
-            would not restore tpify's dropout streams).
+            would not restore tpify's dropout streams); DTensor parameters (FSDP2 or a DTensor
+            TP plan applied first).
     """
+    from torch.distributed.tensor import DTensor
+
+    dtensors = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        raise TPUsageError(f"{type(model).__name__} holds DTensor parameters ({dtensors[:3]}"
+                           f"{' ...' if len(dtensors) > 3 else ''}): it was sharded by FSDP2 (fully_shard) or a DTensor "
+                           f"TP plan before tpify.parallelize. Parallelize the plain model first, then shard it with "
+                           f"fully_shard over the DP dimension")
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise TPUsageError(f"{type(model).__name__} has gradient checkpointing enabled: enable it after "
                            f"tpify.parallelize (model.gradient_checkpointing_enable()), so that the recomputed "
@@ -203,12 +230,19 @@ def check_before_parallelize(model: nn.Module) -> None:
 
 
 def install(model: nn.Module) -> list:
-    """Give a freshly parallelized model its TP-aware HF methods and the DDP guard (see module doc);
-    return the guard's hook handle in a list."""
+    """Give a freshly parallelized model its TP-aware HF methods and the guards (see module doc):
+    the DDP guard, and, when the LM head is split over the vocabulary, the refusal of TRL's
+    fused LM head. Returns the guards' hook handles (registered first, ``prepend=True``, so they
+    run before any hook that communicates)."""
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, model)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
     if hasattr(model, "resize_token_embeddings"):
         model.resize_token_embeddings = types.MethodType(_resize_token_embeddings, model)
-    return [model.register_forward_pre_hook(_refuse_foreign_ddp, with_kwargs=True)]
+    guards = []
+    info = model.tp_info
+    if info.tp_size > 1 and info.layout.lm_head is not None:
+        guards.append(model.register_forward_pre_hook(_refuse_fused_lm_head, with_kwargs=True, prepend=True))
+    guards.append(model.register_forward_pre_hook(_refuse_foreign_ddp, with_kwargs=True, prepend=True))
+    return guards

@@ -165,7 +165,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         dtype = y.dtype
         for a, h in zip(adapters, hs):
             y = y + self.lora_B[a](h).to(dtype) * self.scaling[a]
-        if base.gather_output:
+        if base.gathers():
             y = comm.gather_from_tp_region(y, base.tp_group)[..., : base.out_features]
         return y
 
@@ -187,7 +187,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         y, *hs = summed.split([base.out_features] + [h.shape[-1] for h in hs], dim=-1)
         y = y.to(partial.dtype)
         if base.bias is not None:
-            y = y + base.bias
+            y = y + base.bias.to(y.dtype)  # in the output's dtype, as F.linear (bfloat16 under autocast)
         for a, h in zip(adapters, hs):
             lora_b = self.lora_B[a]
             y = y + lora_b(h.to(lora_b.weight.dtype)).to(y.dtype) * self.scaling[a]

@@ -22,7 +22,8 @@ nothing else:
   weights back slice by slice in place and restores both, so a resumed run continues exactly.
 
 Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP, fp16 (per-rank loss
-scaler), ``load_best_model_at_end``, a model tpify did not parallelize.
+scaler), ``load_best_model_at_end``, a model tpify did not parallelize, a subclass that also
+derives from a TRL trainer (``class X(TPTrainer, SFTTrainer)``: TRL is not supported yet).
 """
 
 from __future__ import annotations
@@ -55,10 +56,17 @@ class TPTrainer(transformers.Trainer):
 
     Raises:
         TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP,
-            fp16, ``load_best_model_at_end``; a checkpoint without this TP rank's optimizer file.
+            fp16, ``load_best_model_at_end``; a subclass of a TRL trainer; a checkpoint without
+            this TP rank's optimizer file.
     """
 
     def __init__(self, model=None, args=None, *pos, **kwargs):
+        trl = [c.__qualname__ for c in type(self).__mro__ if c.__module__.split(".")[0] == "trl"]
+        if trl:
+            raise TPUsageError(f"{type(self).__name__} derives from TRL's {trl[0]}: TRL trainers on tpify models are not "
+                               f"supported yet (TRL computes log-probs and losses from lm_head.weight and from "
+                               f"full-vocabulary logits, which are vocabulary shards here, so it would train silently "
+                               f"wrong); train with tpify.integrations.TPTrainer")
         tp_model = tp_model_of(model) if model is not None else None
         if tp_model is None:
             raise TPUsageError("TPTrainer trains models parallelized by tpify (tpify.parallelize or "
