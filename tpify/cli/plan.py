@@ -507,7 +507,9 @@ def add_parser(sub) -> None:
                                       "process group, no weights.")
     plan.add_argument("target", metavar="MODEL_TYPE_OR_DIR",
                       help="a model_type (its default config) or a local directory with a config.json")
-    plan.add_argument("--tp", type=int, required=True, help="tensor-parallel size to plan for")
+    from .checks import POSITIVE_INT, flag
+
+    plan.add_argument("--tp", type=flag(POSITIVE_INT), required=True, help="tensor-parallel size to plan for")
     plan.add_argument("--recipe", default=None, help="recipe: a .toml file or a shipped recipe's model_type (default: the config's model_type)")
     plan.add_argument("--head-class", default=None,
                       help="head class name or task (causal-lm, masked-lm, base, ...; default: the masked LM, "
