@@ -1,4 +1,4 @@
-"""The ``tpify`` command's numeric flags are checked before anything runs.
+"""The ``tpify`` command's numeric flags and output paths are checked before anything runs.
 
 A bad value is a usage error at parse time (exit status 2, the flag, the value and the range on
 one line), never a ZeroDivisionError or a traceback from a rank; ``FinetuneConfig`` refuses the
@@ -89,3 +89,19 @@ def test_more_ranks_than_gpus_is_refused_before_launching(capsys, monkeypatch):
     err = _usage_error(capsys, ["embed", "--tp", "4"])
     assert "4 ranks (--tp x --dp) need a GPU each, but this host has 2" in err
 
+
+def test_an_out_path_that_cannot_be_written_is_one_line_and_status_2(capsys, monkeypatch, tmp_path):
+    """Checked before any work: ``draft`` before drafting, ``finetune`` before the ranks start."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(launch, "relaunch", lambda *a: pytest.fail("relaunched"))
+    note = tmp_path / "notes.txt"
+    note.write_text("not a folder")
+    cases = [(["draft", "gpt2", "--out", str(note / "recipe.toml")], f"{note} is a file, not a directory"),
+             (["draft", "gpt2", "--out", str(tmp_path), "--force"], f"--out {tmp_path} is a directory"),
+             (["finetune", "--model-dir", "m", "--out", str(note / "run")], f"{note} is a file, not a directory"),
+             (["finetune", "--model-dir", "m", "--out", str(note)], f"--out {note} is a file, not a directory")]
+    for argv, needle in cases:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err and "pass " in err, err
+    assert note.read_text() == "not a folder"

@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns the exit status. Usage errors exit with status 2 before any rank starts: a numeric
     flag out of range (argparse, :mod:`tpify.cli.checks`), ``--tp``/``--dp`` that do not fit the
-    ranks torchrun started or this host's GPUs.
+    ranks torchrun started or this host's GPUs, an ``--out`` that cannot be written.
     """
+    from .checks import output_problem
     from .launch import launch_problem, relaunch, under_torchrun, world_mismatch
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -225,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits with status 2 on a bad flag
     if getattr(args, "in_process", False):  # recipe-author commands (plan): no process group, no torchrun
         return args.worker(args)
+    if args.command == "finetune" and not under_torchrun():
+        problem = output_problem(args.out, "directory")
+        if problem:  # before the model is converted and the ranks start; finetune() checks on every rank
+            print(f"tpify finetune: error: {problem}", file=sys.stderr)
+            return 2
     if args.command == "finetune":
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]

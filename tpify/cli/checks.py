@@ -1,19 +1,24 @@
-"""Checks of the ``tpify`` command's arguments, one for the parser and for Python.
+"""Checks of the ``tpify`` command's arguments, one for the parser and for Python: numbers, output paths.
 
 A :class:`Limit` describes a numeric option's values (an integer or a finite number, its bounds,
 whether ``None`` is allowed). :func:`flag` turns one into an argparse ``type``, so a bad flag is a
 usage error at parse time (exit status 2, naming the flag, the value and the range, before any
 rank starts); :func:`check` gives the message the Python entry points raise as a ``ValueError``
 for the same value (:class:`tpify.cli.finetune.FinetuneConfig`). Both call :meth:`Limit.allows`.
+
+:func:`output_problem` says why an output path (``--out``) cannot be written before any work is
+done: a parent folder that is a file, a file where a directory is wanted, or the reverse.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["Limit", "POSITIVE_INT", "NON_NEGATIVE_INT", "check", "flag", "tp_list"]
+__all__ = ["Limit", "POSITIVE_INT", "NON_NEGATIVE_INT", "check", "flag", "tp_list", "output_problem"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +109,29 @@ def tp_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"takes integers >= 1 separated by commas (e.g. 2,4), got {text!r}")
     return sizes
 
+
+def output_problem(path: str | os.PathLike, kind: str, flag_name: str = "--out") -> str | None:
+    """Why ``path`` cannot be written as a ``kind`` (``"file"`` or ``"directory"``), or None.
+
+    Looks, without writing, at ``path`` and its nearest existing ancestor: a ``path`` of the
+    other kind, an ancestor that is not a directory (``notes.txt/recipe.toml`` with
+    ``notes.txt`` a file), or an ancestor this process cannot write into. The message names the
+    path, what is wrong and the fix, on one line.
+    """
+    path = Path(path)
+    if path.exists():
+        if kind == "file" and path.is_dir():
+            return f"{flag_name} {path} is a directory; pass the path of a file to write"
+        if kind == "directory" and not path.is_dir():
+            return f"{flag_name} {path} is a file, not a directory; pass a directory (it is created if missing)"
+        return None
+    for parent in path.absolute().parents:
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            return (f"{flag_name} {path} cannot be created: {parent} is a file, not a directory; pass a path whose "
+                    f"parent folders are directories or do not exist yet")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"{flag_name} {path} cannot be created: no permission to write in {parent}; pass another path"
+        return None
+    return None

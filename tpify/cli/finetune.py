@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import comm
 from ..random import get_rng_tracker
 from .launch import world_mismatch
-from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check
+from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check, output_problem
 
 __all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "pack_texts", "batch_indices", "finetune", "default_text_files",
            "add_lora", "lora_targets", "resume_point"]
@@ -313,7 +313,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         ImportError: matplotlib (the ``cli`` extra) is not installed; raised before training.
         ValueError: an option outside its limits (:meth:`FinetuneConfig.check`, again here: the
             config may have changed since it was made), ``tp * dp`` differs from the world
-            size, or ``resume`` finds a checkpoint
+            size, ``out_dir`` cannot be a directory (a file, or under one:
+            :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
             written with another tp/dp layout (its optimizer shards would not fit), with other
             run arguments (unless ``allow_changes``), or with a corrupt ``state.json``.
     """
@@ -331,8 +332,9 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     start_step, losses, model_dir, trainer_dir = 0, [], Path(cfg.model_dir), None
     error, state, ckpt = None, None, None
     try:  # local checks, then one agreement: bad arguments or files on one rank stop every rank
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ValueError(f"--out {out_dir} is a file; pass a directory")
+        problem = output_problem(out_dir, "directory")
+        if problem:
+            raise ValueError(problem)
         _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
         if cfg.resume:
             ckpt, state = resume_point(cfg)
