@@ -38,6 +38,7 @@ import os
 import pickle
 import threading
 import time
+import warnings
 import weakref
 from collections import Counter
 from typing import Iterator
@@ -283,20 +284,52 @@ def digest(value) -> str:
 #: Seconds a rank waits in :func:`agree` for the other ranks (environment variable).
 AGREEMENT_TIMEOUT_ENV = "TPIFY_AGREEMENT_TIMEOUT"
 _DEFAULT_AGREEMENT_TIMEOUT_S = 300.0
+#: Seconds of waiting in :func:`agree` after which a rank says once what it waits for (environment variable).
+AGREEMENT_NOTICE_ENV = "TPIFY_AGREEMENT_NOTICE"
+# 30 s: ranks routinely reach a call seconds apart (one rank reads a checkpoint or converts a
+# model first), rarely half a minute, so a notice after 30 s is seldom noise; and a user looking
+# at a silent terminal learns the likely cause in half a minute, not after the 5-minute timeout.
+_DEFAULT_AGREEMENT_NOTICE_S = 30.0
 _sequence: dict[str, int] = {}  # ranks of a group -> agreements this process has entered on it
 _exit_marker: list = []  # (store, rank) once the marker is registered
 
 
+def _seconds_from_env(name: str, default: float) -> float:
+    """``$name`` as a positive number of seconds (``inf``: never), or ``default`` when unset or empty.
+
+    Raises:
+        ValueError: ``$name`` is not a number, or not a positive one (NaN included).
+    """
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
 def agreement_timeout() -> float:
     """Seconds :func:`agree` waits for the other ranks: ``$TPIFY_AGREEMENT_TIMEOUT``, default 300."""
-    raw = os.environ.get(AGREEMENT_TIMEOUT_ENV, "")
-    try:
-        value = float(raw) if raw else _DEFAULT_AGREEMENT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-    return value
+    return _seconds_from_env(AGREEMENT_TIMEOUT_ENV, _DEFAULT_AGREEMENT_TIMEOUT_S)
+
+
+def agreement_notice() -> float:
+    """Seconds of waiting in :func:`agree` before the waiting rank warns, once, which ranks it waits
+    for and why they may never come: ``$TPIFY_AGREEMENT_NOTICE``, default 30 (none when it is not
+    shorter than :func:`agreement_timeout`: the error comes first)."""
+    return _seconds_from_env(AGREEMENT_NOTICE_ENV, _DEFAULT_AGREEMENT_NOTICE_S)
+
+
+def _waiting_notice(what: str, me: int, missing: list[int], waited: float, timeout: float) -> str:
+    then = (f"This rank raises an AgreementError after {timeout:g} s of waiting; if those ranks are only slower, "
+            f"set ${AGREEMENT_TIMEOUT_ENV} to wait longer" if timeout < float("inf") else
+            f"This rank waits for them without limit (${AGREEMENT_TIMEOUT_ENV}=inf)")
+    return (f"tpify: rank {me} has waited {waited:.0f} s in {what} for rank(s) {missing}, which have not called it. "
+            f"The usual cause is a tpify entry point called on some ranks only (e.g. under `if rank == 0:`) "
+            f"while the others wait elsewhere (a barrier, another collective): tpify's entry points are "
+            f"collective, call {what} on every rank. {then} (${AGREEMENT_NOTICE_ENV} sets when this notice comes)")
 
 
 def _agreement_store():
@@ -320,6 +353,8 @@ def _mark_exited() -> None:
 def _exchange(what: str, mine, ranks: list[int]) -> list | None:
     """Every rank's ``(what, mine)`` through the rendezvous store, waiting at most
     :func:`agreement_timeout` seconds and failing at once when a missing rank has exited.
+    After :func:`agreement_notice` seconds of waiting it warns once (``RuntimeWarning``) which
+    ranks it waits for, the likely cause and when it will raise.
 
     Keys are ``agree/<ranks of the group>/<n>/<rank>``: the n-th agreement this process enters on
     that group, so a rank that skipped a call meets the others' next one with another ``what``.
@@ -336,13 +371,19 @@ def _exchange(what: str, mine, ranks: list[int]) -> list | None:
     _sequence[name] = n = _sequence.get(name, 0) + 1
     base = f"agree/{name}/{n}/"
     store.set(base + str(me), pickle.dumps((what, mine)))
-    timeout = agreement_timeout()
-    deadline, delay = time.monotonic() + timeout, 0.001
+    timeout, notice = agreement_timeout(), agreement_notice()
+    start = time.monotonic()
+    deadline, delay = start + timeout, 0.001
+    noticed = notice >= timeout  # the error would come first
     missing = [r for r in ranks if r != me]
     while True:
         missing = [r for r in missing if not store.check([base + str(r)])]
         if not missing:
             break
+        if not noticed and time.monotonic() - start > notice:
+            noticed = True
+            warnings.warn(_waiting_notice(what, me, missing, time.monotonic() - start, timeout), RuntimeWarning,
+                          stacklevel=3)  # the line of the entry point that called agree
         exited = [r for r in missing if store.check([f"exited/{r}"])]
         if exited:
             raise AgreementError(f"{what}: rank(s) {exited} exited without calling it. Call {what} on every rank "
@@ -386,7 +427,10 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     A call made on some ranks only (``if rank == 0: tpify.save_pretrained(...)``) does not hang
     either: the waiting rank raises as soon as a missing rank has exited (a marker it writes at
     interpreter exit), or when that rank enters another tpify entry point (each rank numbers its
-    agreements per group), or after ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (default 300).
+    agreements per group), or after ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (default 300). A rank
+    still waiting after ``$TPIFY_AGREEMENT_NOTICE`` seconds (default 30) warns once, on that
+    rank (``RuntimeWarning``): which ranks it waits for in which call, the likely cause (a call
+    under ``if rank == 0:``), and when it will raise.
 
     ``share``: a small picklable value of this rank's that is not compared (each rank's own
     process-group ranks, say); once the agreement holds, every rank receives every rank's, in
@@ -402,7 +446,9 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     Raises:
         AgreementError: another rank failed, the ranks disagree, are in different tpify calls,
             or a rank exited or did not come within the timeout.
-        ValueError: ``$TPIFY_AGREEMENT_TIMEOUT`` is not a positive number.
+        ValueError: ``$TPIFY_AGREEMENT_TIMEOUT`` or ``$TPIFY_AGREEMENT_NOTICE`` is not a positive number.
+    Warns:
+        RuntimeWarning: once, after ``$TPIFY_AGREEMENT_NOTICE`` seconds of waiting for other ranks.
     """
     if not (dist.is_available() and dist.is_initialized()) or get_tp_size(group) == 1:
         if error is not None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import comm
 from .integrations.model import is_peft
-from .recipe import Recipe, Rule
+from .recipe import Recipe, Rule, RuleIndex
 from .sharding import pad_vocab_size, valid_tp_sizes
 
 __all__ = ["PlanError", "ModuleLayout", "Layout", "build_layout", "relative_fqn", "SHARDABLE_TYPES"]
@@ -195,6 +195,15 @@ class Layout:
                             sorted(self.head_inputs.items()), self.sequence_parallel])
 
 
+def _outermost_container(fqn: str, containers: dict[str, Rule]) -> str | None:
+    """The outermost replicated container holding ``fqn`` (``""``: the root), or None; a lookup per
+    ancestor, not a scan of every container."""
+    if not fqn:
+        return None
+    parts = fqn.split(".")
+    return next((c for c in ("", *(".".join(parts[:i]) for i in range(1, len(parts)))) if c in containers), None)
+
+
 def _dims(module: nn.Module) -> tuple[int, int]:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
@@ -287,8 +296,11 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                 layout.config_divides[name] = value
 
     # Rules whose `when` conditions the config does not meet take no part (and do not warn).
+    # The work is linear in the rules (a recipe may list thousands): rules are looked up by name
+    # where they can be (RuleIndex), and `matched` holds indices, never compares Rule objects.
     active = [rule for rule in recipe.rules if rule.applies(config)]
-    matched = {rule.index: rule not in active for rule in recipe.rules}
+    index = RuleIndex(active)
+    matched = {rule.index for rule in recipe.rules} - {rule.index for rule in active}  # inactive ones never warn
     uncovered: list[str] = []
     containers: dict[str, Rule] = {}  # replicated container FQN -> its rule
     base = _base_model(model)
@@ -296,9 +308,8 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
         if not fqn and base is not model:
             continue  # the head class's root: rules are written relative to the base model
         rel = relative_fqn(model, fqn)
-        hits = [rule for rule in active if rule.matches(rel)]
-        for rule in hits:
-            matched[rule.index] = True
+        hits = index.hits(rel)
+        matched.update(rule.index for rule in hits)
         for rule in hits:
             for attr in rule.divide:
                 value = getattr(module, attr, None)
@@ -324,7 +335,7 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                 layout.head_inputs[fqn] = layout.head_inputs.get(fqn, ()) + ((arg, dim, heads),)
         styled = [rule for rule in hits if rule.style is not None]
         kind = _kind(module)
-        container = next((c for c in containers if fqn.startswith(c + ".") or not c), None)
+        container = _outermost_container(fqn, containers)
         if kind is None:
             if styled and styled[0].style == "replicate" and len(styled) == 1:
                 containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
@@ -436,7 +447,7 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                 if indivisible and constraints else "")
         raise PlanError(f"cannot parallelize {type(model).__name__} with recipe {recipe.source} at "
                         f"tp_size = {tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
-    layout.unmatched_rules = [r for r in recipe.rules if not matched[r.index] and not r.optional]
+    layout.unmatched_rules = [r for r in recipe.rules if r.index not in matched and not r.optional]
     return layout
 
 

@@ -44,7 +44,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Recipe", "Rule", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
+__all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
 STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise", "embedding_rowwise", "embedding_colwise", "replicate")
 _RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when"}
@@ -89,13 +89,12 @@ class Rule:
     when: tuple[tuple[str, object], ...] = ()
     replicated_parts: tuple[int, ...] = ()
     head_inputs: tuple[tuple[str, int, str], ...] = ()  # (argument name, head dimension, config head count)
-    _regexes: list[re.Pattern] = field(default_factory=list, repr=False)
-
-    def __post_init__(self):
-        self._regexes = [_compile_glob(p) for p in self.patterns]
+    _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
     def matches(self, fqn: str) -> bool:
         """True when ``fqn`` (relative to the base model) matches one of the rule's globs."""
+        if self._regexes is None:
+            self._regexes = [_compile_glob(p) for p in self.patterns]
         return any(r.match(fqn) for r in self._regexes)
 
     def applies(self, config) -> bool:
@@ -104,6 +103,49 @@ class Rule:
 
     def describe(self) -> str:
         return f"rule #{self.index} (match={list(self.patterns)})"
+
+
+def _is_glob(pattern: str) -> bool:
+    return "*" in pattern or "?" in pattern
+
+
+class RuleIndex:
+    """The rules of a list that match an FQN, in rule order, without trying every rule.
+
+    A pattern's literal parts bound what it can match: a name without ``*`` or ``?`` matches only
+    itself; a glob matches only names with its number of dotted segments (unless it has a ``**``
+    segment) whose first and last segments equal its own where those are literal (``h.*.attn``:
+    three-segment names beginning with ``h`` and ending with ``attn``). Patterns are filed under
+    that key, and a name is tried only against the rules filed under the keys it fits, so a recipe
+    of thousands of rules costs little more per module than one of ten. Globs are compiled when
+    first tried.
+    """
+
+    def __init__(self, rules: list[Rule]):
+        self._by_name: dict[str, list[Rule]] = {}
+        # (segment count or None with '**', literal first segment or None, literal last segment or None)
+        self._by_shape: dict[tuple[int | None, str | None, str | None], list[Rule]] = {}
+        for rule in rules:
+            for pattern in dict.fromkeys(rule.patterns):  # a pattern listed twice is filed once
+                if not _is_glob(pattern):
+                    self._by_name.setdefault(pattern, []).append(rule)
+                    continue
+                segs = pattern.split(".")
+                key = (None if "**" in segs else len(segs), None if _is_glob(segs[0]) else segs[0],
+                       None if _is_glob(segs[-1]) else segs[-1])
+                self._by_shape.setdefault(key, []).append(rule)
+
+    def hits(self, fqn: str) -> list[Rule]:
+        """Every rule that matches ``fqn`` (relative to the base model), once each, in rule order."""
+        segs = fqn.split(".")
+        found = {rule.index: rule for rule in self._by_name.get(fqn, ())}
+        for count in (len(segs), None):
+            for first in (segs[0], None):
+                for last in (segs[-1], None):
+                    for rule in self._by_shape.get((count, first, last), ()):
+                        if rule.index not in found and rule.matches(fqn):
+                            found[rule.index] = rule
+        return [found[i] for i in sorted(found)]
 
 
 @dataclass

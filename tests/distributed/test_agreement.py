@@ -17,8 +17,10 @@ timeout, 120 s test deadline) instead of passing.
 * the ranks in different tpify calls (rank 0 saves, rank 1 parallelizes): both raise, naming
   each rank's call;
 * a call made on rank 0 only (``if rank == 0: tpify.save_pretrained(...)``) while rank 1 waits
-  in a barrier: rank 0 raises after ``$TPIFY_AGREEMENT_TIMEOUT`` (5 s here) naming rank 1,
-  and the barrier then completes (last: it leaves the ranks' agreement counts out of step);
+  in a barrier: rank 0 warns once after ``$TPIFY_AGREEMENT_NOTICE`` (1 s here) which rank it
+  waits for, in which call, and why, then raises after ``$TPIFY_AGREEMENT_TIMEOUT`` (5 s here)
+  naming rank 1, and the barrier then completes (last: it leaves the ranks' agreement counts out
+  of step); no other case (nor rank 1) warns;
 * the same call when rank 1 has exited: rank 0 raises at once (a separate spawn, with a 60 s
   agreement timeout that the test's 45 s deadline would catch).
 """
@@ -96,6 +98,7 @@ def _cases(rank, tmp):
 
         model = tpify.parallelize(_gpt2(), tp_size=2)
         os.environ["TPIFY_AGREEMENT_TIMEOUT"] = "5"
+        os.environ["TPIFY_AGREEMENT_NOTICE"] = "1"
         if rank == 0:
             tpify.save_pretrained(model, f"{tmp}/only0")
 
@@ -109,8 +112,11 @@ def _body(rank, world):
 
     import torch.distributed as dist
 
+    import warnings
+
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         shared = [tmp]
         dist.broadcast_object_list(shared, src=0)
         for name, case in _cases(rank, shared[0]).items():
@@ -120,6 +126,7 @@ def _body(rank, world):
             except Exception as e:  # noqa: BLE001 - the errors are what is tested
                 out[name] = f"{type(e).__name__}: {e}"
             dist.barrier()
+    out["notices"] = [str(w.message) for w in seen if "has waited" in str(w.message)]
     return out
 
 
@@ -144,6 +151,12 @@ def test_disagreeing_ranks_and_one_rank_errors_raise_everywhere():
     assert r0["only_rank0_saves"].startswith("AgreementError: tpify.save_pretrained: rank(s) [1] did not call it "
                                              "within 5 s"), r0["only_rank0_saves"]
     assert r1["only_rank0_saves"] == "no error"
+    (notice,) = r0["notices"]  # once, after 1 s, before the error at 5 s
+    assert notice.startswith("tpify: rank 0 has waited 1 s in tpify.save_pretrained for rank(s) [1], which have "
+                             "not called it. The usual cause is a tpify entry point called on some ranks only (e.g. "
+                             "under `if rank == 0:`)"), notice
+    assert "raises an AgreementError after 5 s" in notice and "TPIFY_AGREEMENT_TIMEOUT" in notice, notice
+    assert r1["notices"] == [], r1["notices"]
     assert r1["truncated_load_weights"].startswith("CheckpointError"), r1["truncated_load_weights"]
     assert r0["truncated_load_weights"].startswith("AgreementError: tpify.load_weights_ failed on rank(s) [1] "
                                                    "(rank 1: CheckpointError"), r0["truncated_load_weights"]

@@ -332,3 +332,16 @@ def test_digest_is_stable_short_hex_and_ignores_key_order():
     assert comm.digest({"tp": 2, "dtype": "float32", "parts": [2, 1]}) != d
     # Values JSON cannot encode are digested through str(): a dtype is its name.
     assert comm.digest({"dtype": torch.float32}) == comm.digest({"dtype": "torch.float32"})
+
+
+def test_agreement_timeout_and_notice_read_positive_seconds_from_the_environment(monkeypatch):
+    monkeypatch.delenv(comm.AGREEMENT_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(comm.AGREEMENT_NOTICE_ENV, raising=False)
+    assert (comm.agreement_timeout(), comm.agreement_notice()) == (300.0, 30.0)
+    monkeypatch.setenv(comm.AGREEMENT_NOTICE_ENV, "2.5")
+    monkeypatch.setenv(comm.AGREEMENT_TIMEOUT_ENV, "inf")  # wait without limit
+    assert (comm.agreement_timeout(), comm.agreement_notice()) == (float("inf"), 2.5)
+    for bad in ("0", "-1", "nan", "soon"):
+        monkeypatch.setenv(comm.AGREEMENT_NOTICE_ENV, bad)
+        with pytest.raises(ValueError, match=f"TPIFY_AGREEMENT_NOTICE='{bad}' (must be a positive|is not a) number"):
+            comm.agreement_notice()

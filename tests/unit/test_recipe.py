@@ -162,3 +162,49 @@ def test_uncovered_modules_do_not_suggest_tp_sizes_and_too_few_kv_heads_say_so()
     with pytest.raises(tpify.PlanError) as err:
         build_layout(model, Recipe.from_dict(raw, "partial.toml"), 1)
     assert "covered by no rule" in str(err.value) and "tp sizes that would work" not in str(err.value)
+
+
+def test_rule_index_finds_what_trying_every_rule_finds():
+    """RuleIndex files patterns by their literal segments; it must find exactly what a scan does."""
+    import random
+
+    from tpify.recipe import Rule, RuleIndex
+
+    rng = random.Random(0)
+    segments = ["h", "0", "attn", "c_attn", "*", "**", "?", "a*", "*n", ""]
+    for _ in range(40):
+        rules = [Rule(i, tuple(".".join(rng.choice(segments) for _ in range(rng.randint(1, 4)))
+                               for _ in range(rng.randint(1, 3))), "replicate") for i in range(20)]
+        index = RuleIndex(rules)
+        for _ in range(20):
+            name = ".".join(rng.choice(["h", "0", "attn", "c_attn", "an", "a", ""]) for _ in range(rng.randint(1, 5)))
+            assert [r.index for r in index.hits(name)] == [r.index for r in rules if r.matches(name)], name
+
+
+def test_a_recipe_of_20000_rules_is_matched_without_comparing_rules_or_trying_each_per_module(monkeypatch):
+    """Matching is linear in the rules: no Rule equality (a list membership test made it quadratic,
+    over 200 s for 20,000 rules), and a module is tried only against the rules that can match it."""
+    from tpify.recipe import Rule
+
+    data = _raw("gpt2")
+    shipped = len(data["rule"])
+    for i in range(5000):
+        data["rule"] += [{"match": f"extra.{i}", "style": "replicate", "optional": True},
+                         {"match": f"h.*.attn.x{i}", "style": "replicate", "optional": True},
+                         {"match": f"**.y{i}", "style": "replicate", "optional": True},
+                         {"match": ["h.*", f"h.*.z{i}"], "style": "replicate",
+                          "when": {"n_layer": 99}}]  # inactive: takes no part
+    data["rule"].append({"match": "nowhere", "style": "replicate"})
+    recipe = Recipe.from_dict(data)
+    assert len(recipe.rules) == shipped + 20001
+    tried = []
+    monkeypatch.setattr(Rule, "__eq__", lambda self, other: pytest.fail("build_layout compared two Rule objects"))
+    matches = Rule.matches
+    monkeypatch.setattr(Rule, "matches", lambda self, fqn: tried.append(self.index) or matches(self, fqn))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=8))
+    layout = build_layout(model, recipe, 2)
+    assert [r.patterns for r in layout.unmatched_rules] == [("nowhere",)]
+    assert layout.modules["transformer.h.1.attn.c_attn"].style == "packed_colwise"
+    # Only the shipped globs (h.*.attn.c_attn, ...) are tried, never the 15,000 added rules that
+    # cannot match by their literal segments; a scan would try 20,000 rules for each of 33 modules.
+    assert all(i < shipped for i in tried) and len(tried) < 33 * shipped

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -119,13 +120,18 @@ def _embed_worker(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``tpify`` parser. Numeric flags are checked as they are parsed (:mod:`tpify.cli.checks`):
+    a value out of range is a usage error (exit status 2) naming the flag, the value and the range."""
+    from .finetune import LIMITS
+    from .checks import POSITIVE_INT, flag
+
     parser = argparse.ArgumentParser(prog="tpify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", help="main job: sentence embeddings from a tensor-parallel encoder")
     embed.add_argument("--model-dir", default=None,
                        help="local HF model directory (default: the embedded all-MiniLM-L6-v2)")
-    embed.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    embed.add_argument("--tp", type=flag(POSITIVE_INT), default=2, help="tensor-parallel size (default 2)")
     embed.add_argument("--sentences", nargs="+", default=DEFAULT_SENTENCES, help="sentences to embed")
     embed.set_defaults(worker=_embed_worker)
 
@@ -134,24 +140,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="local HF causal-LM directory (default: the embedded SmolLM2-135M-Instruct, converted once)")
     ft.add_argument("--data", nargs="+", default=[], help="text files (default: a text shipped with tpify)")
     ft.add_argument("--out", default="tpify-finetune", help="output directory (checkpoints, final model, plot)")
-    ft.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 3 for SmolLM2, else 2)")
-    ft.add_argument("--dp", type=int, default=1, help="data-parallel size (world = tp * dp)")
-    ft.add_argument("--seq-len", type=int, default=128, help="tokens per packed sequence")
-    ft.add_argument("--batch-size", type=int, default=4, help="sequences per DP replica per step")
-    ft.add_argument("--lr", type=float, default=5e-5, help="peak AdamW learning rate")
-    ft.add_argument("--warmup", type=int, default=2, help="linear warm-up steps")
-    ft.add_argument("--steps", type=int, default=10, help="optimizer steps in all")
-    ft.add_argument("--clip", type=float, default=1.0, help="gradient clipping by global norm (0: off)")
-    ft.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final model only)")
+    ft.add_argument("--tp", type=flag(LIMITS["tp"]), default=None,
+                    help="tensor-parallel size (default 3 for SmolLM2, else 2)")
+    ft.add_argument("--dp", type=flag(LIMITS["dp"]), default=1, help="data-parallel size (world = tp * dp)")
+    ft.add_argument("--seq-len", type=flag(LIMITS["seq_len"]), default=128, help="tokens per packed sequence")
+    ft.add_argument("--batch-size", type=flag(LIMITS["batch_size"]), default=4,
+                    help="sequences per DP replica per step")
+    ft.add_argument("--lr", type=flag(LIMITS["lr"]), default=5e-5, help="peak AdamW learning rate")
+    ft.add_argument("--warmup", type=flag(LIMITS["warmup"]), default=2, help="linear warm-up steps")
+    ft.add_argument("--steps", type=flag(LIMITS["steps"]), default=10, help="optimizer steps in all")
+    ft.add_argument("--clip", type=flag(LIMITS["clip"]), default=1.0, help="gradient clipping by global norm (0: off)")
+    ft.add_argument("--save-every", type=flag(LIMITS["save_every"]), default=0,
+                    help="checkpoint every N steps (0: final model only)")
     ft.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     ft.add_argument("--allow-changes", action="store_true",
                     help="with --resume: continue although the run's arguments differ from the checkpoint's")
-    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--seed", type=flag(LIMITS["seed"]), default=0)
     ft.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype (bfloat16: pure bf16 training; the loss is computed in float32)")
-    ft.add_argument("--lora-r", type=int, default=0,
+    ft.add_argument("--lora-r", type=flag(LIMITS["lora_r"]), default=0,
                     help="LoRA rank: train only LoRA adapters on the parallel linear layers (0: full fine-tune)")
-    ft.add_argument("--lora-alpha", type=int, default=None, help="LoRA alpha (default 2 * --lora-r)")
+    ft.add_argument("--lora-alpha", type=flag(LIMITS["lora_alpha"]), default=None,
+                    help="LoRA alpha (default 2 * --lora-r)")
     ft.set_defaults(worker=_finetune_worker)
 
     from . import plan as _plan  # tpify plan: in-process, no ranks (tpify/cli/plan.py)
@@ -202,17 +212,36 @@ def _finetune_worker(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tpify`` command; relaunches itself under torchrun when needed."""
-    from .launch import relaunch, under_torchrun
+    """Entry point of the ``tpify`` command; relaunches itself under torchrun when needed.
+
+    Returns the exit status. Usage errors exit with status 2 before any rank starts: a numeric
+    flag out of range (argparse, :mod:`tpify.cli.checks`), ``--tp``/``--dp`` that do not fit the
+    ranks torchrun started or this host's GPUs, an ``--out`` that cannot be written.
+    """
+    from .checks import output_problem
+    from .launch import launch_problem, relaunch, under_torchrun, world_mismatch
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits with status 2 on a bad flag
+    if getattr(args, "in_process", False):  # recipe-author commands (plan): no process group, no torchrun
+        return args.worker(args)
+    if args.command == "finetune" and not under_torchrun():
+        problem = output_problem(args.out, "directory")
+        if problem:  # before the model is converted and the ranks start; finetune() checks on every rank
+            print(f"tpify finetune: error: {problem}", file=sys.stderr)
+            return 2
     if args.command == "finetune":
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
-    if getattr(args, "in_process", False):  # recipe-author commands (plan): no process group, no torchrun
-        return args.worker(args)
+    dp = getattr(args, "dp", None)  # embed: any number of replicas of the tp ranks
     if not under_torchrun():
-        return relaunch(args.tp * getattr(args, "dp", 1), argv)
+        problem = launch_problem(args.tp * (dp or 1))
+        if problem:
+            parser.error(problem)
+        return relaunch(args.tp * (dp or 1), argv)
+    problem = world_mismatch(args.tp, dp, int(os.environ["WORLD_SIZE"]))
+    if problem:
+        parser.error(problem)  # on every rank, before the process group starts
     return args.worker(args)
 

@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .checks import output_problem
+
 __all__ = ["add_parser", "run"]
 
 
@@ -35,7 +37,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    """Run ``tpify draft``; the exit status (1 with the error on stderr when no draft can be made)."""
+    """Run ``tpify draft``; the exit status: 0 when written, 1 with the error on stderr when no draft
+    can be made (or ``--out`` exists without ``--force``), 2 when ``--out`` cannot be written (a
+    parent that is a file, a directory, no permission), checked before drafting."""
+    out = Path(args.out) if args.out else None
+    problem = output_problem(out, "file") if out is not None else None
+    if problem:
+        print(f"tpify draft: error: {problem}", file=sys.stderr)
+        return 2
     from transformers.utils import logging as hf_logging
 
     from ..draft import DraftError, draft
@@ -46,7 +55,6 @@ def run(args) -> int:
     heads = None
     if args.head_classes:
         heads = [h.strip() for item in args.head_classes for h in item.split(",") if h.strip()]
-    out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not args.force:
         print(f"tpify draft: {out} exists; pass --force to overwrite it", file=sys.stderr)
         return 1
@@ -60,8 +68,13 @@ def run(args) -> int:
     if out is None:
         print(text, end="")
     else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        except OSError as e:  # checked above; this is what changed since, or what no check foresees
+            print(f"tpify draft: error: cannot write --out {out}: {e.strerror or e}; pass another path",
+                  file=sys.stderr)
+            return 2
         print(f"tpify draft: wrote {out} ({d.method}, {len(d.data['rule'])} rules, head classes "
               f"{', '.join(d.head_classes)}); review it, then: tpify verify {args.target} --recipe {out} --tp 2",
               file=sys.stderr)

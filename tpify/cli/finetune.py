@@ -25,8 +25,11 @@ import torch.distributed as dist
 
 from .. import comm
 from ..random import get_rng_tracker
+from .launch import world_mismatch
+from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check, output_problem
 
-__all__ = ["FinetuneConfig", "pack_texts", "batch_indices", "finetune", "default_text_files", "add_lora", "lora_targets", "resume_point"]
+__all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "pack_texts", "batch_indices", "finetune", "default_text_files",
+           "add_lora", "lora_targets", "resume_point"]
 
 
 def default_text_files() -> list[Path]:
@@ -35,9 +38,35 @@ def default_text_files() -> list[Path]:
     return [Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"]
 
 
+# The values of each numeric option of FinetuneConfig; the `tpify finetune` flags are parsed with
+# the same limits (tpify/cli/__init__.py), so a value the parser refuses is refused from Python too.
+LIMITS = {
+    "tp": POSITIVE_INT,
+    "dp": POSITIVE_INT,
+    "seq_len": Limit(low=2, note="a causal LM learns to predict each token from the ones before it, so a "
+                                 "sequence needs two"),
+    "batch_size": POSITIVE_INT,
+    "lr": Limit(integer=False, low=0),
+    "warmup": NON_NEGATIVE_INT,
+    "steps": POSITIVE_INT,
+    "clip": Limit(integer=False, low=0, note="the largest global gradient norm; 0 turns clipping off"),
+    "weight_decay": Limit(integer=False, low=0),
+    "save_every": Limit(low=0, note="0 writes the final model only"),
+    "seed": Limit(low=0, high=2**63),
+    "lora_r": Limit(low=0, note="0 fine-tunes every parameter"),
+    "lora_alpha": Limit(low=1, none=True, note="unset: twice the LoRA rank"),
+}
+DTYPES = ("float32", "bfloat16")
+
+
 @dataclass
 class FinetuneConfig:
-    """Options of :func:`finetune` (the ``tpify finetune`` flags)."""
+    """Options of :func:`finetune` (the ``tpify finetune`` flags), checked when made.
+
+    Raises:
+        ValueError: a numeric option outside :data:`LIMITS` (every one listed, each with its
+            allowed range), or a ``dtype`` not in :data:`DTYPES`.
+    """
 
     model_dir: str
     out_dir: str
@@ -59,6 +88,18 @@ class FinetuneConfig:
     lora_alpha: int | None = None  # default 2 * lora_r
     allow_changes: bool = False  # resume even if the run's arguments differ from the checkpoint's
     progress: bool = True
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise a ``ValueError`` naming every option outside its limits (:data:`LIMITS`, :data:`DTYPES`)."""
+        problems = [problem for name, limit in LIMITS.items()
+                    if (problem := check(name, getattr(self, name), limit)) is not None]
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if problems:
+            raise ValueError("FinetuneConfig: " + "; ".join(problems))
 
 
 def pack_texts(tokenizer, files: list[str | Path], seq_len: int) -> torch.Tensor:
@@ -270,7 +311,10 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
 
     Raises:
         ImportError: matplotlib (the ``cli`` extra) is not installed; raised before training.
-        ValueError: ``tp * dp`` differs from the world size, or ``resume`` finds a checkpoint
+        ValueError: an option outside its limits (:meth:`FinetuneConfig.check`, again here: the
+            config may have changed since it was made), ``tp * dp`` differs from the world
+            size, ``out_dir`` cannot be a directory (a file, or under one:
+            :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
             written with another tp/dp layout (its optimizer shards would not fit), with other
             run arguments (unless ``allow_changes``), or with a corrupt ``state.json``.
     """
@@ -279,15 +323,18 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     import tpify
     from tpify.training import check_replicas, clip_grad_norm_, sync_gradients
 
+    cfg.check()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if cfg.tp * cfg.dp != world:
-        raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the world has {world}")
+    problem = world_mismatch(cfg.tp, cfg.dp, world)
+    if problem:
+        raise ValueError(problem)
     out_dir = Path(cfg.out_dir)
     start_step, losses, model_dir, trainer_dir = 0, [], Path(cfg.model_dir), None
     error, state, ckpt = None, None, None
     try:  # local checks, then one agreement: bad arguments or files on one rank stop every rank
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ValueError(f"--out {out_dir} is a file; pass a directory")
+        problem = output_problem(out_dir, "directory")
+        if problem:
+            raise ValueError(problem)
         _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
         if cfg.resume:
             ckpt, state = resume_point(cfg)
@@ -302,8 +349,6 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     files = cfg.data or [str(p) for p in default_text_files()]
     data = pack_texts(tokenizer, files, cfg.seq_len)
     tpify.manual_seed(cfg.seed)
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, torch_dtype=getattr(torch, cfg.dtype)).to(device)
     trainable = None
     if cfg.lora_r:

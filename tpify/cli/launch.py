@@ -17,12 +17,35 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["under_torchrun", "relaunch", "init_distributed"]
+__all__ = ["under_torchrun", "relaunch", "init_distributed", "world_mismatch", "launch_problem"]
 
 
 def under_torchrun() -> bool:
     """True inside a process started by torchrun (or tpify's own relaunch)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def world_mismatch(tp: int, dp: int | None, world: int) -> str | None:
+    """Why ``tp`` x ``dp`` ranks do not fit a world of ``world`` ranks, or None; ``dp`` None: any
+    number of replicas (``world`` must be a multiple of ``tp``)."""
+    if dp is None:
+        if world % tp == 0:
+            return None
+        return (f"--tp {tp} does not divide the {world} ranks started; pass a --tp that divides {world}, or start "
+                f"a multiple of {tp} ranks")
+    if tp * dp == world:
+        return None
+    return (f"--tp {tp} x --dp {dp} = {tp * dp} ranks, but {world} ranks were started; pass --tp and --dp whose "
+            f"product is {world}, or start {tp * dp} ranks (run without torchrun, tpify starts them itself)")
+
+
+def launch_problem(nproc: int) -> str | None:
+    """Why ``nproc`` ranks cannot be started on this host, or None: with CUDA each rank takes a
+    GPU of its own, so there must be as many GPUs (CPU ranks may share cores)."""
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        return (f"{nproc} ranks (--tp x --dp) need a GPU each, but this host has {torch.cuda.device_count()}; pass "
+                f"smaller --tp/--dp, or start the ranks on several hosts with torchrun")
+    return None
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:

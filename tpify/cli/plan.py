@@ -213,18 +213,21 @@ def _rule_uses(model, layout) -> list[dict]:
     """Rules that took part in nothing: inactive (``when``), warned (``layout.unmatched_rules``)
     or optional and unmatched (a head this class lacks)."""
     from tpify.layout import relative_fqn
+    from tpify.recipe import RuleIndex
 
     config = getattr(model, "config", None)
     base = model.base_model if hasattr(model, "base_model") else model
     names = [relative_fqn(model, fqn) for fqn, _ in model.named_modules() if fqn or base is model]
     warned = {r.index for r in layout.unmatched_rules}
+    index = RuleIndex(layout.recipe.rules)  # a lookup per module, not every rule against every module
+    hit = {rule.index for name in names for rule in index.hits(name)}
     unused = []
     for rule in layout.recipe.rules:
         if not rule.applies(config):
             unused.append({**_rule_dict(rule), "reason": "inactive: its 'when' conditions do not hold for this config"})
         elif rule.index in warned:
             unused.append({**_rule_dict(rule), "reason": "matched no module (parallelize warns)"})
-        elif not any(rule.matches(n) for n in names):
+        elif rule.index not in hit:
             unused.append({**_rule_dict(rule), "reason": "optional, matched no module of this head class"})
     return unused
 
@@ -504,7 +507,9 @@ def add_parser(sub) -> None:
                                       "process group, no weights.")
     plan.add_argument("target", metavar="MODEL_TYPE_OR_DIR",
                       help="a model_type (its default config) or a local directory with a config.json")
-    plan.add_argument("--tp", type=int, required=True, help="tensor-parallel size to plan for")
+    from .checks import POSITIVE_INT, flag
+
+    plan.add_argument("--tp", type=flag(POSITIVE_INT), required=True, help="tensor-parallel size to plan for")
     plan.add_argument("--recipe", default=None, help="recipe: a .toml file or a shipped recipe's model_type (default: the config's model_type)")
     plan.add_argument("--head-class", default=None,
                       help="head class name or task (causal-lm, masked-lm, base, ...; default: the masked LM, "

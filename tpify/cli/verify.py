@@ -15,17 +15,9 @@ import argparse
 import sys
 import time
 
+from .checks import Limit, flag, tp_list
+
 __all__ = ["add_parser", "run"]
-
-
-def _tp_list(text: str) -> list[int]:
-    try:
-        sizes = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"--tp takes positive integers separated by commas (e.g. 2,4), got {text!r}")
-    return sizes
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,7 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("target", metavar="MODEL_TYPE_OR_DIR",
                    help="a transformers model_type (its default config, made small) or a directory with a config.json")
     p.add_argument("--recipe", default=None, help="recipe .toml file (default: the shipped recipe of the model_type)")
-    p.add_argument("--tp", type=_tp_list, default=[2], help="tp sizes, comma-separated (default 2)")
+    p.add_argument("--tp", type=tp_list, default=[2], help="tp sizes, comma-separated (default 2)")
     p.add_argument("--head-class", action="append", default=None, dest="head_classes", metavar="NAME",
                    help="a head class name or task (causal-lm, masked-lm, ...); repeat or comma-separate "
                         "(default: every head class of the family)")
@@ -44,7 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       help="make a directory target's config small too (2 layers, 4 heads, vocabulary 101)")
     size.add_argument("--full", dest="shrink", action="store_false",
                       help="use a model_type's default config at full size (slow)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one tp size may take (default 1800)")
+    p.add_argument("--timeout", type=flag(Limit(integer=False, low=0, above=True)), default=1800.0,
+                   help="seconds one tp size may take (default 1800)")
     p.add_argument("--failures-only", action="store_true", help="print only the rows that failed")
     p.set_defaults(worker=run, in_process=True)
     return p
