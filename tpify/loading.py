@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 import warnings
@@ -56,9 +57,9 @@ class _Snapshot:
 
     A file is opened (``os.open``) the first time it is named and stays open until
     :meth:`close`; every later read goes through that descriptor (``/proc/self/fd/<n>`` on
-    Linux), so a save that replaces the file meanwhile (``os.replace``) cannot change what this
-    load reads: it keeps reading the file it opened (and the views :class:`_Reader` returns keep
-    that file's mapping).
+    Linux), so a save that replaces or deletes the file meanwhile (``os.replace``,
+    ``os.unlink``) cannot change what this load reads: it keeps reading the file it opened (and
+    the views :class:`_Reader` returns keep that file's mapping).
     """
 
     def __init__(self, path: Path):
@@ -66,11 +67,27 @@ class _Snapshot:
         self.fds: dict[str, int] = {}
 
     def where(self, name: str) -> str:
-        """A path that reads the opened file ``name`` (opening it now if needed)."""
+        """A path that reads the opened file ``name`` (opening it now if needed).
+
+        Raises:
+            FileNotFoundError: ``name`` is not in the directory (:func:`_snapshot` looks again).
+        """
         if name not in self.fds:
             self.fds[name] = os.open(self.path / name, os.O_RDONLY)
         proc = f"/proc/self/fd/{self.fds[name]}"
         return proc if os.path.exists(proc) else str(self.path / name)
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a regular file of the directory (``os.path.isfile``, as transformers
+        asks), opening it if so: the answer and the file later read are the same file."""
+        try:
+            self.where(name)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if not stat.S_ISREG(os.fstat(self.fds[name]).st_mode):
+            os.close(self.fds.pop(name))
+            return False
+        return True
 
     def read_text(self, name: str) -> str:
         with open(self.where(name), encoding="utf-8") as f:
@@ -82,29 +99,119 @@ class _Snapshot:
         self.fds.clear()
 
 
+class _NoWeights(CheckpointError):
+    """No weights file where transformers looks (:func:`_snapshot` looks once more: a save may be
+    switching from a single file to an index, or back)."""
+
+
+class _MixedSaves(CheckpointError):
+    """The index and the files it names carry different save ids (:func:`_snapshot` looks again)."""
+
+    def __init__(self, path: Path, ids: dict[str, object]):
+        self.ids = ids
+        listed = ", ".join(f"{name}: {value}" for name, value in ids.items())
+        super().__init__(f"{path} mixes files of different saves (tpify_save_id of each: {listed}): the index "
+                         f"names files that another save wrote (files copied in by hand, or a directory assembled "
+                         f"from two checkpoints). Re-save the model, or copy one whole checkpoint (the index and "
+                         f"every file it names, all from one save).")
+
+
+def _parse_index(text: str, file: Path) -> tuple[dict[str, str], object]:
+    """``(weight_map, save id or None)`` of a ``model.safetensors.index.json``.
+
+    A JSON object that gives one key two different values is refused: ``json.loads`` would keep
+    the last one silently, so a tensor listed twice would be read from whichever file came last
+    (the same key twice with the same value is unambiguous and accepted). Local; no communication.
+
+    Raises:
+        CheckpointError: not JSON; no ``weight_map`` mapping names to file names; a key given
+            twice with different values (each listed, with both values).
+    """
+    clashes: list[tuple[str, object, object]] = []
+
+    def unique(pairs):
+        out: dict = {}
+        for key, value in pairs:
+            if key in out and out[key] != value:
+                clashes.append((key, out[key], value))
+            out[key] = value
+        return out
+
+    try:
+        data = json.loads(text, object_pairs_hook=unique)
+        weight_map = data["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{file} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{file}: 'weight_map' must map tensor names to file names, got "
+                              f"{type(weight_map).__name__}; re-save the checkpoint or fix the index")
+    if clashes:
+        listed = "\n  - ".join(f"{key!r}: {_short(a)} and {_short(b)}" for key, a, b in clashes[:10])
+        raise CheckpointError(f"{file} gives {len(clashes)} key(s) two different values (for 'weight_map' entries: "
+                              f"a tensor listed in two files), so which one holds it is ambiguous:\n  - {listed}\n"
+                              f"Keep one entry per tensor (the file whose header holds it) or re-save the checkpoint.")
+    metadata = data.get("metadata")
+    return dict(weight_map), metadata.get(_SAVE_ID) if isinstance(metadata, dict) else None
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _explicit_weights(snap: _Snapshot) -> str | None:
+    """The weights file ``config.json`` names in ``transformers_weights``, which transformers 5
+    loads before any other (a ``*.safetensors`` file or ``*.safetensors.index.json``), or None.
+
+    Raises:
+        CheckpointError: the name is neither, or leaves the directory (transformers refuses both).
+    """
+    if not snap.has("config.json"):
+        return None
+    try:
+        name = json.loads(snap.read_text("config.json")).get("transformers_weights")
+    except (ValueError, AttributeError):  # AutoConfig reports an unreadable config.json
+        return None
+    if name is None:
+        return None
+    inside = isinstance(name, str) and not os.path.isabs(name) and ".." not in Path(name).parts
+    if not inside or not (name.endswith(".safetensors") or name.endswith(".safetensors.index.json")):
+        raise CheckpointError(f"{snap.path / 'config.json'}: transformers_weights = {name!r} must name a "
+                              f"*.safetensors file or *.safetensors.index.json inside {snap.path}; fix config.json")
+    return name
+
+
 def _weight_files(snap: _Snapshot) -> tuple[dict[str, str], list]:
-    """``({checkpoint key: file name}, [the index's save id])`` from the index, or from the single
-    ``model.safetensors`` (no index: no save id of its own, ``[]``)."""
+    """``({checkpoint key: file name}, [the index's save id])`` of the checkpoint transformers 5
+    loads from the directory, every file it names opened in ``snap``.
+
+    transformers' precedence (``modeling_utils._get_resolved_checkpoint_files``, local directory):
+    the file ``config.json`` names in ``transformers_weights``; else ``model.safetensors``; else
+    ``model.safetensors.index.json`` and the files its ``weight_map`` names. A single file has no
+    save id of its own (``[]``). Other weight files in the directory are never opened.
+
+    Raises:
+        FileNotFoundError: a file the index names is not there (:func:`_snapshot` looks again:
+            a save may have switched to another checkpoint meanwhile).
+        _NoWeights: no safetensors weights where transformers looks.
+        CheckpointError: an invalid index (:func:`_parse_index`) or ``transformers_weights``.
+    """
     path = snap.path
-    index = path / SAFE_WEIGHTS_INDEX_NAME
-    if index.is_file():
-        try:
-            data = json.loads(snap.read_text(SAFE_WEIGHTS_INDEX_NAME))
-            weight_map = data["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, got "
-                                  f"{type(weight_map).__name__}; re-save the checkpoint or fix the index")
-        for name in sorted(set(weight_map.values())):  # open every shard now, right after the index:
-            if (path / name).is_file():               # the files then belong to one save, short of a
-                snap.where(name)                      # save moving files in within these microseconds
-        return dict(weight_map), [(data.get("metadata") or {}).get(_SAVE_ID)]
-    single = path / SAFE_WEIGHTS_NAME
-    if not single.is_file():
-        raise CheckpointError(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
+    explicit = _explicit_weights(snap)
+    candidates = [explicit] if explicit is not None else [SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME]
+    name = next((n for n in candidates if snap.has(n)), None)
+    if name is None:
+        if explicit is not None:
+            raise _NoWeights(f"{path / 'config.json'} names transformers_weights = {explicit!r}, which is not in "
+                                  f"{path}; restore that file or remove the entry from config.json")
+        raise _NoWeights(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
                               f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
-    return {key: SAFE_WEIGHTS_NAME for key in _open(single, snap.where(SAFE_WEIGHTS_NAME)).keys()}, []
+    if name.endswith(".index.json"):
+        weight_map, save_id = _parse_index(snap.read_text(name), path / name)
+        for file in sorted(set(weight_map.values())):  # open every shard now, right after the index
+            snap.where(file)
+        return weight_map, [save_id]
+    return {key: name for key in _open(path / name, snap.where(name)).keys()}, []
 
 
 def _open(file: Path, where: str | None = None):
@@ -117,14 +224,35 @@ def _open(file: Path, where: str | None = None):
                               f" bytes): {e}. The file is truncated or corrupt; re-download or re-save it.") from e
 
 
-def _headers(snap: _Snapshot, weight_map: dict[str, str]) -> tuple[dict[str, tuple[tuple[int, ...], str]], list]:
-    """``({key: (shape, file name)}, [each file's save id])``, reading each file's header once."""
-    out, ids = {}, []
-    for name in sorted(set(weight_map.values())):
+def _headers(snap: _Snapshot, weight_map: dict[str, str],
+             index_ids: list = ()) -> tuple[dict[str, tuple[tuple[int, ...], str]], list]:
+    """``({key: (shape, file name)}, [each file's save id])``, reading each file's header once.
+
+    Raises:
+        _MixedSaves: the files (and ``index_ids``) carry different save ids; checked first, since
+            files of two saves may hold the same tensors.
+        CheckpointError: a tensor stored in two files (each named); a tensor the index lists
+            that is in no file.
+    """
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    ids, seen, twice = [], {}, []
+    files = sorted(set(weight_map.values()))
+    for name in files:
         handle = _open(snap.path / name, snap.where(name))
         ids.append((handle.metadata() or {}).get(_SAVE_ID))
         for key in handle.keys():
+            if key in seen:
+                twice.append((key, seen[key], name))
+            seen[key] = name
             out[key] = (tuple(handle.get_slice(key).get_shape()), name)
+    if len(set(list(index_ids) + ids)) > 1:
+        named = dict(zip([SAFE_WEIGHTS_INDEX_NAME] * len(index_ids), index_ids))
+        raise _MixedSaves(snap.path, {**named, **dict(zip(files, ids))})
+    if twice:
+        listed = "\n  - ".join(f"{key} in {a} and in {b}" for key, a, b in twice[:10])
+        raise CheckpointError(f"{snap.path}: {len(twice)} tensor(s) stored in two files of one checkpoint, so which "
+                              f"copy loads would depend on the reading order:\n  - {listed}\nRemove each tensor "
+                              f"from all files but one (the one the index names) or re-save the checkpoint.")
     missing = sorted(k for k, f in weight_map.items() if k not in out)
     if missing:
         raise CheckpointError(f"the index of {snap.path} lists tensors that are in no file: {missing[:5]}")
@@ -132,32 +260,46 @@ def _headers(snap: _Snapshot, weight_map: dict[str, str]) -> tuple[dict[str, tup
 
 
 def _snapshot(path: Path, attempts: int = 10) -> tuple[_Snapshot, dict[str, str], dict]:
-    """Open every file of the checkpoint once: ``(snapshot, weight_map, headers)``.
+    """Open every file of the checkpoint transformers would load: ``(snapshot, weight_map, headers)``.
 
-    Files written by one :func:`save_pretrained` carry the same ``tpify_save_id``; when the
-    opened files carry different ones (a save was replacing them while they were opened), they
-    are opened again, a few times, so a load sees one whole checkpoint, never a mix of two.
+    A save (:func:`save_pretrained`) switches a directory from one whole checkpoint to another
+    with one atomic rename or unlink, then deletes the old files; a load that read the old index
+    may then find a file gone, or (after a second save reused the names) a file of another save:
+    every file of one save carries the same ``tpify_save_id``. Either way the load opens
+    everything again (up to ``attempts`` times, 50 ms more each time), so it sees one whole
+    checkpoint, never a mix. The same missing file or the same mix seen twice in a row is the
+    directory's state, not a save in flight: that is an error at once.
 
     Raises:
-        CheckpointError: the files still mix saves after ``attempts`` tries; or as
+        CheckpointError: a file the index names is missing; the index names files of different
+            saves (:class:`_MixedSaves`); the directory kept changing on every try; or as
             :func:`_weight_files` and :func:`_headers`.
     """
-    ids: list = []
+    previous, problem = None, None
     for attempt in range(attempts):
         snap = _Snapshot(path)
         try:
             weight_map, index_ids = _weight_files(snap)
-            headers, file_ids = _headers(snap, weight_map)
-            ids = index_ids + file_ids
+            headers, _ = _headers(snap, weight_map, index_ids)
+            return snap, weight_map, headers
+        except FileNotFoundError as e:
+            snap.close()
+            seen = ("missing", e.filename)
+            problem = CheckpointError(f"{e.filename} is missing: the checkpoint's index names it but it is not in "
+                                      f"{path}. Copy the whole checkpoint (the index and every file it names) or "
+                                      f"re-save it.")
+        except (_MixedSaves, _NoWeights) as e:
+            snap.close()
+            seen, problem = (type(e).__name__, str(e)), e
         except BaseException:
             snap.close()
             raise
-        if len(set(ids)) <= 1:
-            return snap, weight_map, headers
-        snap.close()
+        if seen == previous:
+            raise problem
+        previous = seen
         time.sleep(0.05 * (attempt + 1))
-    raise CheckpointError(f"{path} holds files of different saves ({sorted(set(map(str, ids)))}) after {attempts} "
-                          f"tries: another process is writing it; load it when that save has finished")
+    raise CheckpointError(f"{path} changed on each of {attempts} tries to open one whole checkpoint (a process "
+                          f"is saving into it again and again); the last try: {problem}")
 
 
 def _rename(key: str, expected: set[str], prefix: str, renames=()) -> str:
