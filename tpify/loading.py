@@ -1009,7 +1009,8 @@ def agree_on_write(ok: bool, where: str, error: BaseException | None, device: to
         raise error
     if flag.item():
         raise RuntimeError(f"tpify: saving failed on the writing rank (global rank 0) while {where}; "
-                           f"see that rank's error. The target directory was left as it was.")
+                           f"see that rank's error. The target directory holds one whole checkpoint (the previous "
+                           f"one unless the failure came after the switch to the new one).")
 
 
 def _saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -1042,12 +1043,23 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     ``model.safetensors.index.json``; one ``model.safetensors`` when all fit); files are gathered
     and written one at a time, so the writing rank never holds the whole dense model.
 
-    What it touches: rank 0 writes every file into a temporary directory beside ``path``; the
-    previous contents of ``path`` stay intact if the save is interrupted while writing. A new
-    ``path`` is that directory renamed; in an existing ``path`` the new files are moved in one
-    by one (``os.replace``), the weight files of an earlier save that this one does not
-    overwrite are removed, and every other file (tokenizer, notes, Trainer checkpoints) is kept,
-    as transformers' ``save_pretrained`` does.
+    What it touches: rank 0 writes every file into a temporary directory ``.NAME.tmp-<id>``
+    beside ``path`` (beside the directory a symlinked ``path`` points to), first removing such
+    directories that no live save holds (left by a killed save). A new ``path`` is that
+    directory renamed. An existing ``path`` goes from the checkpoint it holds to the new one by
+    one atomic rename or unlink (:func:`_swap_into_place`): at every instant, a kill included,
+    ``path`` holds one whole checkpoint, the old one or the new one, and transformers and
+    :func:`from_pretrained` load the same one. Then ``config.json`` and
+    ``generation_config.json`` are replaced (each atomically), and the weight files of earlier
+    saves that the new checkpoint does not use (``model*.safetensors``, its index,
+    ``pytorch_model*.bin``) are removed. Every other file (tokenizer, notes, Trainer
+    ``checkpoint-*`` directories) is kept, as transformers' ``save_pretrained`` does. Shard files
+    get the standard names when no file in ``path`` has them, else
+    ``model-<id>-0000i-of-0000n.safetensors`` (``<id>``: 8 hex digits of this save's id), so
+    a save never overwrites a file the current checkpoint uses; repeated saves alternate. Every
+    file of one save carries its id (``tpify_save_id`` in the safetensors and index metadata).
+    Not synced to disk (``fsync``), as transformers does not: the guarantee holds against a
+    killed process, not a power cut.
 
     Communication: per tensor, one all-gather over the TP group (every rank of every TP group
     must call this function); per file, one all-reduce of one int over the world, so a failure
@@ -1057,7 +1069,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         ValueError: ``path`` is an existing file.
         AgreementError: on the other ranks, when ``path`` is a file on one rank; when the ranks
             hold different models (the first communication compares them, ``comm.agree``).
-        RuntimeError: on ranks other than 0, when rank 0 failed (rank 0 raises its own error).
+        RuntimeError: on ranks other than 0, when rank 0 failed (rank 0 raises its own error);
+            ``path`` then holds one whole checkpoint (the old one unless the failure came after
+            the switch), at worst with unused new shard files the next save removes.
     """
     path = Path(path)
     error = None
@@ -1084,16 +1098,19 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             size = 0
         files[-1].append((key, t))
         size += nbytes
-    names = ([SAFE_WEIGHTS_NAME] if len(files) == 1 else
+    names = ([SAFE_WEIGHTS_NAME] if len(files) == 1 else  # in tmp; _swap_into_place may rename them
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
 
     save_id = uuid.uuid4().hex  # in every file of this save: a reader can tell one save from a mix of two
-    tmp = path.parent / f".{path.name}.tmp-{save_id[:8]}"
-    err = None
+    target = path.resolve() if path.is_symlink() else path  # tmp on the target's filesystem: renames are atomic
+    tmp = target.parent / f".{target.name}.tmp-{save_id[:8]}"
+    err, held = None, None
     if writer:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_dead_saves(target)
             tmp.mkdir()
+            held = _lock(tmp, wait=True)  # until this save ends: a later save's _remove_dead_saves leaves it
         except BaseException as e:  # noqa: BLE001 - reported to every rank by _agree
             err = e
     agree_on_write(err is None, f"creating {tmp}", err, device)
@@ -1118,47 +1135,160 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         err = None
         if writer:
             try:
-                if len(files) > 1:
-                    (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(
-                        {"metadata": {"total_size": total, _SAVE_ID: save_id},
-                         "weight_map": dict(sorted(weight_map.items()))},
-                        indent=2) + "\n")
+                index = None if len(files) == 1 else {"metadata": {"total_size": total, _SAVE_ID: save_id},
+                                                      "weight_map": dict(sorted(weight_map.items()))}
                 with _dense_config(model):
                     model.config.save_pretrained(str(tmp))
                 generation_config = getattr(model, "generation_config", None)
                 if generation_config is not None and getattr(model, "can_generate", lambda: False)():
                     generation_config.save_pretrained(str(tmp))
-                _swap_into_place(tmp, path)
+                _swap_into_place(tmp, target, index, save_id)
             except BaseException as e:  # noqa: BLE001
                 err = e
         agree_on_write(err is None, f"moving {tmp} to {path}", err, device)
     finally:
-        if writer and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if writer:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+            finally:
+                _unlock(held)
 
 
 # Weight files a save owns in its target: replaced by the new save, or removed when it writes others.
-_OWNED_WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+_OWNED_WEIGHTS = re.compile(r"^(model((-[0-9a-f]{8}|-[0-9a-f]{32})?-\d{5}-of-\d{5})?\.safetensors|"
+                            r"model\.safetensors\.index\.json|"
                             r"pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$")
+_CONFIG_FILES = ("config.json", "generation_config.json")  # moved in after the weights' switch, in this order
 
 
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    """Move the files written in ``tmp`` into ``path``, touching nothing else there.
+def _lock(directory: Path, wait: bool) -> int | None:
+    """An exclusive ``flock`` on ``directory``: its descriptor (:func:`_unlock` releases it; so
+    does the death of the process), or ``None`` when the platform or filesystem has no flock
+    or, with ``wait=False``, another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:  # held (LOCK_NB), or no locks on this filesystem
+        os.close(fd)
+        return None
+    return fd
 
-    A new target is ``tmp`` renamed (atomic). In an existing directory (or a symlink to one)
-    each file is moved in with ``os.replace`` (atomic per file), weight shards first, then the
-    index, then configs; weight files of an earlier save that this one does not write
-    (``model-0000i-of-0000n.safetensors``, ``pytorch_model*.bin``, their indexes) are removed
-    last. Every other file (tokenizer, notes, logs, checkpoints) stays, as with transformers.
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def _remove_dead_saves(target: Path) -> None:
+    """Remove the temporary directories ``.NAME.tmp-<id>`` beside ``target`` whose save is dead.
+
+    A save holds a ``flock`` on its temporary directory from just after creating it to its end;
+    the kernel releases it when the process dies (SIGKILL included), so a directory this
+    process can lock is a killed save's leftover. Where locks are unavailable nothing is
+    removed (leftovers are harmless: no load reads them). A save whose directory is removed in
+    the microseconds between its ``mkdir`` and its ``flock`` fails loudly on its next write;
+    its target is untouched. Touches nothing else.
+    """
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.tmp-[0-9a-f]{{8}}$")
+    for entry in target.parent.iterdir():
+        if not pattern.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        fd = _lock(entry, wait=False)
+        if fd is not None:
+            try:
+                shutil.rmtree(entry, ignore_errors=True)
+            finally:
+                _unlock(fd)
+
+
+def _shard_names(path: Path, count: int, save_id: str) -> list[str]:
+    """Names of ``count`` shard files for a save into ``path``, none of which is a file there:
+    the standard ``model-0000i-of-0000n.safetensors`` when all are free, else
+    ``model-<8 hex digits of save_id>-0000i-of-0000n.safetensors`` (the whole id in the
+    astronomically rare case that those exist too). transformers' own ``save_pretrained``
+    removes both forms (names matching ``*-NNNNN-of-NNNNN``)."""
+    for tag in ("", f"-{save_id[:8]}", f"-{save_id}"):
+        names = [f"model{tag}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        if not any(os.path.lexists(path / n) for n in names):
+            return names
+    raise FileExistsError(f"save_pretrained: shard files of save {save_id} already exist in {path}")
+
+
+def _swap_into_place(tmp: Path, path: Path, index: dict | None, save_id: str) -> None:
+    """Move the checkpoint written in ``tmp`` (its shards, configs; ``index``: the index to
+    write, with ``tmp``'s file names, or ``None`` for one ``model.safetensors``) into ``path``.
+
+    A new ``path`` is ``tmp`` renamed (atomic). Into an existing directory, under an exclusive
+    ``flock`` of it (two saves never interleave their moves), in this order:
+
+    1. the shard files, under names no file in ``path`` has (:func:`_shard_names`; ``tmp``'s
+       files renamed and the index written with those names): the checkpoint transformers
+       loads is unchanged, the new files are unused;
+    2. the switch, one atomic step: for one file, ``os.replace`` of ``model.safetensors``
+       (transformers loads it before any index); for an index, ``os.replace`` of
+       ``model.safetensors.index.json``, which is the switch unless a ``model.safetensors``
+       is there, whose ``os.unlink`` then is (the new index and its shards are complete before);
+    3. ``config.json``, then ``generation_config.json`` (each ``os.replace``): until then the new
+       weights load with the old config (the same file in a resumed training; a loud shape error
+       at worst, never a silent mix of weights);
+    4. the weight files of earlier saves the new checkpoint does not use (``_OWNED_WEIGHTS``:
+       the old index first, then files, ``pytorch_model*.bin``), all unused since the switch.
+
+    A kill before step 2 leaves the old checkpoint and unused new files; after it, the new one
+    and unused old files: the next save removes the unused ones (step 4). Every other file
+    (tokenizer, notes, logs, ``checkpoint-*`` directories) stays, as with transformers.
+
+    Raises:
+        OSError: a rename or unlink failed (``path`` then holds one whole checkpoint).
     """
     if not path.exists():
+        if index is not None:
+            _write_index(tmp / SAFE_WEIGHTS_INDEX_NAME, index)
         os.rename(tmp, path)
         return
-    new = sorted(p.name for p in tmp.iterdir())
-    order = sorted(new, key=lambda n: (not n.endswith(".safetensors"), n.endswith(".json") and "index" not in n, n))
-    for name in order:
-        os.replace(tmp / name, path / name)
-    for stale in path.iterdir():
-        if stale.name not in new and _OWNED_WEIGHTS.match(stale.name) and stale.is_file():
-            stale.unlink()
-    tmp.rmdir()
+    held = _lock(path, wait=True)
+    try:
+        if index is not None:
+            index = _rename_shards(tmp, path, index, save_id)
+            _write_index(tmp / SAFE_WEIGHTS_INDEX_NAME, index)
+        new = sorted(p.name for p in tmp.iterdir())
+        shards = [n for n in new if n.endswith(".safetensors") and n != SAFE_WEIGHTS_NAME]
+        for name in shards:  # 1. unused by the checkpoint transformers loads
+            os.replace(tmp / name, path / name)
+        if index is None:  # 2. the switch
+            os.replace(tmp / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_NAME)
+        else:
+            os.replace(tmp / SAFE_WEIGHTS_INDEX_NAME, path / SAFE_WEIGHTS_INDEX_NAME)
+            if (path / SAFE_WEIGHTS_NAME).is_file():
+                os.unlink(path / SAFE_WEIGHTS_NAME)
+        rest = [n for n in _CONFIG_FILES if n in new] + [n for n in new if n not in _CONFIG_FILES and n not in
+                                                         (*shards, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
+        for name in rest:  # 3. configs (and any file the config's save wrote, e.g. remote code)
+            os.replace(tmp / name, path / name)
+        stale = [p.name for p in path.iterdir()
+                 if p.name not in new and _OWNED_WEIGHTS.match(p.name) and p.is_file()]
+        for name in sorted(stale, key=lambda n: (not n.endswith(".json"), n)):  # 4. indexes first
+            os.unlink(path / name)
+        os.rmdir(tmp)
+    finally:
+        _unlock(held)
+
+
+def _rename_shards(tmp: Path, path: Path, index: dict, save_id: str) -> dict:
+    """Rename the shard files in ``tmp`` to names free in ``path`` (:func:`_shard_names`);
+    the index with the new names."""
+    written = sorted(set(index["weight_map"].values()))
+    final = dict(zip(written, _shard_names(path, len(written), save_id)))
+    for old, new in final.items():
+        if old != new:
+            os.rename(tmp / old, tmp / new)
+    return {**index, "weight_map": {k: final[v] for k, v in index["weight_map"].items()}}
+
+
+def _write_index(file: Path, index: dict) -> None:
+    file.write_text(json.dumps(index, indent=2) + "\n")
