@@ -10,8 +10,11 @@ transformers 5 loads a whole model), the others are copied by
 :meth:`tpify.sharding.ShardSpec.read` (packed ``[Q|K|V]`` projections split per part, padded
 vocabularies padded with zero rows). :func:`save_pretrained` gathers each tensor to its dense
 layout with :meth:`~tpify.sharding.ShardSpec.gather` (padding stripped, packed parts re-packed) and
-writes a standard HF directory, shard file by shard file, into a temporary directory that is
-renamed into place at the end. Megatron-LM, arXiv:1909.08053, section 3 (the layouts sharded).
+writes a standard HF directory, shard file by shard file, into a temporary directory; an
+existing target then goes from its checkpoint to the new one with one atomic rename or unlink
+(:func:`_swap_into_place`), so it holds one whole checkpoint at every instant. Loads pick the
+checkpoint transformers 5 picks in a directory (:func:`_weight_files`) and read only its files.
+Megatron-LM, arXiv:1909.08053, section 3 (the layouts sharded).
 """
 
 from __future__ import annotations
@@ -203,9 +206,9 @@ def _weight_files(snap: _Snapshot) -> tuple[dict[str, str], list]:
     if name is None:
         if explicit is not None:
             raise _NoWeights(f"{path / 'config.json'} names transformers_weights = {explicit!r}, which is not in "
-                                  f"{path}; restore that file or remove the entry from config.json")
+                             f"{path}; restore that file or remove the entry from config.json")
         raise _NoWeights(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
-                              f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
+                         f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
     if name.endswith(".index.json"):
         weight_map, save_id = _parse_index(snap.read_text(name), path / name)
         for file in sorted(set(weight_map.values())):  # open every shard now, right after the index
@@ -475,7 +478,9 @@ def from_pretrained(
 
     Args:
         path: local directory with ``config.json`` and ``model.safetensors`` or several files
-            plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded.
+            plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
+            several are present, the one transformers 5 loads is read (``transformers_weights``
+            in config.json, then ``model.safetensors``, then the index), and only its files.
         tp_size, tp_group: as in :func:`tpify.parallelize` (default: the whole world).
         torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
             Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
@@ -501,7 +506,9 @@ def from_pretrained(
     Raises:
         FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
         CheckpointError: no safetensors weights; a truncated/corrupt file (named); tensors the
-            model needs that the checkpoint lacks; tensors whose shape differs from the model's.
+            model needs that the checkpoint lacks; tensors whose shape differs from the model's;
+            an index that lists a tensor in two files, a tensor stored in two files, a file the
+            index names that is missing, files of different saves (:func:`_snapshot`).
         PlanError, RecipeError, ValueError: as :func:`tpify.parallelize`.
         AgreementError: on the other ranks, when one rank raised one of these; when the ranks'
             checkpoints or arguments differ.
