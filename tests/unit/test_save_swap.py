@@ -248,3 +248,27 @@ def test_missing_shard_and_mixed_saves_are_named(tmp_path):
     (path / shard).unlink()
     with pytest.raises(tpify.CheckpointError, match=rf"{shard} is missing: the checkpoint's index names it"):
         tpify.from_pretrained(path)
+
+
+def test_next_save_removes_only_dead_temporary_directories(tmp_path):
+    """A save removes ``.NAME.tmp-<id>`` directories beside its target that no process holds
+    (a killed save's: the kernel released its flock), keeps one a live save holds (locked
+    here through another descriptor), and never touches other names beside the target."""
+    from tpify.loading import _lock, _unlock
+
+    path = tmp_path / "ckpt"
+    dead, live = tmp_path / ".ckpt.tmp-0123abcd", tmp_path / ".ckpt.tmp-4567cdef"
+    others = [tmp_path / ".ckpt.tmp-notes", tmp_path / ".other.tmp-89abcdef", tmp_path / "ckpt.tmp-01234567"]
+    for d in (dead, live, *others):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    held = _lock(live, wait=True)
+    assert held is not None, "this filesystem has no flock"
+    model = tpify.parallelize(_gpt2(1), tp_size=1)
+    try:
+        tpify.save_pretrained(model, path)
+        assert not dead.exists() and live.exists() and all(d.exists() for d in others)
+    finally:
+        _unlock(held)
+    tpify.save_pretrained(model, path)
+    assert not live.exists() and all(d.exists() for d in others)
