@@ -10,8 +10,11 @@ transformers 5 loads a whole model), the others are copied by
 :meth:`tpify.sharding.ShardSpec.read` (packed ``[Q|K|V]`` projections split per part, padded
 vocabularies padded with zero rows). :func:`save_pretrained` gathers each tensor to its dense
 layout with :meth:`~tpify.sharding.ShardSpec.gather` (padding stripped, packed parts re-packed) and
-writes a standard HF directory, shard file by shard file, into a temporary directory that is
-renamed into place at the end. Megatron-LM, arXiv:1909.08053, section 3 (the layouts sharded).
+writes a standard HF directory, shard file by shard file, into a temporary directory; an
+existing target then goes from its checkpoint to the new one with one atomic rename or unlink
+(:func:`_swap_into_place`), so it holds one whole checkpoint at every instant. Loads pick the
+checkpoint transformers 5 picks in a directory (:func:`_weight_files`) and read only its files.
+Megatron-LM, arXiv:1909.08053, section 3 (the layouts sharded).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 import warnings
@@ -56,9 +60,9 @@ class _Snapshot:
 
     A file is opened (``os.open``) the first time it is named and stays open until
     :meth:`close`; every later read goes through that descriptor (``/proc/self/fd/<n>`` on
-    Linux), so a save that replaces the file meanwhile (``os.replace``) cannot change what this
-    load reads: it keeps reading the file it opened (and the views :class:`_Reader` returns keep
-    that file's mapping).
+    Linux), so a save that replaces or deletes the file meanwhile (``os.replace``,
+    ``os.unlink``) cannot change what this load reads: it keeps reading the file it opened (and
+    the views :class:`_Reader` returns keep that file's mapping).
     """
 
     def __init__(self, path: Path):
@@ -66,11 +70,27 @@ class _Snapshot:
         self.fds: dict[str, int] = {}
 
     def where(self, name: str) -> str:
-        """A path that reads the opened file ``name`` (opening it now if needed)."""
+        """A path that reads the opened file ``name`` (opening it now if needed).
+
+        Raises:
+            FileNotFoundError: ``name`` is not in the directory (:func:`_snapshot` looks again).
+        """
         if name not in self.fds:
             self.fds[name] = os.open(self.path / name, os.O_RDONLY)
         proc = f"/proc/self/fd/{self.fds[name]}"
         return proc if os.path.exists(proc) else str(self.path / name)
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a regular file of the directory (``os.path.isfile``, as transformers
+        asks), opening it if so: the answer and the file later read are the same file."""
+        try:
+            self.where(name)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if not stat.S_ISREG(os.fstat(self.fds[name]).st_mode):
+            os.close(self.fds.pop(name))
+            return False
+        return True
 
     def read_text(self, name: str) -> str:
         with open(self.where(name), encoding="utf-8") as f:
@@ -82,29 +102,119 @@ class _Snapshot:
         self.fds.clear()
 
 
+class _NoWeights(CheckpointError):
+    """No weights file where transformers looks (:func:`_snapshot` looks once more: a save may be
+    switching from a single file to an index, or back)."""
+
+
+class _MixedSaves(CheckpointError):
+    """The index and the files it names carry different save ids (:func:`_snapshot` looks again)."""
+
+    def __init__(self, path: Path, ids: dict[str, object]):
+        self.ids = ids
+        listed = ", ".join(f"{name}: {value}" for name, value in ids.items())
+        super().__init__(f"{path} mixes files of different saves (tpify_save_id of each: {listed}): the index "
+                         f"names files that another save wrote (files copied in by hand, or a directory assembled "
+                         f"from two checkpoints). Re-save the model, or copy one whole checkpoint (the index and "
+                         f"every file it names, all from one save).")
+
+
+def _parse_index(text: str, file: Path) -> tuple[dict[str, str], object]:
+    """``(weight_map, save id or None)`` of a ``model.safetensors.index.json``.
+
+    A JSON object that gives one key two different values is refused: ``json.loads`` would keep
+    the last one silently, so a tensor listed twice would be read from whichever file came last
+    (the same key twice with the same value is unambiguous and accepted). Local; no communication.
+
+    Raises:
+        CheckpointError: not JSON; no ``weight_map`` mapping names to file names; a key given
+            twice with different values (each listed, with both values).
+    """
+    clashes: list[tuple[str, object, object]] = []
+
+    def unique(pairs):
+        out: dict = {}
+        for key, value in pairs:
+            if key in out and out[key] != value:
+                clashes.append((key, out[key], value))
+            out[key] = value
+        return out
+
+    try:
+        data = json.loads(text, object_pairs_hook=unique)
+        weight_map = data["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{file} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{file}: 'weight_map' must map tensor names to file names, got "
+                              f"{type(weight_map).__name__}; re-save the checkpoint or fix the index")
+    if clashes:
+        listed = "\n  - ".join(f"{key!r}: {_short(a)} and {_short(b)}" for key, a, b in clashes[:10])
+        raise CheckpointError(f"{file} gives {len(clashes)} key(s) two different values (for 'weight_map' entries: "
+                              f"a tensor listed in two files), so which one holds it is ambiguous:\n  - {listed}\n"
+                              f"Keep one entry per tensor (the file whose header holds it) or re-save the checkpoint.")
+    metadata = data.get("metadata")
+    return dict(weight_map), metadata.get(_SAVE_ID) if isinstance(metadata, dict) else None
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _explicit_weights(snap: _Snapshot) -> str | None:
+    """The weights file ``config.json`` names in ``transformers_weights``, which transformers 5
+    loads before any other (a ``*.safetensors`` file or ``*.safetensors.index.json``), or None.
+
+    Raises:
+        CheckpointError: the name is neither, or leaves the directory (transformers refuses both).
+    """
+    if not snap.has("config.json"):
+        return None
+    try:
+        name = json.loads(snap.read_text("config.json")).get("transformers_weights")
+    except (ValueError, AttributeError):  # AutoConfig reports an unreadable config.json
+        return None
+    if name is None:
+        return None
+    inside = isinstance(name, str) and not os.path.isabs(name) and ".." not in Path(name).parts
+    if not inside or not (name.endswith(".safetensors") or name.endswith(".safetensors.index.json")):
+        raise CheckpointError(f"{snap.path / 'config.json'}: transformers_weights = {name!r} must name a "
+                              f"*.safetensors file or *.safetensors.index.json inside {snap.path}; fix config.json")
+    return name
+
+
 def _weight_files(snap: _Snapshot) -> tuple[dict[str, str], list]:
-    """``({checkpoint key: file name}, [the index's save id])`` from the index, or from the single
-    ``model.safetensors`` (no index: no save id of its own, ``[]``)."""
+    """``({checkpoint key: file name}, [the index's save id])`` of the checkpoint transformers 5
+    loads from the directory, every file it names opened in ``snap``.
+
+    transformers' precedence (``modeling_utils._get_resolved_checkpoint_files``, local directory):
+    the file ``config.json`` names in ``transformers_weights``; else ``model.safetensors``; else
+    ``model.safetensors.index.json`` and the files its ``weight_map`` names. A single file has no
+    save id of its own (``[]``). Other weight files in the directory are never opened.
+
+    Raises:
+        FileNotFoundError: a file the index names is not there (:func:`_snapshot` looks again:
+            a save may have switched to another checkpoint meanwhile).
+        _NoWeights: no safetensors weights where transformers looks.
+        CheckpointError: an invalid index (:func:`_parse_index`) or ``transformers_weights``.
+    """
     path = snap.path
-    index = path / SAFE_WEIGHTS_INDEX_NAME
-    if index.is_file():
-        try:
-            data = json.loads(snap.read_text(SAFE_WEIGHTS_INDEX_NAME))
-            weight_map = data["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, got "
-                                  f"{type(weight_map).__name__}; re-save the checkpoint or fix the index")
-        for name in sorted(set(weight_map.values())):  # open every shard now, right after the index:
-            if (path / name).is_file():               # the files then belong to one save, short of a
-                snap.where(name)                      # save moving files in within these microseconds
-        return dict(weight_map), [(data.get("metadata") or {}).get(_SAVE_ID)]
-    single = path / SAFE_WEIGHTS_NAME
-    if not single.is_file():
-        raise CheckpointError(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
-                              f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
-    return {key: SAFE_WEIGHTS_NAME for key in _open(single, snap.where(SAFE_WEIGHTS_NAME)).keys()}, []
+    explicit = _explicit_weights(snap)
+    candidates = [explicit] if explicit is not None else [SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME]
+    name = next((n for n in candidates if snap.has(n)), None)
+    if name is None:
+        if explicit is not None:
+            raise _NoWeights(f"{path / 'config.json'} names transformers_weights = {explicit!r}, which is not in "
+                             f"{path}; restore that file or remove the entry from config.json")
+        raise _NoWeights(f"{path} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}; tpify loads "
+                         f"safetensors checkpoints only (save with save_pretrained(safe_serialization=True))")
+    if name.endswith(".index.json"):
+        weight_map, save_id = _parse_index(snap.read_text(name), path / name)
+        for file in sorted(set(weight_map.values())):  # open every shard now, right after the index
+            snap.where(file)
+        return weight_map, [save_id]
+    return {key: name for key in _open(path / name, snap.where(name)).keys()}, []
 
 
 def _open(file: Path, where: str | None = None):
@@ -117,14 +227,35 @@ def _open(file: Path, where: str | None = None):
                               f" bytes): {e}. The file is truncated or corrupt; re-download or re-save it.") from e
 
 
-def _headers(snap: _Snapshot, weight_map: dict[str, str]) -> tuple[dict[str, tuple[tuple[int, ...], str]], list]:
-    """``({key: (shape, file name)}, [each file's save id])``, reading each file's header once."""
-    out, ids = {}, []
-    for name in sorted(set(weight_map.values())):
+def _headers(snap: _Snapshot, weight_map: dict[str, str],
+             index_ids: list = ()) -> tuple[dict[str, tuple[tuple[int, ...], str]], list]:
+    """``({key: (shape, file name)}, [each file's save id])``, reading each file's header once.
+
+    Raises:
+        _MixedSaves: the files (and ``index_ids``) carry different save ids; checked first, since
+            files of two saves may hold the same tensors.
+        CheckpointError: a tensor stored in two files (each named); a tensor the index lists
+            that is in no file.
+    """
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    ids, seen, twice = [], {}, []
+    files = sorted(set(weight_map.values()))
+    for name in files:
         handle = _open(snap.path / name, snap.where(name))
         ids.append((handle.metadata() or {}).get(_SAVE_ID))
         for key in handle.keys():
+            if key in seen:
+                twice.append((key, seen[key], name))
+            seen[key] = name
             out[key] = (tuple(handle.get_slice(key).get_shape()), name)
+    if len(set(list(index_ids) + ids)) > 1:
+        named = dict(zip([SAFE_WEIGHTS_INDEX_NAME] * len(index_ids), index_ids))
+        raise _MixedSaves(snap.path, {**named, **dict(zip(files, ids))})
+    if twice:
+        listed = "\n  - ".join(f"{key} in {a} and in {b}" for key, a, b in twice[:10])
+        raise CheckpointError(f"{snap.path}: {len(twice)} tensor(s) stored in two files of one checkpoint, so which "
+                              f"copy loads would depend on the reading order:\n  - {listed}\nRemove each tensor "
+                              f"from all files but one (the one the index names) or re-save the checkpoint.")
     missing = sorted(k for k, f in weight_map.items() if k not in out)
     if missing:
         raise CheckpointError(f"the index of {snap.path} lists tensors that are in no file: {missing[:5]}")
@@ -132,32 +263,46 @@ def _headers(snap: _Snapshot, weight_map: dict[str, str]) -> tuple[dict[str, tup
 
 
 def _snapshot(path: Path, attempts: int = 10) -> tuple[_Snapshot, dict[str, str], dict]:
-    """Open every file of the checkpoint once: ``(snapshot, weight_map, headers)``.
+    """Open every file of the checkpoint transformers would load: ``(snapshot, weight_map, headers)``.
 
-    Files written by one :func:`save_pretrained` carry the same ``tpify_save_id``; when the
-    opened files carry different ones (a save was replacing them while they were opened), they
-    are opened again, a few times, so a load sees one whole checkpoint, never a mix of two.
+    A save (:func:`save_pretrained`) switches a directory from one whole checkpoint to another
+    with one atomic rename or unlink, then deletes the old files; a load that read the old index
+    may then find a file gone, or (after a second save reused the names) a file of another save:
+    every file of one save carries the same ``tpify_save_id``. Either way the load opens
+    everything again (up to ``attempts`` times, 50 ms more each time), so it sees one whole
+    checkpoint, never a mix. The same missing file or the same mix seen twice in a row is the
+    directory's state, not a save in flight: that is an error at once.
 
     Raises:
-        CheckpointError: the files still mix saves after ``attempts`` tries; or as
+        CheckpointError: a file the index names is missing; the index names files of different
+            saves (:class:`_MixedSaves`); the directory kept changing on every try; or as
             :func:`_weight_files` and :func:`_headers`.
     """
-    ids: list = []
+    previous, problem = None, None
     for attempt in range(attempts):
         snap = _Snapshot(path)
         try:
             weight_map, index_ids = _weight_files(snap)
-            headers, file_ids = _headers(snap, weight_map)
-            ids = index_ids + file_ids
+            headers, _ = _headers(snap, weight_map, index_ids)
+            return snap, weight_map, headers
+        except FileNotFoundError as e:
+            snap.close()
+            seen = ("missing", e.filename)
+            problem = CheckpointError(f"{e.filename} is missing: the checkpoint's index names it but it is not in "
+                                      f"{path}. Copy the whole checkpoint (the index and every file it names) or "
+                                      f"re-save it.")
+        except (_MixedSaves, _NoWeights) as e:
+            snap.close()
+            seen, problem = (type(e).__name__, str(e)), e
         except BaseException:
             snap.close()
             raise
-        if len(set(ids)) <= 1:
-            return snap, weight_map, headers
-        snap.close()
+        if seen == previous:
+            raise problem
+        previous = seen
         time.sleep(0.05 * (attempt + 1))
-    raise CheckpointError(f"{path} holds files of different saves ({sorted(set(map(str, ids)))}) after {attempts} "
-                          f"tries: another process is writing it; load it when that save has finished")
+    raise CheckpointError(f"{path} changed on each of {attempts} tries to open one whole checkpoint (a process "
+                          f"is saving into it again and again); the last try: {problem}")
 
 
 def _rename(key: str, expected: set[str], prefix: str, renames=()) -> str:
@@ -334,7 +479,9 @@ def from_pretrained(
 
     Args:
         path: local directory with ``config.json`` and ``model.safetensors`` or several files
-            plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded.
+            plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
+            several are present, the one transformers 5 loads is read (``transformers_weights``
+            in config.json, then ``model.safetensors``, then the index), and only its files.
         tp_size, tp_group, dp_group: as in :func:`tpify.parallelize` (default: the whole world).
         torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
             Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
@@ -360,7 +507,9 @@ def from_pretrained(
     Raises:
         FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
         CheckpointError: no safetensors weights; a truncated/corrupt file (named); tensors the
-            model needs that the checkpoint lacks; tensors whose shape differs from the model's.
+            model needs that the checkpoint lacks; tensors whose shape differs from the model's;
+            an index that lists a tensor in two files, a tensor stored in two files, a file the
+            index names that is missing, files of different saves (:func:`_snapshot`).
         PlanError, RecipeError, ValueError: as :func:`tpify.parallelize`.
         AgreementError: on the other ranks, when one rank raised one of these; when the ranks'
             checkpoints or arguments differ.
@@ -882,7 +1031,8 @@ def agree_on_write(ok: bool, where: str, error: BaseException | None, device: to
         raise error
     if flag.item():
         raise RuntimeError(f"tpify: saving failed on the writing rank (global rank 0) while {where}; "
-                           f"see that rank's error. The target directory was left as it was.")
+                           f"see that rank's error. The target directory holds one whole checkpoint (the previous "
+                           f"one unless the failure came after the switch to the new one).")
 
 
 def _saved_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -915,12 +1065,23 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     ``model.safetensors.index.json``; one ``model.safetensors`` when all fit); files are gathered
     and written one at a time, so the writing rank never holds the whole dense model.
 
-    What it touches: rank 0 writes every file into a temporary directory beside ``path``; the
-    previous contents of ``path`` stay intact if the save is interrupted while writing. A new
-    ``path`` is that directory renamed; in an existing ``path`` the new files are moved in one
-    by one (``os.replace``), the weight files of an earlier save that this one does not
-    overwrite are removed, and every other file (tokenizer, notes, Trainer checkpoints) is kept,
-    as transformers' ``save_pretrained`` does.
+    What it touches: rank 0 writes every file into a temporary directory ``.NAME.tmp-<id>``
+    beside ``path`` (beside the directory a symlinked ``path`` points to), first removing such
+    directories that no live save holds (left by a killed save). A new ``path`` is that
+    directory renamed. An existing ``path`` goes from the checkpoint it holds to the new one by
+    one atomic rename or unlink (:func:`_swap_into_place`): at every instant, a kill included,
+    ``path`` holds one whole checkpoint, the old one or the new one, and transformers and
+    :func:`from_pretrained` load the same one. Then ``config.json`` and
+    ``generation_config.json`` are replaced (each atomically), and the weight files of earlier
+    saves that the new checkpoint does not use (``model*.safetensors``, its index,
+    ``pytorch_model*.bin``) are removed. Every other file (tokenizer, notes, Trainer
+    ``checkpoint-*`` directories) is kept, as transformers' ``save_pretrained`` does. Shard files
+    get the standard names when no file in ``path`` has them, else
+    ``model-<id>-0000i-of-0000n.safetensors`` (``<id>``: 8 hex digits of this save's id), so
+    a save never overwrites a file the current checkpoint uses; repeated saves alternate. Every
+    file of one save carries its id (``tpify_save_id`` in the safetensors and index metadata).
+    Not synced to disk (``fsync``), as transformers does not: the guarantee holds against a
+    killed process, not a power cut.
 
     Communication: per tensor, one all-gather over the TP group (every rank of every TP group
     must call this function); per file, one all-reduce of one int over the world, so a failure
@@ -930,7 +1091,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         ValueError: ``path`` is an existing file.
         AgreementError: on the other ranks, when ``path`` is a file on one rank; when the ranks
             hold different models (the first communication compares them, ``comm.agree``).
-        RuntimeError: on ranks other than 0, when rank 0 failed (rank 0 raises its own error).
+        RuntimeError: on ranks other than 0, when rank 0 failed (rank 0 raises its own error);
+            ``path`` then holds one whole checkpoint (the old one unless the failure came after
+            the switch), at worst with unused new shard files the next save removes.
     """
     path = Path(path)
     error = None
@@ -957,16 +1120,19 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             size = 0
         files[-1].append((key, t))
         size += nbytes
-    names = ([SAFE_WEIGHTS_NAME] if len(files) == 1 else
+    names = ([SAFE_WEIGHTS_NAME] if len(files) == 1 else  # in tmp; _swap_into_place may rename them
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
 
     save_id = uuid.uuid4().hex  # in every file of this save: a reader can tell one save from a mix of two
-    tmp = path.parent / f".{path.name}.tmp-{save_id[:8]}"
-    err = None
+    target = path.resolve() if path.is_symlink() else path  # tmp on the target's filesystem: renames are atomic
+    tmp = target.parent / f".{target.name}.tmp-{save_id[:8]}"
+    err, held = None, None
     if writer:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_dead_saves(target)
             tmp.mkdir()
+            held = _lock(tmp, wait=True)  # until this save ends: a later save's _remove_dead_saves leaves it
         except BaseException as e:  # noqa: BLE001 - reported to every rank by _agree
             err = e
     agree_on_write(err is None, f"creating {tmp}", err, device)
@@ -991,47 +1157,160 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         err = None
         if writer:
             try:
-                if len(files) > 1:
-                    (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(
-                        {"metadata": {"total_size": total, _SAVE_ID: save_id},
-                         "weight_map": dict(sorted(weight_map.items()))},
-                        indent=2) + "\n")
+                index = None if len(files) == 1 else {"metadata": {"total_size": total, _SAVE_ID: save_id},
+                                                      "weight_map": dict(sorted(weight_map.items()))}
                 with _dense_config(model):
                     model.config.save_pretrained(str(tmp))
                 generation_config = getattr(model, "generation_config", None)
                 if generation_config is not None and getattr(model, "can_generate", lambda: False)():
                     generation_config.save_pretrained(str(tmp))
-                _swap_into_place(tmp, path)
+                _swap_into_place(tmp, target, index, save_id)
             except BaseException as e:  # noqa: BLE001
                 err = e
         agree_on_write(err is None, f"moving {tmp} to {path}", err, device)
     finally:
-        if writer and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if writer:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+            finally:
+                _unlock(held)
 
 
 # Weight files a save owns in its target: replaced by the new save, or removed when it writes others.
-_OWNED_WEIGHTS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+_OWNED_WEIGHTS = re.compile(r"^(model((-[0-9a-f]{8}|-[0-9a-f]{32})?-\d{5}-of-\d{5})?\.safetensors|"
+                            r"model\.safetensors\.index\.json|"
                             r"pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$")
+_CONFIG_FILES = ("config.json", "generation_config.json")  # moved in after the weights' switch, in this order
 
 
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    """Move the files written in ``tmp`` into ``path``, touching nothing else there.
+def _lock(directory: Path, wait: bool) -> int | None:
+    """An exclusive ``flock`` on ``directory``: its descriptor (:func:`_unlock` releases it; so
+    does the death of the process), or ``None`` when the platform or filesystem has no flock
+    or, with ``wait=False``, another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:  # held (LOCK_NB), or no locks on this filesystem
+        os.close(fd)
+        return None
+    return fd
 
-    A new target is ``tmp`` renamed (atomic). In an existing directory (or a symlink to one)
-    each file is moved in with ``os.replace`` (atomic per file), weight shards first, then the
-    index, then configs; weight files of an earlier save that this one does not write
-    (``model-0000i-of-0000n.safetensors``, ``pytorch_model*.bin``, their indexes) are removed
-    last. Every other file (tokenizer, notes, logs, checkpoints) stays, as with transformers.
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def _remove_dead_saves(target: Path) -> None:
+    """Remove the temporary directories ``.NAME.tmp-<id>`` beside ``target`` whose save is dead.
+
+    A save holds a ``flock`` on its temporary directory from just after creating it to its end;
+    the kernel releases it when the process dies (SIGKILL included), so a directory this
+    process can lock is a killed save's leftover. Where locks are unavailable nothing is
+    removed (leftovers are harmless: no load reads them). A save whose directory is removed in
+    the microseconds between its ``mkdir`` and its ``flock`` fails loudly on its next write;
+    its target is untouched. Touches nothing else.
+    """
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.tmp-[0-9a-f]{{8}}$")
+    for entry in target.parent.iterdir():
+        if not pattern.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        fd = _lock(entry, wait=False)
+        if fd is not None:
+            try:
+                shutil.rmtree(entry, ignore_errors=True)
+            finally:
+                _unlock(fd)
+
+
+def _shard_names(path: Path, count: int, save_id: str) -> list[str]:
+    """Names of ``count`` shard files for a save into ``path``, none of which is a file there:
+    the standard ``model-0000i-of-0000n.safetensors`` when all are free, else
+    ``model-<8 hex digits of save_id>-0000i-of-0000n.safetensors`` (the whole id in the
+    astronomically rare case that those exist too). transformers' own ``save_pretrained``
+    removes both forms (names matching ``*-NNNNN-of-NNNNN``)."""
+    for tag in ("", f"-{save_id[:8]}", f"-{save_id}"):
+        names = [f"model{tag}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        if not any(os.path.lexists(path / n) for n in names):
+            return names
+    raise FileExistsError(f"save_pretrained: shard files of save {save_id} already exist in {path}")
+
+
+def _swap_into_place(tmp: Path, path: Path, index: dict | None, save_id: str) -> None:
+    """Move the checkpoint written in ``tmp`` (its shards, configs; ``index``: the index to
+    write, with ``tmp``'s file names, or ``None`` for one ``model.safetensors``) into ``path``.
+
+    A new ``path`` is ``tmp`` renamed (atomic). Into an existing directory, under an exclusive
+    ``flock`` of it (two saves never interleave their moves), in this order:
+
+    1. the shard files, under names no file in ``path`` has (:func:`_shard_names`; ``tmp``'s
+       files renamed and the index written with those names): the checkpoint transformers
+       loads is unchanged, the new files are unused;
+    2. the switch, one atomic step: for one file, ``os.replace`` of ``model.safetensors``
+       (transformers loads it before any index); for an index, ``os.replace`` of
+       ``model.safetensors.index.json``, which is the switch unless a ``model.safetensors``
+       is there, whose ``os.unlink`` then is (the new index and its shards are complete before);
+    3. ``config.json``, then ``generation_config.json`` (each ``os.replace``): until then the new
+       weights load with the old config (the same file in a resumed training; a loud shape error
+       at worst, never a silent mix of weights);
+    4. the weight files of earlier saves the new checkpoint does not use (``_OWNED_WEIGHTS``:
+       the old index first, then files, ``pytorch_model*.bin``), all unused since the switch.
+
+    A kill before step 2 leaves the old checkpoint and unused new files; after it, the new one
+    and unused old files: the next save removes the unused ones (step 4). Every other file
+    (tokenizer, notes, logs, ``checkpoint-*`` directories) stays, as with transformers.
+
+    Raises:
+        OSError: a rename or unlink failed (``path`` then holds one whole checkpoint).
     """
     if not path.exists():
+        if index is not None:
+            _write_index(tmp / SAFE_WEIGHTS_INDEX_NAME, index)
         os.rename(tmp, path)
         return
-    new = sorted(p.name for p in tmp.iterdir())
-    order = sorted(new, key=lambda n: (not n.endswith(".safetensors"), n.endswith(".json") and "index" not in n, n))
-    for name in order:
-        os.replace(tmp / name, path / name)
-    for stale in path.iterdir():
-        if stale.name not in new and _OWNED_WEIGHTS.match(stale.name) and stale.is_file():
-            stale.unlink()
-    tmp.rmdir()
+    held = _lock(path, wait=True)
+    try:
+        if index is not None:
+            index = _rename_shards(tmp, path, index, save_id)
+            _write_index(tmp / SAFE_WEIGHTS_INDEX_NAME, index)
+        new = sorted(p.name for p in tmp.iterdir())
+        shards = [n for n in new if n.endswith(".safetensors") and n != SAFE_WEIGHTS_NAME]
+        for name in shards:  # 1. unused by the checkpoint transformers loads
+            os.replace(tmp / name, path / name)
+        if index is None:  # 2. the switch
+            os.replace(tmp / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_NAME)
+        else:
+            os.replace(tmp / SAFE_WEIGHTS_INDEX_NAME, path / SAFE_WEIGHTS_INDEX_NAME)
+            if (path / SAFE_WEIGHTS_NAME).is_file():
+                os.unlink(path / SAFE_WEIGHTS_NAME)
+        rest = [n for n in _CONFIG_FILES if n in new] + [n for n in new if n not in _CONFIG_FILES and n not in
+                                                         (*shards, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
+        for name in rest:  # 3. configs (and any file the config's save wrote, e.g. remote code)
+            os.replace(tmp / name, path / name)
+        stale = [p.name for p in path.iterdir()
+                 if p.name not in new and _OWNED_WEIGHTS.match(p.name) and p.is_file()]
+        for name in sorted(stale, key=lambda n: (not n.endswith(".json"), n)):  # 4. indexes first
+            os.unlink(path / name)
+        os.rmdir(tmp)
+    finally:
+        _unlock(held)
+
+
+def _rename_shards(tmp: Path, path: Path, index: dict, save_id: str) -> dict:
+    """Rename the shard files in ``tmp`` to names free in ``path`` (:func:`_shard_names`);
+    the index with the new names."""
+    written = sorted(set(index["weight_map"].values()))
+    final = dict(zip(written, _shard_names(path, len(written), save_id)))
+    for old, new in final.items():
+        if old != new:
+            os.rename(tmp / old, tmp / new)
+    return {**index, "weight_map": {k: final[v] for k, v in index["weight_map"].items()}}
+
+
+def _write_index(file: Path, index: dict) -> None:
+    file.write_text(json.dumps(index, indent=2) + "\n")
