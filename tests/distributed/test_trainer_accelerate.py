@@ -27,10 +27,23 @@ equal to the straight run; the LoRA run uses Trainer's ``gradient_checkpointing=
 tensor-parallel side only and still equals dense PEFT; an accelerate loop resumed with
 ``save_state`` / ``load_state`` ends bitwise equal to the straight loop; plain ``Trainer`` and plain ``Accelerator.prepare`` on a tpify model
 raise on every rank instead of training wrong.
+
+Resuming at another layout is refused on every rank before any state is read, with a message
+naming both layouts (tpify/integrations/resume.py); the checks run in the same spawned job, on
+its checkpoints: TPTrainer at another tp_size (tp 1: dp = world), at another
+``pad_vocab_multiple`` (both before the weights are read, which the test asserts), with other
+optimizer param groups (compared once Trainer has built its optimizer), and with the manifest
+missing on one rank (an AgreementError on the others); ``TPAccelerator.load_state`` at another
+tp_size and padding; ``tpify finetune``'s restore at another padding. Plain
+``transformers.Trainer`` resuming a TPTrainer checkpoint raises before any step instead of
+training on with a fresh optimizer.
 """
 
 import os
+import re
 import tempfile
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -173,7 +186,7 @@ def _tp_body(rank, world, tp, out):
     assert resumed_log[2:] == straight_log[2:], (resumed_log, straight_log)
     for k, v in straight_w.items():
         assert torch.equal(resumed_w[k], v), f"resumed {k} differs"
-    assert os.path.isfile(out + f"/resume/checkpoint-2/optimizer-tp{rank % tp:02d}-of-{tp:02d}.pt")
+    assert os.path.isfile(out + f"/resume/checkpoint-2/tpify_optimizer/optimizer-tp{rank % tp:02d}-of-{tp:02d}.pt")
 
     # 3. PEFT LoRA through the Trainer, with gradient checkpointing; its checkpoint holds a
     # standard (dense) adapter.
@@ -203,7 +216,172 @@ def _tp_body(rank, world, tp, out):
     if rank == 0:  # tensors travel through a file: a queue would share memory with an exiting process
         torch.save(results, out + "/results.pt")
     dist.barrier()
-    return out + "/results.pt"
+    # 5. Resuming these checkpoints at another layout is refused (checks named in _REFUSALS).
+    c = SimpleNamespace(rank=rank, world=world, tp=tp, out=out, messages={})
+    return out + "/results.pt", tputil.run_checks(_REFUSALS, c), c.messages
+
+
+# -- resuming at another layout: refused on every rank, naming both layouts ----------------------
+_REFUSALS = {}
+
+
+def _refusal(fn):
+    _REFUSALS[fn.__name__] = fn
+    return fn
+
+
+def _refused(c, name, fn, *patterns, error=None):
+    """``fn()`` must raise (a ResumeError unless ``error`` says otherwise) with every pattern in
+    its message; the message is kept for the report."""
+    from tpify.integrations.resume import ResumeError
+
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - checked below
+        if not isinstance(e, error or ResumeError):
+            raise
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: resumed without an error")
+    for pattern in patterns:
+        assert re.search(pattern, message), f"{name}: {pattern!r} not in: {message}"
+    c.messages[name] = message
+    return message
+
+
+def _step_counter():
+    """A TrainerCallback and the list of the steps it saw end."""
+    from transformers import TrainerCallback
+
+    steps = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    return Steps(), steps
+
+
+def _untouched(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _trainer_refuses(c, name, checkpoint, *patterns, tp=None, pad=1, optimizer=None, error=None):
+    """TPTrainer resuming ``checkpoint`` raises with ``patterns``, before any step; without an
+    ``optimizer`` (a function of the model) the refusal comes before the weights are read."""
+    import tpify
+    from tpify.integrations import TPTrainer
+
+    tp = tp or c.tp
+    model = tpify.parallelize(_model(), tp_size=tp, pad_vocab_multiple=pad)
+    before = _untouched(model)
+    counter, steps = _step_counter()
+    trainer = TPTrainer(model=model, args=_args(c.out + f"/refused-{name}", 4 // (c.world // tp)),
+                        train_dataset=_Data(), optimizers=(optimizer and optimizer(model), None), callbacks=[counter])
+    _refused(c, name, lambda: trainer.train(resume_from_checkpoint=checkpoint), *patterns, error=error)
+    assert steps == [], f"{name}: trained steps {steps}"
+    if optimizer is None:
+        for n, w in _untouched(model).items():
+            assert torch.equal(w, before[n]), f"{name}: {n} was loaded before the refusal"
+
+
+def _saved_at(c):
+    return rf"saved at tp_size {c.tp}, dp_size {c.world // c.tp}, pad_vocab_multiple 1 " \
+           rf"\(transformer.wte.weight padded to 50258 rows\)"
+
+
+@_refusal
+def trainer_other_tp_size(c):
+    """tp 2 -> tp 1 (dp = world)."""
+    _trainer_refuses(
+        c, "trainer_other_tp_size", c.out + "/resume/checkpoint-2",
+        r"^TPTrainer resume: .*checkpoint-2 was " + _saved_at(c),
+        rf"this run: tp_size 1, dp_size {c.world}, pad_vocab_multiple 1 "
+        r"\(transformer.wte.weight unpadded, 50257 rows\)",
+        rf"tp_size {c.tp} then, 1 now", r"transformer.wte.weight shape \[25129, 32\] then, \[50257, 32\] now",
+        r"Resume with the same tp_size and pad_vocab_multiple", r"not supported yet", tp=1)
+
+
+@_refusal
+def trainer_other_padding(c):
+    _trainer_refuses(
+        c, "trainer_other_padding", c.out + "/resume/checkpoint-2", _saved_at(c),
+        r"this run: tp_size 2, .*pad_vocab_multiple 64 \(transformer.wte.weight padded to 50304 rows\)",
+        r"pad_vocab_multiple 1 then, 64 now", r"shape \[25129, 32\] then, \[25152, 32\] now", pad=64)
+
+
+@_refusal
+def trainer_other_param_groups(c):
+    """Same shards, but one param group where Trainer's default optimizer has two (decay, no
+    decay): caught by the second comparison, before the optimizer state is loaded."""
+    _trainer_refuses(c, "trainer_other_param_groups", c.out + "/resume/checkpoint-2",
+                     r"^TPTrainer resume \(optimizer\): ",
+                     r"the optimizer's param groups hold \[\d+, \d+\] parameters then, \[\d+\] now",
+                     optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+@_refusal
+def trainer_manifest_missing_on_one_rank(c):
+    """Rank 1 resumes from a directory without a manifest: it raises ResumeError, every other
+    rank AgreementError naming it (never a hang)."""
+    from tpify.comm import AgreementError
+
+    empty = c.out + "/not-a-checkpoint"
+    os.makedirs(empty, exist_ok=True)
+    if c.rank == 1:
+        _trainer_refuses(c, "trainer_manifest_missing_on_one_rank", empty,
+                         r"not-a-checkpoint cannot be resumed: its layout manifest .*tpify_optimizer/tpify_layout.json "
+                         r"is missing")
+    else:
+        _trainer_refuses(c, "trainer_manifest_missing_on_one_rank", c.out + "/resume/checkpoint-2",
+                         r"failed on rank\(s\) \[1\] \(rank 1: ResumeError: .*layout manifest .* is missing",
+                         error=AgreementError)
+
+
+def _accelerator_refuses(c, name, *patterns, tp, pad=1):
+    import tpify
+    from tpify.integrations import TPAccelerator
+
+    accelerator = TPAccelerator(cpu=True)
+    model = tpify.parallelize(_model(), tp_size=tp, pad_vocab_multiple=pad)
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    before = _untouched(model)
+    _refused(c, name, lambda: accelerator.load_state(c.out + "/state"), r"^TPAccelerator.load_state: ", *patterns)
+    for n, w in _untouched(model).items():
+        assert torch.equal(w, before[n]), f"{name}: {n} was loaded before the refusal"
+
+
+@_refusal
+def accelerate_other_tp_size(c):
+    _accelerator_refuses(c, "accelerate_other_tp_size", _saved_at(c), rf"tp_size {c.tp} then, 1 now",
+                         rf"dp_size {c.world // c.tp} then, {c.world} now",
+                         r"Resume with the same tp_size and dp_size and pad_vocab_multiple", tp=1)
+
+
+@_refusal
+def accelerate_other_padding(c):
+    _accelerator_refuses(c, "accelerate_other_padding", _saved_at(c), r"pad_vocab_multiple 1 then, 64 now",
+                         tp=c.tp, pad=64)
+
+
+@_refusal
+def finetune_other_padding(c):
+    """``tpify finetune``'s checkpoint and restore (the code finetune() runs): refused at another
+    padding (a recipe or tpify default that changed, a --model-dir changed with --allow-changes).
+    That the same layout restores exactly is test_finetune.py's test_resume_is_exact_dp2_tp2."""
+    import tpify
+    from tpify.cli import finetune as ft
+
+    cfg = ft.FinetuneConfig(model_dir="unused", out_dir=c.out + "/ft", tp=c.tp, dp=c.world // c.tp)
+
+    def build(pad):
+        model = tpify.parallelize(_model(), tp_size=c.tp, pad_vocab_multiple=pad)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    ckpt = ft._save_checkpoint(*build(1), 1, [1.0], cfg, Path(cfg.out_dir))
+    _refused(c, "finetune_other_padding", lambda: ft._restore(ckpt / "trainer", *build(64), lora=False),
+             r"^tpify finetune --resume: .*checkpoint-1 was " + _saved_at(c), r"pad_vocab_multiple 1 then, 64 now")
 
 
 def _dense_runs(out):
@@ -247,9 +425,29 @@ def _compare(got, want, what, clip):
         torch.testing.assert_close(norm, norm_ref, rtol=1e-9, atol=0, msg=f"{what} grad norm, step {i + 1}")
 
 
-@pytest.mark.parametrize("world,tp", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["tp2", "dp2xtp2"])
-def test_trainer_and_accelerate_match_dense(dense_reference, world, tp, tmp_path):
-    got = torch.load(tputil.spawn(_tp_body, world, tp, str(tmp_path), timeout=400)[0])
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """``run(world, tp)``: the spawned ``_tp_body`` job at that size, once per module:
+    ``(out directory, per-rank (results file, refusal checks, refusal messages))``."""
+    done = {}
+
+    def run(world, tp):
+        if (world, tp) not in done:
+            out = tmp_path_factory.mktemp(f"tp-w{world}-tp{tp}")
+            done[world, tp] = out, tputil.spawn(_tp_body, world, tp, str(out), timeout=400)
+        return done[world, tp]
+
+    return run
+
+
+SIZES = [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)]
+SIZE_IDS = ["tp2", "dp2xtp2"]
+
+
+@pytest.mark.parametrize("world,tp", SIZES, ids=SIZE_IDS)
+def test_trainer_and_accelerate_match_dense(dense_reference, world, tp, tp_runs):
+    tmp_path, ranks = tp_runs(world, tp)
+    got = torch.load(ranks[0][0])
     for tool, clip in (("trainer", 1.0), ("lora", LORA_CLIP), ("accelerate", 1.0)):
         _compare(got[tool], dense_reference[tool], f"{tool} at world {world}, tp {tp}", clip)
         assert set(got[f"{tool}_weights"]) == set(dense_reference[f"{tool}_weights"])
@@ -307,3 +505,41 @@ def test_plain_trainer_and_accelerator_refuse_a_tp_model():
         assert len(errors) == 2, errors
         assert all("DistributedDataParallel over ranks [0, 1], not over its DP group [" in e for e in errors), errors
         assert "TPTrainer" in errors[0]
+
+
+def _checks_ok(ranks, *names):
+    failures = {(rank, n): r[1][n] for n in names for rank, r in enumerate(ranks) if r[1][n] is not None}
+    assert not failures, "\n".join(f"--- rank {rank}, {n} ---\n{tb}" for (rank, n), tb in failures.items())
+    for n in names:
+        print(f"{n}, rank 0: {ranks[0][2].get(n)}")
+
+
+@pytest.mark.parametrize("world,tp", SIZES, ids=SIZE_IDS)
+def test_trainer_resume_at_another_layout_is_refused_on_every_rank(tp_runs, world, tp):
+    _checks_ok(tp_runs(world, tp)[1], "trainer_other_tp_size", "trainer_other_padding", "trainer_other_param_groups",
+               "trainer_manifest_missing_on_one_rank")
+
+
+@pytest.mark.parametrize("world,tp", SIZES, ids=SIZE_IDS)
+def test_accelerate_load_state_at_another_layout_is_refused_on_every_rank(tp_runs, world, tp):
+    _checks_ok(tp_runs(world, tp)[1], "accelerate_other_tp_size", "accelerate_other_padding")
+
+
+@pytest.mark.parametrize("world,tp", SIZES, ids=SIZE_IDS)
+def test_finetune_resume_at_another_layout_is_refused_on_every_rank(tp_runs, world, tp):
+    _checks_ok(tp_runs(world, tp)[1], "finetune_other_padding")
+
+
+def test_plain_trainer_fails_loudly_on_a_tptrainer_checkpoint(tp_runs, tmp_path):
+    """Plain ``Trainer`` resuming a TPTrainer checkpoint (to finish in one process) raises before
+    any step, instead of training on with a fresh optimizer and a restarted schedule: the
+    ``tpify_optimizer/`` subdirectory makes it load ``optimizer.pt``, which is not there."""
+    checkpoint = tp_runs(2, 2)[0] / "resume" / "checkpoint-2"
+    counter, steps = _step_counter()
+    trainer = Trainer(model=_model(dropout=0.1), args=_args(str(tmp_path), 4), train_dataset=_Data(),
+                      callbacks=[counter])
+    with pytest.raises(FileNotFoundError, match=r"checkpoint-2/optimizer.pt"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert steps == [], steps
+    manifest = (checkpoint / "tpify_optimizer" / "tpify_layout.json").read_text()
+    assert "one file per TP rank" in manifest and '"tp_size": 2' in manifest

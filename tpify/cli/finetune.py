@@ -5,9 +5,10 @@ see the same micro-batch, the ``dp`` replicas different ones; a step is the usua
 ``model(input_ids, labels=input_ids).loss.backward()`` (the loss is vocab-parallel, see
 :mod:`tpify.loss`), then gradients are averaged over DP, clipped by the global norm, and AdamW
 steps with a linear warm-up and decay. Checkpoints (HF model directory + one optimizer file per
-rank) are written atomically every ``save_every`` steps, and ``resume`` continues exactly: data
-order and learning rate depend only on the step number. The loss curve (``loss.png``) needs
-matplotlib, the ``cli`` extra (``pip install "tpify[cli]"``).
+rank + the layout manifest, :mod:`tpify.integrations.resume`) are written atomically every
+``save_every`` steps, and ``resume`` continues exactly: data order and learning rate depend
+only on the step number; a checkpoint written at another layout is refused on every rank. The
+loss curve (``loss.png``) needs matplotlib, the ``cli`` extra (``pip install "tpify[cli]"``).
 """
 
 from __future__ import annotations
@@ -173,9 +174,18 @@ def _read_state(ckpt: Path) -> dict:
     return state
 
 
+def _training_layout(model, optimizer) -> dict:
+    from ..integrations.resume import PER_RANK, training_layout
+
+    return training_layout(model, [optimizer], optimizer_files=PER_RANK, written_by="tpify finetune")
+
+
 def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Path) -> Path:
-    """Write ``checkpoint-<step>``: the HF model directory and one trainer file per rank, atomically."""
+    """Write ``checkpoint-<step>``: the HF model directory (LoRA: the adapter), one trainer file per
+    rank and, in ``trainer/``, ``state.json`` and the layout manifest ``tpify_layout.json``, atomically."""
     import tpify
+
+    from ..integrations.resume import write_manifest
 
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f".checkpoint-{step}.tmp"
@@ -197,10 +207,42 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
         (tmp / "trainer" / "state.json").write_text(json.dumps(
             {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
              "lora_r": cfg.lora_r, "args": _run_args(cfg)}))
+        write_manifest(tmp / "trainer", _training_layout(model, optimizer))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     comm.barrier()
     return final
+
+
+def _restore(trainer_dir: Path, model, optimizer, scheduler, lora: bool) -> None:
+    """Continue from ``checkpoint-<k>/trainer``: refuse, on every rank, a checkpoint whose layout
+    does not fit (:func:`tpify.integrations.resume.check_resume`, before anything is read), then
+    read the adapter (LoRA) and this rank's optimizer, scheduler and dropout streams.
+
+    Raises:
+        ResumeError: the layout differs, the manifest or this rank's file is missing (every rank).
+        ValueError: this rank's file does not load (every rank; AgreementError on the others).
+    """
+    from ..integrations.resume import check_resume
+
+    rank = dist.get_rank()
+    file = trainer_dir / f"rank{rank}.pt"
+    check_resume(trainer_dir, _training_layout(model, optimizer), "tpify finetune --resume",
+                 checkpoint=trainer_dir.parent, files=[file])
+    if lora:
+        from ..integrations.peft import load_adapter_
+
+        load_adapter_(model, trainer_dir.parent / "adapter")
+    error = None
+    try:  # a corrupt per-rank file stops every rank, not only this one
+        saved = torch.load(file, weights_only=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        get_rng_tracker(model).load_state_dict(saved["rng"])  # dropout streams continue exactly
+    except Exception as e:  # noqa: BLE001
+        error = ValueError(f"--resume: cannot restore {file} ({type(e).__name__}: {e}); "
+                           f"delete {trainer_dir.parent} to resume from the checkpoint before it")
+    comm.agree("restoring the optimizer in tpify finetune --resume", {}, error)
 
 
 def lora_targets(model) -> list[str]:
@@ -317,6 +359,10 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
             written with another tp/dp layout (its optimizer shards would not fit), with other
             run arguments (unless ``allow_changes``), or with a corrupt ``state.json``.
+        ResumeError: ``resume`` finds a checkpoint whose optimizer state does not fit this run
+            (another model or padding, other LoRA shapes or param groups, e.g. after
+            ``allow_changes``; :func:`tpify.integrations.resume.check_resume`), or no manifest;
+            on every rank, before anything is read from it.
     """
     from transformers import AutoTokenizer
 
@@ -353,31 +399,18 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     trainable = None
     if cfg.lora_r:
         model, trainable, total = add_lora(model, cfg)
-        if trainer_dir is not None:
-            from ..integrations.peft import load_adapter_
-
-            load_adapter_(model, trainer_dir.parent / "adapter")
         if rank == 0:
             print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / total:.2f}%)", flush=True)
-    check_replicas(model)  # every copy of every parameter bitwise equal before training
-    model.train()
     info = tpify.get_tp_info(model)
     dp_rank = comm.get_tp_rank(info.dp_group)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))
     if trainer_dir is not None:
-        error = None
-        try:  # a missing or corrupt per-rank file stops every rank, not only this one
-            saved = torch.load(trainer_dir / f"rank{rank}.pt", weights_only=False)
-            optimizer.load_state_dict(saved["optimizer"])
-            scheduler.load_state_dict(saved["scheduler"])
-            get_rng_tracker(model).load_state_dict(saved["rng"])  # dropout streams continue exactly
-        except Exception as e:  # noqa: BLE001
-            error = ValueError(f"--resume: cannot restore {trainer_dir / f'rank{rank}.pt'} ({type(e).__name__}: {e}); "
-                               f"delete {trainer_dir.parent} to resume from the checkpoint before it")
-        comm.agree("restoring the optimizer in tpify finetune --resume", {}, error)
+        _restore(trainer_dir, model, optimizer, scheduler, cfg.lora_r > 0)
+    check_replicas(model)  # every copy of every parameter bitwise equal before training
+    model.train()
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm.auto import tqdm

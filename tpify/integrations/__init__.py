@@ -5,6 +5,9 @@
 * :func:`get_peft_model` (``tpify.integrations.peft``): PEFT LoRA on tensor-parallel layers.
 * :mod:`tpify.integrations.model`: HF's own methods on a parallelized model (installed by
   :func:`tpify.parallelize`).
+* :mod:`tpify.integrations.resume`: the layout manifest every training checkpoint carries
+  (TPTrainer, TPAccelerator, ``tpify finetune``); a resume at another layout is refused on
+  every rank.
 
 Imported lazily, so ``import tpify`` does not import Trainer, accelerate or peft.
 """

@@ -20,7 +20,9 @@ rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with five methods c
   sharded gradients' squares summed over TP, replicated ones counted once).
 * ``save_model``: the dense Hugging Face checkpoint (or a PEFT model's dense adapter), a
   collective every rank calls; ``save_state``/``load_state``: that checkpoint plus one state file
-  per rank (optimizer shards, scheduler, generators, tpify's dropout streams), read back in place.
+  per rank (optimizer shards, scheduler, generators, tpify's dropout streams) and the layout
+  manifest (:mod:`tpify.integrations.resume`), read back in place; ``load_state`` refuses, on
+  every rank, a state saved at another layout.
   ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError` (a state dict of
   shards is not the model's).
 
@@ -40,6 +42,7 @@ from accelerate.data_loader import prepare_data_loader
 from ..api import get_tp_info
 from ..training import clip_params_grad_norm_, sync_gradients
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
+from .resume import PER_RANK, check_resume, training_layout, write_manifest
 
 __all__ = ["TPAccelerator"]
 
@@ -58,7 +61,8 @@ class TPAccelerator(accelerate.Accelerator):
     Raises:
         TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
             ``dispatch_batches``, a data loader prepared before any tpify model, two models
-            with different groups, ``get_state_dict``; a state saved by another number of ranks.
+            with different groups, ``get_state_dict``.
+        ResumeError: (a TPUsageError) ``load_state`` of a state saved at another layout.
     """
 
     # -- what tpify models were prepared --------------------------------------------------------
@@ -169,8 +173,10 @@ class TPAccelerator(accelerate.Accelerator):
         ``output_dir/model`` (``model_<i>`` for further models) holds each model's dense Hugging
         Face checkpoint, or a PEFT model's dense adapter; ``output_dir/tpify_state_rank<k>.pt``
         holds rank ``k``'s optimizer and scheduler states (its shards), accelerate's step
-        counter, the Python, NumPy and torch generators and tpify's dropout streams. The data
-        position is the caller's, as with accelerate (``skip_first_batches``).
+        counter, the Python, NumPy and torch generators and tpify's dropout streams;
+        ``output_dir/tpify_layout.json`` the layout they were written at (tp_size, dp_size, the
+        models' shards, the optimizers' param groups; :func:`~tpify.integrations.resume.training_layout`).
+        The data position is the caller's, as with accelerate (``skip_first_batches``).
 
         Raises:
             TPUsageError: no ``output_dir`` (automatic checkpoint naming is not supported here).
@@ -196,6 +202,8 @@ class TPAccelerator(accelerate.Accelerator):
                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                  "tpify_rng": [get_rng_tracker(m).state_dict() for m in self._tp_models()], "world": self.num_processes}
         out.mkdir(parents=True, exist_ok=True)
+        if self.process_index == 0:
+            write_manifest(out, self._training_layout())
         torch.save(state, out / f"tpify_state_rank{self.process_index}.pt")
         comm.barrier()
         return str(out)
@@ -203,10 +211,17 @@ class TPAccelerator(accelerate.Accelerator):
     def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
         """Restore what :meth:`save_state` wrote, into the prepared models and optimizers in place.
 
-        Each rank reads its slices of the dense weights (or adapter) and its own state file.
+        First every rank compares the saved layout manifest with this run's
+        (:func:`~tpify.integrations.resume.check_resume`: tp_size, dp_size, pad_vocab_multiple,
+        model class, adapters, every optimized parameter's shard, the param groups); then each
+        rank reads its slices of the dense weights (or adapter) and its own state file.
+
+        Communication: one agreement (``comm.agree``) before anything is read.
 
         Raises:
-            TPUsageError: no ``input_dir``; the state was saved by another number of ranks.
+            TPUsageError: no ``input_dir``.
+            ResumeError: on every rank: the state was saved at another layout (the message names
+                both and what differs), has no manifest, or lacks a rank's state file.
             CheckpointError: the weights do not fit the model.
         """
         if not self._tp_models():
@@ -222,13 +237,8 @@ class TPAccelerator(accelerate.Accelerator):
 
         src = Path(input_dir)
         file = src / f"tpify_state_rank{self.process_index}.pt"
-        if not file.is_file():
-            raise TPUsageError(f"TPAccelerator.load_state: {file} is missing; load a state saved by TPAccelerator "
-                               f"with the same number of ranks")
+        check_resume(src, self._training_layout(), "TPAccelerator.load_state", files=[file])
         state = torch.load(file, map_location="cpu", weights_only=False)
-        if state["world"] != self.num_processes:
-            raise TPUsageError(f"TPAccelerator.load_state: {src} was saved by {state['world']} ranks, this run has "
-                               f"{self.num_processes}")
         for i, model in enumerate(self._models):
             load_dense_(self.unwrap_model(model), src / ("model" if i == 0 else f"model_{i}"))
         for opt, saved in zip(self._optimizers, state["optimizers"]):
@@ -243,6 +253,11 @@ class TPAccelerator(accelerate.Accelerator):
             torch.cuda.set_rng_state_all(state["cuda"])
         for model, saved in zip(self._tp_models(), state["tpify_rng"]):
             get_rng_tracker(model).load_state_dict(saved)
+
+    def _training_layout(self) -> dict:
+        models = [self.unwrap_model(m) for m in self._models] or self._tp_models()
+        return training_layout(models, self._optimizers,
+                               optimizer_files=PER_RANK, written_by="TPAccelerator")
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """As accelerate's, counting each sample once: the TP ranks of a replica hold the same

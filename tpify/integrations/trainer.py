@@ -17,9 +17,43 @@ nothing else:
   token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
 * saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
   (:func:`tpify.save_pretrained`; for a PEFT model the dense adapter), a collective all ranks join;
-* checkpoints hold one optimizer file per TP rank (``optimizer-tp{r}-of-{p}.pt``, written by DP
-  rank 0) and each rank's tpify dropout streams (``tpify_rng_{rank}.pt``); resuming reads the
-  weights back slice by slice in place and restores both, so a resumed run continues exactly.
+* checkpoints hold the optimizer state per TP rank, with the layout it was written at, and
+  resuming refuses, on every rank, a layout it does not fit (below).
+
+A checkpoint ``checkpoint-<step>/`` holds::
+
+    config.json, model.safetensors     the dense model (a PEFT model: its dense adapter), any tp_size
+    scheduler.pt, trainer_state.json,  Trainer's own files
+      training_args.bin, rng_state_<k>.pth
+    tpify_rng_<k>.pt                   global rank k's tpify dropout streams
+    tpify_optimizer/
+      tpify_layout.json                the layout manifest (tpify.integrations.resume)
+      optimizer-tp<r>-of-<p>.pt        TP rank r's optimizer state (its shards), written by DP rank 0
+
+Resuming (``train(resume_from_checkpoint=...)``) first compares the manifest with this run's
+layout on every rank (tp_size, pad_vocab_multiple, model class, adapters, every optimized
+parameter's shard shape and ShardSpec, the param groups) and raises
+:class:`~tpify.integrations.resume.ResumeError` on every rank when they differ, naming what
+differs; then it reads the weights back slice by slice in place and restores the optimizer,
+scheduler and dropout streams, so a resumed run continues exactly. ``dp_size`` may differ (DP
+replicas hold the same optimizer state, so one file per TP rank serves any dp_size; the data
+order then differs, as for plain Trainer at another world size). Resharding the optimizer state
+to another tp_size is not supported yet.
+
+The optimizer files sit in a subdirectory on purpose, so that plain ``transformers.Trainer``
+resuming a TPTrainer checkpoint (say, to finish in one process) fails loudly rather than
+silently. Trainer restores the optimizer and scheduler only when it finds ``optimizer.pt`` (or
+``optimizer.bin``, or a subdirectory whose name contains ``optimizer``) and ``scheduler.pt``;
+otherwise it trains on, without a word, with a fresh optimizer and a restarted learning-rate
+schedule. ``tpify_optimizer/`` meets that condition, so Trainer calls
+``torch.load(checkpoint/optimizer.pt)``, which raises ``FileNotFoundError`` on every rank before
+any step; the manifest's ``note`` says what the directory holds. A dense ``optimizer.pt``
+(gathered over TP) would let plain Trainer resume exactly instead, but every checkpoint would
+then cost rank 0 the host memory of the whole dense optimizer state (8 bytes per parameter for
+AdamW's two fp32 moments, 56 GB for a 7B model): not viable for the models tensor parallelism
+is for. To continue in one process today, load the dense weights and train with a fresh
+optimizer (without ``resume_from_checkpoint``); resuming with ``TPTrainer`` at ``tp_size=1``
+needs resharding, which is not supported yet.
 
 Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP, fp16 (per-rank loss
 scaler), ``load_best_model_at_end``, a model tpify did not parallelize, a subclass that also
@@ -39,8 +73,12 @@ from ..api import get_tp_info
 from ..random import get_rng_tracker
 from .accelerate import TPAccelerator
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
+from .resume import PER_TP_RANK, check_resume, training_layout, write_manifest
 
-__all__ = ["TPTrainer"]
+__all__ = ["TPTrainer", "OPTIMIZER_DIR"]
+
+#: The subdirectory of a checkpoint holding the per-TP-rank optimizer files and the layout manifest.
+OPTIMIZER_DIR = "tpify_optimizer"
 
 
 class TPTrainer(transformers.Trainer):
@@ -56,8 +94,9 @@ class TPTrainer(transformers.Trainer):
 
     Raises:
         TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP,
-            fp16, ``load_best_model_at_end``; a subclass of a TRL trainer; a checkpoint without
-            this TP rank's optimizer file.
+            fp16, ``load_best_model_at_end``; a subclass of a TRL trainer.
+        ResumeError: (a TPUsageError) resuming a checkpoint written at another layout, without
+            a layout manifest, or without this TP rank's optimizer file; on every rank.
     """
 
     def __init__(self, model=None, args=None, *pos, **kwargs):
@@ -129,7 +168,11 @@ class TPTrainer(transformers.Trainer):
 
     def _optimizer_file(self, directory: str) -> str:
         info = get_tp_info(self._tp_model)
-        return os.path.join(directory, f"optimizer-tp{info.tp_rank:02d}-of-{info.tp_size:02d}.pt")
+        return os.path.join(directory, OPTIMIZER_DIR, f"optimizer-tp{info.tp_rank:02d}-of-{info.tp_size:02d}.pt")
+
+    def _training_layout(self, with_optimizer: bool) -> dict:
+        return training_layout(self.model, [self.optimizer] if with_optimizer else None,
+                               optimizer_files=PER_TP_RANK, written_by="TPTrainer")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         import torch.distributed as dist
@@ -137,7 +180,10 @@ class TPTrainer(transformers.Trainer):
         from .. import comm
 
         info = get_tp_info(self._tp_model)
+        if self.args.should_save:
+            write_manifest(os.path.join(output_dir, OPTIMIZER_DIR), self._training_layout(True))
         if comm.get_tp_rank(info.dp_group) == 0:  # DP replicas hold the same optimizer state
+            os.makedirs(os.path.join(output_dir, OPTIMIZER_DIR), exist_ok=True)
             torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -151,16 +197,22 @@ class TPTrainer(transformers.Trainer):
 
     # -- resuming ----------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Every rank: refuse a checkpoint of another layout (the optimizer is not built yet: its
+        param groups are compared later), then read the dense weights back slice by slice."""
         model = model if model is not None else self.model
+        check_resume(os.path.join(resume_from_checkpoint, OPTIMIZER_DIR), self._training_layout(False),
+                     "TPTrainer resume", checkpoint=resume_from_checkpoint)
         load_dense_(self.accelerator.unwrap_model(model, keep_torch_compile=False), resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Every rank: the full layout check (param groups included, this rank's files present),
+        then this TP rank's optimizer state and the scheduler."""
         if checkpoint is None:
             return
         file = self._optimizer_file(checkpoint)
-        if not os.path.isfile(file):
-            raise TPUsageError(f"{checkpoint} has no optimizer state for this TP rank ({os.path.basename(file)}); "
-                               f"resume a TPTrainer checkpoint with the same tp_size")
+        check_resume(os.path.join(checkpoint, OPTIMIZER_DIR), self._training_layout(True),
+                     "TPTrainer resume (optimizer)", checkpoint=checkpoint,
+                     files=[file, os.path.join(checkpoint, SCHEDULER_NAME)])
         device = self.args.device if self.args.device.type != "cpu" else "cpu"  # "cpu:0" cannot be restored
         self.optimizer.load_state_dict(torch.load(file, map_location=device, weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
