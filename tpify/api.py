@@ -30,7 +30,7 @@ from .integrations.model import install as install_hf_methods
 from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
 from .recipe import Recipe, available_recipes, load_recipe
-from .sharding import shard_spec_of
+from .sharding import is_dtensor, shard_spec_of
 
 __all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish", "resolve_recipe"]
 
@@ -82,6 +82,48 @@ def get_tp_info(model: nn.Module) -> TPInfo:
     if not isinstance(info, TPInfo):
         raise ValueError(f"{type(model).__name__} was not parallelized by tpify (no tp_info)")
     return info
+
+
+def find_tp_model(model: nn.Module) -> nn.Module | None:
+    """The module inside ``model`` (itself included) that tpify parallelized (the one holding
+    ``tp_info``), or None: through wrappers that keep it as a submodule (a PEFT model, a DDP, a
+    compiled module)."""
+    for module in model.modules():
+        if isinstance(module.__dict__.get("tp_info"), TPInfo):
+            return module
+    return None
+
+
+def param_specs(model: nn.Module) -> dict[int, object]:
+    """``{id(parameter): its ShardSpec or None}`` for every parameter of ``model`` (a parallelized
+    model or a wrapper of one).
+
+    A parameter's spec is its ``tp_shard_spec`` attribute, or, for a parameter FSDP2 replaced by
+    a DTensor (which drops the attribute), the spec recorded by name when the model was
+    parallelized (:attr:`TPInfo.specs`). Local; no communication.
+
+    Raises:
+        TPUsageError: a DTensor parameter whose name tpify did not record (added after
+            ``parallelize``, e.g. a LoRA factor, then sharded by FSDP2): its split is unknown.
+    """
+    tp_model = find_tp_model(model)
+    recorded = get_tp_info(tp_model).specs if tp_model is not None else {}
+    names = {id(p): n for n, p in (tp_model or model).named_parameters(remove_duplicate=False)}
+    out = {}
+    for p in model.parameters():
+        spec = shard_spec_of(p)
+        if spec is None and is_dtensor(p):
+            name = names.get(id(p))
+            if name not in recorded:
+                from .integrations.model import TPUsageError
+
+                raise TPUsageError(f"parameter {name or '<unnamed>'} is a DTensor (FSDP2) that tpify did not record "
+                                   f"when it parallelized the model: its tensor-parallel split is unknown. Shard "
+                                   f"with fully_shard only what tpify.parallelize returned (adapters added later are "
+                                   f"not supported under FSDP2 yet)")
+            spec = recorded[name]
+        out[id(p)] = spec
+    return out
 
 
 def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None" = None) -> Recipe:

@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import comm
-from .sharding import ShardSpec, shard_spec_of
+from .sharding import ShardSpec, is_dtensor, shard_spec_of
 
 __all__ = ["from_pretrained", "save_pretrained", "load_weights_", "CheckpointError"]
 
@@ -705,6 +705,12 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     path = Path(path)
     error, snap, source, headers = None, None, None, None
     try:  # every local check, then one agreement: the same outcome on every rank
+        if any(is_dtensor(p) for p in model.parameters()):
+            from .integrations.model import TPUsageError
+
+            raise TPUsageError(f"load_weights_: {type(model).__name__}'s parameters are DTensors (FSDP2's "
+                               f"fully_shard); reading a checkpoint into a model FSDP2 shards is not supported yet: "
+                               f"load it with tpify.from_pretrained, then shard it with fully_shard")
         if not path.is_dir():
             raise FileNotFoundError(f"load_weights_: {path} is not a directory")
         snap, _, headers = _snapshot(path)
@@ -1083,6 +1089,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     Not synced to disk (``fsync``), as transformers does not: the guarantee holds against a
     killed process, not a power cut.
 
+    Under FSDP2 (``fully_shard`` over the DP dimension, parameters that are DTensors) each tensor
+    is first gathered over the DP dimension (``DTensor.full_tensor``), then over TP.
+
     Communication: per tensor, one all-gather over the TP group (every rank of every TP group
     must call this function); per file, one all-reduce of one int over the world, so a failure
     on the writing rank raises on every rank instead of hanging them.
@@ -1100,6 +1109,13 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     if path.exists() and not path.is_dir():
         error = ValueError(f"save_pretrained: {path} exists and is not a directory; pass a directory path")
     entries = _saved_tensors(model)
+    specs = {}
+    try:  # under FSDP2 the parameters are DTensors without their tp_shard_spec: the specs recorded by name
+        from .api import param_specs
+
+        specs = param_specs(model)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement below
+        error = error or e
     shapes = comm.digest([(k, list(t.shape), str(t.dtype)) for k, t in entries])
     comm.agree("tpify.save_pretrained", {"saved tensors": shapes, "max_shard_size": str(max_shard_size)}, error)
     info = getattr(model, "tp_info", None)
@@ -1111,7 +1127,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     size = 0
     total = 0
     for key, t in entries:
-        spec = shard_spec_of(t)
+        spec = specs.get(id(t), shard_spec_of(t))
         numel = t.numel() // t.shape[spec.dim] * spec.global_size if spec is not None else t.numel()
         nbytes = numel * t.element_size()
         total += nbytes
@@ -1141,8 +1157,11 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         for name, group_entries in zip(names, files):
             dense = {}
             for key, t in group_entries:
-                spec = shard_spec_of(t)
-                value = spec.gather(t.detach(), group) if spec is not None else t.detach()
+                spec = specs.get(id(t), shard_spec_of(t))
+                local = t.detach()
+                if is_dtensor(local):  # FSDP2: first the whole TP shard, gathered over the DP dimension
+                    local = local.full_tensor()
+                value = spec.gather(local, group) if spec is not None else local
                 if writer:
                     dense[key] = value.contiguous().cpu()  # one file's tensors at a time, in host memory
                 weight_map[key] = name

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from . import comm
 
-__all__ = ["ShardSpec", "shard_spec_of", "KeepsShardSpecs", "divide", "pad_vocab_size", "valid_tp_sizes"]
+__all__ = ["ShardSpec", "shard_spec_of", "is_dtensor", "KeepsShardSpecs", "divide", "pad_vocab_size",
+           "valid_tp_sizes"]
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -213,6 +214,14 @@ class ShardSpec:
                 pieces.extend(shard.narrow(self.dim, offset, chunk) for shard in shards)
             offset += chunk
         return torch.cat(pieces, dim=self.dim).contiguous()
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (a parameter or gradient FSDP2's ``fully_shard`` manages: it has
+    lost the ``tp_shard_spec`` attribute; see :func:`tpify.api.param_specs`)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def shard_spec_of(tensor: torch.Tensor) -> ShardSpec | None:

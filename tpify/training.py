@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .sharding import shard_spec_of
+from .sharding import is_dtensor, shard_spec_of
 
 __all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_",
            "check_replicas"]
@@ -38,6 +38,16 @@ def _groups(model: nn.Module):
     return (info.tp_group, info.dp_group) if info is not None else (None, None)
 
 
+def _refuse_fsdp(model: nn.Module, what: str) -> None:
+    """Raise when FSDP2 manages ``model``'s parameters (they are DTensors): it reduces gradients
+    itself."""
+    from .integrations.model import TPUsageError
+
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise TPUsageError(f"{what}: {type(model).__name__}'s parameters are DTensors (FSDP2's fully_shard): FSDP2 "
+                           f"reduces the gradients over the data-parallel dimension itself; do not call {what} on it")
+
+
 def sync_gradients(model: nn.Module) -> None:
     """Average every gradient over the model's DP group, in place (what DDP does, over DP only).
 
@@ -53,7 +63,12 @@ def sync_gradients(model: nn.Module) -> None:
 
     Communication: over the DP group, one all-reduce of one int per trainable parameter, then one
     all-reduce (sum) per gradient dtype; none when ``dp == 1`` or the model has no DP group.
+
+    Raises:
+        TPUsageError: the model is wrapped by FSDP2 (DTensor parameters), which reduces its
+            gradients itself.
     """
+    _refuse_fsdp(model, "tpify.training.sync_gradients")
     _, dp_group = _groups(model)
     dp_size = comm.get_tp_size(dp_group)
     if dp_group is None or dp_size == 1:
@@ -81,78 +96,125 @@ def sync_gradients(model: nn.Module) -> None:
             offset += p.grad.numel()
 
 
-def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float = 2.0) -> torch.Tensor:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``t``: a DTensor's local shard (FSDP2), or ``t`` itself."""
+
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _sharded_groups(t: torch.Tensor) -> tuple:
+    """The process groups over which a DTensor ``t`` is split (its mesh dimensions with a
+    ``Shard`` placement: FSDP2's data-parallel dimension); ``()`` for a plain tensor or a
+    replicated DTensor."""
+
+    if not is_dtensor(t):
+        return ()
+    return tuple(t.device_mesh.get_group(i) for i, placement in enumerate(t.placements) if placement.is_shard())
+
+
+def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float = 2.0,
+                     specs: dict | None = None) -> torch.Tensor:
     """The L2 norm of the dense gradient of ``params``, identical on every rank of ``tp_group``.
 
     ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: a parameter with a
     :class:`~tpify.sharding.ShardSpec` holds a shard, summed over the TP group; a replicated one
     (and the replicated parts of a packed shard, multi-query K/V) holds the same gradient on every
-    TP rank and is counted once. Padded vocabulary rows have
-    zero gradient. Returns a float32 scalar tensor (float64 when a gradient is float64) on the
-    gradients' device.
+    TP rank and is counted once. Padded vocabulary rows have zero gradient. A gradient that
+    FSDP2 splits over the data-parallel dimension (a DTensor with a ``Shard`` placement) is
+    summed over that dimension first, so the norm is that of the dense model under
+    ``fully_shard`` too (``torch.nn.utils.clip_grad_norm_`` there sums over the DP dimension only:
+    each TP rank would clip by its own norm and the replicated weights would drift apart).
+    Returns a float32 scalar tensor (float64 when a gradient is float64) on the gradients' device.
 
-    Communication: one all-reduce (sum) of one value over ``tp_group``.
+    ``specs``: ``{id(parameter): ShardSpec or None}`` (:func:`tpify.api.param_specs`), needed
+    when the parameters are FSDP2 DTensors (which lose their ``tp_shard_spec``); default: each
+    parameter's attribute.
+
+    Communication: one all-reduce (sum) of one value over ``tp_group``; under FSDP2, before it,
+    one all-reduce of two values over each data-parallel group the gradients are split over.
 
     Raises:
-        NotImplementedError: ``norm_type`` other than 2.
+        NotImplementedError: ``norm_type`` other than 2; a DTensor gradient of a packed shard with
+            replicated parts (multi-query K/V under FSDP2).
     """
     if norm_type != 2.0:
         raise NotImplementedError("tpify: the tensor-parallel gradient norm supports the L2 norm (norm_type=2) only")
     params = [p for p in _trainable(params) if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
+    device = _local(params[0].grad).device if params else torch.device("cpu")
     dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
-    sharded = torch.zeros((), dtype=dtype, device=device)
-    replicated = torch.zeros((), dtype=dtype, device=device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    sums: dict[tuple, list[torch.Tensor]] = {}  # DP groups the gradients are split over -> [sharded, replicated]
     for p in params:
-        grad = p.grad.detach().to(dtype)
+        spec = specs[id(p)] if specs is not None else shard_spec_of(p)
+        split = _sharded_groups(p.grad)
+        grad = _local(p.grad).detach().to(dtype)
         sq = grad.pow(2).sum()
-        spec = shard_spec_of(p)
+        acc = sums.setdefault(split, [zero.clone(), zero.clone()])
         if spec is None:
-            replicated += sq
+            acc[1] += sq
             continue
+        if spec.replicated and split:
+            raise NotImplementedError(f"tpify: the gradient norm of a packed shard with replicated parts (multi-query "
+                                      f"K/V) split by FSDP2 is not supported; parameter of shape {tuple(p.shape)}")
         # Replicated parts of a packed shard (multi-query K/V) hold the same gradient on every rank.
-        rep = sum((grad.narrow(spec.dim, a, b - a).pow(2).sum() for a, b in spec.replicated_local_ranges()),
-                  torch.zeros((), dtype=dtype, device=device))
-        sharded += sq - rep
-        replicated += rep
+        rep = sum((grad.narrow(spec.dim, a, b - a).pow(2).sum() for a, b in spec.replicated_local_ranges()), zero)
+        acc[0] += sq - rep
+        acc[1] += rep
+    sharded, replicated = zero.clone(), zero.clone()
+    for groups, (part_sharded, part_replicated) in sums.items():
+        packed = torch.stack([part_sharded, part_replicated])
+        for group in groups:  # FSDP2: each rank holds a slice of the gradient along the DP dimension
+            comm.all_reduce(packed, group)
+        sharded += packed[0]
+        replicated += packed[1]
     comm.all_reduce(sharded, tp_group)
     return (sharded + replicated).sqrt()
 
 
-def clip_params_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_group) -> torch.Tensor:
+def clip_params_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_group,
+                           specs: dict | None = None) -> torch.Tensor:
     """Scale the gradients of ``params`` so that their dense norm is at most ``max_norm``.
 
     Same rule as :func:`torch.nn.utils.clip_grad_norm_` (coefficient ``max_norm / (norm + 1e-6)``
-    clamped to 1), applied with the TP-global norm of :func:`params_grad_norm`; nothing is scaled
-    when the norm is not finite. Returns the norm before clipping.
+    clamped to 1), applied with the TP-global norm of :func:`params_grad_norm` (``specs``: as
+    there); nothing is scaled when the norm is not finite. Returns the norm before clipping.
     Communication: that of :func:`params_grad_norm`.
     """
     params = _trainable(params)
-    total = params_grad_norm(params, tp_group)
+    total = params_grad_norm(params, tp_group, specs=specs)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if math.isfinite(float(total)):
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    _local(p.grad).mul_(coef.to(p.grad.dtype))
     return total
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
-    """:func:`params_grad_norm` of all the trainable parameters of a parallelized ``model``."""
+    """:func:`params_grad_norm` of all the trainable parameters of a parallelized ``model`` (also
+    one FSDP2's ``fully_shard`` wraps over the data-parallel dimension)."""
+    from .api import param_specs
+
     tp_group, _ = _groups(model)
-    return params_grad_norm(model.parameters(), tp_group, norm_type)
+    return params_grad_norm(model.parameters(), tp_group, norm_type, specs=param_specs(model))
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """:func:`clip_params_grad_norm_` of all the trainable parameters of a parallelized ``model``."""
+    """:func:`clip_params_grad_norm_` of all the trainable parameters of a parallelized ``model``
+    (also one FSDP2's ``fully_shard`` wraps over the data-parallel dimension: use this, not
+    ``torch.nn.utils.clip_grad_norm_``, which would clip each TP rank by its own norm)."""
+    from .api import param_specs
+
     tp_group, _ = _groups(model)
-    return clip_params_grad_norm_(model.parameters(), max_norm, tp_group)
+    return clip_params_grad_norm_(model.parameters(), max_norm, tp_group, specs=param_specs(model))
 
 
 def _digest(t: torch.Tensor) -> str:
     import hashlib
 
-    return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    local = _local(t).detach().cpu().contiguous()
+    return hashlib.sha1(local.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 def check_replicas(model: nn.Module) -> None:
@@ -161,6 +223,9 @@ def check_replicas(model: nn.Module) -> None:
     A replicated parameter (no :class:`~tpify.sharding.ShardSpec`: LayerNorms, position
     embeddings, row-parallel biases, replicated heads) must be identical on the ranks of a TP
     group, and every parameter, shard or not, identical on the DP replicas of the same TP rank.
+    Under FSDP2 (``fully_shard`` over the DP dimension) each rank compares its local slice: a
+    replicated parameter's slices across the TP group; parameters FSDP2 splits over DP are not
+    copies across DP and are not compared there.
     They drift apart silently when ranks apply different updates (a clip by a per-rank norm, a
     DDP over the wrong group, a different batch on one TP rank); this compares a SHA-1 of each
     parameter's bytes across the groups. ``tpify finetune`` calls it after loading and before
@@ -174,20 +239,27 @@ def check_replicas(model: nn.Module) -> None:
     """
     import torch.distributed as dist
 
+    from .api import param_specs
+
     tp_group, dp_group = _groups(model)
-    digests, replicated = {}, set()
+    specs = param_specs(model)
+    digests, replicated, dp_copies = {}, set(), set()
     for name, p in model.named_parameters():
         digests[name] = _digest(p)
-        spec = shard_spec_of(p)
+        if not _sharded_groups(p):  # FSDP2 splits the others over DP: those are not copies across DP
+            dp_copies.add(name)
+        spec = specs[id(p)]
         if spec is None:
             replicated.add(name)
         elif spec.replicated:  # the replicated parts of a packed shard (multi-query K/V)
             key = f"{name} (replicated parts)"
-            digests[key] = _digest(torch.cat([p.detach().narrow(spec.dim, a, b - a)
+            local = _local(p).detach()
+            digests[key] = _digest(torch.cat([local.narrow(spec.dim, a, b - a)
                                               for a, b in spec.replicated_local_ranges()], dim=spec.dim))
             replicated.add(key)
+            dp_copies.add(key)
     problems = []
-    for group, names, what in ((tp_group, replicated, "TP ranks"), (dp_group, set(digests), "DP replicas")):
+    for group, names, what in ((tp_group, replicated, "TP ranks"), (dp_group, dp_copies, "DP replicas")):
         if group is None or comm.get_tp_size(group) == 1:  # None: no such group (not the world)
             continue
         everyone = comm.all_gather_objects({n: digests[n] for n in sorted(names)}, group)

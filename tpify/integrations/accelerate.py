@@ -34,12 +34,13 @@ each sample once; ``gather``/``reduce`` still span the world, where each TP grou
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import accelerate
 from accelerate.data_loader import prepare_data_loader
 
-from ..api import get_tp_info
+from ..api import get_tp_info, param_specs
 from ..training import clip_params_grad_norm_, sync_gradients
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 from .resume import PER_RANK, check_resume, training_layout, write_manifest
@@ -59,7 +60,8 @@ class TPAccelerator(accelerate.Accelerator):
     all-reduce of one value over TP.
 
     Raises:
-        TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
+        TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge), an
+            FSDP plugin, DeepSpeed or a ``ParallelismConfig`` (they would re-wrap the shards),
             ``dispatch_batches``, a data loader prepared before any tpify model, two models
             with different groups, ``get_state_dict``.
         ResumeError: (a TPUsageError) ``load_state`` of a state saved at another layout.
@@ -89,6 +91,19 @@ class TPAccelerator(accelerate.Accelerator):
             raise TPUsageError("TPAccelerator: fp16 mixed precision is not supported with tensor parallelism (the "
                                "loss scaler's inf check is per rank, so TP ranks could skip different steps); use "
                                "mixed_precision='bf16' or 'no'")
+        from accelerate.utils import DistributedType
+
+        engines = [name for name, on in (
+            ("an FSDP plugin (fsdp_plugin / ACCELERATE_USE_FSDP)", self.distributed_type == DistributedType.FSDP
+             or getattr(self.state, "fsdp_plugin", None) is not None
+             or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"),
+            ("DeepSpeed", self.distributed_type == DistributedType.DEEPSPEED),
+            ("a ParallelismConfig (accelerate's own DTensor tensor/context parallelism)",
+             getattr(self, "parallelism_config", None) is not None)) if on]
+        if engines:
+            raise TPUsageError(f"TPAccelerator: {engines[0]} is not supported with a tpify model: its data or tensor "
+                               f"parallelism would wrap or re-shard the tensor-parallel shards. Use TPAccelerator "
+                               f"without it (the model's DP group averages the gradients)")
         models.append(tp_model)
 
     def _layout(self):
@@ -152,8 +167,8 @@ class TPAccelerator(accelerate.Accelerator):
         if norm_type != 2:
             raise TPUsageError("TPAccelerator.clip_grad_norm_: only norm_type=2 is supported for tpify models")
         self.unscale_gradients()
-        tp_group = get_tp_info(owners[id(mine[0])]).tp_group
-        return clip_params_grad_norm_(mine, max_norm, tp_group)
+        owner = owners[id(mine[0])]
+        return clip_params_grad_norm_(mine, max_norm, get_tp_info(owner).tp_group, specs=param_specs(owner))
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
         if tp_model_of(model) is None:

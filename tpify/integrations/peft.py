@@ -324,6 +324,11 @@ def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str 
         TPUsageError: a PEFT method other than LoRA.
     """
     get_tp_info(model)
+    from ..sharding import is_dtensor
+
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise TPUsageError("get_peft_model: the model's parameters are DTensors (FSDP2's fully_shard); add the "
+                           "adapters before sharding with fully_shard (LoRA under FSDP2 is not supported yet)")
     if not isinstance(peft_config, LoraConfig):
         raise TPUsageError(f"tpify supports LoRA adapters on tensor-parallel models, not {type(peft_config).__name__}")
     peft_config._register_custom_module({ColumnParallelLinear: LoraTPLinear, RowParallelLinear: LoraTPLinear})
