@@ -6,6 +6,8 @@ CPU ranks over gloo, for every head class the family defines:
 
 * :func:`small_config`: a tiny config of the family (2 layers, 4 heads, hidden 32, vocabulary
   101, ...) from a full one, through the config's standard attribute names;
+* :func:`check_build_size`: what a config would build, counted on the meta device, refused
+  above :data:`MAX_SMALL_ELEMENTS` (2M parameter and buffer elements) before anything is built;
 * :func:`check_case`: run on every rank of an initialised process group, one head class at one
   tp size: a seeded dense float64 reference against ``tpify.parallelize`` of a deep copy
   (outputs with a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy
@@ -22,6 +24,23 @@ vocab-parallel loss's sums), which moves results by a few ulps (about 1e-16 rela
 ~1e-13 after accumulating over a 2-layer model). An error of the recipe (a wrong shard, a head
 count not divided, a missing gradient all-reduce) gives differences of 1e-3 and more, so the
 margin separates the two by many orders of magnitude. Greedy token ids must be identical.
+
+The dense reference is chosen before anything is compared (:func:`_dense_reference`), and each
+choice other than float64 with a left-padded batch is stated in a ``dense reference: ...`` row:
+fused MoE experts run with transformers' eager implementation (its ``grouped_mm`` kernel refuses
+float64; the eager loop computes the same function); the padded row moves to the right when the
+float64 model is NaN with it on the left (gemma2 and vaultgemma: a fully masked query row meets
+transformers' float32 softmax; bloom: its ALiBi bias added to the float64 minimum); a family
+whose own kernels still refuse float64 runs in float32, with :func:`float32_tolerance`
+(``64 (layers + 1) eps32``, normwise; every such row's tolerance says ``float32``). A dense
+model that is not finite on any of these inputs gives a failed ``dense reference not finite``
+row: nothing was compared, and the parallel model is not at fault
+(:meth:`VerifyReport.dense_failures`).
+
+Bounds: a config verify makes small is built on the meta device first and refused above
+:data:`MAX_SMALL_ELEMENTS` (:func:`check_build_size`), and each launched rank's address space is
+limited to :data:`RANK_MEMORY_LIMIT_GIB` (a forward that allocates far more than expected fails
+its step with a memory error row instead of exhausting the machine).
 
 The method checked is Megatron-LM's (Shoeybi et al., arXiv:1909.08053, section 3); the recipe
 format is docs/recipes.md.
@@ -45,17 +64,43 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ATOL", "RTOL", "Row", "VerifyReport", "Target", "ShrinkError", "small_config", "family_head_classes",
-           "check_case", "verify", "verify_many", "dense_named", "float64_loss_function", "compare"]
+__all__ = ["ATOL", "RTOL", "FLOAT32_ATOL", "FLOAT32_RTOL", "float32_tolerance", "MAX_SMALL_ELEMENTS",
+           "RANK_MEMORY_LIMIT_GIB", "Row", "VerifyReport", "Target", "ShrinkError", "DenseNotFinite", "small_config",
+           "check_build_size", "family_head_classes", "check_case", "verify", "verify_many", "dense_named",
+           "float64_loss_function", "compare"]
 
 ATOL = 1e-10
 RTOL = 1e-9
 TOLERANCE = f"atol={ATOL:g}, rtol={RTOL:g}"
+# Where a family's kernels refuse float64 (see the module docstring and float32_tolerance).
+_FLOAT32_EPS = torch.finfo(torch.float32).eps  # 2**-23, about 1.19e-7
+
+
+def float32_tolerance(layers: int) -> tuple[float, float, str]:
+    """``(atol, rtol, in words)`` of the float32 comparisons of a model with ``layers`` layers.
+
+    ``atol = rtol = 64 (layers + 1) eps32``, normwise (:func:`compare`: ``|a - e| <= atol +
+    rtol max|e|``): each layer adds a few roundings at the residual stream's magnitude (the
+    order of the partial sums of a split matmul and of the all-reduce), so the error grows with
+    the depth (plus one for the embedding and the head). About 2.3e-5 for the 2-layer small
+    configs. Measured with every shipped family, gemma2 and olmoe forced to float32 (every head
+    class, outputs, loss, gradients): the largest error is 1.9e-6 of max|e| (16 ulps), 0.04 of
+    this tolerance, at tp 2 and at tp 4. A wrong shard, a head count not divided or a missing
+    all-reduce is off by 1e-3 of max|e| and more, 40 times the tolerance and more.
+    """
+    t = 64 * (max(layers, 1) + 1) * _FLOAT32_EPS
+    return t, t, f"float32 normwise atol={t:.2g}, rtol={t:.2g}"
+
+
+FLOAT32_ATOL, FLOAT32_RTOL, FLOAT32_TOLERANCE = float32_tolerance(2)  # the small configs' 2 layers
+# Each rank's address-space limit (RLIMIT_AS) in a verify job: a rank of the largest small case
+# peaks near 1 GiB of address space (torch, transformers, gloo and two copies of the model).
+RANK_MEMORY_LIMIT_GIB = 4.0
 
 # The shape of the inputs every case feeds: batch, tokens, choices (multiple choice), decoder tokens.
 _B, _T, _C, _TD = 2, 10, 2, 6
 _NEW_TOKENS = 5
-_PAD_LEFT = 3  # the second row is left-padded by this many tokens
+_PAD = 3  # the second row is padded by this many tokens (on the left unless the dense model needs otherwise)
 
 
 class ShrinkError(ValueError):
@@ -114,6 +159,12 @@ class VerifyReport:
         """The rows that failed."""
         return [r for r in self.rows if not r.passed]
 
+    def dense_failures(self) -> list[Row]:
+        """The failed rows of the dense reference itself (``dense reference not finite``, or
+        ``dense reference: raised``): nothing was compared in those cases, and the parallel
+        model is not at fault."""
+        return [r for r in self.failures() if r.check.startswith(DENSE_REFERENCE)]
+
     def target_seconds(self) -> dict[tuple[str, int], float]:
         """``(target, tp) -> seconds`` summed over the target's cases (rank 0, without start-up)."""
         out: dict[tuple[str, int], float] = {}
@@ -167,13 +218,17 @@ def dense_named(model: torch.nn.Module, attr: str | None = None) -> dict[str, to
     return out
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL, rtol: float = RTOL
-            ) -> tuple[float, bool, str]:
+def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL, rtol: float = RTOL,
+            normwise: bool = False) -> tuple[float, bool, str]:
     """``(max |actual - expected|, within tolerance, why not)`` of two tensors.
 
     The criterion is :func:`torch.testing.assert_close`'s: ``|a - e| <= atol + rtol |e|`` for
-    every element. A NaN in the dense reference fails (NaN equal to NaN would compare nothing
-    there; the inputs must be chosen so that the dense model is finite). Different shapes fail
+    every element; with ``normwise`` (the float32 comparisons) ``|a - e| <= atol + rtol max|e|``,
+    the error of each element measured against the tensor's largest value (an element that is
+    a sum of cancelling terms, such as most elements of a gradient, carries the rounding error
+    of its terms, not of its own small value). A NaN in the dense reference fails (NaN equal to
+    NaN would compare nothing there; the inputs must be chosen so that the dense model is
+    finite). Different shapes fail
     (max difference ``inf``).
     """
     if actual.shape != expected.shape:
@@ -186,7 +241,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL, rt
     diff = torch.where(both_nan, torch.zeros_like(a), (a - e).abs())
     diff = torch.nan_to_num(diff, nan=math.inf)
     worst = float(diff.max()) if diff.numel() else 0.0
-    bad = diff > atol + rtol * e.abs().nan_to_num(0.0)
+    scale = e.abs().nan_to_num(0.0)
+    if normwise:
+        scale = scale.max() if scale.numel() else scale
+    bad = diff > atol + rtol * scale
     if not bool(bad.any()):
         return worst, True, ""
     return worst, False, f"{int(bad.sum())} of {bad.numel()} elements outside tolerance"
@@ -257,7 +315,11 @@ _INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "d_ff", "ffn_hidden_size"
 _POSITION_NAMES = ("max_position_embeddings", "n_ctx", "max_seq_len", "seq_length")
 _HEAD_DIM = 8
 SMALL_LAYERS, SMALL_VOCAB, SMALL_POSITIONS = 2, 101, 64
-_MAX_SMALL_PARAMETERS = 2_000_000
+# The most parameter and buffer elements a model verify builds from a small config may have
+# (check_build_size): 2M elements, 16 MB per float64 copy. Every family verify supports today is
+# below 75k (ultrabert's masked LM 71k, t5 42k); a config attribute left at full size (a vision
+# tower's projector, a 10240-row position table) gives millions.
+MAX_SMALL_ELEMENTS = 2_000_000
 _MAX_SMALL_LAYERS = 120  # nn.Linear / Conv1D / nn.Embedding modules of a small model
 
 
@@ -400,7 +462,11 @@ def small_config(config, tp_sizes: Sequence[int] = (2,)):
 
 def _check_small(config, heads: int, hidden: int, max_dim: int) -> None:
     """Raise :class:`ShrinkError` unless ``config`` builds a small model with ``heads`` heads whose
-    parameters have no dimension above ``max_dim`` (a size attribute left at its full value)."""
+    parameters have no dimension above ``max_dim`` (a size attribute left at its full value).
+
+    The model checked is the family's base class, else (a family without one in transformers'
+    auto mapping, such as ``llama4_vision_model``) its first head class; built on the meta device.
+    """
     name = type(config).__name__
     got = {n: getattr(config, n, None) for n in ("num_attention_heads", "hidden_size", "num_hidden_layers",
                                                  "vocab_size")}
@@ -410,30 +476,107 @@ def _check_small(config, heads: int, hidden: int, max_dim: int) -> None:
     if wrong:
         raise ShrinkError(f"cannot shrink {name}: after setting them, config values read back as {wrong} "
                           f"(wanted {({n: want[n] for n in wrong})})")
-    base = _base_class(config)
+    base = _base_class(config) or next(iter(family_head_classes(config).values()), None)
     if base is None:
         return
     try:
         with torch.device("meta"):
-            model = base(config)
+            model = base(copy.deepcopy(config))  # some constructors change their config (T5ForTokenClassification)
     except Exception as e:  # noqa: BLE001
         raise ShrinkError(f"cannot shrink {name}: {base.__name__} cannot be built from the small config: "
                           f"{type(e).__name__}: {e}") from e
     params = sorted(((p.numel(), n, tuple(p.shape)) for n, p in model.named_parameters()), reverse=True)
-    total = sum(p[0] for p in params)
     layers = sum(1 for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
                  or type(m).__name__ == "Conv1D")
     wide = [(n, s) for _, n, s in params if s and max(s) > max_dim]
     if wide:
         shown = ", ".join(f"{n} {s}" for n, s in wide[:4])
         raise ShrinkError(f"cannot shrink {name}: {base.__name__} from the small config has parameters wider than "
-                          f"{max_dim} ({shown}{' ...' if len(wide) > 4 else ''}); its config has size attributes "
-                          f"tpify.verify.small_config does not know. Pass a directory holding a small config.json")
-    if total > _MAX_SMALL_PARAMETERS or layers > _MAX_SMALL_LAYERS:
+                          f"{max_dim} ({shown}{' ...' if len(wide) > 4 else ''}){_attributes_note(config, wide)}. "
+                          f"Pass a directory holding a small config.json")
+    try:
+        _check_model_size(model, config, MAX_SMALL_ELEMENTS, base)
+    except ShrinkError as e:
+        raise ShrinkError(f"cannot shrink {name}: {e}") from None
+    if layers > _MAX_SMALL_LAYERS:
         largest = ", ".join(f"{n} {s}" for _, n, s in params[:3])
-        raise ShrinkError(f"cannot shrink {name}: {base.__name__} from the small config still has {total:,} parameters "
-                          f"in {layers} linear/embedding layers (largest: {largest}); its config has size attributes "
-                          f"tpify.verify.small_config does not know. Pass a directory holding a small config.json")
+        raise ShrinkError(f"cannot shrink {name}: {base.__name__} from the small config still has {layers} "
+                          f"linear/embedding layers (at most {_MAX_SMALL_LAYERS}; largest: {largest}); its config "
+                          f"has size attributes tpify.verify.small_config does not know. Pass a directory holding a "
+                          f"small config.json")
+
+
+def _attributes_note(config, named_shapes) -> str:
+    """``"; config attributes ... with these sizes: a = 4096, ..."``: the integer config attributes
+    (sub-configs included) equal to a dimension of ``named_shapes`` (``[(name, shape)]``) above
+    128, larger than any size :func:`small_config` sets; or a sentence saying there is none."""
+    dims = {d for _, shape in named_shapes for d in shape if d > 128}  # above every small size
+    found: dict[str, int] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, int) and not isinstance(v, bool) and v in dims:
+                found[f"{prefix}{k}"] = v
+    try:
+        walk(config.to_dict(), "")
+    except Exception:  # noqa: BLE001 - a config that cannot serialise itself: no names
+        return ""
+    if not found:
+        return ("; no config attribute has these sizes (derived from several; tpify.verify.small_config does not "
+                "know them)")
+    return ("; config attributes tpify.verify.small_config does not shrink, with these sizes: "
+            + ", ".join(f"{k} = {v}" for k, v in sorted(found.items())[:8]))
+
+
+def _check_model_size(model: torch.nn.Module, config, limit: int, cls: type | None = None) -> int:
+    """The number of elements of ``model``'s parameters and buffers (each tensor once); raise
+    :class:`ShrinkError` when it is above ``limit``, naming the family, the class, the largest
+    tensors and the config attributes of their sizes (:func:`_attributes_note`). ``model`` is
+    usually built on the meta device, so nothing is allocated."""
+    tensors = dict(model.named_buffers())
+    tensors.update(model.named_parameters())
+    total = sum(t.numel() for t in tensors.values())
+    if total > limit:
+        largest = sorted(((t.numel(), n, tuple(t.shape)) for n, t in tensors.items()), reverse=True)[:4]
+        shown = ", ".join(f"{n} {s}" for _, n, s in largest)
+        cls_name = (cls or type(model)).__name__
+        raise ShrinkError(f"model_type {config.model_type!r}: {cls_name} built from the config verify would use has "
+                          f"{total:,} parameter and buffer elements, above verify's limit of {limit:,} "
+                          f"(largest: {shown}){_attributes_note(config, [(n, s) for _, n, s in largest])}. Pass a "
+                          f"directory holding a small config.json, or raise the limit (max_elements=, "
+                          f"--max-elements)")
+    return total
+
+
+def check_build_size(config, classes: Iterable[type], max_elements: int | None = None) -> dict[str, int]:
+    """``{class name: elements}`` of each class built from ``config`` on the meta device (nothing is
+    allocated; each from a copy of ``config``, which some constructors change), parameters and
+    buffers counted once each.
+
+    Verify builds each head class several times per rank (the float64 reference, the parallel
+    copy, gradients, the save/load models), so a config it was given to make small must really
+    be small before anything is built for real. ``max_elements`` defaults to
+    :data:`MAX_SMALL_ELEMENTS` (2M elements: 16 MB per float64 copy; every family verify
+    supports today is below 75k, t5 and ultrabert the largest).
+
+    Raises:
+        ShrinkError: a class is above the limit (the message names the family, the class, the
+            largest tensors and the config attributes of their sizes), or cannot be built from
+            the config at all.
+    """
+    limit = MAX_SMALL_ELEMENTS if max_elements is None else max_elements
+    sizes = {}
+    for cls in classes:
+        try:
+            with torch.device("meta"):
+                model = cls(copy.deepcopy(config))
+        except Exception as e:  # noqa: BLE001 - any error of the family's constructor
+            raise ShrinkError(f"model_type {config.model_type!r}: {cls.__name__} cannot be built from the config "
+                              f"verify would use: {type(e).__name__}: {e}") from e
+        sizes[cls.__name__] = _check_model_size(model, config, limit, cls)
+    return sizes
 
 
 def _base_class(config):
@@ -463,7 +606,10 @@ def family_head_classes(config) -> dict[str, type]:
     ``PreTrainedModel`` classes of the family's modeling module, named by task
     (``GPT2DoubleHeadsModel``: ``double-heads``, ``BertForMultipleChoice``: ``multiple-choice``,
     ``BertForNextSentencePrediction``, ``BertForPreTraining``, ``T5EncoderModel``: ``encoder``;
-    others: ``other:<ClassName>``).
+    others: ``other:<ClassName>``). A class of the module built from another config class is
+    not the family's (``modeling_llama4`` defines ``Llama4ForConditionalGeneration`` for
+    ``Llama4Config`` beside ``Llama4VisionModel`` for ``Llama4VisionConfig``; built from the
+    vision config it would take the full-size default text config) and is left out.
     """
     import importlib
 
@@ -481,6 +627,9 @@ def family_head_classes(config) -> dict[str, type]:
         cls = getattr(module, name, None)
         if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)) or cls in seen \
                 or name.endswith("PreTrainedModel"):
+            continue
+        config_class = getattr(cls, "config_class", None)
+        if isinstance(config_class, type) and not isinstance(config, config_class):
             continue
         task = next((t for suffix, t in _EXTRA_TASKS if name.endswith(suffix)), f"other:{name}")
         found.setdefault(task, cls)
@@ -553,18 +702,15 @@ def _accepts(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
 
 
-# Families whose dense float64 model gives NaN on a left-padded row (HF BLOOM: the ALiBi bias added
-# to the float64 minimum of a fully masked query row), so the padding goes on the right.
-_PAD_RIGHT = {"bloom"}
-
-
-def _make_inputs(task: str, cls: type, config, tokens: int = _T) -> tuple[dict, dict, dict | None]:
+def _make_inputs(task: str, cls: type, config, tokens: int = _T, padding: str = "left"
+                 ) -> tuple[dict, dict, dict | None]:
     """``(inputs, labels, generate kwargs or None)`` for one case, the same on every rank.
 
     ``inputs`` (no labels): ``input_ids`` ``(B, T)`` = (2, ``tokens``; 10 by default) of ordinary
-    tokens, the second row left-padded by 3 pad tokens and ``attention_mask`` 0 there;
-    ``(B, C, T)`` for multiple choice; ``decoder_input_ids`` ``(B, 6)`` for the base and LM
-    classes of encoder-decoders.
+    tokens, the second row padded by 3 pad tokens and ``attention_mask`` 0 there (``padding``:
+    ``"left"``, ``"right"``, or ``"none"``: no pad token, the mask all ones; see
+    :func:`_dense_reference` for why the side can change); ``(B, C, T)`` for multiple choice;
+    ``decoder_input_ids`` ``(B, 6)`` for the base and LM classes of encoder-decoders.
     ``labels``: what the head's loss takes, ``-100`` at some positions (and at padding).
     """
     g = torch.Generator().manual_seed(1)
@@ -576,9 +722,10 @@ def _make_inputs(task: str, cls: type, config, tokens: int = _T) -> tuple[dict, 
     shape = (_B, _C, tokens) if task in ("multiple-choice", "double-heads") else (_B, tokens)
     ids = torch.randint(low, vocab, shape, generator=g)
     mask = torch.ones_like(ids)
-    padded = slice(-_PAD_LEFT, None) if config.model_type in _PAD_RIGHT else slice(None, _PAD_LEFT)
-    mask[1, ..., padded] = 0
-    ids[1, ..., padded] = pad
+    if padding != "none":
+        padded = slice(None, _PAD) if padding == "left" else slice(-_PAD, None)
+        mask[1, ..., padded] = 0
+        ids[1, ..., padded] = pad
     encdec = bool(getattr(config, "is_encoder_decoder", False))
     eos = config.eos_token_id if isinstance(getattr(config, "eos_token_id", None), int) else None
     if encdec and eos is not None:
@@ -666,26 +813,228 @@ def _loss_of(out) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# The dense reference: its kernels, its dtype, inputs on which it is finite.
+
+class DenseNotFinite(RuntimeError):
+    """The dense reference gives NaN or infinity on every input verify tries: nothing to compare."""
+
+
+# A kernel's refusal of float64, as torch and transformers word it: grouped_mm's "Expected mat_a
+# to be Float32, BFloat16 or Float16 matrix, got Double", "... not implemented for 'Double'",
+# "expected scalar type Float but found Double", "Input type (double) and bias type (float) ...".
+_FLOAT64_REFUSAL = re.compile(r"\b(double|float64)\b", re.IGNORECASE)
+_PADDINGS = {"left": "left padding", "right": "right padding", "none": "no padding"}  # in the order tried
+DENSE_REFERENCE = "dense reference"  # the check names of the reference's own rows start with it
+
+
+@dataclass
+class _Reference:
+    """The dense reference of one case and the choices made for it (the same on every rank).
+
+    Attributes:
+        model: the dense model, ``eval()``, its loss in its own dtype.
+        dtype: ``torch.float64``, or ``torch.float32`` where its kernels refuse float64.
+        padding: the side of the padded row (``"left"``, ``"right"``, ``"none"``).
+        eager_experts: whether fused MoE experts were switched to their eager implementation.
+        notes: why each choice differs from float64 with a left-padded row, and the kernel
+            switches made (empty when none).
+        layers: the model's depth (:func:`_depth`), for the float32 tolerance.
+    """
+
+    model: torch.nn.Module
+    dtype: torch.dtype
+    padding: str
+    eager_experts: bool
+    notes: list[str]
+    layers: int
+
+    @property
+    def tolerance(self) -> tuple[float, float, str]:
+        """``(atol, rtol, in words)`` of the comparisons: :data:`ATOL`/:data:`RTOL` in float64,
+        :func:`float32_tolerance` of the model's depth in float32 (normwise)."""
+        if self.dtype == torch.float64:
+            return ATOL, RTOL, TOLERANCE
+        return float32_tolerance(self.layers)
+
+    def summary(self) -> str:
+        """The check name of the row stating the choices (``dense reference: float32, ...``)."""
+        parts = ["float64" if self.dtype == torch.float64 else "float32"]
+        parts.append({"left": "left-padded batch", "right": "right-padded batch", "none": "no padding"}[self.padding])
+        if self.eager_experts:
+            parts.append("eager experts")
+        return f"{DENSE_REFERENCE}: " + ", ".join(parts)
+
+
+def _refuses_float64(error: BaseException) -> bool:
+    """Whether ``error`` is a kernel refusing float64 (a dtype error naming Double / float64).
+
+    Only errors of the dense reference's own forward or backward are read this way (in
+    :func:`_dense_reference`, before anything is compared), so a float64 error of the parallel
+    model is never mistaken for one.
+    """
+    return isinstance(error, (RuntimeError, NotImplementedError, TypeError, ValueError)) \
+        and bool(_FLOAT64_REFUSAL.search(str(error)))
+
+
+def _use_eager_experts(model: torch.nn.Module) -> bool:
+    """Switch ``model``'s fused MoE experts to transformers' eager implementation; True if it has any.
+
+    transformers 5 runs fused experts (classes decorated ``@use_experts_implementation``, whose
+    instances carry ``has_gate`` and ``is_transposed``: qwen2_moe, mixtral, olmoe, ...) with
+    ``grouped_mm`` by default, whose kernel accepts float32, bfloat16 and float16 only.
+    ``experts_implementation="eager"`` is the family's own loop over the experts: the same
+    function (each token's experts, weighted by the router) in any dtype, so the reference stays
+    float64. A model without such experts is left as it is.
+    """
+    has_experts = any(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
+    if not has_experts or not hasattr(model, "set_experts_implementation"):
+        return False
+    if any(v not in (None, "eager") for v in model.get_experts_implementation().values()):
+        model.set_experts_implementation("eager")
+    return True
+
+
+def _not_finite(model, inputs: dict, labels: dict) -> list[str]:
+    """What is not finite in one forward and backward of ``model`` (outputs, loss, gradients)."""
+    out = model(**inputs, **labels) if labels else model(**inputs)
+    problems = [f"{name} ({int((~torch.isfinite(v)).sum())} of {v.numel()})"
+                for name, v in _float_outputs(out).items() if not bool(torch.isfinite(v).all())]
+    loss = _loss_of(out) if labels else _synthetic_loss(out)
+    if not problems and not bool(torch.isfinite(loss).all()):
+        problems.append("the loss")
+    if not problems and loss.requires_grad:
+        loss.backward()
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        if bad:
+            more = " ..." if len(bad) > 3 else ""
+            problems.append(f"gradients of {len(bad)} parameters ({', '.join(bad[:3])}{more})")
+    model.zero_grad(set_to_none=True)
+    return problems
+
+
+def _dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dtype | None = None) -> _Reference:
+    """The dense reference of one case: float64 where its kernels allow, inputs where it is finite.
+
+    1. ``torch.manual_seed(seed); cls(config).eval()``; fused MoE experts switched to their eager
+       implementation (:func:`_use_eager_experts`: ``grouped_mm`` refuses float64).
+    2. For dtype float64, then float32: one forward and backward (the case's loss) on the
+       batch of :func:`_make_inputs` with its padded row on the left, else on the right, else
+       no padding, until outputs, loss and every gradient are finite. Left first: it is what
+       generation uses. A fully masked query row (a left pad token under causal attention) is
+       finite in most families, but not in every float64 one: transformers' eager attention
+       adds the mask's minimum (``torch.finfo(float64).min`` = -1.8e308) to the scores and then
+       takes ``softmax(..., dtype=torch.float32)``, and -1.8e308 is -inf in float32, so that row
+       is all -inf and its softmax NaN (gemma2, eager by default for its logit soft-capping);
+       BLOOM adds its ALiBi bias to that minimum. The NaN is the float64 reference's alone
+       (in float32 the minimum stays finite), and the pad row's NaN values then reach every
+       row through the next layer's ``0 * NaN``. Right padding keeps every query row attending
+       to a real token.
+    3. Float32 only when the float64 forward or backward raises a kernel's refusal of float64
+       (:func:`_refuses_float64`); comparisons then use :func:`float32_tolerance` of the depth.
+
+    ``dtype`` forces one dtype (no fallback). Every choice that is not float64 with left padding
+    is stated in ``notes``.
+
+    Raises:
+        DenseNotFinite: no padding gives finite values (names what is NaN / infinite for each).
+        Exception: anything else the dense model raises (it is not the parallel model's fault).
+    """
+    torch.manual_seed(seed)
+    base = cls(config).eval()
+    eager = _use_eager_experts(base)
+    notes = []
+    if eager:
+        notes.append("fused MoE experts run with experts_implementation='eager' (the family's loop over experts, "
+                     "the same function; transformers' default grouped_mm kernel refuses float64)")
+    dtypes = [dtype] if dtype is not None else [torch.float64, torch.float32]
+    for dt in dtypes:
+        model = copy.deepcopy(base).to(dt)
+        _use_float64_loss(model)
+        tried = []
+        try:
+            for padding in _PADDINGS:
+                inputs, labels, _ = _make_inputs(task, cls, config, padding=padding)
+                problems = _not_finite(model, inputs, labels)
+                if not problems:
+                    if tried:
+                        notes.append(f"{_PADDINGS[padding]}: the dense {_dtype_name(dt)} model is not finite with "
+                                     + "; ".join(tried))
+                    return _Reference(model, dt, padding, eager, notes, _depth(config))
+                tried.append(f"{_PADDINGS[padding]} ({', '.join(problems)})")
+        except Exception as e:  # noqa: BLE001 - a refusal of float64 switches dtype, anything else propagates
+            if dt == torch.float64 and len(dtypes) > 1 and _refuses_float64(e):
+                notes.append(f"float32: the dense model's kernels refuse float64 ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]}); tolerance {float32_tolerance(_depth(config))[2]}")
+                continue
+            raise
+        raise DenseNotFinite(f"dense reference not finite: the {_dtype_name(dt)} dense model gives NaN or infinity "
+                             f"with every input verify tries: {'; '.join(tried)}; nothing was compared")
+    raise AssertionError("unreachable")  # the last dtype returns or raises
+
+
+def _depth(config) -> int:
+    """The number of layers of ``config`` (an encoder-decoder's encoder and decoder together), at least 1."""
+    def first(names) -> int:
+        values = (_config_value(config, n) for n in names)
+        return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), 0)
+
+    layers = first(("num_hidden_layers", "num_layers", "n_layer", "num_encoder_layers", "encoder_layers"))
+    if getattr(config, "is_encoder_decoder", False):
+        layers = first(("num_encoder_layers", "encoder_layers", "num_layers", "num_hidden_layers")) \
+            + first(("num_decoder_layers", "decoder_layers"))
+    return max(layers, 1)
+
+
+def _config_value(config, name: str):
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - some configs raise on attributes they define per layer
+        return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------
 # One case, on every rank.
 
 class _CaseFailed(Exception):
-    """A step failed on some rank: every rank stops the case at the same point."""
+    """A step failed on some rank: every rank stops the case at the same point.
+
+    ``errors`` holds the exception classes the failed ranks raised (by name)."""
+
+    def __init__(self, message: str, errors: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.errors = errors
 
 
-def _agree_step(ok: bool, message: str) -> None:
+def _agree_step(ok: bool, message: str, error: str = "") -> None:
     """Every rank learns whether any rank failed the step; raise :class:`_CaseFailed` if one did.
 
-    One ``all_gather_object`` over the default group (never used by the case itself, so a case
-    group left in a broken state cannot hang it).
+    ``error``: the class name of this rank's exception. One ``all_gather_object`` over the
+    default group (never used by the case itself, so a case group left in a broken state cannot
+    hang it).
     """
     from . import comm
 
-    outcomes = comm.all_gather_objects((ok, message))
-    failed = [(r, m) for r, (o, m) in enumerate(outcomes) if not o]
+    outcomes = comm.all_gather_objects((ok, message, error))
+    failed = [(r, m) for r, (o, m, _) in enumerate(outcomes) if not o]
+    errors = frozenset(e for o, _, e in outcomes if not o)
     if failed:
         if len(failed) == len(outcomes) and len({m for _, m in failed}) == 1:
-            raise _CaseFailed(f"every rank: {failed[0][1]}")
-        raise _CaseFailed("; ".join(f"rank {r}: {m}" for r, m in failed))
+            raise _CaseFailed(f"every rank: {failed[0][1]}", errors)
+        raise _CaseFailed("; ".join(f"rank {r}: {m}" for r, m in failed), errors)
+
+
+def _error_message(error: BaseException) -> str:
+    """``"Type: message"``, with a hint when it is a memory error (verify's per-rank limit)."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "can't allocate memory" in str(error) \
+            or "Cannot allocate memory" in str(error):
+        text += (" (out of memory: each verify rank's address space is limited by memory_limit_gib / --memory-limit, "
+                 f"default {RANK_MEMORY_LIMIT_GIB:g} GiB; raise it, or verify a smaller config)")
+    return text
 
 
 def _merge_rows(per_rank: list[list[Row]]) -> list[Row]:
@@ -708,20 +1057,27 @@ def _merge_rows(per_rank: list[list[Row]]) -> list[Row]:
 
 def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | os.PathLike | None = None,
                target: str | None = None, task: str | None = None, seed: int = 0,
-               group_timeout_s: float = 120.0) -> list[Row]:
+               group_timeout_s: float = 120.0, dtype: torch.dtype | None = None) -> list[Row]:
     """Check one head class at one tp size against the dense model; run on every rank.
 
     Must be called on every rank of an initialised process group of exactly ``tp_size`` ranks
     (gloo on CPU), with the same arguments. Steps, each a :class:`Row` (or several):
 
-    1. ``torch.manual_seed(seed)``; ``ref = cls(config).double().eval()``, the dense float64
-       reference; ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe)`` on
-       a process group ``G`` made for this case. Where HF's loss would upcast to float32 only
-       (causal / masked LM, token classification), both models get it in float64
+    1. ``dense reference``: ``torch.manual_seed(seed)``; ``ref = cls(config).double().eval()``,
+       the dense float64 reference, and its batch (:func:`_dense_reference`: fused MoE experts
+       run eagerly; the padded row moves from the left to the right, or the padding goes, when
+       the dense model is not finite with it; float32 when its kernels refuse float64; ``dtype``
+       forces one dtype, with no fallback). When no batch gives finite values the case ends with
+       a failed ``dense reference not finite`` row: nothing is compared, and it is not the
+       parallel model's fault. A choice other than float64 with left padding is stated in a
+       passing ``dense reference: ...`` row (its message says why).
+       ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe)`` on a process
+       group ``G`` made for this case. Where HF's loss would upcast to float32 only (causal /
+       masked LM, token classification), both models get it in float64
        (:func:`float64_loss_function`).
     2. ``forward <field>``: every floating output (``logits``, ``last_hidden_state``,
-       ``start_logits``...) of a batch ``(B, T) = (2, 10)`` whose second row is left-padded
-       (``attention_mask`` 0 on 3 tokens).
+       ``start_logits``...) of a batch ``(B, T) = (2, 10)`` whose second row is padded
+       (``attention_mask`` 0 on 3 tokens; on the left unless step 1 chose otherwise).
     3. ``labels= loss``: the loss with the head's labels (``-100`` at some positions); classes
        without labels (base models) take a fixed random projection of their outputs instead.
     4. ``gradients (N tensors)``: every parameter's gradient after ``backward``, sharded ones
@@ -732,8 +1088,8 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
     6. ``generate``: greedy ``generate()`` (5 new tokens, KV cache, the padded batch) for causal
        and seq2seq LMs: identical token ids.
     7. ``save``/``save/load``: ``tpify.save_pretrained`` to ``workdir``; the checkpoint read by
-       plain transformers (``cls.from_pretrained(dtype=float64)``) holds the dense weights bit
-       for bit; ``tpify.from_pretrained(tp_size=..., torch_dtype="float64")`` of it gives the
+       plain transformers (``cls.from_pretrained(dtype=float64)``; the reference's dtype) holds
+       the dense weights bit for bit; ``tpify.from_pretrained(tp_size=..., torch_dtype="float64")`` of it gives the
        outputs that transformers' own dense load of it gives (the loaded model is compared with
        what a user of the checkpoint gets from transformers, buffers computed at load time
        included); and for each ``divide_config`` value, the saved ``config.json`` holds the
@@ -741,9 +1097,10 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
        path on every rank) holds the checkpoint; default a new temporary directory, left in place.
 
     Tolerance: :data:`ATOL`, :data:`RTOL` (see the module docstring: in float64 only the order
-    of summation differs). A step that raises on any rank (``PlanError``, ``RecipeError``, a
-    shape error in a forward, anything) ends the case on every rank with a failed row carrying
-    the message; nothing propagates. The ranks' rows are merged: a check fails if it failed on
+    of summation differs); in float32 :func:`float32_tolerance` of the depth, normwise, and
+    every row's tolerance says ``float32``. A step that raises on any rank (``PlanError``,
+    ``RecipeError``, a shape error in a forward, anything) ends the case on every rank with a
+    failed row carrying the message; nothing propagates. The ranks' rows are merged: a check fails if it failed on
     any rank.
 
     Communication: besides the model's own, one ``all_gather_object`` over the default group
@@ -763,9 +1120,14 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
     label = target or model_type
     head = cls.__name__
     rows: list[Row] = []
+    tol = {"atol": ATOL, "rtol": RTOL, "text": TOLERANCE, "normwise": False}  # the reference's, once built
 
-    def row(check, diff, ok, message="", tolerance=TOLERANCE):
-        rows.append(Row(label, head, tp_size, check, diff, tolerance, ok, message))
+    def row(check, diff, ok, message="", tolerance=None):
+        rows.append(Row(label, head, tp_size, check, diff, tol["text"] if tolerance is None else tolerance, ok,
+                        message))
+
+    def compare_tol(a, b):
+        return compare(a, b, tol["atol"], tol["rtol"], normwise=tol["normwise"])
 
     def compare_outputs(prefix, got, want):
         got_f, want_f = _float_outputs(got), _float_outputs(want)
@@ -775,7 +1137,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
             if name not in got_f:
                 row(f"{prefix} {name}", None, False, "missing from the parallel model's output")
                 continue
-            diff, ok, why = compare(got_f[name], expected)
+            diff, ok, why = compare_tol(got_f[name], expected)
             row(f"{prefix} {name}", diff, ok, why)
 
     if workdir is None:
@@ -798,21 +1160,28 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
                 value = fn()
             except Exception as e:  # noqa: BLE001 - reported as a failed row on every rank
                 error = e
-            _agree_step(error is None, "" if error is None else f"{type(error).__name__}: {error}")
+            _agree_step(error is None, "" if error is None else _error_message(error),
+                        "" if error is None else type(error).__name__)
             return value
 
         state: dict = {}
 
+        def reference():
+            state["chosen"] = chosen = _dense_reference(cls, config, task, seed, dtype)
+            state["inputs"], state["labels"], state["gen"] = _make_inputs(task, cls, config, padding=chosen.padding)
+
+        run(DENSE_REFERENCE, reference)
+        chosen = state["chosen"]
+        ref = chosen.model
+        tol.update(zip(("atol", "rtol", "text"), chosen.tolerance), normwise=chosen.dtype != torch.float64)
+        if chosen.notes:
+            row(chosen.summary(), None, True, "\n".join(chosen.notes), "-")
+
         def build():
-            torch.manual_seed(seed)
-            ref = cls(config).double().eval()
-            _use_float64_loss(ref)
-            state["ref"] = ref
             state["par"] = tpify.parallelize(copy.deepcopy(ref), tp_group=group, recipe=recipe)
-            state["inputs"], state["labels"], state["gen"] = _make_inputs(task, cls, config)
 
         run("parallelize", build)
-        ref, par, inputs, labels, gen = (state[k] for k in ("ref", "par", "inputs", "labels", "gen"))
+        par, inputs, labels, gen = (state[k] for k in ("par", "inputs", "labels", "gen"))
 
         def forward():
             out_ref, out_par = ref(**inputs), par(**inputs)
@@ -823,7 +1192,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
 
         def loss():
             loss_ref, loss_par = _case_loss(ref, inputs, labels), _case_loss(par, inputs, labels)
-            diff, ok, why = compare(loss_par, loss_ref)
+            diff, ok, why = compare_tol(loss_par, loss_ref)
             row(f"labels= loss ({', '.join(labels)})" if labels else "outputs x fixed weights (no labels)", diff, ok,
                 why)
             state["losses"] = (loss_ref, loss_par)
@@ -843,7 +1212,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
                     continue
                 if a is None:
                     continue
-                diff, ok, why = compare(a, b)
+                diff, ok, why = compare_tol(a, b)
                 worst = max(worst, diff)
                 if not ok:
                     problems.append(f"{name}: max |diff| {diff:.3g} ({why})")
@@ -865,7 +1234,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
             if par.tp_info.layout.recipe.sequence_parallel is None:
                 return
             tokens = tp_size * -(-_T // tp_size)
-            sp_inputs, sp_labels, _ = _make_inputs(task, cls, config, tokens)
+            sp_inputs, sp_labels, _ = _make_inputs(task, cls, config, tokens, chosen.padding)
             dense = copy.deepcopy(ref)
             dense.zero_grad(set_to_none=True)
             sp = tpify.parallelize(copy.deepcopy(dense), tp_group=group, recipe=recipe, sequence_parallel=True)
@@ -873,7 +1242,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
                 compare_outputs("sequence parallel: forward", sp(**sp_inputs), dense(**sp_inputs))
             # (a forward of its own: with labels the LM heads keep their logits vocab-sharded)
             loss_dense, loss_sp = _case_loss(dense, sp_inputs, sp_labels), _case_loss(sp, sp_inputs, sp_labels)
-            diff, ok, why = compare(loss_sp, loss_dense)
+            diff, ok, why = compare_tol(loss_sp, loss_dense)
             row(f"sequence parallel: loss (T = {tokens})", diff, ok, why)
             loss_dense.backward()
             loss_sp.backward()
@@ -899,7 +1268,9 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
         def save_load():
             tpify.save_pretrained(par, save_dir)
             # The saved checkpoint, read by plain transformers, holds the dense model's weights.
-            dense_back = cls.from_pretrained(save_dir, dtype=torch.float64).eval()
+            dense_back = cls.from_pretrained(save_dir, dtype=chosen.dtype).eval()
+            if chosen.eager_experts:
+                _use_eager_experts(dense_back)
             want, got = dense_named(ref), dense_named(dense_back)
             wrong = sorted(n for n in want.keys() | got.keys()
                            if n not in want or n not in got or not torch.equal(want[n], got[n]))
@@ -909,8 +1280,10 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
                 not wrong, f"differ: {wrong[:8]}" if wrong else "", "bitwise")
             # tpify's sharded load of it computes what transformers' dense load of it computes (buffers
             # made at load time included, such as GPT-J's rotary table).
-            back = tpify.from_pretrained(save_dir, tp_size=tp_size, tp_group=group, torch_dtype="float64",
+            back = tpify.from_pretrained(save_dir, tp_size=tp_size, tp_group=group, torch_dtype=chosen.dtype,
                                          model_class=cls, recipe=recipe).eval()
+            if chosen.eager_experts:
+                _use_eager_experts(back)
             with torch.no_grad():
                 compare_outputs("save/load", back(**inputs), dense_back(**inputs))
             config_divides = par.tp_info.layout.config_divides
@@ -926,7 +1299,8 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
 
         run("save/load", save_load)
     except _CaseFailed as e:
-        row(f"{step}: raised", None, False, str(e), "-")
+        not_finite = step == DENSE_REFERENCE and e.errors == {DenseNotFinite.__name__}
+        row(f"{DENSE_REFERENCE} not finite" if not_finite else f"{step}: raised", None, False, str(e), "-")
     except Exception as e:  # noqa: BLE001 - a failure outside a step (group creation): this rank's own
         row(f"{step}: raised", None, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}", "-")
     finally:
@@ -953,6 +1327,9 @@ class Target:
         shrink: make the config small (:func:`small_config`); None: for a model_type yes, for a
             directory no (its config is used as it is).
         config: a config to use instead of resolving ``target`` (shrunk only if ``shrink``).
+        max_elements: the most parameter and buffer elements a head class built from the config
+            may have (:func:`check_build_size`, on the meta device, before any rank starts);
+            None: :data:`MAX_SMALL_ELEMENTS` when the config is made small, no bound otherwise.
     """
 
     target: str
@@ -961,6 +1338,7 @@ class Target:
     label: str | None = None
     shrink: bool | None = None
     config: object = None
+    max_elements: int | None = None
 
 
 @dataclass
@@ -989,7 +1367,15 @@ def _recipe_for(recipe, config):
 
 
 def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
-    """The cases of one target at one tp size, or a failed row saying why there are none."""
+    """The cases of one target at one tp size, and a failed row for each thing that cannot run.
+
+    Before any rank starts: the config is resolved and shrunk, the recipe found, the head classes
+    selected; a head class whose ``forward`` takes no ``input_ids`` (a vision tower fed
+    ``pixel_values``) gets a failed ``setup`` row (verify feeds token ids only); the others are
+    built on the meta device and refused when larger than the bound (:func:`check_build_size`:
+    ``spec.max_elements``, default :data:`MAX_SMALL_ELEMENTS` for a config made small, none for
+    a config used as it is). A target that fails any of this is one failed ``setup`` row.
+    """
     from .cli.target import resolve_config
 
     label = spec.label or str(spec.target)
@@ -1000,9 +1386,27 @@ def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
             config = small_config(config, (tp,))
         recipe = _recipe_for(spec.recipe, config)
         heads = _select_heads(config, spec.head_classes)
+        fed, unfed = _fed_heads(heads)
+        limit = spec.max_elements if spec.max_elements is not None else (MAX_SMALL_ELEMENTS if shrink else None)
+        if limit is not None:
+            for task, cls in fed:
+                check_build_size(_case_config(config, task, config.model_type), [cls], limit)
     except Exception as e:  # noqa: BLE001 - one target's problem is one failed row
         return [], [Row(label, "-", tp, "setup", None, "-", False, f"{type(e).__name__}: {e}")]
-    return [_Case(label, cls, task, config, recipe) for task, cls in heads], []
+    failed = [Row(label, cls.__name__, tp, "setup", None, "-", False, _unfed_message(cls)) for _, cls in unfed]
+    return [_Case(label, cls, task, config, recipe) for task, cls in fed], failed
+
+
+def _fed_heads(heads: list[tuple[str, type]]) -> tuple[list[tuple[str, type]], list[tuple[str, type]]]:
+    """``(heads whose forward takes input_ids, the others)``: verify feeds token ids only."""
+    fed = [(t, c) for t, c in heads if _accepts(c, "input_ids")]
+    return fed, [(t, c) for t, c in heads if (t, c) not in fed]
+
+
+def _unfed_message(cls: type) -> str:
+    params = [p for p in inspect.signature(cls.forward).parameters if p != "self"][:4]
+    return (f"not verified: tpify verify feeds token ids (input_ids) and {cls.__name__}.forward takes none "
+            f"({', '.join(params)}, ...)")
 
 
 def _free_store():
@@ -1027,6 +1431,7 @@ def _rank_entry(payload_path: str, rank: int) -> None:
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
     job = pickle.loads(Path(payload_path).read_bytes())
+    _limit_memory(job.get("memory_limit_gib"))
     world, cases = job["world"], job["cases"]
     store = dist.TCPStore("127.0.0.1", job["port"], is_master=False, timeout=datetime.timedelta(seconds=600))
     try:
@@ -1047,14 +1452,33 @@ def _rank_entry(payload_path: str, rank: int) -> None:
             dist.destroy_process_group()
 
 
-def _run_job(cases: list[_Case], tp: int, timeout_s: float, group_timeout_s: float, progress=None
-             ) -> tuple[list[list[Row] | None], list[float], str]:
+def _limit_memory(gib: float | None) -> None:
+    """Limit this process's address space to ``gib`` GiB (``RLIMIT_AS``; never above the hard
+    limit; a platform without it, or one that refuses, is left as it is)."""
+    if not gib:
+        return
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        want = int(gib * 2**30)
+        if hard != resource.RLIM_INFINITY:
+            want = min(want, hard)
+        if soft == resource.RLIM_INFINITY or want < soft:
+            resource.setrlimit(resource.RLIMIT_AS, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _run_job(cases: list[_Case], tp: int, timeout_s: float, group_timeout_s: float, progress=None,
+             memory_limit_gib: float | None = None) -> tuple[list[list[Row] | None], list[float], str]:
     """Launch ``tp`` ranks that run ``cases``; ``(rows per case or None, seconds per case, error)``.
 
     The ranks are ``python -c`` subprocesses (never a re-import of the caller's main module, so
     a script without an ``if __name__ == "__main__"`` guard works), with this process's
-    ``sys.path``, ``GLOO_SOCKET_IFNAME=lo``, ``OMP_NUM_THREADS=1``; each rank's output goes to a
-    log whose tail is reported if the rank fails.
+    ``sys.path``, ``GLOO_SOCKET_IFNAME=lo``, ``OMP_NUM_THREADS=1``, its address space limited to
+    ``memory_limit_gib`` (None: unlimited); each rank's output goes to a log whose tail is
+    reported if the rank fails.
     """
     import pickle
     import subprocess
@@ -1066,7 +1490,7 @@ def _run_job(cases: list[_Case], tp: int, timeout_s: float, group_timeout_s: flo
     with tempfile.TemporaryDirectory(prefix="tpify-verify-") as workdir:
         payload = Path(workdir) / "job.pkl"
         payload.write_bytes(pickle.dumps({"world": tp, "cases": cases, "port": store.port, "workdir": workdir,
-                                          "group_timeout_s": group_timeout_s}))
+                                          "group_timeout_s": group_timeout_s, "memory_limit_gib": memory_limit_gib}))
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         code = "import sys; from tpify.verify import _rank_entry; _rank_entry(sys.argv[1], int(sys.argv[2]))"
@@ -1117,7 +1541,8 @@ def _run_job(cases: list[_Case], tp: int, timeout_s: float, group_timeout_s: flo
 
 
 def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,), *, timeout_s: float = 1800.0,
-                group_timeout_s: float = 120.0, progress=None) -> VerifyReport:
+                group_timeout_s: float = 120.0, progress=None,
+                memory_limit_gib: float | None = RANK_MEMORY_LIMIT_GIB) -> VerifyReport:
     """Verify several targets, every head class of each, in one spawned job per tp size.
 
     Each job starts ``tp`` ranks (``torch.multiprocessing`` spawn; gloo over localhost,
@@ -1135,6 +1560,10 @@ def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,),
         group_timeout_s: the gloo timeout of each case's collectives (a case stuck in a
             collective fails after this long).
         progress: ``progress(case, rows, seconds)`` called in this process as each case reports.
+        memory_limit_gib: each rank's address-space limit (``RLIMIT_AS``, where the platform
+            enforces it; default :data:`RANK_MEMORY_LIMIT_GIB`), so that a model or a forward
+            larger than expected fails its step with a memory error row instead of exhausting
+            the machine; None: no limit.
     """
     start = time.perf_counter()
     report = VerifyReport()
@@ -1150,7 +1579,7 @@ def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,),
         if not cases:
             continue
         job_start = time.perf_counter()
-        rows, seconds, error = _run_job(cases, tp, timeout_s, group_timeout_s, progress)
+        rows, seconds, error = _run_job(cases, tp, timeout_s, group_timeout_s, progress, memory_limit_gib)
         report.job_seconds[tp] = time.perf_counter() - job_start
         for case, case_rows, secs in zip(cases, rows, seconds):
             if case_rows is None:
@@ -1164,7 +1593,8 @@ def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,),
 
 
 def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classes: Sequence | None = None, *,
-           shrink: bool | None = None, timeout_s: float = 1800.0, progress=None) -> VerifyReport:
+           shrink: bool | None = None, timeout_s: float = 1800.0, progress=None, max_elements: int | None = None,
+           memory_limit_gib: float | None = RANK_MEMORY_LIMIT_GIB) -> VerifyReport:
     """Verify one recipe on one target: every head class (or ``head_classes``) at every tp size.
 
     ``target`` is a ``model_type`` (the family's default config, made small by
@@ -1172,13 +1602,19 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
     ``shrink=True``; random weights, the checkpoint's are not read). ``recipe`` defaults to the
     shipped recipe of the config's ``model_type``. One spawned job per tp size runs every head
     class (:func:`verify_many`); rank 0's :class:`Row`\\ s are returned in a
-    :class:`VerifyReport` (``report.ok``, ``report.format_table()``).
+    :class:`VerifyReport` (``report.ok``, ``report.format_table()``). ``max_elements`` bounds
+    what is built (:func:`check_build_size`; default :data:`MAX_SMALL_ELEMENTS` for a config
+    made small, none for one used as it is), ``memory_limit_gib`` each rank's address space
+    (:func:`verify_many`).
 
     Raises:
         tpify.cli.target.TargetError: the target is neither a model_type nor a config directory.
         RecipeError: the recipe is missing or malformed.
-        ShrinkError: the family's config cannot be made small.
-        ValueError: a head class that is not the family's, a tp size that is not a positive integer.
+        ShrinkError: the family's config cannot be made small, or a head class built from it
+            would have more than ``max_elements`` parameter and buffer elements (checked on the
+            meta device, nothing is built).
+        ValueError: a head class that is not the family's, or none that takes token ids; a tp
+            size that is not a positive integer.
     """
     from .cli.target import resolve_config
 
@@ -1186,6 +1622,12 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
     do_shrink = shrink if shrink is not None else not Path(str(target)).is_dir()
     small = small_config(config, tuple(tp_sizes)) if do_shrink else config
     _recipe_for(recipe, config)
-    _select_heads(small, head_classes)
-    return verify_many([Target(str(target), recipe, head_classes, shrink=do_shrink)], tp_sizes, timeout_s=timeout_s,
-                       progress=progress)
+    fed, unfed = _fed_heads(_select_heads(small, head_classes))
+    if not fed:
+        raise ValueError("; ".join(_unfed_message(cls) for _, cls in unfed))
+    limit = max_elements if max_elements is not None else (MAX_SMALL_ELEMENTS if do_shrink else None)
+    if limit is not None:
+        for task, cls in fed:
+            check_build_size(_case_config(small, task, small.model_type), [cls], limit)
+    return verify_many([Target(str(target), recipe, head_classes, shrink=do_shrink, max_elements=max_elements)],
+                       tp_sizes, timeout_s=timeout_s, progress=progress, memory_limit_gib=memory_limit_gib)

@@ -14,9 +14,23 @@
   ``c_attn`` contiguously (``colwise``: rank 0 holds all of Q and half of K) must FAIL on the
   logits, silently wrong numbers caught; a llama recipe with ``o_proj`` replicated must FAIL
   (it raises in the forward; a failed row, not a crash). The CLI must exit 1 on the first.
+* The dense reference, in the same job: gemma2 (no shipped recipe: transformers' plan) verifies
+  with its padded row on the right (its float64 model is NaN on a left-padded row), saying so in
+  a row; olmoe (a recipe that reaches verify: transformers' own plan splits the fused experts,
+  which tpify refuses) keeps float64 with transformers' eager experts (``grouped_mm`` refuses
+  float64); a Llama whose kernel refuses float64 as ``grouped_mm`` does (tests/verify_models.py)
+  is verified in float32 with the stated float32 tolerance, every compared row saying
+  ``float32``, and gpt2's contiguous ``c_attn`` split still fails in float32 (measured 2.1,
+  against 2.3e-5); a Llama with a NaN weight gives one ``dense reference not finite`` row, not a
+  difference of the parallel model.
 * The CLI once end to end (``python -m tpify.cli verify gpt2 --tp 2``).
 * Without ranks: the small configs of the shipped families and of t5 / falcon / bloom /
-  gpt_bigcode have the sizes asked for; a family that cannot be shrunk raises ``ShrinkError``.
+  gpt_bigcode have the sizes asked for; a family that cannot be shrunk raises ``ShrinkError``;
+  a config above the size bound is refused on the meta device, naming the family and the
+  attribute, with no rank started (and the process does not grow); llama4_vision_model and
+  gemma4_vision are refused before building, naming their size attributes; the choices of the
+  dense reference (gemma2 right-padded, olmoe's experts eager, float32 for the real
+  ``grouped_mm`` refusal, ``DenseNotFinite``); the normwise criterion of the float32 comparisons.
 """
 
 import subprocess
@@ -28,8 +42,9 @@ import torch
 
 from tpify.cli.target import resolve_config
 from tpify.recipe import available_recipes, recipe_dirs
-from tpify.verify import (ATOL, RTOL, ShrinkError, Target, compare, family_head_classes, small_config,
-                          verify_many)
+from tpify.verify import (ATOL, FLOAT32_ATOL, FLOAT32_RTOL, FLOAT32_TOLERANCE, MAX_SMALL_ELEMENTS, RTOL,
+                          TOLERANCE, DenseNotFinite, ShrinkError, Target, check_build_size, compare,
+                          family_head_classes, small_config, verify_many)
 
 # Rows that fail because of a known defect outside tpify.verify: (target, check prefix) -> why.
 # They are printed, not hidden; a fix makes them pass and nothing here needs to change.
@@ -109,18 +124,50 @@ def _timings(report, tp):
               f"({r.target} {r.head} {r.check})")
 
 
-def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tmp_path):
+def _olmoe_recipe() -> dict:
+    """An olmoe recipe that reaches verify (transformers' own plan splits the fused experts, which
+    tpify refuses; what ``tpify draft olmoe --method trace`` proposes): the vocabulary split,
+    the attention whole (its q_norm / k_norm normalise over all heads), router and fused experts
+    whole (no rule: they are not nn.Linear)."""
+    return {"model_type": "olmoe", "description": "test: vocabulary-parallel embedding and LM head only",
+            "loss": {"causal": ["OlmoeForCausalLM"]},
+            "rule": [{"match": "embed_tokens", "style": "embedding_rowwise"},
+                     {"match": "lm_head", "style": "colwise_rep", "optional": True},
+                     {"match": "layers.*.self_attn.*_proj", "style": "replicate"}]}
+
+
+@pytest.fixture(scope="module")
+def tp2_report(tmp_path_factory):
+    """ONE spawned job at tp = 2 for the quick tests of this file: every shipped recipe, the
+    directory target, the negative controls, and the dense-reference cases (gemma2, olmoe, the
+    float64-refusing and the NaN models of tests/verify_models.py)."""
+    import verify_models as vm
+
+    tmp_path = tmp_path_factory.mktemp("verify")
     families = available_recipes()
-    assert {"gpt2", "bert", "llama"} <= set(families)
     # A directory target: its config.json is used as it is (here a small Llama with tied embeddings).
     config = small_config(resolve_config("llama"), (2,))
     config.tie_word_embeddings = True
     config.save_pretrained(tmp_path / "llama-tied")
+    llama, gpt2 = small_config(resolve_config("llama"), (2,)), small_config(resolve_config("gpt2"), (2,))
     targets = [Target(m) for m in families] + [
         Target(str(tmp_path / "llama-tied"), head_classes=["base", "causal-lm"], label="llama-tied directory"),
         Target("gpt2", recipe=_wrong_gpt2_recipe(), head_classes=["causal-lm"], label="gpt2 (c_attn colwise)"),
-        Target("llama", recipe=_wrong_llama_recipe(), head_classes=["causal-lm"], label="llama (o_proj replicate)")]
-    report = verify_many(targets, (2,), timeout_s=1500)
+        Target("llama", recipe=_wrong_llama_recipe(), head_classes=["causal-lm"], label="llama (o_proj replicate)"),
+        Target("gemma2"),
+        Target("olmoe", recipe=_olmoe_recipe(), head_classes=["causal-lm"], label="olmoe (MoE)"),
+        Target("llama", head_classes=[vm.Float64RefusingLlamaModel], config=llama, shrink=False,
+               label="llama refusing float64"),
+        Target("gpt2", recipe=_wrong_gpt2_recipe(), head_classes=[vm.Float64RefusingGPT2Model], config=gpt2,
+               shrink=False, label="gpt2 refusing float64 (c_attn colwise)"),
+        Target("llama", head_classes=[vm.NaNLlamaModel], config=llama, shrink=False, label="llama NaN weights")]
+    return verify_many(targets, (2,), timeout_s=1500)
+
+
+def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tp2_report):
+    report = tp2_report
+    families = available_recipes()
+    assert {"gpt2", "bert", "llama"} <= set(families)
     _timings(report, 2)
     _check_families(report, families, 2)
 
@@ -143,6 +190,74 @@ def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tmp_path):
     print(f"measured: the contiguous c_attn split is off by {bad['forward logits'].max_diff:.3g} in the logits")
     llama = [r for r in report.rows if r.target == "llama (o_proj replicate)"]
     assert llama and not any(r.passed for r in llama) and "raised" in llama[-1].check, llama
+
+
+def _rows(report, label):
+    rows = [r for r in report.rows if r.target == label]
+    assert rows, label
+    return rows
+
+
+def _compared(rows):
+    """The rows that compared numbers against a tolerance (not bitwise, identical or exact ones)."""
+    return [r for r in rows if r.max_diff is not None and r.tolerance not in ("bitwise", "identical", "exact")]
+
+
+def test_gemma2_verifies_with_the_padded_row_on_the_right(tp2_report):
+    """gemma2's float64 reference is NaN on a left-padded row (eager attention adds
+    finfo(float64).min, then softmax(dtype=float32) makes it -inf): verify moves the padding to the
+    right, says so in a row, and every check passes at the float64 tolerance."""
+    rows = _rows(tp2_report, "gemma2")
+    failed = [f"{r.head} {r.check}: {r.message}" for r in rows if not r.passed]
+    assert not failed, failed
+    heads = {cls.__name__ for cls in family_head_classes(small_config(resolve_config("gemma2"), (2,))).values()}
+    assert {r.head for r in rows} == heads
+    notes = [r for r in rows if r.check.startswith("dense reference")]
+    assert {r.head for r in notes} == heads
+    assert {r.check for r in notes} == {"dense reference: float64, right-padded batch"}
+    assert all("not finite with left padding" in r.message for r in notes), notes
+    assert {r.tolerance for r in _compared(rows)} == {TOLERANCE}
+    assert any(r.check.startswith("generate") for r in rows)
+
+
+def test_moe_experts_run_eagerly_in_float64(tp2_report):
+    """olmoe's fused experts (grouped_mm refuses float64) run with transformers' eager experts:
+    the reference stays float64 and the float64 tolerance holds."""
+    rows = _rows(tp2_report, "olmoe (MoE)")
+    assert all(r.passed for r in rows), [f"{r.check}: {r.message}" for r in rows if not r.passed]
+    note = next(r for r in rows if r.check.startswith("dense reference"))
+    assert note.check == "dense reference: float64, left-padded batch, eager experts", note
+    assert "experts_implementation='eager'" in note.message
+    assert {r.tolerance for r in _compared(rows)} == {TOLERANCE}
+    assert any(r.check.startswith("gradients") for r in rows) and any(r.check.startswith("generate") for r in rows)
+
+
+def test_a_family_refusing_float64_is_verified_in_float32(tp2_report):
+    """A kernel that refuses float64 as grouped_mm does (tests/verify_models.py): float32, every
+    compared row at the stated float32 tolerance, the reason in a row; a wrong recipe still fails."""
+    from verify_models import GROUPED_MM_REFUSAL
+
+    rows = _rows(tp2_report, "llama refusing float64")
+    assert all(r.passed for r in rows), [f"{r.check}: {r.message}" for r in rows if not r.passed]
+    note = next(r for r in rows if r.check.startswith("dense reference"))
+    assert note.check == "dense reference: float32, left-padded batch" and GROUPED_MM_REFUSAL in note.message, note
+    compared = _compared(rows)
+    assert compared and {r.tolerance for r in compared} == {FLOAT32_TOLERANCE}, compared
+    assert FLOAT32_TOLERANCE.startswith("float32") and FLOAT32_ATOL == FLOAT32_RTOL < 3e-5
+    worst = max(compared, key=lambda r: r.max_diff)
+    print(f"measured, float32: largest difference {worst.max_diff:.3g} ({worst.check}), tolerance {FLOAT32_TOLERANCE}")
+    bad = {r.check: r for r in _rows(tp2_report, "gpt2 refusing float64 (c_attn colwise)")}
+    out = bad["forward last_hidden_state"]
+    assert not out.passed and out.tolerance == FLOAT32_TOLERANCE and out.max_diff > 1e-3, out
+    print(f"measured, float32: the contiguous c_attn split is off by {out.max_diff:.3g}")
+
+
+def test_a_dense_reference_that_is_not_finite_is_reported_as_such(tp2_report):
+    rows = _rows(tp2_report, "llama NaN weights")
+    assert [r.check for r in rows] == ["dense reference not finite"] and not rows[0].passed, rows
+    assert "NaN or infinity with every input" in rows[0].message and "no padding" in rows[0].message
+    assert rows == [r for r in tp2_report.dense_failures() if r.target == "llama NaN weights"]
+    assert not any(r.target == "gpt2 (c_attn colwise)" for r in tp2_report.dense_failures())
 
 
 @pytest.mark.slow
@@ -248,3 +363,92 @@ def test_compare_is_assert_close_criterion():
     n = torch.tensor([1.0, float("nan")], dtype=torch.float64)
     diff, ok, why = compare(n.clone(), n)
     assert not ok and "NaN" in why
+
+
+def test_compare_normwise_measures_each_element_against_the_largest():
+    e = torch.tensor([100.0, 1e-3, 0.0])
+    a = e + torch.tensor([0.0, 1e-4, 1e-4])  # 1e-4: 1e-6 of max|e|, 10% of the small element
+    assert not compare(a, e, 1e-7, 1e-5)[1]
+    assert compare(a, e, 1e-7, 1e-5, normwise=True)[1]
+    assert not compare(e + 1e-2, e, 1e-7, 1e-5, normwise=True)[1]
+
+
+def test_the_size_bound_refuses_before_building():
+    """A config verify would build (here llama with a 1M-wide MLP: 192M parameters, 0.77 GB in
+    float32) is counted on the meta device and refused, naming the family, the class and the
+    attribute; verify_many gives a failed setup row and spawns no ranks."""
+    import resource
+    import time
+
+    from transformers import LlamaModel
+
+    config = small_config(resolve_config("llama"), (2,))
+    config.intermediate_size = 1_000_000
+    start, peak = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ShrinkError, match=r"model_type 'llama': LlamaModel .* 192,\d{3},\d{3} parameter and buffer "
+                                          r"elements, above verify's limit of 2,000,000 .*intermediate_size = 1000000"):
+        check_build_size(config, [LlamaModel])
+    report = verify_many([Target("llama", config=config, shrink=False, max_elements=MAX_SMALL_ELEMENTS,
+                                 label="wide llama")], (2,))
+    assert report.job_seconds == {} and [(r.check, r.passed) for r in report.rows] == [("setup", False)]
+    assert "intermediate_size = 1000000" in report.rows[0].message
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    assert grown_mb < 200 and time.perf_counter() - start < 10, (grown_mb, time.perf_counter() - start)
+    assert check_build_size(small_config(resolve_config("llama"), (2,)), [LlamaModel]) == {"LlamaModel": 18_760}
+
+
+def test_vision_towers_are_refused_before_building():
+    """What once grew past 18 GB: llama4_vision_model's 'head classes' included
+    Llama4ForConditionalGeneration, built from the vision config with a full-size default text
+    config. Classes of another config are not the family's; the vision towers' own size
+    attributes are named; a head class without token ids is refused without ranks."""
+    from transformers import Llama4VisionConfig
+
+    with pytest.raises(ShrinkError, match=r"Llama4VisionConfig.*projector_input_dim = 4096"):
+        small_config(resolve_config("llama4_vision_model"), (2,))
+    with pytest.raises(ShrinkError, match=r"Gemma4VisionConfig.*position_embedding_size = 10240"):
+        small_config(resolve_config("gemma4_vision"), (2,))
+    assert {c.__name__ for c in family_head_classes(resolve_config("llama4_vision_model")).values()} == \
+        {"Llama4VisionModel"}
+    gemma3 = {c.__name__ for c in family_head_classes(resolve_config("gemma3_text")).values()}
+    assert "Gemma3ForCausalLM" in gemma3 and "Gemma3ForConditionalGeneration" not in gemma3, gemma3
+    tiny = Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
+                              image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                              projector_output_dim=32)
+    report = verify_many([Target("llama4_vision_model", config=tiny, shrink=False, label="tiny vision")], (2,))
+    assert report.job_seconds == {} and [(r.head, r.check, r.passed) for r in report.rows] == \
+        [("Llama4VisionModel", "setup", False)]
+    assert "feeds token ids (input_ids)" in report.rows[0].message and "pixel_values" in report.rows[0].message
+
+
+def test_dense_reference_choices_without_ranks():
+    """The choices of the dense reference, in one process: gemma2 right-padded, olmoe's experts
+    eager in float64, float32 for a kernel that refuses float64 (the real grouped_mm error is
+    recognised as such), DenseNotFinite for a model NaN on every input."""
+    import verify_models as vm
+    from transformers import Gemma2ForCausalLM, OlmoeForCausalLM
+
+    from tpify.verify import _case_config, _dense_reference, _refuses_float64
+
+    def config(model_type, task):
+        return _case_config(small_config(resolve_config(model_type), (2,)), task, model_type)
+
+    gemma2 = _dense_reference(Gemma2ForCausalLM, config("gemma2", "causal-lm"), "causal-lm")
+    assert (gemma2.dtype, gemma2.padding, gemma2.eager_experts) == (torch.float64, "right", False)
+    assert "not finite with left padding (loss (1 of 1), logits (" in gemma2.notes[0], gemma2.notes
+    olmoe = _dense_reference(OlmoeForCausalLM, config("olmoe", "causal-lm"), "causal-lm")
+    assert (olmoe.dtype, olmoe.padding, olmoe.eager_experts) == (torch.float64, "left", True)
+    assert olmoe.model.config._experts_implementation == "eager"
+    refusing = _dense_reference(vm.Float64RefusingLlamaModel, config("llama", "base"), "base")
+    assert (refusing.dtype, refusing.padding) == (torch.float32, "left") and refusing.tolerance[2] == FLOAT32_TOLERANCE
+    assert refusing.summary() == "dense reference: float32, left-padded batch" and "refuse float64" in refusing.notes[0]
+    assert next(p for p in refusing.model.parameters()).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="got Double"):
+        _dense_reference(vm.Float64RefusingLlamaModel, config("llama", "base"), "base", dtype=torch.float64)
+    with pytest.raises(DenseNotFinite, match="dense reference not finite.*left padding.*right padding.*no padding"):
+        _dense_reference(vm.NaNLlamaModel, config("llama", "base"), "base")
+    x, w = torch.randn(32, 16, dtype=torch.float64), torch.randn(2, 16, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as grouped_mm:
+        torch.nn.functional.grouped_mm(x, w, offs=torch.tensor([16, 32], dtype=torch.int32))
+    assert _refuses_float64(grouped_mm.value), grouped_mm.value
+    assert not _refuses_float64(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))

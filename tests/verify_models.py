@@ -1,0 +1,62 @@
+"""Small model classes that misbehave on purpose, for ``tpify verify``'s tests (tests/distributed/test_verify.py).
+
+They live in a module of their own (``tests/`` is on ``sys.path``, see conftest.py) so that the
+ranks ``tpify.verify.verify_many`` launches can unpickle them by name.
+
+* ``Float64Refusing*``: a family whose kernel refuses float64 the way transformers' fused-experts
+  kernel does (``torch.nn.functional.grouped_mm`` raises ``RuntimeError: Expected mat_a to be
+  Float32, BFloat16 or Float16 matrix, got Double``): each MLP activation raises that error on a
+  float64 input and is the family's own activation otherwise. verify must fall back to float32.
+* ``NaNLlamaModel``: a Llama whose final norm weight is NaN: the dense model is not finite on any
+  input, which verify must report as such (``dense reference not finite``), not as a difference
+  of the parallel model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GPT2Model, LlamaModel
+
+# torch.nn.functional.grouped_mm's message for a float64 input (torch 2.13, CPU)
+GROUPED_MM_REFUSAL = "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"
+
+
+class Float64Refusing(nn.Module):
+    """``inner(x)``, except that a float64 ``x`` raises what grouped_mm raises."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            raise RuntimeError(GROUPED_MM_REFUSAL)
+        return self.inner(x)
+
+
+class Float64RefusingLlamaModel(LlamaModel):
+    """LlamaModel whose MLP activations refuse float64 (no parameters added: the checkpoint is Llama's)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.layers:
+            layer.mlp.act_fn = Float64Refusing(layer.mlp.act_fn)
+
+
+class Float64RefusingGPT2Model(GPT2Model):
+    """GPT2Model whose MLP activations refuse float64."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.h:
+            block.mlp.act = Float64Refusing(block.mlp.act)
+
+
+class NaNLlamaModel(LlamaModel):
+    """LlamaModel whose final norm weight is NaN: NaN outputs on every input."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        with torch.no_grad():
+            self.norm.weight.fill_(float("nan"))
