@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import BertConfig, BertForSequenceClassification, BertModel
@@ -193,6 +194,7 @@ _RESAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # about 8 s of concurrent saves; the kill-at-every-step test (test_save_swap.py) is quick
 def test_load_during_concurrent_resaves_sees_one_checkpoint(tmp_path):
     """A process re-saves two different models into one directory (many shard files) as fast as
     it can while this one loads it again and again: every load holds one model whole, never a mix
