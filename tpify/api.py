@@ -146,6 +146,10 @@ def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None"
     return load_recipe(model_type)
 
 
+#: The default of ``dp_group``: with a ``tp_group`` smaller than the world, find the DP group from
+#: every rank's TP group (``None`` says: no data parallelism).
+INFER = "infer"
+
 #: Elements of each tensor that :func:`weights_digest` samples.
 _SAMPLES_PER_TENSOR = 16
 
@@ -170,7 +174,8 @@ def weights_digest(tensors) -> str | None:
         n = flat.numel()
         if n == 0:
             continue
-        index = torch.linspace(0, n - 1, min(n, _SAMPLES_PER_TENSOR), device=flat.device).round().long()
+        k = min(n, _SAMPLES_PER_TENSOR)
+        index = torch.arange(k, device=flat.device) * (n - 1) // max(k - 1, 1)  # evenly spaced, exact in int64
         samples.append(flat[index].to(torch.float64))
     if not samples:
         return None
@@ -205,7 +210,7 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
-            sequence_parallel: bool = False, dp_group: dist.ProcessGroup | None = None) -> tuple[int, Layout]:
+            sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -223,7 +228,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
-           dp_group: dist.ProcessGroup | None = None, tp_groups: list | None = None) -> nn.Module:
+           dp_group: "dist.ProcessGroup | None | str" = INFER, tp_groups: list | None = None) -> nn.Module:
     """The collective half of the pipeline, after the agreement: groups, surgery, ``tp_info``, the
     parallel LM loss, the HF methods and the guards.
 
@@ -267,15 +272,18 @@ def remove_hooks(model: nn.Module) -> int:
     return count
 
 
-def check_dp_group(dp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None) -> None:
+def check_dp_group(dp_group, tp_group: dist.ProcessGroup | None) -> None:
     """Local checks of a ``dp_group`` argument; no collective.
 
     Raises:
         ValueError: ``dp_group`` without ``tp_group`` (the mesh makes both), a DP group that does
             not contain this process, or one that shares another rank with the TP group (a DP
-            replica must hold the same shard on other ranks).
+            replica must hold the same shard on other ranks); a string other than ``"infer"``.
     """
-    if dp_group is None:
+    if isinstance(dp_group, str) and dp_group != INFER:
+        raise ValueError(f"dp_group must be a process group, None (no data parallelism) or {INFER!r}, "
+                         f"got {dp_group!r}")
+    if dp_group is None or dp_group == INFER:
         return
     if tp_group is None:
         raise ValueError("dp_group= needs tp_group= too: without tp_group tpify makes both groups itself, on a "
@@ -289,11 +297,11 @@ def check_dp_group(dp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGro
                          f"one rank of each TP group (the ranks that hold the same shard)")
 
 
-def agreement_scope(tp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None):
+def agreement_scope(tp_group: dist.ProcessGroup | None, dp_group):
     """``(group, share)`` for the entry point's agreement: over the TP group, or over the whole
-    world when the DP group must be inferred (a ``tp_group`` smaller than the world and no
-    ``dp_group``), with each rank's TP-group ranks to share. Local; no collective."""
-    if tp_group is None or dp_group is not None or not (dist.is_available() and dist.is_initialized()):
+    world when the DP group must be inferred (a ``tp_group`` smaller than the world and
+    ``dp_group="infer"``), with each rank's TP-group ranks to share. Local; no collective."""
+    if tp_group is None or dp_group != INFER or not (dist.is_available() and dist.is_initialized()):
         return tp_group, None
     if dist.get_world_size(tp_group) == dist.get_world_size():
         return tp_group, None
@@ -323,8 +331,7 @@ def _infer_dp_group(tp_groups: list[tuple[int, ...]]):
     return mine
 
 
-def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None = None,
-                   tp_groups: list | None = None):
+def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group=INFER, tp_groups: list | None = None):
     """``(tp_group, dp_group, dp_source)`` for a validated ``tp_size``; creates the mesh or the DP
     groups when needed (collective). See :attr:`TPInfo.dp_source`."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -332,7 +339,9 @@ def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group: d
     if tp_group is None:
         mesh = init_tp_mesh(tp_size)
         return mesh["tp"].get_group(), mesh["dp"].get_group(), "mesh"
-    if dp_group is not None:
+    if dp_group is None:  # the caller says: no data parallelism
+        return tp_group, None, "none"
+    if dp_group != INFER:
         return tp_group, dp_group, "argument"
     if tp_groups is None:  # the TP group is the whole world
         return tp_group, None, "none"
@@ -344,7 +353,7 @@ def parallelize(
     *,
     tp_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
-    dp_group: dist.ProcessGroup | None = None,
+    dp_group: "dist.ProcessGroup | None | str" = INFER,
     recipe: "str | Path | dict | Recipe | None" = None,
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
@@ -367,10 +376,11 @@ def parallelize(
             ``tp_size < world``, TP groups of contiguous ranks are made and the rest is DP.
         tp_group: an existing process group to use as the TP group.
         dp_group: with ``tp_group``, the DP group (the ranks holding the same TP rank, one of each
-            TP group; they must hold the same shard: checked by an agreement over it). Default:
-            with ``tp_group`` smaller than the world, inferred from every rank's TP group (every
-            rank of the world must then call ``parallelize``; the agreement is over the world);
-            without ``tp_group``, the mesh's. ``model.tp_info.dp_source`` says which.
+            TP group; they must hold the same shard: checked by an agreement over it), or ``None``
+            for no data parallelism (ranks outside the TP group do something else). Default
+            ``"infer"``: with ``tp_group`` smaller than the world, inferred from every rank's TP
+            group (every rank of the world must then call ``parallelize``; the agreement is over
+            the world); without ``tp_group``, the mesh's. ``model.tp_info.dp_source`` says which.
         recipe: a ``model_type`` name, a path to a ``.toml`` recipe, a mapping, or a Recipe.
         pad_vocab_multiple: pad vocabulary-split tables (embedding, LM head) to a multiple of
             ``pad_vocab_multiple * tp_size`` rows (Megatron-LM's ``make_vocab_size_divisible_by``,
@@ -410,12 +420,12 @@ def parallelize(
         AgreementError: another rank failed its checks, or the ranks disagree (listed per rank:
             tp size, config, recipe, dtypes, a sample of the weights, ...).
     """
-    error, layout, size = None, None, None
+    error, layout, size, shared = None, None, None, {}
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group)
+        shared = fingerprint(model, layout, size, group)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree on this rank, reported on the others
         error = e
-    tp_groups = comm.agree("tpify.parallelize", fingerprint(model, layout, size, group) if error is None else {},
-                           error, group=group, share=share)
+    tp_groups = comm.agree("tpify.parallelize", shared, error, group=group, share=share)
     return finish(model, size, layout, tp_group, dp_group, tp_groups)

@@ -531,6 +531,17 @@ def was_checked(tensor: torch.Tensor) -> bool:
     return False
 
 
+def _layout_code(named: list[tuple[str, torch.Tensor]]) -> int:
+    """A deterministic integer in ``[0, 2**44)`` of the names, shapes and dtypes of ``named``: the
+    same on every rank for the same layout (Python's ``hash`` of a string is salted per process),
+    from integer arithmetic alone, so that ``torch.compile`` folds it without a graph break."""
+    code = 1469598103
+    for name, t in named:
+        for value in (len(name), *map(ord, name[:32]), t.dim(), *t.shape, t.element_size(), int(t.is_floating_point())):
+            code = (code * 1099511627 + int(value) + 7) % 17592186044399  # a prime below 2**44
+    return code
+
+
 def forget_checked(*_args) -> None:
     """End the model call whose checked inputs :func:`was_checked` knows (a forward hook that
     runs even when the forward raises)."""
@@ -567,8 +578,8 @@ def check_same_inputs(named: list[tuple[str, torch.Tensor]], group: dist.Process
     if get_tp_size(group) == 1 or not named:
         return flag
     device = named[0][1].device
-    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
-    shape_code = int(digest(layout), 16) >> 4  # < 2**44
+    layout = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named)
+    shape_code = _layout_code(named)
     value_code = sum((i + 1) * checksum(t) for i, (_, t) in enumerate(named))
     values = [torch.tensor(shape_code, device=device), torch.tensor(-shape_code, device=device),
               value_code.to(device), -value_code.to(device)]

@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_flatten
 
 from .hf_plan import (HEAD_COUNT_ATTRS, TASK_HEADS, _base, _forward_reads, _kind, _overrides_forward, _rel,
                       has_hf_plan, head_counts, import_hf_plan, wildcard)
-from .recipe import Recipe, RecipeError
+from .recipe import Recipe, RecipeError, loss_terms_of
 
 __all__ = ["DraftError", "Draft", "draft", "trace_flows", "FlowTrace", "to_toml"]
 
@@ -208,12 +208,15 @@ def _build(cls: type, config, meta: bool) -> nn.Module:
     return cls(config)
 
 
-def _loss_table(classes: dict[str, type]) -> dict:
-    loss: dict[str, list[str]] = {}
+def _loss_table(classes: dict[str, type], config=None) -> dict:
+    loss: dict = {}
     for task, cls in classes.items():
         kind = {"causal-lm": "causal", "masked-lm": "masked", "seq2seq-lm": "seq2seq"}.get(task)
         if kind:
             loss.setdefault(kind, []).append(cls.__name__)
+    terms = loss_terms_of(config) if loss and config is not None else []
+    if terms:  # a mixture of experts: HF adds router_aux_loss_coef * aux_loss to the LM loss
+        loss["terms"] = terms
     return loss
 
 
@@ -328,7 +331,7 @@ def _draft_from_hf_plan(config, classes: dict[str, type]) -> Draft:
                   "divisible": top.get("divisible", [])}
     if divide_config:
         data["divide_config"] = divide_config
-    loss = _loss_table(classes)
+    loss = _loss_table(classes, config)
     if loss:
         data["loss"] = loss
     data["rule"] = rules
@@ -1305,7 +1308,7 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
         data["divide_config"] = sorted(divide_config)
     if subclasses:
         data["subclasses"] = subclasses
-    loss = _loss_table(classes)
+    loss = _loss_table(classes, config)
     if loss:
         data["loss"] = loss
     data["rule"] = rules

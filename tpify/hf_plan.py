@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .recipe import Recipe, RecipeError, _compile_glob
+from .recipe import Recipe, RecipeError, _compile_glob, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
            "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard"]
@@ -393,6 +393,9 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     loss = {"ForCausalLM": "causal", "ForMaskedLM": "masked"}.get(getattr(model, "loss_type", None) or "")
     if loss and "colwise_rep" in styles.values():
         data["loss"] = {loss: [type(model).__name__]}
+        terms = loss_terms_of(config)
+        if terms:
+            data["loss"]["terms"] = terms
     data["rule"] = [r for r, _ in rules]
     if dropped:
         review.append(f"HF rules that match nothing in {type(model).__name__} were left out: {dropped}")

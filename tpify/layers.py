@@ -15,7 +15,6 @@ were built from, so parameter names and layouts stay those of the checkpoint:
 
 from __future__ import annotations
 
-import contextvars
 import weakref
 
 import torch
@@ -295,41 +294,37 @@ def _copy_shards(layer: nn.Module, dense: nn.Module, tp_rank: int) -> nn.Module:
     return layer
 
 
-class _ShardedLogitsCall:
-    """The state of a call whose LM-head logits stay split over the vocabulary (see
-    :func:`keep_logits_sharded`)."""
+class _ShardedLogits:
+    """Whether the LM-head logits of one TP group stay split over the vocabulary now (see
+    :func:`keep_logits_sharded`). A plain object, not a ``contextvars.ContextVar``, so that
+    ``torch.compile`` traces the parallel LM loss without a graph break."""
 
-    __slots__ = ("group",)
-
-    def __init__(self, group):
-        self.group = group
-
-
-_sharded_logits: contextvars.ContextVar = contextvars.ContextVar("tpify_sharded_logits", default=None)
+    def __init__(self):
+        self.active = False
+        self.group = None
 
 
-def keep_logits_sharded(group: dist.ProcessGroup | None) -> contextvars.Token:
-    """From now on (until :func:`gather_logits_again` with the returned token), the column-parallel
+_sharded_logits = _ShardedLogits()
+
+
+def keep_logits_sharded(group: dist.ProcessGroup | None) -> tuple:
+    """From now on (until :func:`gather_logits_again` with the returned state), the column-parallel
     layers built with ``gather_output=True`` over ``group`` (the LM head, and any copy of it:
     PEFT's ``modules_to_save`` deep-copies it) keep their output split over the vocabulary.
 
     The parallel LM loss (:mod:`tpify.loss`) sets it for the duration of a model's forward with
-    ``labels=``: the loss is computed from the vocabulary shards, never gathered. A context, not
-    an attribute of the head, so that it holds for every copy of the head and is never left
-    behind on the module. Local; no communication.
+    ``labels=``: the loss is computed from the vocabulary shards, never gathered. A state of the
+    call, not an attribute of the head, so that it holds for every copy of the head and is never
+    left behind on a module. Returns the previous state. Local; no communication.
     """
-    return _sharded_logits.set(_ShardedLogitsCall(group))
+    previous = (_sharded_logits.active, _sharded_logits.group)
+    _sharded_logits.active, _sharded_logits.group = True, group
+    return previous
 
 
-def gather_logits_again(token: contextvars.Token | None = None) -> None:
-    """End :func:`keep_logits_sharded` (``token``: the one it returned; ``None``: unconditionally)."""
-    if token is not None:
-        try:
-            _sharded_logits.reset(token)
-            return
-        except ValueError:  # set in another context: fall back to clearing it
-            pass
-    _sharded_logits.set(None)
+def gather_logits_again(previous: tuple | None = None) -> None:
+    """End :func:`keep_logits_sharded` (``previous``: the state it returned; ``None``: none kept)."""
+    _sharded_logits.active, _sharded_logits.group = previous if previous is not None else (False, None)
 
 
 class _ParallelLinear(KeepsShardSpecs, nn.Module):
@@ -474,8 +469,7 @@ class ColumnParallelLinear(_ParallelLinear):
         the logits split over the vocabulary (:func:`keep_logits_sharded`)."""
         if not self.gather_output:
             return False
-        call = _sharded_logits.get()
-        return call is None or call.group is not self.tp_group
+        return not (_sharded_logits.active and _sharded_logits.group is self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -446,7 +446,7 @@ def from_pretrained(
     *,
     tp_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
-    dp_group: dist.ProcessGroup | None = None,
+    dp_group: "dist.ProcessGroup | None | str" = "infer",
     torch_dtype: torch.dtype | str | None = None,
     model_class: type | None = None,
     recipe=None,

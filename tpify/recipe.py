@@ -324,6 +324,16 @@ class Recipe:
                    tuple(tuple(r) for r in renames), subclasses, sp)
 
 
+def loss_terms_of(config) -> list[dict]:
+    """The ``[loss] terms`` HF adds to a config's LM loss, for a recipe written from the config
+    (``tpify draft``, the imported HF plan): a mixture of experts whose config holds
+    ``router_aux_loss_coef`` and ``output_router_logits`` adds ``router_aux_loss_coef * aux_loss``
+    when ``output_router_logits`` is on (Mixtral, Qwen2/3-MoE, OLMoE, ...). Local; reads attributes."""
+    if hasattr(config, "router_aux_loss_coef") and hasattr(config, "output_router_logits"):
+        return [{"output": "aux_loss", "coefficient": "router_aux_loss_coef"}]
+    return []
+
+
 def recipe_dirs() -> list[Path]:
     """Folders searched for ``<model_type>.toml``: inside the installed wheel, then the checkout."""
     here = Path(__file__).resolve().parent

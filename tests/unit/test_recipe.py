@@ -208,3 +208,23 @@ def test_a_recipe_of_20000_rules_is_matched_without_comparing_rules_or_trying_ea
     # Only the shipped globs (h.*.attn.c_attn, ...) are tried, never the 15,000 added rules that
     # cannot match by their literal segments; a scan would try 20,000 rules for each of 33 modules.
     assert all(i < shipped for i in tried) and len(tried) < 33 * shipped
+
+
+def test_loss_terms_are_parsed_and_malformed_ones_refused():
+    """``[loss] terms``: what HF adds to the LM loss (a mixture of experts' aux loss), declared."""
+    from types import SimpleNamespace
+
+    from tpify.recipe import Recipe, RecipeError, loss_terms_of
+
+    base = {"model_type": "x", "rule": [{"match": "a", "style": "replicate"}]}
+    recipe = Recipe.from_dict({**base, "loss": {"causal": ["A"], "terms": [
+        {"output": "aux_loss", "coefficient": "router_aux_loss_coef"}, {"output": "z_loss", "coefficient": 0.5}]}})
+    assert recipe.loss == {"A": "causal"}
+    assert recipe.loss_terms == (("aux_loss", "router_aux_loss_coef"), ("z_loss", 0.5))
+    for bad in ([{"output": "aux_loss"}], [{"output": "", "coefficient": 1}], "aux_loss",
+                [{"output": "a", "coefficient": True}], [{"output": "a", "coefficient": "c", "extra": 1}]):
+        with pytest.raises(RecipeError, match=r"\[loss\] terms must be a list of"):
+            Recipe.from_dict({**base, "loss": {"terms": bad}})
+    moe = SimpleNamespace(router_aux_loss_coef=0.01, output_router_logits=False)
+    assert loss_terms_of(moe) == [{"output": "aux_loss", "coefficient": "router_aux_loss_coef"}]
+    assert loss_terms_of(SimpleNamespace(hidden_size=8)) == []
