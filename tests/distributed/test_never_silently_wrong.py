@@ -288,14 +288,13 @@ def vocab_parallel_cross_entropy_refuses_shards_of_different_widths(c):
         tpify.vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, 2]), vocab_size=10)
 
 
-def _tp2_body(rank, world):
-    c = SimpleNamespace(rank=rank, world=world)
-    return tputil.run_checks(_TP2, c)
+def _body(rank, world, checks):
+    return tputil.run_checks(checks, SimpleNamespace(rank=rank, world=world))
 
 
 @pytest.fixture(scope="module")
 def tp2():
-    return tputil.spawn(_tp2_body, 2, timeout=300)
+    return tputil.spawn(_body, 2, _TP2, timeout=300)
 
 
 def _ok(results, *names):
@@ -526,14 +525,9 @@ def tp_accelerator_refuses_an_fsdp_plugin(c):
         os.environ.pop("ACCELERATE_USE_FSDP", None)  # accelerate sets it for the plugin
 
 
-def _dp2tp2_body(rank, world):
-    c = SimpleNamespace(rank=rank, world=world)
-    return tputil.run_checks(_DP2TP2, c)
-
-
 @pytest.fixture(scope="module")
 def dp2tp2():
-    return tputil.spawn(_dp2tp2_body, 4, timeout=400)
+    return tputil.spawn(_body, 4, _DP2TP2, timeout=400)
 
 
 @pytest.mark.slow
