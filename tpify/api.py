@@ -15,7 +15,6 @@ a meta model next to its checkpoint checks, agrees once on both, runs 3, then re
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,100 +29,10 @@ from .integrations.model import install as install_hf_methods
 from .loss import install_parallel_lm_loss
 from .mesh import init_tp_mesh, resolve_tp_size
 from .recipe import Recipe, available_recipes, load_recipe
-from .sharding import is_dtensor, shard_spec_of
+from .info import TPInfo, TPUsageError, find_tp_model, get_tp_info, param_specs  # noqa: F401 - the public names
+from .sharding import shard_spec_of
 
 __all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish", "resolve_recipe"]
-
-
-@dataclass
-class TPInfo(comm.SharesProcessGroups):
-    """What tpify did to a model; stored as ``model.tp_info`` (the one attribute tpify sets on the
-    root model; a model is parallelized by tpify exactly when it has one).
-
-    Attributes:
-        tp_size, tp_rank: the TP group's size and this process's rank in it.
-        tp_group, dp_group: the process groups (``None``: the default group / no DP group).
-        layout: the :class:`~tpify.layout.Layout` the model was split by.
-        rng: the model's dropout-stream tracker (:class:`tpify.random.RNGStreamTracker`).
-        hooks: the hook handles that make the model compute what the dense one does (dropout
-            streams, head inputs, sequence parallelism, the parallel LM loss);
-            :func:`remove_hooks` removes them.
-        guards: the hook handles that refuse what would be silently wrong (inputs that differ
-            between the ranks of the TP group, a foreign DDP, TRL's fused LM head); kept by
-            :func:`remove_hooks`.
-        specs: every parameter's :class:`~tpify.sharding.ShardSpec` (``None``: replicated), by
-            FQN in the parallelized model, recorded after surgery: a wrapper that replaces the
-            parameters (FSDP2's ``fully_shard``) drops the ``tp_shard_spec`` attribute, and
-            the gradient norm, the replica check and saving then read the spec from here.
-        dp_source: how ``dp_group`` was found: ``"mesh"`` (the ``("dp", "tp")`` DeviceMesh),
-            ``"argument"`` (``parallelize(dp_group=...)``), ``"inferred"`` (from the TP groups of
-            every rank: the ranks holding the same TP rank) or ``"none"`` (no data parallelism).
-    """
-
-    tp_size: int
-    tp_rank: int
-    tp_group: dist.ProcessGroup | None
-    dp_group: dist.ProcessGroup | None
-    layout: Layout
-    rng: object = None
-    hooks: list = field(default_factory=list)
-    guards: list = field(default_factory=list)
-    specs: dict = field(default_factory=dict)
-    dp_source: str = "none"
-
-
-def get_tp_info(model: nn.Module) -> TPInfo:
-    """The :class:`TPInfo` of a parallelized model.
-
-    Raises:
-        ValueError: the model was not parallelized by tpify.
-    """
-    info = getattr(model, "tp_info", None)
-    if not isinstance(info, TPInfo):
-        raise ValueError(f"{type(model).__name__} was not parallelized by tpify (no tp_info)")
-    return info
-
-
-def find_tp_model(model: nn.Module) -> nn.Module | None:
-    """The module inside ``model`` (itself included) that tpify parallelized (the one holding
-    ``tp_info``), or None: through wrappers that keep it as a submodule (a PEFT model, a DDP, a
-    compiled module)."""
-    for module in model.modules():
-        if isinstance(module.__dict__.get("tp_info"), TPInfo):
-            return module
-    return None
-
-
-def param_specs(model: nn.Module) -> dict[int, object]:
-    """``{id(parameter): its ShardSpec or None}`` for every parameter of ``model`` (a parallelized
-    model or a wrapper of one).
-
-    A parameter's spec is its ``tp_shard_spec`` attribute, or, for a parameter FSDP2 replaced by
-    a DTensor (which drops the attribute), the spec recorded by name when the model was
-    parallelized (:attr:`TPInfo.specs`). Local; no communication.
-
-    Raises:
-        TPUsageError: a DTensor parameter whose name tpify did not record (added after
-            ``parallelize``, e.g. a LoRA factor, then sharded by FSDP2): its split is unknown.
-    """
-    tp_model = find_tp_model(model)
-    recorded = get_tp_info(tp_model).specs if tp_model is not None else {}
-    names = {id(p): n for n, p in (tp_model or model).named_parameters(remove_duplicate=False)}
-    out = {}
-    for p in model.parameters():
-        spec = shard_spec_of(p)
-        if spec is None and is_dtensor(p):
-            name = names.get(id(p))
-            if name not in recorded:
-                from .integrations.model import TPUsageError
-
-                raise TPUsageError(f"parameter {name or '<unnamed>'} is a DTensor (FSDP2) that tpify did not record "
-                                   f"when it parallelized the model: its tensor-parallel split is unknown. Shard "
-                                   f"with fully_shard only what tpify.parallelize returned (adapters added later are "
-                                   f"not supported under FSDP2 yet)")
-            spec = recorded[name]
-        out[id(p)] = spec
-    return out
 
 
 def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None" = None) -> Recipe:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .hf_modules import dense_dims
 from .sharding import KeepsShardSpecs, ShardSpec, divide, shard_spec_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelEmbedding",
@@ -264,15 +265,6 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         return None, grad_w, grad_b, None, None, None
 
 
-def _dense_layout(module: nn.Module) -> tuple[int, int, str]:
-    """(in_features, out_features, layout) of an ``nn.Linear`` or transformers ``Conv1D``."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, "linear"
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return module.nx, module.nf, "conv1d"
-    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
-
-
 def _new_param(shape, spec: ShardSpec | None, device, dtype) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     if spec is not None:
@@ -345,7 +337,7 @@ class _ParallelLinear(KeepsShardSpecs, nn.Module):
         ``kwargs`` go to the constructor. ``module`` may live on the meta device; the shard is
         then on meta too.
         """
-        in_f, out_f, layout = _dense_layout(module)
+        in_f, out_f, layout = dense_dims(module)
         layer = cls(in_f, out_f, bias=module.bias is not None, tp_group=tp_group, weight_layout=layout,
                     device="meta", dtype=module.weight.dtype, **kwargs)
         return _copy_shards(layer, module, layer.tp_rank)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .integrations.model import is_peft
+from .hf_modules import SHARDABLE_TYPES, base_model, dense_dims, is_peft, module_kind, overrides_forward, qualname, relative_fqn
 from .recipe import Recipe, Rule, RuleIndex
 from .sharding import pad_vocab_size, valid_tp_sizes
 
@@ -38,59 +38,6 @@ __all__ = ["PlanError", "ModuleLayout", "Layout", "build_layout", "relative_fqn"
 
 class PlanError(ValueError):
     """A recipe does not fit a model at a tp size: uncovered modules, indivisible counts, ..."""
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-
-
-def _kind(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Embedding):
-        return "embedding"
-    if isinstance(module, nn.Linear) or _is_conv1d(module):
-        return "linear"
-    return None
-
-
-SHARDABLE_TYPES = "nn.Linear, transformers Conv1D, nn.Embedding"
-
-
-def _qualname(module: nn.Module) -> str:
-    return f"{type(module).__module__}.{type(module).__qualname__}"
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    """The base model (``model.transformer`` of ``GPT2LMHeadModel``), or ``model`` itself."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    return base if isinstance(base, nn.Module) else model
-
-
-def relative_fqn(model: nn.Module, fqn: str) -> str:
-    """``fqn`` relative to the base model, as rules are written: ``transformer.h.0`` -> ``h.0``;
-    the base model itself is ``""`` (so ``match = ""`` matches it)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if _base_model(model) is not model:
-        if fqn == prefix:
-            return ""
-        if fqn.startswith(prefix + "."):
-            return fqn[len(prefix) + 1:]
-    return fqn
-
-
-_PLAIN_FORWARDS = {nn.Linear: nn.Linear.forward, nn.Embedding: nn.Embedding.forward}
-
-
-def _overrides_forward(module: nn.Module) -> str | None:
-    """The plain layer class whose ``forward`` ``module``'s class overrides, or None."""
-    for plain, forward in _PLAIN_FORWARDS.items():
-        if isinstance(module, plain):
-            return None if type(module).forward is forward else plain.__name__
-    if _is_conv1d(module):
-        for klass in type(module).__mro__:
-            if klass.__name__ == "Conv1D":
-                return None if type(module).forward is klass.forward else "Conv1D"
-    return None
 
 
 # HF's own declaration of a head class's loss (PreTrainedModel.loss_type), when the recipe's
@@ -204,12 +151,6 @@ def _outermost_container(fqn: str, containers: dict[str, Rule]) -> str | None:
     return next((c for c in ("", *(".".join(parts[:i]) for i in range(1, len(parts)))) if c in containers), None)
 
 
-def _dims(module: nn.Module) -> tuple[int, int]:
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    return module.nx, module.nf
-
-
 def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None, fqn: str,
                   errors: list[str]) -> list[int] | None:
     """Global widths of the packed parts: ``out_features`` split in proportion to the weights.
@@ -303,7 +244,7 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     matched = {rule.index for rule in recipe.rules} - {rule.index for rule in active}  # inactive ones never warn
     uncovered: list[str] = []
     containers: dict[str, Rule] = {}  # replicated container FQN -> its rule
-    base = _base_model(model)
+    base = base_model(model)
     for fqn, module in model.named_modules():
         if not fqn and base is not model:
             continue  # the head class's root: rules are written relative to the base model
@@ -334,13 +275,13 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                     continue
                 layout.head_inputs[fqn] = layout.head_inputs.get(fqn, ()) + ((arg, dim, heads),)
         styled = [rule for rule in hits if rule.style is not None]
-        kind = _kind(module)
+        kind = module_kind(module)
         container = _outermost_container(fqn, containers)
         if kind is None:
             if styled and styled[0].style == "replicate" and len(styled) == 1:
                 containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
             elif styled:
-                errors.append(f"{fqn} is a {_qualname(module)}, not one of {SHARDABLE_TYPES}; "
+                errors.append(f"{fqn} is a {qualname(module)}, not one of {SHARDABLE_TYPES}; "
                               f"{styled[0].describe()} gives it style {styled[0].style!r} (only 'replicate' "
                               f"applies to a container module)")
             continue
@@ -362,11 +303,11 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
         if rule.style == "replicate":
             layout.modules[fqn] = entry
             continue
-        overridden = _overrides_forward(module)
+        overridden = overrides_forward(module)
         if overridden:
             declared = recipe.subclasses.get(type(module).__name__)
             if declared is None:
-                errors.append(f"{fqn} is a {_qualname(module)}, a subclass of {overridden} that overrides forward; "
+                errors.append(f"{fqn} is a {qualname(module)}, a subclass of {overridden} that overrides forward; "
                               f"tpify swaps only what it understands (its parallel version would drop what that "
                               f"forward adds). Give it style 'replicate', or declare in the recipe's [subclasses] "
                               f"what its forward computes (forward = 'plain' or 'scaled', docs/recipes.md)")
@@ -400,7 +341,7 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
             else:
                 entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size, pad_vocab_multiple)
         else:
-            in_f, out_f = _dims(module)
+            in_f, out_f, _ = dense_dims(module)
             if rule.style == "rowwise":
                 need_divisible(f"{fqn}.in_features ({type(module).__name__}, rowwise)", in_f)
             elif rule.style == "colwise_rep":
@@ -497,7 +438,7 @@ def _rows(module: nn.Module, entry: ModuleLayout) -> int | None:
     if entry.style == "embedding_rowwise":
         return entry.padded_size
     if entry.style == "colwise_rep":
-        return entry.padded_size or _dims(module)[1]
+        return entry.padded_size or dense_dims(module)[1]
     return None
 
 

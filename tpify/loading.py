@@ -706,7 +706,7 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     error, snap, source, headers = None, None, None, None
     try:  # every local check, then one agreement: the same outcome on every rank
         if any(is_dtensor(p) for p in model.parameters()):
-            from .integrations.model import TPUsageError
+            from .info import TPUsageError
 
             raise TPUsageError(f"load_weights_: {type(model).__name__}'s parameters are DTensors (FSDP2's "
                                f"fully_shard); reading a checkpoint into a model FSDP2 shards is not supported yet: "

@@ -267,7 +267,7 @@ class _ParallelLMLoss:
         undeclared = [k for k in fields if k.endswith("loss") and k != "loss" and k not in declared
                       and output[k] is not None]
         if undeclared:
-            from .integrations.model import TPUsageError
+            from .info import TPUsageError
 
             raise TPUsageError(
                 f"{type(model).__name__}'s output holds {undeclared}, loss terms HF adds to its labels= loss; tpify "

@@ -41,7 +41,7 @@ def _groups(model: nn.Module):
 def _refuse_fsdp(model: nn.Module, what: str) -> None:
     """Raise when FSDP2 manages ``model``'s parameters (they are DTensors): it reduces gradients
     itself."""
-    from .integrations.model import TPUsageError
+    from .info import TPUsageError
 
     if any(is_dtensor(p) for p in model.parameters()):
         raise TPUsageError(f"{what}: {type(model).__name__}'s parameters are DTensors (FSDP2's fully_shard): FSDP2 "

@@ -35,34 +35,17 @@ import types
 import torch.distributed as dist
 from torch import nn
 
+from ..hf_modules import is_peft
+from ..info import TPUsageError, find_tp_model
+
 __all__ = ["install", "check_before_parallelize", "TPUsageError", "is_peft", "tp_model_of", "save_dense",
            "load_dense_"]
 
 
-class TPUsageError(RuntimeError):
-    """A tool or method was used on a tensor-parallel model in a way tpify does not support."""
-
-
-def is_peft(module: nn.Module) -> bool:
-    """Whether ``module`` is one of PEFT's (a ``PeftModel``, a tuner, an adapter layer)."""
-    return type(module).__module__.startswith("peft.")
-
-
 def tp_model_of(model):
     """The tpify-parallelized model inside ``model`` (itself, a PEFT model's base, a DDP's or a
-    compiled module's module), or None."""
-    from ..api import TPInfo
-
-    for _ in range(8):
-        if not isinstance(model, nn.Module):
-            return None
-        if isinstance(model.__dict__.get("tp_info"), TPInfo):
-            return model
-        inner = model._modules.get("module") or model._modules.get("_orig_mod")  # DDP, torch.compile
-        if inner is None and is_peft(model):
-            inner = model.get_base_model()
-        model = inner if inner is not model else None
-    return None
+    compiled module's module), or None (:func:`tpify.info.find_tp_model`)."""
+    return find_tp_model(model)
 
 
 def save_dense(model: nn.Module, directory, max_shard_size="2GB") -> None:

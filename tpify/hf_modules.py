@@ -1,0 +1,97 @@
+"""Facts about Hugging Face modules, each written once.
+
+What tpify needs to know of a module before it decides anything: whether it is an
+``nn.Linear``, a transformers ``Conv1D`` (GPT-2's weight ``[in, out]``) or an ``nn.Embedding``, its
+dense sizes, whether its class overrides the plain layer's ``forward``, where the base model sits
+in a head class (``base_model_prefix``), and whether it belongs to PEFT. Pure functions of the
+module and its class; no communication, nothing set on any module.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["SHARDABLE_TYPES", "is_conv1d", "module_kind", "dense_dims", "overrides_forward", "qualname",
+           "base_model", "relative_fqn", "is_peft"]
+
+#: What the recipe styles split (and what must be covered by a rule).
+SHARDABLE_TYPES = "nn.Linear, transformers Conv1D, nn.Embedding"
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2 family): ``y = x W + b`` with ``W``
+    stored ``[in, out]`` (``nx`` in, ``nf`` out). Recognised by name and attributes, so that a
+    subclass or a copy from another transformers version counts too."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """``"linear"`` (``nn.Linear`` or ``Conv1D``), ``"embedding"`` (``nn.Embedding``) or None (a
+    module no style splits: a container, a norm)."""
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.Linear) or is_conv1d(module):
+        return "linear"
+    return None
+
+
+def dense_dims(module: nn.Module) -> tuple[int, int, str]:
+    """``(in_features, out_features, weight_layout)`` of an ``nn.Linear`` (``"linear"``, weight
+    ``[out, in]``) or a ``Conv1D`` (``"conv1d"``, weight ``[in, out]``).
+
+    Raises:
+        TypeError: any other module.
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, "linear"
+    if is_conv1d(module):
+        return module.nx, module.nf, "conv1d"
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
+
+
+_PLAIN_FORWARDS = {nn.Linear: nn.Linear.forward, nn.Embedding: nn.Embedding.forward}
+
+
+def overrides_forward(module: nn.Module) -> str | None:
+    """The plain layer class (``"Linear"``, ``"Embedding"``, ``"Conv1D"``) whose ``forward``
+    ``module``'s class overrides, or None (a plain layer, or not a layer at all). A parallel
+    version built from the plain layer's maths would drop what the override adds."""
+    for plain, forward in _PLAIN_FORWARDS.items():
+        if isinstance(module, plain):
+            return None if type(module).forward is forward else plain.__name__
+    if is_conv1d(module):
+        for klass in type(module).__mro__:
+            if klass.__name__ == "Conv1D":
+                return None if type(module).forward is klass.forward else "Conv1D"
+    return None
+
+
+def qualname(module: nn.Module) -> str:
+    """``module.path.ClassName`` of a module's class, for messages."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The base model of a head class (``model.transformer`` of ``GPT2LMHeadModel``, by
+    ``base_model_prefix``), or ``model`` itself."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    return base if isinstance(base, nn.Module) else model
+
+
+def relative_fqn(model: nn.Module, fqn: str) -> str:
+    """``fqn`` relative to the base model, as recipe rules are written: ``transformer.h.0`` ->
+    ``h.0``; the base model itself is ``""``. Unchanged for a model without a base model, and for
+    modules outside it (a head)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if base_model(model) is not model:
+        if fqn == prefix:
+            return ""
+        if fqn.startswith(prefix + "."):
+            return fqn[len(prefix) + 1:]
+    return fqn
+
+
+def is_peft(module: nn.Module) -> bool:
+    """Whether ``module`` is one of PEFT's (a ``PeftModel``, a tuner, an adapter layer)."""
+    return type(module).__module__.startswith("peft.")
