@@ -9,7 +9,7 @@ its slices; ``tpify.save_pretrained(model, path)`` writes it back in the Hugging
 
 from .api import TPInfo, get_tp_info, parallelize, remove_hooks
 from .comm import AgreementError, count_collectives
-from .engine import PlanError
+from .layout import PlanError
 from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loading import CheckpointError, from_pretrained, save_pretrained
 from .loss import vocab_parallel_cross_entropy

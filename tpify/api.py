@@ -22,15 +22,18 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .engine import BatchCheck, apply_layout
+from . import hf_methods, hooks
+from .context import CallState, TPContext
+from .hooks import guards
 from .layout import Layout, build_layout
-from .integrations.model import check_before_parallelize
-from .integrations.model import install as install_hf_methods
-from .loss import install_parallel_lm_loss
+from .hf_methods import check_before_parallelize
+from .layers import ColumnParallelInput
 from .mesh import init_tp_mesh, resolve_tp_size
+from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
 from .info import TPInfo, TPUsageError, find_tp_model, get_tp_info, param_specs  # noqa: F401 - the public names
 from .sharding import shard_spec_of
+from .surgery import apply_layout
 
 __all__ = ["parallelize", "TPInfo", "get_tp_info", "remove_hooks", "prepare", "finish", "resolve_recipe"]
 
@@ -148,15 +151,16 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
         comm.agree("tpify.parallelize (the DP group passed as dp_group)",
                    {"tp_size": size, "tp rank": comm.get_tp_rank(tp_group), "layout": layout.digest(),
                     "model class": type(model).__name__}, group=dp_group)
-    tracker, hooks = apply_layout(model, layout, tp_group)
+    ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState())
+    ctx.rng = new_tracker(ctx.rank)
+    apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     specs = {name: shard_spec_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
-    model.tp_info = TPInfo(size, comm.get_tp_rank(tp_group), tp_group, dp_group, layout, tracker, hooks,
-                           specs=specs, dp_source=dp_source)
-    hooks += install_parallel_lm_loss(model, layout)  # labels= -> loss from vocab-sharded logits (tpify/loss.py)
-    guards = model.tp_info.guards
-    if size > 1:  # before every other hook (prepend): no collective runs on inputs that differ between ranks
-        guards += BatchCheck(type(model).__name__, tp_group).install(model)
-    guards += install_hf_methods(model)  # TP-aware save_pretrained, resize refused; DDP and fused-head guards
+    info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, specs=specs, dp_source=dp_source,
+                  state=ctx.state)
+    model.tp_info = info
+    info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
+    info.guards = guards.install(model, info)  # before every other hook: what would be silently wrong
+    hf_methods.install(model)  # TP-aware save_pretrained, gradient checkpointing; resize refused
     return model
 
 
@@ -301,7 +305,7 @@ def parallelize(
             arXiv:2205.05198), where the recipe marks it (``[sequence_parallel]``): all-reduces
             become reduce-scatter + all-gather pairs (same bytes), activation memory there
             ``1/tp_size``. Training batches need ``T`` divisible by ``tp_size``
-            (:class:`tpify.engine.SequenceParallel`).
+            (:class:`tpify.hooks.sequence_parallel.SequenceParallel`).
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a

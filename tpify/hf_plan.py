@@ -27,7 +27,7 @@ HF style                                      tpify
 ``replicate``                                 ``replicate``
 ``replicated_with_grad_allreduce``            no rule: a replicated norm inside a sharded region;
                                               tpify finds it by construction and all-reduces its
-                                              gradient (``tpify.engine.ReplicatedInRegion``)
+                                              gradient (``tpify.hooks.region_grads.ReplicatedInRegion``)
 anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
 ``moe_tp_experts``, ``packed_colwise`` on     style, the rule and the module
 MoE experts, ``packed_rowwise``,

@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .context import TPContext
 from .hf_modules import dense_dims
-from .sharding import KeepsShardSpecs, ShardSpec, divide, shard_spec_of
+from .sharding import (KeepsShardSpecs, ShardSpec, column_specs, divide, embedding_columns_spec, row_spec,
+                       shard_spec_of, vocab_rows_spec)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelEmbedding",
-           "ColumnParallelInput", "keep_logits_sharded", "gather_logits_again"]
+           "ColumnParallelInput"]
 
 _LAYOUTS = ("linear", "conv1d")
 
@@ -286,48 +288,20 @@ def _copy_shards(layer: nn.Module, dense: nn.Module, tp_rank: int) -> nn.Module:
     return layer
 
 
-class _ShardedLogits:
-    """Whether the LM-head logits of one TP group stay split over the vocabulary now (see
-    :func:`keep_logits_sharded`). A plain object, not a ``contextvars.ContextVar``, so that
-    ``torch.compile`` traces the parallel LM loss without a graph break."""
-
-    def __init__(self):
-        self.active = False
-        self.group = None
-
-
-_sharded_logits = _ShardedLogits()
-
-
-def keep_logits_sharded(group: dist.ProcessGroup | None) -> tuple:
-    """From now on (until :func:`gather_logits_again` with the returned state), the column-parallel
-    layers built with ``gather_output=True`` over ``group`` (the LM head, and any copy of it:
-    PEFT's ``modules_to_save`` deep-copies it) keep their output split over the vocabulary.
-
-    The parallel LM loss (:mod:`tpify.loss`) sets it for the duration of a model's forward with
-    ``labels=``: the loss is computed from the vocabulary shards, never gathered. A state of the
-    call, not an attribute of the head, so that it holds for every copy of the head and is never
-    left behind on a module. Returns the previous state. Local; no communication.
-    """
-    previous = (_sharded_logits.active, _sharded_logits.group)
-    _sharded_logits.active, _sharded_logits.group = True, group
-    return previous
-
-
-def gather_logits_again(previous: tuple | None = None) -> None:
-    """End :func:`keep_logits_sharded` (``previous``: the state it returned; ``None``: none kept)."""
-    _sharded_logits.active, _sharded_logits.group = previous if previous is not None else (False, None)
+def _resolve_context(layer: nn.Module, tp_group, context: TPContext | None) -> None:
+    """Set ``layer.ctx`` (the model's :class:`~tpify.context.TPContext`, or one of its own for a
+    layer built alone) and its ``tp_group``/``tp_size``/``tp_rank``, resolved once."""
+    layer.ctx = context if context is not None else TPContext(tp_group)
+    layer.tp_group, layer.tp_size, layer.tp_rank = layer.ctx.group, layer.ctx.size, layer.ctx.rank
 
 
 class _ParallelLinear(KeepsShardSpecs, nn.Module):
     """What column- and row-parallel layers share: sizes, group, weight layout, ``from_dense``."""
 
-    def _init_common(self, in_features: int, out_features: int, tp_group, weight_layout: str) -> None:
+    def _init_common(self, in_features: int, out_features: int, tp_group, weight_layout: str, context) -> None:
         self.in_features = in_features
         self.out_features = out_features
-        self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        _resolve_context(self, tp_group, context)
         self.weight_layout = weight_layout
 
     @classmethod
@@ -392,24 +366,24 @@ class ColumnParallelLinear(_ParallelLinear):
         padded_out_features: int | None = None,
         replicated_parts: tuple[int, ...] = (),
         weight_layout: str = "linear",
+        sequence_parallel: bool = False,
+        context: TPContext | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        self._init_common(in_features, out_features, tp_group, weight_layout)
+        self._init_common(in_features, out_features, tp_group, weight_layout, context)
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         self.overlap_grad_reduce = True  # see forward; False: the plain copy_to_tp_region (for comparisons)
-        self.region_input = ColumnParallelInput()  # shared by the layers of a model (tpify.engine.apply_layout)
-        self.sequence_parallel = None  # tpify.engine.SequenceParallel when the layer is in a sequence-parallel layer
-        parts = tuple(partition_sizes) if partition_sizes else (out_features,)
-        if sum(parts) != out_features:
-            raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
-        if gather_output and len(parts) > 1:
+        # the model's one region entry (layers reading one activation share it), or the layer's own
+        self.region_input = self.ctx.region_input if self.ctx.region_input is not None else ColumnParallelInput()
+        w_spec, spec = column_specs(out_features, self.tp_size, weight_layout, partition_sizes, padded_out_features,
+                                    tuple(replicated_parts))
+        if gather_output and len(spec.parts) > 1:
             raise ValueError("a packed ColumnParallelLinear cannot gather its output in dense order")
-        replicated = tuple(replicated_parts)
-        spec = ShardSpec(0, parts, self.tp_size, padded_out_features, replicated)
+        replicated = spec.replicated
         self.out_features_per_partition = spec.local_size
-        w_spec = ShardSpec(0 if weight_layout == "linear" else 1, parts, self.tp_size, padded_out_features, replicated)
         # (tensor name, dim, local ranges) whose gradients are partial sums (replicated parts)
         self._partial_grads = ([("weight", w_spec.dim, w_spec.replicated_local_ranges()),
                                 ("bias", 0, spec.replicated_local_ranges())] if replicated else [])
@@ -420,15 +394,17 @@ class ColumnParallelLinear(_ParallelLinear):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T, in_features) -> (B, T, out_features_per_partition)`` (or gathered; see class)."""
+    def forward(self, x: torch.Tensor, runtime_gather_output: bool | None = None) -> torch.Tensor:
+        """``(B, T, in_features) -> (B, T, out_features_per_partition)``, or gathered to
+        ``(B, T, out_features)`` when ``runtime_gather_output`` (default: ``gather_output``) is
+        true (Megatron's per-call argument: the parallel LM loss passes False through a hook)."""
         weight, bias = self.weight, self.bias
         if self._partial_grads:
             where = [(n, d, r) for n, d, r in self._partial_grads if getattr(self, n) is not None]
             summed = comm.sum_grad_ranges([getattr(self, n) for n, _, _ in where], [(d, r) for _, d, r in where],
                                           self.tp_group)
             weight, bias = summed[0], (summed[1] if len(summed) > 1 else None)
-        if self.sequence_parallel is not None and self.sequence_parallel.active:
+        if self.sequence_parallel:
             # sequence parallelism: the input was all-gathered along T by the enclosing module's hook
             # (a region entry of region_input), whose backward reduce-scatters the partial input
             # gradients instead of copy's all-reduce: the layers reading that tensor share it, and the
@@ -450,18 +426,15 @@ class ColumnParallelLinear(_ParallelLinear):
                 y = _matmul(x, weight, bias, self.weight_layout)
         else:  # under torch.compile the plain region operator (inductor schedules the collective itself)
             y = _matmul(comm.copy_to_tp_region(x, self.tp_group), weight, bias, self.weight_layout)
-        if self.gathers():
-            y = comm.gather_from_tp_region(y, self.tp_group)
-            if y.shape[-1] != self.out_features:
-                y = y[..., : self.out_features]
+        if self.gather_output if runtime_gather_output is None else runtime_gather_output:
+            y = self.gather(y)
         return y
 
-    def gathers(self) -> bool:
-        """Whether this call gathers the output: ``gather_output``, unless the parallel LM loss keeps
-        the logits split over the vocabulary (:func:`keep_logits_sharded`)."""
-        if not self.gather_output:
-            return False
-        return not (_sharded_logits.active and _sharded_logits.group is self.tp_group)
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """All-gather this layer's output shards ``(B, T, out/p)`` to ``(B, T, out_features)``,
+        padding stripped (one all-gather; backward keeps this rank's columns)."""
+        y = comm.gather_from_tp_region(y, self.tp_group)
+        return y[..., : self.out_features] if y.shape[-1] != self.out_features else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -499,15 +472,17 @@ class RowParallelLinear(_ParallelLinear):
         tp_group: dist.ProcessGroup | None = None,
         input_is_parallel: bool = True,
         weight_layout: str = "linear",
+        sequence_parallel: bool = False,
+        context: TPContext | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        self._init_common(in_features, out_features, tp_group, weight_layout)
+        self._init_common(in_features, out_features, tp_group, weight_layout, context)
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = None  # tpify.engine.SequenceParallel when the layer is in a sequence-parallel layer
+        self.sequence_parallel = sequence_parallel
         self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
-        w_spec = ShardSpec(1 if weight_layout == "linear" else 0, (in_features,), self.tp_size)
+        w_spec = row_spec(in_features, self.tp_size, weight_layout)
         w_shape = _weight_shape(self.in_features_per_partition, out_features, weight_layout)
         self.weight = _new_param(w_shape, w_spec, device, dtype)
         if bias:
@@ -515,22 +490,34 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T, in_features // tp_size) -> (B, T, out_features)``, replicated."""
+    def forward(self, x: torch.Tensor, scatter_output: bool | None = None) -> torch.Tensor:
+        """``(B, T, in_features // tp_size) -> (B, T, out_features)``, replicated; or, with
+        ``scatter_output`` (default: ``sequence_parallel``; the sequence-parallel hook passes it per
+        call), this rank's tokens ``(B, T/p, out_features)``."""
         if not self.input_is_parallel:
             x = comm.scatter_to_tp_region(x, self.tp_group)
-        if self.sequence_parallel is not None and self.sequence_parallel.active:
-            # sequence parallelism: sum the partial outputs and keep this rank's tokens (B, T/p, out);
-            # the bias then meets T/p tokens only, so its gradient is a partial sum: summed over the group
-            y = comm.reduce_scatter_to_sequence_region(_matmul(x, self.weight, None, self.weight_layout),
-                                                       self.tp_group)
-            if self.bias is None:
-                return y
-            bias, = comm.sum_grad_ranges([self.bias], [(0, [(0, self.bias.shape[0])])], self.tp_group)
-            return y + bias.to(y.dtype)
-        y = comm.reduce_from_tp_region(_matmul(x, self.weight, None, self.weight_layout), self.tp_group)
-        # in the output's dtype, as F.linear adds it (bfloat16 under autocast, not promoted to float32)
-        return y + self.bias.to(y.dtype) if self.bias is not None else y
+        scatter = self.sequence_parallel if scatter_output is None else scatter_output
+        return self.add_bias(self.collect(_matmul(x, self.weight, None, self.weight_layout), scatter), scatter)
+
+    def collect(self, partial: torch.Tensor, scatter_output: bool) -> torch.Tensor:
+        """Sum this layer's partial outputs ``(B, T, n)`` over the group: one all-reduce, or with
+        ``scatter_output`` one reduce-scatter along ``T`` (this rank's tokens ``(B, T/p, n)``: an
+        all-reduce is a reduce-scatter plus an all-gather). ``n`` may exceed ``out_features``:
+        a LoRA adapter's partial products ride on the same collective."""
+        if scatter_output:
+            return comm.reduce_scatter_to_sequence_region(partial, self.tp_group)
+        return comm.reduce_from_tp_region(partial, self.tp_group)
+
+    def add_bias(self, y: torch.Tensor, scatter_output: bool) -> torch.Tensor:
+        """``y + bias``, once, after the collective, in ``y``'s dtype (as ``F.linear`` adds it:
+        bfloat16 under autocast). With ``scatter_output`` the bias meets ``T/p`` tokens only, so
+        its gradient is a partial sum: summed over the group (one all-reduce in backward)."""
+        if self.bias is None:
+            return y
+        bias = self.bias
+        if scatter_output:
+            bias, = comm.sum_grad_ranges([bias], [(0, [(0, bias.shape[0])])], self.tp_group)
+        return y + bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, in_features_per_partition={self.in_features_per_partition}, "
@@ -564,7 +551,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         ValueError: (forward) the ranks of the TP group were given different ids (or shapes):
             each would sum the embeddings of different tokens. Checked by one all-reduce of 5
             values (the bounds ride on it) before the output's (:func:`tpify.comm.check_same_inputs`),
-            unless the model's own call checked these ids already (:class:`tpify.engine.BatchCheck`).
+            unless the model's own call checked these ids already (:class:`tpify.hooks.guards.BatchCheck`).
         NotImplementedError: the dense embedding uses ``max_norm``, ``scale_grad_by_freq`` or
             ``sparse``, which cannot be computed from one shard of the table.
     """
@@ -578,6 +565,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         padded_num_embeddings: int | None = None,
         output_scale: float | torch.Tensor | None = None,
+        context: TPContext | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -589,11 +577,9 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
             self.register_buffer("output_scale", output_scale.detach().clone(), persistent=False)
         else:
             self.output_scale = output_scale
-        self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        _resolve_context(self, tp_group, context)
         self.padded_num_embeddings = padded_num_embeddings or num_embeddings
-        spec = ShardSpec(0, (num_embeddings,), self.tp_size, self.padded_num_embeddings)
+        spec = vocab_rows_spec(num_embeddings, self.tp_size, self.padded_num_embeddings)
         self.num_embeddings_per_partition = spec.local_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
@@ -629,7 +615,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
             low, high = torch.aminmax(input_ids)
             bad = (low < 0) | (high >= self.num_embeddings)
             if not comm.was_checked(input_ids):
-                # the model's own call did not check that every rank holds these ids (tpify.engine.BatchCheck):
+                # the model's own call did not check that every rank holds these ids (tpify.hooks.guards.BatchCheck):
                 # check here, with the bounds riding on the check, so that every rank raises alike
                 bad = comm.check_same_inputs([("input_ids", input_ids)], self.tp_group, "VocabParallelEmbedding",
                                              flag=bad)
@@ -677,21 +663,19 @@ class ColumnParallelEmbedding(KeepsShardSpecs, nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: int | None = None,
-                 tp_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+                 tp_group: dist.ProcessGroup | None = None, context: TPContext | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
-        self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        _resolve_context(self, tp_group, context)
         self.embedding_dim_per_partition = divide(embedding_dim, self.tp_size, "embedding_dim")
-        spec = ShardSpec(1, (embedding_dim,), self.tp_size)
+        spec = embedding_columns_spec(embedding_dim, self.tp_size)
         self.weight = _new_param((num_embeddings, self.embedding_dim_per_partition), spec, device, dtype)
 
     @classmethod
-    def from_dense(cls, module: nn.Embedding, tp_group: dist.ProcessGroup | None) -> "ColumnParallelEmbedding":
+    def from_dense(cls, module: nn.Embedding, tp_group: dist.ProcessGroup | None, **kwargs) -> "ColumnParallelEmbedding":
         """Build this rank's columns from a dense ``nn.Embedding`` (copied exactly).
 
         Raises:
@@ -700,7 +684,7 @@ class ColumnParallelEmbedding(KeepsShardSpecs, nn.Module):
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             raise NotImplementedError("ColumnParallelEmbedding does not support max_norm, scale_grad_by_freq or sparse")
         layer = cls(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx, tp_group=tp_group,
-                    device="meta", dtype=module.weight.dtype)
+                    device="meta", dtype=module.weight.dtype, **kwargs)
         return _copy_shards(layer, module, layer.tp_rank)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

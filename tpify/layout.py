@@ -6,11 +6,11 @@ the same layout (or raise the same :class:`PlanError`) on every rank, and it iss
 collective, so bad input fails on every rank at the same point. Every later stage takes the
 layout instead of re-deriving what it needs:
 
-* surgery (:func:`tpify.engine.apply_layout`): per module the style and per-rank sizes, the
+* surgery (:func:`tpify.surgery.apply_layout`): per module the style and per-rank sizes, the
   module attributes and config values to divide;
 * sharded loading and saving (:mod:`tpify.loading`): which modules are sharded, the checkpoint
   key renames, the config values to write back dense;
-* the dropout streams and gradient hooks (:mod:`tpify.random`, :mod:`tpify.engine`): the
+* the dropout streams and gradient hooks (:mod:`tpify.hooks`): the
   sharded regions, from the output of each column-parallel layer to the next row-parallel one;
 * the parallel loss (:mod:`tpify.loss`): the LM head and the loss kind, from the recipe's
   ``[loss]`` table (or the head class's own ``loss_type``), never from class-name suffixes or
@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from . import comm
-from .hf_modules import SHARDABLE_TYPES, base_model, dense_dims, is_peft, module_kind, overrides_forward, qualname, relative_fqn
+from .hf_modules import SHARDABLE_TYPES, base_model, is_peft, module_kind, relative_fqn
 from .recipe import Recipe, Rule, RuleIndex
-from .sharding import pad_vocab_size, valid_tp_sizes
+from .sharding import ShardSpec, valid_tp_sizes
+from .styles import ModuleLayout, PlanContext, style_of
 
 __all__ = ["PlanError", "ModuleLayout", "Layout", "build_layout", "relative_fqn", "SHARDABLE_TYPES"]
 
@@ -53,29 +54,6 @@ def _loss_of(model: nn.Module, recipe: Recipe) -> tuple[str | None, bool]:
     if kind is None:
         kind = _HF_LOSS_TYPES.get(getattr(model, "loss_type", None) or "")
     return (None if kind in (None, "none") else kind), name not in recipe.ignores_num_items
-
-
-@dataclass
-class ModuleLayout:
-    """What happens to one module: its FQN, the style, the rule that said so, per-style sizes.
-
-    Attributes:
-        partition_sizes: global widths of the packed parts (``packed_colwise``), each split alike.
-        padded_size: the vocabulary padded to a multiple of ``tp_size`` (vocab-row styles), or None.
-        replicated_parts: indices of packed parts kept whole on every rank (multi-query K/V).
-        output_scale: the constant a scaled-embedding subclass multiplies its output by (the
-            recipe's ``[subclasses]``), or None; ``scale_attr`` the module attribute holding it
-            (surgery hands the attribute itself, a number or the module's buffer, to the layer).
-    """
-
-    fqn: str
-    style: str
-    rule: int
-    partition_sizes: list[int] | None = None
-    padded_size: int | None = None
-    replicated_parts: tuple[int, ...] = ()
-    output_scale: float | None = None
-    scale_attr: str | None = None
 
 
 @dataclass
@@ -130,7 +108,12 @@ class Layout:
 
     def sharded(self) -> set[str]:
         """FQNs of the modules that are split (every style but ``replicate``)."""
-        return {fqn for fqn, m in self.modules.items() if m.style != "replicate"}
+        return {fqn for fqn, m in self.modules.items() if m.styler.shards}
+
+    def param_specs(self) -> dict[str, "ShardSpec | None"]:
+        """Every parameter of the split modules, by FQN, with its :class:`ShardSpec` (``None``:
+        replicated), as the styles give them (:attr:`ModuleLayout.specs`)."""
+        return {f"{fqn}.{name}": spec for fqn, m in self.modules.items() for name, spec in m.specs.items()}
 
     def digest(self) -> str:
         """A short digest of what decides the per-rank tensors besides ``tp_size`` (which the
@@ -227,6 +210,9 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                      "several ranks)" if 0 < value < tp_size else "")
             errors.append(f"{what} = {value} is not divisible by tp_size = {tp_size}{fewer}")
 
+    ctx = PlanContext(model, config, recipe, tp_size, pad_vocab_multiple, errors, need_divisible,
+                      lambda rule, out_f, owner, fqn: _packed_sizes(rule, out_f, config, owner, fqn, errors))
+
     for name in recipe.divisible + recipe.divide_config:
         value = getattr(config, name, None)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -275,15 +261,12 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                     continue
                 layout.head_inputs[fqn] = layout.head_inputs.get(fqn, ()) + ((arg, dim, heads),)
         styled = [rule for rule in hits if rule.style is not None]
-        kind = module_kind(module)
         container = _outermost_container(fqn, containers)
-        if kind is None:
+        if module_kind(module) is None:
             if styled and styled[0].style == "replicate" and len(styled) == 1:
                 containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
             elif styled:
-                errors.append(f"{fqn} is a {qualname(module)}, not one of {SHARDABLE_TYPES}; "
-                              f"{styled[0].describe()} gives it style {styled[0].style!r} (only 'replicate' "
-                              f"applies to a container module)")
+                style_of(styled[0].style).plan(ctx, fqn, module, styled[0])  # the style says why not
             continue
         if container is not None:
             if styled and any(r.style != "replicate" for r in styled):
@@ -298,70 +281,12 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
         if len(styled) > 1:
             errors.append(f"{fqn} is matched by several styled rules: {[r.describe() for r in styled]}")
             continue
-        rule = styled[0]
-        entry = ModuleLayout(fqn, rule.style, rule.index)
-        if rule.style == "replicate":
+        entry = style_of(styled[0].style).plan(ctx, fqn, module, styled[0])
+        if entry is not None:
             layout.modules[fqn] = entry
-            continue
-        overridden = overrides_forward(module)
-        if overridden:
-            declared = recipe.subclasses.get(type(module).__name__)
-            if declared is None:
-                errors.append(f"{fqn} is a {qualname(module)}, a subclass of {overridden} that overrides forward; "
-                              f"tpify swaps only what it understands (its parallel version would drop what that "
-                              f"forward adds). Give it style 'replicate', or declare in the recipe's [subclasses] "
-                              f"what its forward computes (forward = 'plain' or 'scaled', docs/recipes.md)")
-                continue
-            forward, scale_attr = declared
-            if forward == "scaled":
-                scale = getattr(module, scale_attr, None)
-                number = (isinstance(scale, (int, float)) and not isinstance(scale, bool)) or (
-                    isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_meta
-                    and scale.is_floating_point())
-                if kind != "embedding" or rule.style != "embedding_rowwise" or not number:
-                    errors.append(f"{fqn} ({type(module).__name__}): [subclasses] forward = 'scaled' applies to an "
-                                  f"nn.Embedding with style 'embedding_rowwise' whose attribute {scale_attr!r} is a "
-                                  f"number or a one-element float tensor holding a value; here the style is "
-                                  f"{rule.style!r} and {scale_attr} = {scale!r}")
-                    continue
-                entry.output_scale, entry.scale_attr = float(scale), scale_attr
-        embedding_style = rule.style in ("embedding_rowwise", "embedding_colwise")
-        if (kind == "embedding") != embedding_style:
-            errors.append(f"{fqn} is a {type(module).__name__}; style {rule.style!r} ({rule.describe()}) "
-                          f"does not apply to it")
-            continue
-        if kind == "embedding":
-            if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-                errors.append(f"{fqn}: {rule.style} cannot shard an nn.Embedding with max_norm, "
-                              f"scale_grad_by_freq or sparse (they need the whole table); use 'replicate'")
-                continue
-            if rule.style == "embedding_colwise":
-                need_divisible(f"{fqn}.embedding_dim ({type(module).__name__}, embedding_colwise)",
-                               module.embedding_dim)
-            else:
-                entry.padded_size = pad_vocab_size(module.num_embeddings, tp_size, pad_vocab_multiple)
-        else:
-            in_f, out_f, _ = dense_dims(module)
-            if rule.style == "rowwise":
-                need_divisible(f"{fqn}.in_features ({type(module).__name__}, rowwise)", in_f)
-            elif rule.style == "colwise_rep":
-                if out_f % step:
-                    entry.padded_size = pad_vocab_size(out_f, tp_size, pad_vocab_multiple)
-            elif rule.style == "packed_colwise":
-                owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else None
-                sizes = _packed_sizes(rule, out_f, config, owner, fqn, errors)
-                if sizes is not None:
-                    entry.partition_sizes = sizes
-                    entry.replicated_parts = rule.replicated_parts
-                    for i, size in enumerate(sizes):
-                        if i not in rule.replicated_parts:
-                            need_divisible(f"{fqn} packed part {i} of out_features", size)
-            else:
-                need_divisible(f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f)
-        layout.modules[fqn] = entry
 
     errors.extend(_tie_conflicts(model, layout))
-    heads = [fqn for fqn, m in layout.modules.items() if m.style == "colwise_rep"]
+    heads = [fqn for fqn, m in layout.modules.items() if m.styler.lm_head]
     if len(heads) > 1:
         errors.append(f"several colwise_rep LM heads {heads}: the parallel LM loss supports one; give the others "
                       f"'replicate' or 'colwise'")
@@ -373,9 +298,8 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
             if isinstance(coefficient, str) and not isinstance(getattr(config, coefficient, None), (int, float)):
                 errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config.{coefficient}, which "
                               f"{type(model).__name__}'s config does not hold as a number")
-    layout.region_starts = tuple(f for f, m in layout.modules.items()
-                                 if m.style in ("colwise", "packed_colwise", "embedding_colwise"))
-    layout.region_ends = tuple(f for f, m in layout.modules.items() if m.style == "rowwise")
+    layout.region_starts = tuple(f for f, m in layout.modules.items() if m.styler.region == "start")
+    layout.region_ends = tuple(f for f, m in layout.modules.items() if m.styler.region == "end")
     if sequence_parallel:
         layout.sequence_parallel = _sequence_layout(model, recipe, layout, errors)
     if uncovered:
@@ -422,32 +346,33 @@ def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: l
     if outside:
         errors.append(f"sequence parallelism: column/row-parallel layers {outside[:4]} lie outside every module of "
                       f"[sequence_parallel] gather = {sp['gather']}; their input would be split along the tokens")
-    if any(m.style == "embedding_colwise" for m in layout.modules.values()):
-        errors.append("sequence parallelism is not supported with embedding_colwise (relative attention biases)")
+    unsupported = sorted({m.style for m in layout.modules.values() if not m.styler.sequence_parallel})
+    if unsupported:
+        errors.append(f"sequence parallelism is not supported with {', '.join(unsupported)} (relative attention "
+                      f"biases)")
     if errors:
         return None
+    for fqn, entry in layout.modules.items():  # a construction fact of these layers (tpify.styles)
+        if entry.styler.region is not None and any(fqn.startswith(g + ".") for g in gathers):
+            entry.sequence_parallel = True
     return {"split": out["split"][0], "gather": list(gathers), "exit": out["exit"][0]}
 
 
-# Styles that shard a tied weight the same way: vocabulary rows, padded alike (embedding = LM head).
-_VOCAB_ROW_STYLES = {"embedding_rowwise", "colwise_rep"}
-
-
-def _rows(module: nn.Module, entry: ModuleLayout) -> int | None:
-    """Padded vocabulary rows a vocab-row style gives a module (None for other styles)."""
-    if entry.style == "embedding_rowwise":
-        return entry.padded_size
-    if entry.style == "colwise_rep":
-        return entry.padded_size or dense_dims(module)[1]
-    return None
+def _split_key(spec) -> tuple | None:
+    """What decides a shard's rows: the split dimension, parts, tp size and padded size (a spec
+    without padding counts as padded to its own size)."""
+    if spec is None:
+        return None
+    return spec.dim, spec.parts, spec.tp_size, spec.padded_size or spec.global_size, spec.replicated
 
 
 def _tie_conflicts(model: nn.Module, layout: Layout) -> list[str]:
     """Tied parameters whose holders' styles would shard them differently (or one not at all).
 
     A weight tied between an embedding and an LM head must be replicated by both, or split by
-    vocabulary rows by both (``embedding_rowwise`` + ``colwise_rep``); anything else gives one of
-    them a shard it cannot use (wrong logits or a half-width vocabulary), so it is an error.
+    vocabulary rows by both (``embedding_rowwise`` + ``colwise_rep``, padded alike); anything else
+    gives one of them a shard it cannot use (wrong logits or a half-width vocabulary), so it is an
+    error. Decided by the styles' per-parameter specs (:attr:`ModuleLayout.specs`).
     """
     holders: dict[int, list[tuple[str, str]]] = {}
     for mname, module in model.named_modules():
@@ -464,11 +389,9 @@ def _tie_conflicts(model: nn.Module, layout: Layout) -> list[str]:
         places = [(m, p) for m, p in places if m in layout.modules]
         if len(places) < 2:
             continue
-        kinds = set(styles.values())
-        if kinds == {"replicate"} or (kinds <= _VOCAB_ROW_STYLES and "replicate" not in kinds):
-            sizes = {_rows(model.get_submodule(m), layout.modules[m]) for m, _ in places}
-            if len(sizes) <= 1:
-                continue
+        splits = {_split_key(layout.modules[m].specs.get(p)) for m, p in places}
+        if len(splits) == 1:  # every holder splits it alike (or none does)
+            continue
         errors.append(f"tied parameter {sorted(styles)} is given styles {styles}, which shard it differently: give "
                       f"every holder 'replicate', or the embedding 'embedding_rowwise' and the head 'colwise_rep'")
     return errors

@@ -14,8 +14,8 @@ named RNG states and forks a TP-distinct one around the sharded parts of a layer
 tpify places the switch by construction, for any recipe: a sharded region begins at the output
 of a column-parallel layer with ``gather_output=False`` and ends at the input of the next
 row-parallel layer (the layout's ``region_starts``/``region_ends``, tpify/layout.py).
-:func:`install_rng_hooks` (called by :func:`tpify.engine.apply_layout`) gives each parallelized
-model its own :class:`RNGStreamTracker` (``model.tp_info.rng``) and adds, bound to it, a forward
+:func:`tpify.hooks.dropout.install` gives each parallelized model its own
+:class:`RNGStreamTracker` (``model.tp_info.rng``, :func:`new_tracker`) and adds, bound to it, a forward
 hook after every such ``ColumnParallelLinear`` (switch to the TP stream) and a forward pre-hook
 before every ``RowParallelLinear`` (switch back), plus a pre- and post-hook on the root model
 (default stream outside the model). Two models parallelized in one process (in different
@@ -45,7 +45,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["TP_SEED_OFFSET", "RNGStreamTracker", "get_rng_tracker", "manual_seed", "install_rng_hooks"]
+__all__ = ["TP_SEED_OFFSET", "RNGStreamTracker", "get_rng_tracker", "manual_seed", "new_tracker", "devices_of"]
 
 TP_SEED_OFFSET = 2718  # as Megatron's model_parallel_cuda_manual_seed: seed + 2718 + tp_rank
 
@@ -180,12 +180,12 @@ class RNGStreamTracker:
         nothing draws, and switching back is then free)."""
         self.in_region = True
         if module.training:
-            self.switch(TP, _devices_of(module))
+            self.switch(TP, devices_of(module))
 
     def leave_region(self, module, args):
         """Forward pre-hook before a row-parallel layer: the default stream."""
         self.in_region = False
-        self.switch(DEFAULT, _devices_of(module))
+        self.switch(DEFAULT, devices_of(module))
 
     def at_root(self, module, *args):
         """Forward pre- and post-hook of the root model: the default stream outside the model."""
@@ -193,16 +193,21 @@ class RNGStreamTracker:
         self.switch(DEFAULT, self.cuda_devices())
 
     @contextmanager
-    def tp_rng(self):
-        """Run a block on the TP stream (draws distinct per TP rank), then return to the previous one."""
+    def on(self, stream: str):
+        """Run a block on ``stream`` (``"tp"``: draws distinct per TP rank; ``"default"``: the same
+        on every rank), then return to the previous one."""
         previous = self.current
-        self.switch(TP, self.cuda_devices())
+        self.switch(stream, self.cuda_devices())
         try:
             yield
         finally:
             self.switch(previous, self.cuda_devices())
 
-    def checkpoint_context_fn(self):
+    def tp_rng(self):
+        """Run a block on the TP stream (draws distinct per TP rank): :meth:`on` ``("tp")``."""
+        return self.on(TP)
+
+    def checkpoint_context_fn(self, *others):
         """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
         Activation recomputation runs a segment's forward again during backward. torch restores
@@ -212,11 +217,14 @@ class RNGStreamTracker:
         silently wrong. As Megatron's ``CheckpointFunction`` restores its RNG tracker, the forward
         context records the tracker at the segment's start and the recompute context puts it back
         for the recomputation (then restores the live one), so gradients are bitwise those of the
-        run without checkpointing. Installed by :func:`tpify.parallelize` through the model's
-        ``gradient_checkpointing_enable`` (tpify.integrations.model).
+        run without checkpointing. ``others``: more objects with ``snapshot()``/``restore()``
+        treated alike (the model's :class:`~tpify.context.CallState`: whether the tokens were
+        split in the call being recomputed). Installed by :func:`tpify.parallelize` through the
+        model's ``gradient_checkpointing_enable`` (:mod:`tpify.hf_methods`).
         """
         saved: dict = {}
-        return _AtForward(self, saved), _AtRecompute(self, saved)
+        stateful = (self, *others)
+        return _AtForward(stateful, saved), _AtRecompute(stateful, saved)
 
 
 # Trackers of the live parallelized models, so that manual_seed reseeds every one of them.
@@ -229,7 +237,7 @@ def get_rng_tracker(model: nn.Module) -> RNGStreamTracker:
     Raises:
         ValueError: the model was not parallelized by tpify.
     """
-    from .api import get_tp_info
+    from .info import get_tp_info
 
     return get_tp_info(model).rng
 
@@ -249,13 +257,13 @@ def manual_seed(seed: int, tp_rank: int | None = None):
 
 
 class _AtForward:
-    """Forward context of :meth:`RNGStreamTracker.checkpoint_context_fn`: the tracker at segment start."""
+    """Forward context of :meth:`RNGStreamTracker.checkpoint_context_fn`: the states at segment start."""
 
-    def __init__(self, tracker: RNGStreamTracker, saved: dict):
-        self.tracker, self.saved = tracker, saved
+    def __init__(self, stateful: tuple, saved: dict):
+        self.stateful, self.saved = stateful, saved
 
     def __enter__(self):
-        self.saved["tracker"] = self.tracker.snapshot()
+        self.saved["states"] = [obj.snapshot() for obj in self.stateful]
         return self
 
     def __exit__(self, *exc):
@@ -263,53 +271,37 @@ class _AtForward:
 
 
 class _AtRecompute:
-    """Recompute context of :meth:`RNGStreamTracker.checkpoint_context_fn`: the tracker as it was
+    """Recompute context of :meth:`RNGStreamTracker.checkpoint_context_fn`: the states as they were
     at segment start, for the recomputation only."""
 
-    def __init__(self, tracker: RNGStreamTracker, saved: dict):
-        self.tracker, self.saved = tracker, saved
+    def __init__(self, stateful: tuple, saved: dict):
+        self.stateful, self.saved = stateful, saved
 
     def __enter__(self):
-        self.live = self.tracker.snapshot()
-        self.tracker.restore(self.saved["tracker"])
+        self.live = [obj.snapshot() for obj in self.stateful]
+        for obj, state in zip(self.stateful, self.saved["states"]):
+            obj.restore(state)
         return self
 
     def __exit__(self, *exc):
-        self.tracker.restore(self.live)
+        for obj, state in zip(self.stateful, self.live):
+            obj.restore(state)
         return False
 
 
-def _devices_of(module: nn.Module) -> tuple[str, ...]:
+def devices_of(module: nn.Module) -> tuple[str, ...]:
+    """The CUDA device of a layer's weight, as a 1-tuple, or ``()`` on the CPU: the generators a
+    stream switch at that layer must swap besides the CPU's."""
     weight = getattr(module, "weight", None)
     if weight is not None and weight.device.type == "cuda":
         return (str(weight.device),)
     return ()
 
 
-def install_rng_hooks(model: nn.Module, layout, tp_rank: int) -> tuple[RNGStreamTracker, list]:
-    """Give a parallelized model its dropout-stream tracker and hooks: ``(tracker, handles)``.
-
-    After every layer of ``layout.region_starts`` (column-parallel, output sharded), in training
-    mode: switch to the TP stream. Before every layer of ``layout.region_ends`` (row-parallel):
-    switch to the default stream. Before and after the root ``model``'s forward: the default
-    stream. The TP stream derives from ``torch.initial_seed()`` (:func:`manual_seed` reseeds it).
-    Each hooked layer gets the attribute ``_tpify_rng`` (the tracker), which adapters wrapping it
-    (tpify LoRA) use. ``handles`` are the hooks' ``RemovableHandle``s.
-
-    Communication: none.
-    """
+def new_tracker(tp_rank: int) -> RNGStreamTracker:
+    """A parallelized model's dropout-stream tracker: the TP stream derives from
+    ``torch.initial_seed()`` and ``tp_rank``; :func:`manual_seed` reseeds it."""
     tracker = RNGStreamTracker()
     tracker.seed, tracker.tp_rank = torch.initial_seed(), int(tp_rank)
     _LIVE.add(tracker)
-    handles = []
-    for fqn in layout.region_starts:
-        module = model.get_submodule(fqn)
-        handles.append(module.register_forward_hook(tracker.enter_region))
-        module._tpify_rng = tracker
-    for fqn in layout.region_ends:
-        module = model.get_submodule(fqn)
-        handles.append(module.register_forward_pre_hook(tracker.leave_region))
-        module._tpify_rng = tracker
-    handles.append(model.register_forward_pre_hook(tracker.at_root))
-    handles.append(model.register_forward_hook(tracker.at_root))
-    return tracker, handles
+    return tracker

@@ -44,9 +44,11 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .styles import STYLES as _STYLE_OBJECTS
+
 __all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
-STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise", "embedding_rowwise", "embedding_colwise", "replicate")
+STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
 _RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule"}

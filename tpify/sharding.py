@@ -28,7 +28,8 @@ import torch.distributed as dist
 from . import comm
 
 __all__ = ["ShardSpec", "shard_spec_of", "is_dtensor", "KeepsShardSpecs", "divide", "pad_vocab_size",
-           "valid_tp_sizes"]
+           "valid_tp_sizes", "column_specs", "row_spec", "vocab_rows_spec", "embedding_columns_spec",
+           "lora_factor_spec"]
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -214,6 +215,65 @@ class ShardSpec:
                 pieces.extend(shard.narrow(self.dim, offset, chunk) for shard in shards)
             offset += chunk
         return torch.cat(pieces, dim=self.dim).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# The specs of each kind of split, written once: the layers attach them to their parameters, the
+# styles put them in the layout (tpify.styles), LoRA derives its factors' from them.
+
+def column_specs(out_features: int, tp_size: int, weight_layout: str = "linear", parts=None, padded_size=None,
+                 replicated: tuple[int, ...] = ()) -> tuple[ShardSpec, ShardSpec]:
+    """``(weight spec, bias spec)`` of a column-parallel layer (Megatron's ``A = [A_1 ... A_p]``):
+    the output features split, each packed part separately, padded to ``padded_size`` (an LM
+    head over a vocabulary ``p`` does not divide), ``replicated`` parts kept whole. The weight is
+    split along dim 0 for ``nn.Linear`` (``[out, in]``), dim 1 for ``Conv1D`` (``[in, out]``).
+
+    Raises:
+        ValueError: as :class:`ShardSpec` (a part not divisible by ``tp_size``, ...).
+    """
+    parts = tuple(parts) if parts else (out_features,)
+    if sum(parts) != out_features:
+        raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
+    bias = ShardSpec(0, parts, tp_size, padded_size, tuple(replicated))
+    weight = ShardSpec(0 if weight_layout == "linear" else 1, parts, tp_size, padded_size, tuple(replicated))
+    return weight, bias
+
+
+def row_spec(in_features: int, tp_size: int, weight_layout: str = "linear") -> ShardSpec:
+    """The weight spec of a row-parallel layer: the input features split (dim 1 of an
+    ``nn.Linear`` weight ``[out, in]``, dim 0 of a ``Conv1D`` weight ``[in, out]``); its bias is
+    replicated (no spec).
+
+    Raises:
+        ValueError: ``in_features`` not divisible by ``tp_size``.
+    """
+    return ShardSpec(1 if weight_layout == "linear" else 0, (in_features,), tp_size)
+
+
+def vocab_rows_spec(num_embeddings: int, tp_size: int, padded_size: int | None = None) -> ShardSpec:
+    """The weight spec of a vocab-parallel embedding: rows (vocabulary entries) split, the table
+    padded to ``padded_size`` rows (default: unpadded)."""
+    return ShardSpec(0, (num_embeddings,), tp_size, padded_size or num_embeddings)
+
+
+def embedding_columns_spec(embedding_dim: int, tp_size: int) -> ShardSpec:
+    """The weight spec of a column-parallel embedding (columns are heads: T5's relative attention
+    bias)."""
+    return ShardSpec(1, (embedding_dim,), tp_size)
+
+
+def lora_factor_spec(base_weight_spec: ShardSpec, base_is_row: bool, in_features: int) -> tuple[str, ShardSpec]:
+    """``(factor, spec)``: which LoRA factor of an adapter on a parallel layer is sharded, and how.
+
+    A column-parallel base splits its output rows: ``lora_B`` ``(out, r)`` is split along dim 0
+    exactly as the base's output (packed parts and padding alike), ``lora_A`` is replicated. A
+    row-parallel base splits its input: ``lora_A`` ``(r, in)`` is split along dim 1, ``lora_B``
+    replicated. Megatron's rule for adapters (docs/mechanics.md, "LoRA on split layers").
+    """
+    if base_is_row:
+        return "lora_A", ShardSpec(1, (in_features,), base_weight_spec.tp_size)
+    spec = base_weight_spec
+    return "lora_B", ShardSpec(0, spec.parts, spec.tp_size, spec.padded_size)
 
 
 def is_dtensor(t) -> bool:

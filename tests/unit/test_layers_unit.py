@@ -409,11 +409,12 @@ def column_linears_sharing_an_input_all_reduce_its_gradient_once(c):
     retained graph run twice and a layer reading another tensor all stay exact."""
     from tpify.layers import ColumnParallelInput
 
+    from tpify.context import TPContext
+
     denses = [_dense(nn.Linear(6, 8), 110 + 10 * i) for i in range(3)]
     shared = ColumnParallelInput()
-    layers = [ColumnParallelLinear.from_dense(d, c.group) for d in denses]
-    for layer in layers:
-        layer.region_input = shared
+    context = TPContext(c.group, region_input=shared)  # what surgery gives the layers of one model
+    layers = [ColumnParallelLinear.from_dense(d, c.group, context=context) for d in denses]
     x = _t(150, (2, 3, 6))
     gouts = [_t(151 + i, (2, 3, 8)) for i in range(3)]
 
@@ -476,12 +477,12 @@ def column_linears_sharing_a_sequence_parallel_gather_reduce_scatter_once(c):
     exact."""
     from tpify.layers import ColumnParallelInput
 
+    from tpify.context import TPContext
+
     denses = [_dense(nn.Linear(6, 8), 170 + 10 * i) for i in range(3)]
     shared = ColumnParallelInput()
-    layers = [ColumnParallelLinear.from_dense(d, c.group) for d in denses]
-    for layer in layers:
-        layer.region_input = shared
-        layer.sequence_parallel = SimpleNamespace(active=True)
+    context = TPContext(c.group, region_input=shared)
+    layers = [ColumnParallelLinear.from_dense(d, c.group, context=context, sequence_parallel=True) for d in denses]
     x = _t(200, (2, 4, 6))  # (B, T, H): rank r holds tokens [2r, 2r + 2)
     gouts = [_t(201 + i, (2, 4, 8)) for i in range(3)]
 

@@ -16,6 +16,13 @@ Megatron's layers):
   all-reduce forward (the base layer's, ``r`` values wider per token); then
   ``y = (sum W_r x_r) + b + s B (sum h_r)``, so ``B``'s gradient is complete on every rank and
   the backward communicates nothing.
+* **under sequence parallelism** (Korthikanti et al., arXiv:2205.05198): a column base reads the
+  tokens all-gathered by a region entry whose backward reduce-scatters every reader's input
+  gradient; the adapter reads the same tensor, its ``A^T dh`` goes there as a partial sum, and
+  ``A``'s gradient (from the partial ``dh``) is summed over the group (``r x H`` values). A row
+  base reduce-scatters along ``T`` (``r`` values wider); ``B`` then meets ``T/p`` tokens and its
+  gradient is summed over the group. The per-call modes the model's hooks pass the base layer
+  (:class:`tpify.context.ModeArgument`) are passed to the adapter layer instead.
 
 :func:`get_peft_model` registers :class:`LoraTPLinear` for ``ColumnParallelLinear`` and
 ``RowParallelLinear`` through PEFT's custom-module extension point
@@ -36,15 +43,18 @@ import types
 import warnings
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from .. import comm
-from ..api import get_tp_info
+from ..context import mode_arguments
+from ..info import get_tp_info
 from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
-from ..sharding import KeepsShardSpecs, ShardSpec, shard_spec_of
+from ..random import DEFAULT, TP
+from ..sharding import KeepsShardSpecs, ShardSpec, lora_factor_spec, shard_spec_of
 from .model import TPUsageError
 
 __all__ = ["LoraTPLinear", "get_peft_model", "save_adapter", "load_adapter_"]
@@ -86,10 +96,6 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if unsupported:
             raise ValueError(f"tpify LoRA on tensor-parallel layers does not support {unsupported}; use plain LoRA "
                              f"(init_lora_weights=True or 'gaussian')")
-        if getattr(base_layer, "sequence_parallel", None) is not None:
-            raise NotImplementedError("tpify LoRA on a model parallelized with sequence_parallel=True is not supported "
-                                      "yet (the adapter's input-gradient sum would be counted twice); parallelize "
-                                      "without sequence parallelism for LoRA")
         super().__init__()
         kwargs.pop("fan_in_fan_out", None)
         kwargs.pop("is_target_conv_1d_layer", None)
@@ -103,24 +109,26 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         # The dropout streams: as on the base layer, which this layer now stands for (tpify.random).
-        self._rng = getattr(base, "_tpify_rng", None)  # the model's tracker, set on its region layers
+        self._rng = base.ctx.rng  # the model's tracker (None for a layer built alone)
         if self._rng is not None and self.is_row:
             self.register_forward_pre_hook(self._rng.leave_region)
         elif self._rng is not None and not base.gather_output:
             self.register_forward_hook(self._rng.enter_region)
+        # The per-call modes the model's hooks pass the base layer (scatter_output under sequence
+        # parallelism, runtime_gather_output for the parallel loss): this layer is called instead.
+        for hook in mode_arguments(base):
+            self.register_forward_pre_hook(hook, with_kwargs=True)
 
     def _factor_spec(self) -> tuple[str, ShardSpec]:
-        """Which factor is sharded and how (dim 0 of B like the base's rows, or dim 1 of A)."""
+        """Which factor is sharded and how (:func:`tpify.sharding.lora_factor_spec`)."""
         base = self.get_base_layer()
-        if self.is_row:
-            return "lora_A", ShardSpec(1, (base.in_features,), base.tp_size)
         spec = shard_spec_of(base.weight)
-        if spec.replicated:
+        if not self.is_row and spec.replicated:
             raise NotImplementedError(
                 f"tpify LoRA: {type(base).__name__} keeps packed parts {list(spec.replicated)} whole on every rank "
                 f"(multi-query K/V); an adapter on it is not supported. Leave this module out of target_modules "
                 f"(adapt the other projections)")
-        return "lora_B", ShardSpec(0, spec.parts, spec.tp_size, spec.padded_size)
+        return lora_factor_spec(spec, self.is_row, base.in_features)
 
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
         """PEFT's dense adapter (same init as on the dense model), then this rank's slice of one factor."""
@@ -139,7 +147,11 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """Base output plus the active adapters' ``s B A x``, with the base layer's collectives only."""
+        """Base output plus the active adapters' ``s B A x``, with the base layer's collectives only.
+
+        ``runtime_gather_output`` / ``scatter_output``: the base layer's per-call modes (passed by
+        the model's hooks), honoured as the base layer honours them."""
+        modes = {k: kwargs.pop(k) for k in ("runtime_gather_output", "scatter_output") if k in kwargs}
         self._check_forward_args(x, *args, **kwargs)
         if kwargs.pop("adapter_names", None) is not None:
             raise ValueError("tpify LoraTPLinear does not support mixed-adapter batches (adapter_names=)")
@@ -147,17 +159,29 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
-            return base(x, *args, **kwargs)
+            return base(x, *args, **kwargs, **modes)
         adapters = [a for a in self.active_adapters if a in self.lora_A]
         if self.merged or not adapters:
-            return base(x, *args, **kwargs)
-        return self._row(base, x, adapters) if self.is_row else self._column(base, x, adapters)
+            return base(x, *args, **kwargs, **modes)
+        if self.is_row:
+            return self._row(base, x, adapters, modes.get("scatter_output", base.sequence_parallel))
+        return self._column(base, x, adapters, modes.get("runtime_gather_output", base.gather_output))
 
-    def _column(self, base: ColumnParallelLinear, x: torch.Tensor, adapters: list[str]) -> torch.Tensor:
+    def _adapter_inputs(self, x: torch.Tensor, adapters: list[str], stream: str) -> list[torch.Tensor]:
+        """``A_a dropout(x)`` per adapter ``(B, T, r)``, the dropout drawn from ``stream``."""
         hs = []
         for a in adapters:
             lora_a = self.lora_A[a]
-            hs.append(lora_a(self.lora_dropout[a](self._cast_input_dtype(x, lora_a.weight.dtype))))  # (B, T, r)
+            with self._rng.on(stream) if self._rng is not None else contextlib.nullcontext():
+                xd = self.lora_dropout[a](self._cast_input_dtype(x, lora_a.weight.dtype))
+            hs.append(lora_a(xd))
+        return hs
+
+    def _column(self, base: ColumnParallelLinear, x: torch.Tensor, adapters: list[str], gather: bool) -> torch.Tensor:
+        # x is replicated on every rank: the same dropout mask everywhere (the shared stream)
+        if base.sequence_parallel:
+            return self._column_sequence_parallel(base, x, adapters, gather)
+        hs = self._adapter_inputs(x, adapters, DEFAULT)  # (B, T, r) each
         # one all-reduce of dX and dh backward (the layer keeps its own, not the entry it would share
         # with the other layers reading x: dh needs an all-reduce anyway, and dX rides on it)
         x, *hs = comm.copy_many_to_tp_region([x, *hs], base.tp_group)
@@ -165,32 +189,45 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         dtype = y.dtype
         for a, h in zip(adapters, hs):
             y = y + self.lora_B[a](h).to(dtype) * self.scaling[a]
-        if base.gathers():
-            y = comm.gather_from_tp_region(y, base.tp_group)[..., : base.out_features]
-        return y
+        return base.gather(y) if gather else y
 
-    def _row(self, base: RowParallelLinear, x: torch.Tensor, adapters: list[str]) -> torch.Tensor:
-        if not base.input_is_parallel:
-            x = comm.scatter_to_tp_region(x, base.tp_group)
-        partial = _matmul(x, base.weight, None, base.weight_layout)  # (B, T, out), partial sum
+    def _column_sequence_parallel(self, base: ColumnParallelLinear, x: torch.Tensor, adapters: list[str],
+                                  gather: bool) -> torch.Tensor:
+        """Under sequence parallelism ``x`` is the all-gathered input ``(B, T, H)``, whose region entry
+        reduce-scatters the summed input gradient of every reader: the base layer shares it, and the
+        adapter's ``A^T dh`` reaches it through autograd (a partial sum per rank, summed there). ``dh``
+        itself is a partial sum (each rank's rows of ``B``), so ``A``'s gradient is summed over the
+        group (one all-reduce of ``r x H`` values in backward) instead of ``dh``."""
         hs = []
         for a in adapters:
             lora_a = self.lora_A[a]
-            with self._rng.tp_rng() if self._rng is not None else contextlib.nullcontext():  # sharded input: TP-distinct masks
+            with self._rng.on(DEFAULT) if self._rng is not None else contextlib.nullcontext():
                 xd = self.lora_dropout[a](self._cast_input_dtype(x, lora_a.weight.dtype))
-            hs.append(lora_a(xd))  # (B, T, r), partial sum
+            weight, = comm.sum_grad_ranges([lora_a.weight], [(0, [(0, lora_a.weight.shape[0])])], base.tp_group)
+            hs.append(F.linear(xd, weight))  # (B, T, r)
+        y = base(x, runtime_gather_output=False)  # (B, T, out/p)
+        dtype = y.dtype
+        for a, h in zip(adapters, hs):
+            y = y + self.lora_B[a](h).to(dtype) * self.scaling[a]
+        return base.gather(y) if gather else y
+
+    def _row(self, base: RowParallelLinear, x: torch.Tensor, adapters: list[str], scatter: bool) -> torch.Tensor:
+        if not base.input_is_parallel:
+            x = comm.scatter_to_tp_region(x, base.tp_group)
+        partial = _matmul(x, base.weight, None, base.weight_layout)  # (B, T, out), partial sum
+        hs = self._adapter_inputs(x, adapters, TP)  # sharded input: TP-distinct masks; (B, T, r) partial sums
         wide = partial.dtype
         for h in hs:
             wide = torch.promote_types(wide, h.dtype)
-        summed = comm.reduce_from_tp_region(torch.cat([partial.to(wide), *(h.to(wide) for h in hs)], dim=-1),
-                                            base.tp_group)  # the base layer's one all-reduce, r wider
+        # the base layer's one collective, r wider: all-reduce, or reduce-scatter along T (sequence parallelism)
+        summed = base.collect(torch.cat([partial.to(wide), *(h.to(wide) for h in hs)], dim=-1), scatter)
         y, *hs = summed.split([base.out_features] + [h.shape[-1] for h in hs], dim=-1)
-        y = y.to(partial.dtype)
-        if base.bias is not None:
-            y = y + base.bias.to(y.dtype)  # in the output's dtype, as F.linear (bfloat16 under autocast)
+        y = base.add_bias(y.to(partial.dtype), scatter)
         for a, h in zip(adapters, hs):
-            lora_b = self.lora_B[a]
-            y = y + lora_b(h.to(lora_b.weight.dtype)).to(y.dtype) * self.scaling[a]
+            weight = self.lora_B[a].weight
+            if scatter:  # B meets this rank's T/p tokens only: its gradient is a partial sum
+                weight, = comm.sum_grad_ranges([weight], [(0, [(0, weight.shape[0])])], base.tp_group)
+            y = y + F.linear(h.to(weight.dtype), weight).to(y.dtype) * self.scaling[a]
         return y
 
     # -- merging ----------------------------------------------------------------------------

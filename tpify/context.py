@@ -1,0 +1,115 @@
+"""The resolved context a parallelized model's layers and hooks share, and its per-call state.
+
+:class:`TPContext` is made once per model by :func:`tpify.parallelize` and passed down to every
+parallel layer and hook at construction: the TP group with its size and rank (resolved once, not
+asked for per layer), the model's one :class:`~tpify.layers.ColumnParallelInput` (layers reading
+one activation share its region entry), the dropout-stream tracker. :class:`CallState` is what
+one forward call decides and several hooks need: whether the tokens are split this call
+(sequence parallelism runs only when ``T`` divides), whether the LM head keeps its logits split
+over the vocabulary (the parallel loss). The hooks own it (``tpify.hooks``): they set it and
+pass it to the layers as forward arguments; the layers never read it. Activation
+recomputation (gradient checkpointing) restores it for the recomputed forward
+(:meth:`CallState.snapshot`).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from . import comm
+
+__all__ = ["CallState", "TPContext", "ModeArgument", "mode_arguments"]
+
+
+class CallState:
+    """What the current forward call of one model decided, shared by its hooks.
+
+    Attributes:
+        sequence_active: the tokens are split along ``T`` in this call (sequence parallelism:
+            ``T`` is a multiple of ``tp_size``); False outside a call and in calls that run
+            without it (``generate`` with other lengths, no gradients).
+        logits_sharded: the call computes the parallel LM loss: the LM head (and any copy of it)
+            keeps its output split over the vocabulary.
+
+    A copy of the model (``copy.deepcopy``, PEFT's copy of a module) shares it: calls run one at
+    a time, and every copy of a layer must follow the call that runs it.
+    """
+
+    __slots__ = ("sequence_active", "logits_sharded")
+
+    def __init__(self):
+        self.sequence_active = False
+        self.logits_sharded = False
+
+    def reset(self) -> None:
+        """Outside a call: nothing split, logits gathered."""
+        self.sequence_active = False
+        self.logits_sharded = False
+
+    def snapshot(self) -> tuple[bool, bool]:
+        """The state now (for activation recomputation to put back)."""
+        return self.sequence_active, self.logits_sharded
+
+    def restore(self, snapshot: tuple[bool, bool]) -> None:
+        """Go back to a :meth:`snapshot`."""
+        self.sequence_active, self.logits_sharded = snapshot
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class TPContext(comm.SharesProcessGroups):
+    """The facts every parallel layer and hook of one model shares, resolved once.
+
+    Attributes:
+        group: the TP process group (``None``: the default group, or no torch.distributed).
+        size, rank: its size and this process's rank in it.
+        region_input: the model's :class:`~tpify.layers.ColumnParallelInput` (or None: a layer
+            built alone gets its own).
+        rng: the model's :class:`~tpify.random.RNGStreamTracker` (or None: no dropout streams).
+        state: the model's :class:`CallState`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None):
+        self.group = group
+        self.size = comm.get_tp_size(group)
+        self.rank = comm.get_tp_rank(group)
+        self.region_input = region_input
+        self.rng = rng
+        self.state = state if state is not None else CallState()
+
+
+class ModeArgument:
+    """A forward pre-hook that passes one decision of the model's :class:`CallState` to a parallel
+    layer as a forward argument (``scatter_output``, ``runtime_gather_output``): the layer takes
+    its mode from its arguments and never reads the state.
+
+    Subclasses name the ``argument`` and say what it is from the state (:meth:`value`; None:
+    pass nothing, the layer's default). Shared by copies (``copy.deepcopy`` returns it: a copy of
+    the LM head made by PEFT's ``modules_to_save`` follows the model's call as the original
+    does); an adapter that wraps a layer takes its mode arguments over (tpify's LoRA layers).
+    """
+
+    argument = ""
+
+    def __init__(self, state: CallState):
+        self.state = state
+
+    def value(self):
+        """The argument's value for this call, or None for the layer's default."""
+        raise NotImplementedError
+
+    def __call__(self, module, args, kwargs):
+        value = self.value()
+        if value is None:
+            return None
+        kwargs[self.argument] = value
+        return args, kwargs
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def mode_arguments(module) -> list[ModeArgument]:
+    """The :class:`ModeArgument` hooks registered on ``module`` (for an adapter that wraps it)."""
+    return [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, ModeArgument)]

@@ -1,0 +1,43 @@
+"""The hooks a parallelized model needs, one module each, installed after surgery.
+
+HF ``forward`` methods are never replaced; what tensor parallelism adds around them is hooks,
+each owned by one module and testable on its own:
+
+* :mod:`~tpify.hooks.dropout`: the TP-distinct dropout stream inside sharded regions;
+* :mod:`~tpify.hooks.head_inputs`: each rank's heads of per-head inputs (ALiBi biases);
+* :mod:`~tpify.hooks.region_grads`: gradients of replicated parameters used inside a sharded
+  region or a sequence-parallel stretch, summed over the TP group;
+* :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
+* :mod:`~tpify.hooks.lm_loss`: the ``labels=`` loss from the vocabulary shards;
+* :mod:`~tpify.hooks.guards`: what the model refuses (inputs that differ between ranks, a
+  foreign DDP, TRL's fused LM head); kept by :func:`tpify.remove_hooks`.
+
+:func:`install` installs the behaviour hooks (the guards: :func:`tpify.hooks.guards.install`).
+The per-call decisions they share live in the model's :class:`~tpify.context.CallState`; the
+layers get them as forward arguments (:class:`~tpify.context.ModeArgument`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..context import TPContext
+from . import dropout, head_inputs, lm_loss, region_grads
+from .sequence_parallel import SequenceParallel
+
+__all__ = ["install"]
+
+
+def install(model: nn.Module, layout, ctx: TPContext) -> list:
+    """Install the hooks that make a freshly swapped model compute what the dense model does;
+    return their handles (:attr:`tpify.info.TPInfo.hooks`, which :func:`tpify.remove_hooks`
+    removes). Communication: none (the hooks communicate when the model runs)."""
+    handles = [model.register_forward_hook(ctx.region_input.clear)]  # the shared region entry, per call
+    handles += head_inputs.install(model, layout, ctx.group)
+    handles += dropout.install(model, layout, ctx.rng)
+    if layout.sequence_parallel is not None and layout.tp_size > 1:
+        handles += SequenceParallel(ctx, layout.sequence_parallel).install(model)
+    if layout.tp_size > 1:
+        region_grads.install(model, ctx.rng, ctx.group, ctx.state, handles)
+    handles += lm_loss.install(model, layout, ctx.state)
+    return handles

@@ -1,0 +1,69 @@
+"""Gradients of replicated parameters used where each rank sees only part of the activations.
+
+A replicated module that runs inside a sharded region (per-head norms between a column- and a
+row-parallel layer) or inside a sequence-parallel stretch (a LayerNorm over ``T/p`` tokens) gets a
+partial gradient on each rank; the true gradient is its sum over the TP group (Megatron-LM,
+arXiv:1909.08053 section 3; Korthikanti et al., arXiv:2205.05198 section 4.2.2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..context import CallState
+from ..layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = ["ReplicatedInRegion", "install"]
+
+
+class ReplicatedInRegion(comm.SharesProcessGroups):
+    """Gradient all-reduce for replicated parameters used inside a sharded region, found by construction.
+
+    Between a column-parallel layer's output and the next row-parallel layer's input each rank
+    holds only its heads (or its slice of the MLP). A replicated module that runs there (phi's
+    ``q_layernorm``/``k_layernorm`` with ``qk_layernorm=True``, normalising each head) sees only
+    the local heads, so each rank's gradient of its parameters is a partial sum; the true
+    gradient is their sum over the TP group (Megatron all-reduces such gradients, as it does the
+    LayerNorm weights of sequence parallelism). This forward pre-hook, on every module that holds
+    parameters and is not a parallel layer, asks the model's dropout-stream tracker whether the
+    call is inside a region (the region hooks keep ``tracker.in_region``, in train and eval
+    mode), or whether the tokens are split (sequence parallelism: a LayerNorm there sees ``T/p``
+    tokens, so its gradient is a partial sum as well); the first time it is, each of the
+    module's parameters gets a gradient hook that all-reduces (sums) its gradient over the TP
+    group. ``found`` lists those modules' FQNs.
+
+    Communication: backward, one all-reduce per such parameter (none for a model without them).
+    """
+
+    def __init__(self, tracker, tp_group, handles: list, state: CallState):
+        self.tracker, self.tp_group, self.handles, self.state = tracker, tp_group, handles, state
+        self.names: dict[int, str] = {}
+        self.found: list[str] = []
+        self._done: set[int] = set()
+
+    def _reduce(self, grad):
+        return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), self.tp_group)
+
+    def __call__(self, module, args):
+        if not (self.tracker.in_region or self.state.sequence_active) or id(module) in self._done:
+            return None
+        self._done.add(id(module))
+        self.found.append(self.names.get(id(module), type(module).__name__))
+        for param in module.parameters(recurse=False):
+            if param.requires_grad:
+                self.handles.append(param.register_hook(self._reduce))
+        return None
+
+
+def install(model: nn.Module, tracker, tp_group, state: CallState, handles: list) -> ReplicatedInRegion:
+    """A :class:`ReplicatedInRegion` pre-hook on every module that holds parameters and is not a
+    parallel layer; the gradient hooks it adds later go into ``handles`` too."""
+    watcher = ReplicatedInRegion(tracker, tp_group, handles, state)
+    parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
+    for fqn, module in model.named_modules():
+        if not isinstance(module, parallel) and any(True for _ in module.parameters(recurse=False)):
+            watcher.names[id(module)] = fqn
+            handles.append(module.register_forward_pre_hook(watcher))
+    return watcher

@@ -1,0 +1,332 @@
+"""The recipe styles, one object each: what a style accepts, how it splits, what it builds.
+
+A recipe names a style per module (``colwise``, ``rowwise``, ...; docs/recipes.md). Each
+:class:`Style` here does the three things a style means, so that nothing else interprets its
+name (as torch's ``ParallelStyle`` objects and torchtitan's ``colwise_config()`` do):
+
+* :meth:`Style.plan` checks a module against the style at a tp size (kind, divisibility,
+  packed parts, padding, a subclass's ``forward``) and fills its :class:`ModuleLayout`;
+* :meth:`Style.param_specs` gives each parameter's :class:`~tpify.sharding.ShardSpec` (the
+  layout stores them; the plan report, loading, saving and LoRA read them);
+* :meth:`Style.build` builds the parallel module from the dense one (surgery).
+
+Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3) is the method. ``STYLES`` maps each
+name to its object; adding a style is adding a class here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .context import TPContext
+from .hf_modules import SHARDABLE_TYPES, dense_dims, module_kind, overrides_forward, qualname
+from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .sharding import (ShardSpec, column_specs, embedding_columns_spec, pad_vocab_size, row_spec,
+                       vocab_rows_spec)
+
+__all__ = ["Style", "ModuleLayout", "PlanContext", "STYLES", "style_of"]
+
+
+@dataclass
+class ModuleLayout:
+    """What happens to one module: its FQN, the style, the rule that said so, per-style sizes.
+
+    Attributes:
+        partition_sizes: global widths of the packed parts (``packed_colwise``), each split alike.
+        padded_size: the vocabulary padded to a multiple of ``tp_size`` (vocab-row styles), or None.
+        replicated_parts: indices of packed parts kept whole on every rank (multi-query K/V).
+        output_scale: the constant a scaled-embedding subclass multiplies its output by (the
+            recipe's ``[subclasses]``), or None; ``scale_attr`` the module attribute holding it
+            (surgery hands the attribute itself, a number or the module's buffer, to the layer).
+        specs: each parameter's :class:`ShardSpec` (``None``: replicated), by parameter name
+            (``weight``, ``bias``), as :meth:`Style.param_specs` gives them.
+        sequence_parallel: the module lies in a sequence-parallel stretch (inside a module whose
+            input is gathered along ``T``): its layer is built with ``sequence_parallel=True``.
+    """
+
+    fqn: str
+    style: str
+    rule: int
+    partition_sizes: list[int] | None = None
+    padded_size: int | None = None
+    replicated_parts: tuple[int, ...] = ()
+    output_scale: float | None = None
+    scale_attr: str | None = None
+    specs: dict[str, ShardSpec | None] = field(default_factory=dict)
+    sequence_parallel: bool = False
+
+    @property
+    def styler(self) -> "Style":
+        """The :class:`Style` object of :attr:`style`."""
+        return STYLES[self.style]
+
+
+@dataclass
+class PlanContext:
+    """What a style's :meth:`Style.plan` checks a module against: the model, its config, the
+    recipe, the tp size and padding, and where problems go (``errors``; ``need_divisible(what,
+    value)`` records a count ``tp_size`` must divide)."""
+
+    model: nn.Module
+    config: object
+    recipe: object
+    tp_size: int
+    pad_vocab_multiple: int
+    errors: list[str]
+    need_divisible: Callable[[str, int], None]
+    packed_sizes: Callable = None  # (rule, out_features, owner, fqn) -> global part widths or None
+
+
+class Style:
+    """One recipe style. Subclasses set the class attributes and override what differs.
+
+    Attributes:
+        name: the recipe's name for it.
+        kind: the module kind it splits (``"linear"``: ``nn.Linear``/``Conv1D``; ``"embedding"``),
+            or None (``replicate``: any module).
+        region: ``"start"`` when the module's output stays sharded (a sharded region begins
+            after it: column styles), ``"end"`` when its input is sharded (a region ends before
+            it: ``rowwise``), else None. The dropout streams and the region-gradient hooks
+            follow the regions (tpify.hooks.dropout, tpify.hooks.region_grads).
+        lm_head: the vocabulary-parallel LM head (``colwise_rep``): the parallel LM loss reads its
+            shards.
+        vocab_rows: splits a vocabulary's rows (a tied embedding and LM head must both do so).
+        sequence_parallel: whether ``sequence_parallel=True`` supports the style.
+    """
+
+    name = ""
+    kind: str | None = None
+    region: str | None = None
+    lm_head = False
+    vocab_rows = False
+    sequence_parallel = True  # may lie in a sequence-parallel stretch (its maths does not depend on T)
+
+    @property
+    def shards(self) -> bool:
+        """Whether the style splits the module at all (every style but ``replicate``)."""
+        return self.kind is not None
+
+    def plan(self, ctx: PlanContext, fqn: str, module: nn.Module, rule) -> ModuleLayout | None:
+        """Check ``module`` for this style and return its :class:`ModuleLayout` (specs included),
+        or None after appending to ``ctx.errors``. Pure; no communication."""
+        entry = ModuleLayout(fqn, self.name, rule.index)
+        before = len(ctx.errors)
+        if not self._check_module(ctx, fqn, module, rule, entry) or not self._sizes(ctx, fqn, module, rule, entry):
+            return None
+        try:
+            entry.specs = self.param_specs(module, entry, ctx.tp_size)
+        except ValueError as e:  # sizes tp_size does not divide: reported by need_divisible, unless something else
+            if len(ctx.errors) == before:
+                ctx.errors.append(f"{fqn} ({type(module).__name__}, {self.name}): {e}")
+        return entry
+
+    def _check_module(self, ctx: PlanContext, fqn: str, module: nn.Module, rule, entry: ModuleLayout) -> bool:
+        """The module is of this style's kind and computes what the plain layer computes (or the
+        recipe's ``[subclasses]`` says what its ``forward`` adds)."""
+        kind = module_kind(module)
+        if kind != self.kind:
+            ctx.errors.append(f"{fqn} is a {type(module).__name__}; style {self.name!r} ({rule.describe()}) does not "
+                              f"apply to it" if kind is not None else
+                              f"{fqn} is a {qualname(module)}, not one of {SHARDABLE_TYPES}; {rule.describe()} gives "
+                              f"it style {self.name!r} (only 'replicate' applies to a container module)")
+            return False
+        overridden = overrides_forward(module)
+        if not overridden:
+            return True
+        declared = ctx.recipe.subclasses.get(type(module).__name__)
+        if declared is None:
+            ctx.errors.append(f"{fqn} is a {qualname(module)}, a subclass of {overridden} that overrides forward; "
+                              f"tpify swaps only what it understands (its parallel version would drop what that "
+                              f"forward adds). Give it style 'replicate', or declare in the recipe's [subclasses] "
+                              f"what its forward computes (forward = 'plain' or 'scaled', docs/recipes.md)")
+            return False
+        forward, scale_attr = declared
+        if forward != "scaled":
+            return True
+        scale = getattr(module, scale_attr, None)
+        number = (isinstance(scale, (int, float)) and not isinstance(scale, bool)) or (
+            isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.is_meta and scale.is_floating_point())
+        if self.name != "embedding_rowwise" or not number:
+            ctx.errors.append(f"{fqn} ({type(module).__name__}): [subclasses] forward = 'scaled' applies to an "
+                              f"nn.Embedding with style 'embedding_rowwise' whose attribute {scale_attr!r} is a number "
+                              f"or a one-element float tensor holding a value; here the style is {self.name!r} and "
+                              f"{scale_attr} = {scale!r}")
+            return False
+        entry.output_scale, entry.scale_attr = float(scale), scale_attr
+        return True
+
+    def _sizes(self, ctx: PlanContext, fqn: str, module: nn.Module, rule, entry: ModuleLayout) -> bool:
+        """Check and record the style's sizes (divisibility, padding, parts); False on an error."""
+        return True
+
+    def param_specs(self, module: nn.Module, entry: ModuleLayout, tp_size: int) -> dict[str, ShardSpec | None]:
+        """Each parameter's spec, by name (``None``: replicated)."""
+        return {}
+
+    def build(self, module: nn.Module, entry: ModuleLayout, ctx: TPContext) -> nn.Module:
+        """The parallel module holding this rank's shard of ``module`` (surgery), built in the
+        model's context ``ctx`` (:class:`~tpify.context.TPContext`: group, size, rank, the shared
+        region entry); ``module`` itself when the style does not split. Works on the meta device."""
+        return module
+
+
+class _Replicate(Style):
+    """``replicate``: a full copy on every rank (any module; a container's whole contents)."""
+
+    name = "replicate"
+
+    def plan(self, ctx, fqn, module, rule):
+        return ModuleLayout(fqn, self.name, rule.index)
+
+
+class _Embedding(Style):
+    kind = "embedding"
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            ctx.errors.append(f"{fqn}: {self.name} cannot shard an nn.Embedding with max_norm, scale_grad_by_freq or "
+                              f"sparse (they need the whole table); use 'replicate'")
+            return False
+        return self._table_sizes(ctx, fqn, module, entry)
+
+    def _table_sizes(self, ctx, fqn, module, entry) -> bool:
+        return True
+
+
+class _EmbeddingRowwise(_Embedding):
+    """``embedding_rowwise``: :class:`VocabParallelEmbedding`, the vocabulary rows split and padded
+    to a multiple of ``pad_vocab_multiple * tp_size``; one all-reduce forward."""
+
+    name = "embedding_rowwise"
+    vocab_rows = True
+
+    def _table_sizes(self, ctx, fqn, module, entry):
+        entry.padded_size = pad_vocab_size(module.num_embeddings, ctx.tp_size, ctx.pad_vocab_multiple)
+        return True
+
+    def param_specs(self, module, entry, tp_size):
+        return {"weight": vocab_rows_spec(module.num_embeddings, tp_size, entry.padded_size)}
+
+    def build(self, module, entry, ctx):
+        scale = getattr(module, entry.scale_attr) if entry.scale_attr else None
+        return VocabParallelEmbedding.from_dense(module, ctx.group, padded_num_embeddings=entry.padded_size,
+                                                 output_scale=scale, context=ctx)
+
+
+class _EmbeddingColwise(_Embedding):
+    """``embedding_colwise``: :class:`ColumnParallelEmbedding`, a table whose columns are heads (T5's
+    relative attention bias) split by columns; no communication."""
+
+    name = "embedding_colwise"
+    region = "start"
+    sequence_parallel = False  # relative attention biases are built for all (T, T) positions
+
+    def _table_sizes(self, ctx, fqn, module, entry):
+        ctx.need_divisible(f"{fqn}.embedding_dim ({type(module).__name__}, embedding_colwise)", module.embedding_dim)
+        return True
+
+    def param_specs(self, module, entry, tp_size):
+        return {"weight": embedding_columns_spec(module.embedding_dim, tp_size)}
+
+    def build(self, module, entry, ctx):
+        return ColumnParallelEmbedding.from_dense(module, ctx.group, context=ctx)
+
+
+class _Colwise(Style):
+    """``colwise``: :class:`ColumnParallelLinear`, the output features split, output left sharded."""
+
+    name = "colwise"
+    kind = "linear"
+    region = "start"
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        _, out_f, _ = dense_dims(module)
+        ctx.need_divisible(f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f)
+        return True
+
+    def param_specs(self, module, entry, tp_size):
+        _, out_f, layout = dense_dims(module)
+        weight, bias = column_specs(out_f, tp_size, layout, entry.partition_sizes, entry.padded_size,
+                                    entry.replicated_parts)
+        return {"weight": weight, "bias": bias if module.bias is not None else None}
+
+    def build(self, module, entry, ctx):
+        return ColumnParallelLinear.from_dense(
+            module, ctx.group, gather_output=self.lm_head, partition_sizes=entry.partition_sizes,
+            padded_out_features=entry.padded_size, replicated_parts=entry.replicated_parts,
+            sequence_parallel=entry.sequence_parallel, context=ctx)
+
+
+class _PackedColwise(_Colwise):
+    """``packed_colwise``: column-parallel, each packed part (GPT-2's ``[Q | K | V]``, grouped-query
+    parts of unequal widths) split separately; ``replicated_parts`` kept whole (multi-query K/V)."""
+
+    name = "packed_colwise"
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        _, out_f, _ = dense_dims(module)
+        owner = ctx.model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else None
+        sizes = ctx.packed_sizes(rule, out_f, owner, fqn)
+        if sizes is None:
+            return False
+        entry.partition_sizes = sizes
+        entry.replicated_parts = rule.replicated_parts
+        for i, size in enumerate(sizes):
+            if i not in rule.replicated_parts:
+                ctx.need_divisible(f"{fqn} packed part {i} of out_features", size)
+        return True
+
+
+class _ColwiseRep(_Colwise):
+    """``colwise_rep``: the LM head, column-parallel over the vocabulary, padded when ``p`` does not
+    divide it, the logits gathered (padding stripped), or kept sharded for the parallel loss."""
+
+    name = "colwise_rep"
+    region = None
+    lm_head = True
+    vocab_rows = True
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        _, out_f, _ = dense_dims(module)
+        if out_f % (ctx.pad_vocab_multiple * ctx.tp_size):
+            entry.padded_size = pad_vocab_size(out_f, ctx.tp_size, ctx.pad_vocab_multiple)
+        return True
+
+
+class _Rowwise(Style):
+    """``rowwise``: :class:`RowParallelLinear`, the input features split (the input already sharded),
+    the bias replicated and added once after the all-reduce."""
+
+    name = "rowwise"
+    kind = "linear"
+    region = "end"
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        in_f, _, _ = dense_dims(module)
+        ctx.need_divisible(f"{fqn}.in_features ({type(module).__name__}, rowwise)", in_f)
+        return True
+
+    def param_specs(self, module, entry, tp_size):
+        in_f, _, layout = dense_dims(module)
+        return {"weight": row_spec(in_f, tp_size, layout), "bias": None}
+
+    def build(self, module, entry, ctx):
+        return RowParallelLinear.from_dense(module, ctx.group, input_is_parallel=True,
+                                            sequence_parallel=entry.sequence_parallel, context=ctx)
+
+
+STYLES: dict[str, Style] = {s.name: s for s in (_Colwise(), _PackedColwise(), _ColwiseRep(), _Rowwise(),
+                                                _EmbeddingRowwise(), _EmbeddingColwise(), _Replicate())}
+
+
+def style_of(name: str) -> Style:
+    """The :class:`Style` named ``name``.
+
+    Raises:
+        KeyError: no such style (recipes are validated against ``STYLES`` when read).
+    """
+    return STYLES[name]
