@@ -381,6 +381,18 @@ def _require_matplotlib() -> None:
         raise ImportError(_NO_MATPLOTLIB, name="matplotlib")
 
 
+def _require_peft() -> None:
+    """Raise, before any training, when LoRA is asked for and peft is missing (no import).
+
+    Raises:
+        ImportError: peft is not installed; the message names ``pip install "tpify[peft]"`` and
+            ``--lora-r 0``.
+    """
+    if importlib.util.find_spec("peft") is None:
+        raise ImportError('LoRA (tpify finetune --lora-r, 8 by default) needs peft, which is not installed; '
+                          'pip install "tpify[peft]", or pass --lora-r 0 to fine-tune every parameter', name="peft")
+
+
 def _plot(losses: list[float], path: Path) -> None:
     """Save the loss curve to ``path``; matplotlib (the ``cli`` extra) is imported only here."""
     try:
@@ -415,7 +427,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     final dense adapter (plain peft loads it) and ``out_dir/final`` the merged model.
 
     Raises:
-        ImportError: matplotlib (the ``cli`` extra) is not installed; raised before training.
+        ImportError: matplotlib (the ``cli`` extra) is not installed, or peft (the ``peft``
+            extra) with ``lora_r > 0``; raised before training.
         ValueError: an option outside its limits (:meth:`FinetuneConfig.check`, again here: the
             config may have changed since it was made), ``tp * dp`` differs from the world
             size, ``out_dir`` cannot be a directory (a file, or under one:
@@ -445,6 +458,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         if problem:
             raise ValueError(problem)
         _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
+        if cfg.lora_r:
+            _require_peft()
         if cfg.resume:
             ckpt, state = resume_point(cfg)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
