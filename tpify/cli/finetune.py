@@ -420,8 +420,9 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     ``world = cfg.tp * cfg.dp``. Returns the loss of every step (mean over DP) on every rank.
     Rank 0 prints (``cfg.progress``) the memory of each rank against the dense model
     (:func:`memory_report`), the greedy continuation of ``cfg.prompt`` before training and from
-    the final model (``cfg.sample_tokens`` tokens; 0: none), and a line per step. Writes ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF
-    directory with the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``. With
+    the final model (``cfg.sample_tokens`` tokens; 0: none), and a line per step. Writes
+    ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF directory with
+    the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``. With
     ``lora_r > 0`` only LoRA adapters on the parallel linear layers train
     (:mod:`tpify.integrations.peft`); checkpoints hold the adapter, ``out_dir/adapter`` is the
     final dense adapter (plain peft loads it) and ``out_dir/final`` the merged model.
