@@ -54,6 +54,8 @@ def test_finetune_checks_for_matplotlib_before_training(monkeypatch):
     monkeypatch.setattr(ft.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ImportError, match=r'pip install "tpify\[cli\]"'):
         ft._require_matplotlib()
+    with pytest.raises(ImportError, match=r'needs peft.*pip install "tpify\[peft\]", or pass --lora-r 0'):
+        ft._require_peft()  # LoRA is tpify finetune's default
 
 
 def test_wheel_ships_the_cli_package_and_its_text(tmp_path):

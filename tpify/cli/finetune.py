@@ -9,6 +9,11 @@ rank + the layout manifest, :mod:`tpify.integrations.resume`) are written atomic
 ``save_every`` steps, and ``resume`` continues exactly: data order and learning rate depend
 only on the step number; a checkpoint written at another layout is refused on every rank. The
 loss curve (``loss.png``) needs matplotlib, the ``cli`` extra (``pip install "tpify[cli]"``).
+
+What rank 0 prints: the parameter memory of each rank against the dense model (and the
+gradients and AdamW state of the trainable parameters), a greedy continuation of a fixed prompt
+before training, one line per step (loss, gradient norm, learning rate, time), and the same
+continuation from the final model (with LoRA: the merged model, which ``out_dir/final`` holds).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,8 +35,12 @@ from ..random import get_rng_tracker
 from .launch import world_mismatch
 from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check, output_problem
 
-__all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "pack_texts", "batch_indices", "finetune", "default_text_files",
-           "add_lora", "lora_targets", "resume_point"]
+__all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices", "finetune",
+           "default_text_files", "add_lora", "lora_targets", "resume_point", "greedy_continuation", "memory_report"]
+
+# The prompt whose greedy continuation is shown before and after training: the default text is
+# the GNU GPL, so what the model learnt shows in the continuation.
+DEFAULT_PROMPT = "The GNU General Public License is"
 
 
 def default_text_files() -> list[Path]:
@@ -56,6 +66,7 @@ LIMITS = {
     "seed": Limit(low=0, high=2**63),
     "lora_r": Limit(low=0, note="0 fine-tunes every parameter"),
     "lora_alpha": Limit(low=1, none=True, note="unset: twice the LoRA rank"),
+    "sample_tokens": Limit(low=0, note="0 shows no continuation"),
 }
 DTYPES = ("float32", "bfloat16")
 
@@ -88,7 +99,9 @@ class FinetuneConfig:
     lora_r: int = 0              # > 0: train LoRA adapters of this rank on every parallel linear layer
     lora_alpha: int | None = None  # default 2 * lora_r
     allow_changes: bool = False  # resume even if the run's arguments differ from the checkpoint's
-    progress: bool = True
+    progress: bool = True        # rank 0 prints the memory report and one line per step
+    prompt: str = DEFAULT_PROMPT  # continued greedily before and after training
+    sample_tokens: int = 20      # tokens of that continuation; 0: none
 
     def __post_init__(self):
         self.check()
@@ -257,25 +270,73 @@ def lora_targets(model) -> list[str]:
     return sorted(names)
 
 
+def _dense_numel(p: torch.Tensor) -> int:
+    """Elements of ``p`` in the dense model: a sharded parameter counted whole (unpadded), a
+    replicated one as it is."""
+    from ..sharding import shard_spec_of
+
+    spec = shard_spec_of(p)
+    return p.numel() // p.shape[spec.dim] * spec.global_size if spec is not None else p.numel()
+
+
 def add_lora(model, cfg: FinetuneConfig):
     """``model`` with LoRA adapters (rank ``cfg.lora_r``) on its parallel linear layers; returns
     ``(peft_model, trainable, total)``: dense-equivalent parameter counts (sharded ones counted whole)."""
     import peft
 
     from ..integrations.peft import get_peft_model
-    from ..sharding import shard_spec_of
 
     config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=0.0,
                              target_modules=lora_targets(model), init_lora_weights=True)
-    model = get_peft_model(model, config)
-
-    def dense_numel(p):
-        spec = shard_spec_of(p)
-        return p.numel() // p.shape[spec.dim] * spec.global_size if spec is not None else p.numel()
-
-    trainable = sum(dense_numel(p) for p in model.parameters() if p.requires_grad)
-    total = sum(dense_numel(p) for p in model.parameters())
+    with warnings.catch_warnings():  # peft 0.21 reads a property transformers 5 deprecates: not ours to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(model, config)
+    trainable = sum(_dense_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(_dense_numel(p) for p in model.parameters())
     return model, trainable, total
+
+
+def memory_report(model) -> list[str]:
+    """Lines comparing each rank's parameter memory with the dense model's (a collective).
+
+    Parameters are counted once (tied ones once), in bytes of their dtype; the dense figure counts
+    each sharded parameter whole, unpadded. The trainable parameters' gradients take their bytes
+    again and AdamW's state (``exp_avg``, ``exp_avg_sq``, in the parameter dtype) twice.
+    """
+    params = list(model.parameters())
+    local = sum(p.numel() * p.element_size() for p in params)
+    dense = sum(_dense_numel(p) * p.element_size() for p in params)
+    train = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    dense_train = sum(_dense_numel(p) * p.element_size() for p in params if p.requires_grad)
+    per_rank = comm.all_gather_objects((dist.get_rank(), local, train))
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB"
+
+    lines = [f"memory: dense model: parameters {mib(dense)}; trainable {mib(dense_train)} "
+             f"(gradients {mib(dense_train)}, AdamW state {mib(2 * dense_train)})"]
+    for r, nbytes, tbytes in per_rank:
+        lines.append(f"  rank {r}: parameters {mib(nbytes)} = {nbytes / dense:.3f} x dense; trainable {mib(tbytes)} "
+                     f"= {tbytes / max(dense_train, 1):.3f} x dense (gradients {mib(tbytes)}, AdamW state "
+                     f"{mib(2 * tbytes)})")
+    return lines
+
+
+def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int, device: torch.device) -> str:
+    """The text ``model`` appends to ``prompt`` in ``max_new_tokens`` greedy steps (every rank
+    calls it: ``generate`` on a tensor-parallel model is a collective; the same text on every rank).
+
+    Greedy decoding with the KV cache, as ``transformers`` generates on the dense model with
+    ``do_sample=False``; eval mode for the call (dropout off), the previous mode restored.
+    """
+    was_training = model.training
+    model.eval()
+    batch = tokenizer(prompt, return_tensors="pt").to(device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    model.train(was_training)
+    return tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
@@ -320,6 +381,18 @@ def _require_matplotlib() -> None:
         raise ImportError(_NO_MATPLOTLIB, name="matplotlib")
 
 
+def _require_peft() -> None:
+    """Raise, before any training, when LoRA is asked for and peft is missing (no import).
+
+    Raises:
+        ImportError: peft is not installed; the message names ``pip install "tpify[peft]"`` and
+            ``--lora-r 0``.
+    """
+    if importlib.util.find_spec("peft") is None:
+        raise ImportError('LoRA (tpify finetune --lora-r, 8 by default) needs peft, which is not installed; '
+                          'pip install "tpify[peft]", or pass --lora-r 0 to fine-tune every parameter', name="peft")
+
+
 def _plot(losses: list[float], path: Path) -> None:
     """Save the loss curve to ``path``; matplotlib (the ``cli`` extra) is imported only here."""
     try:
@@ -345,14 +418,18 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     """Run the fine-tune described by ``cfg`` on the already initialised process group.
 
     ``world = cfg.tp * cfg.dp``. Returns the loss of every step (mean over DP) on every rank.
-    Writes ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF
-    directory with the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``. With
+    Rank 0 prints (``cfg.progress``) the memory of each rank against the dense model
+    (:func:`memory_report`), the greedy continuation of ``cfg.prompt`` before training and from
+    the final model (``cfg.sample_tokens`` tokens; 0: none), and a line per step. Writes
+    ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF directory with
+    the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``. With
     ``lora_r > 0`` only LoRA adapters on the parallel linear layers train
     (:mod:`tpify.integrations.peft`); checkpoints hold the adapter, ``out_dir/adapter`` is the
     final dense adapter (plain peft loads it) and ``out_dir/final`` the merged model.
 
     Raises:
-        ImportError: matplotlib (the ``cli`` extra) is not installed; raised before training.
+        ImportError: matplotlib (the ``cli`` extra) is not installed, or peft (the ``peft``
+            extra) with ``lora_r > 0``; raised before training.
         ValueError: an option outside its limits (:meth:`FinetuneConfig.check`, again here: the
             config may have changed since it was made), ``tp * dp`` differs from the world
             size, ``out_dir`` cannot be a directory (a file, or under one:
@@ -382,6 +459,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         if problem:
             raise ValueError(problem)
         _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
+        if cfg.lora_r:
+            _require_peft()
         if cfg.resume:
             ckpt, state = resume_point(cfg)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
@@ -410,15 +489,20 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     if trainer_dir is not None:
         _restore(trainer_dir, model, optimizer, scheduler, cfg.lora_r > 0)
     check_replicas(model)  # every copy of every parameter bitwise equal before training
+    report = cfg.progress and rank == 0
+    for line in memory_report(model):
+        if report:
+            print(line, flush=True)
+    if cfg.sample_tokens:
+        text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
+        if report:
+            print(f"before (step {start_step}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
     model.train()
-    bar = None
-    if rank == 0 and cfg.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"finetune tp={cfg.tp} dp={cfg.dp}", unit="step")
     tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len
+    width = len(str(cfg.steps))
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
         rows = batch_indices(step, data.shape[0], cfg.batch_size * cfg.dp, cfg.seed)
         ids = data[rows[dp_rank * cfg.batch_size: (dp_rank + 1) * cfg.batch_size]].to(device)  # (B, T)
         loss = model(input_ids=ids, labels=ids).loss
@@ -430,25 +514,28 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         mean_loss = comm.all_reduce(loss.detach().float().clone(), info.dp_group) / cfg.dp
         losses.append(mean_loss.item())
-        if bar is not None:
-            rate = tokens_per_step / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:.0f}",
-                            grad_norm=f"{float(norm):.2f}" if norm is not None else "-")
-            bar.update(1)
+        if report:
+            seconds = time.perf_counter() - t0
+            norm_text = f"{float(norm):.3f}" if norm is not None else "-"
+            print(f"step {step + 1:>{width}}/{cfg.steps}: loss {losses[-1]:.4f}  grad norm {norm_text}  "
+                  f"lr {lr:.2e}  {seconds:.2f} s  {tokens_per_step / seconds:.0f} tokens/s", flush=True)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             check_replicas(model)  # never checkpoint replicas that drifted apart
             _save_checkpoint(model, optimizer, scheduler, step + 1, losses, cfg, out_dir)
-    if bar is not None:
-        bar.close()
     check_replicas(model)
     if cfg.lora_r:
         model.save_pretrained(out_dir / "adapter")  # the dense adapter (plain peft loads it); collective
-        model = model.merge_and_unload()
+        model = model.merge_and_unload()  # each rank merges its slice of B A into its shard of W
     tpify.save_pretrained(model, out_dir / "final")
     if rank == 0:
         tokenizer.save_pretrained(out_dir / "final")
         (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg),
                                                          "trainable_parameters": trainable}, indent=1))
         _plot(losses, out_dir / "loss.png")
+    if cfg.sample_tokens:
+        text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
+        if report:
+            merged = ", LoRA merged" if cfg.lora_r else ""
+            print(f"after (step {cfg.steps}{merged}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
     comm.barrier()
     return losses
