@@ -15,7 +15,7 @@
     ``torch.cuda.max_memory_allocated`` on a CPU-only machine. Weights and ``X`` exist before the
     block and are not counted; the weight gradient is.
 (b) The collectives one training step (forward with ``labels=``, backward) of a small GPT-2
-    issues at tp=2 (``tpify.count_collectives``), against the analytic minimum of
+    issues at tp=2 (``tpify.comm.count_collectives``), against the analytic minimum of
     docs/mechanics.md, "Communication budget": per layer 4 all-reduces of ``B*T*H``; per step the
     embedding's and the tied head's all-reduce (``B*T*H`` each) and the loss's 2 (``B*T`` and
     ``2*B*T`` values).
@@ -104,10 +104,10 @@ def _comm_body(rank, world):
     model = tpify.parallelize(GPT2LMHeadModel(cfg), tp_size=world)
     B, T = 4, 32
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    with tpify.count_collectives() as ours:
+    with tpify.comm.count_collectives() as ours:
         model(ids, labels=ids).loss.backward()
     model.zero_grad()
-    with tpify.count_collectives() as before:  # logits gathered, then HF's causal loss
+    with tpify.comm.count_collectives() as before:  # logits gathered, then HF's causal loss
         logits = model(ids).logits
         F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size).float(), ids[:, 1:].reshape(-1)).backward()
     L, H = cfg.n_layer, cfg.n_embd

@@ -5,12 +5,19 @@ row- and vocab-parallel equivalents following a per-architecture recipe (``recip
 pretrained model runs across ranks without rewriting it (Shoeybi et al., arXiv:1909.08053).
 ``tpify.from_pretrained(path)`` loads a local safetensors checkpoint with each rank reading only
 its slices; ``tpify.save_pretrained(model, path)`` writes it back in the Hugging Face layout.
+
+What a user calls is here: the verbs, the errors, and (imported on first use, so that
+``import tpify`` imports neither transformers' Trainer nor accelerate nor peft) the
+integrations' entry points ``TPTrainer``, ``TPAccelerator`` and ``get_peft_model``. The layers are
+:mod:`tpify.layers`, the collectives and their counter :mod:`tpify.comm`, the training utilities
+(global-norm clipping, replica checks) :mod:`tpify.training`; the map of the package is
+docs/architecture.md.
 """
 
-from .api import TPInfo, get_tp_info, parallelize, remove_hooks
-from .comm import AgreementError, count_collectives
+from .api import parallelize, remove_hooks
+from .comm import AgreementError
+from .info import TPInfo, TPUsageError, get_tp_info
 from .layout import PlanError
-from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loading import CheckpointError, from_pretrained, save_pretrained
 from .loss import vocab_parallel_cross_entropy
 from .random import manual_seed
@@ -18,22 +25,31 @@ from .recipe import RecipeError, load_recipe
 
 __all__ = [
     "parallelize",
-    "remove_hooks",
     "from_pretrained",
     "save_pretrained",
-    "CheckpointError",
+    "remove_hooks",
     "get_tp_info",
     "TPInfo",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "ColumnParallelEmbedding",
-    "count_collectives",
     "vocab_parallel_cross_entropy",
+    "manual_seed",
     "load_recipe",
     "PlanError",
     "RecipeError",
+    "CheckpointError",
     "AgreementError",
-    "manual_seed",
+    "TPUsageError",
+    "TPTrainer",
+    "TPAccelerator",
+    "get_peft_model",
 ]
 __version__ = "0.1.0"
+
+_INTEGRATIONS = {"TPTrainer": "trainer", "TPAccelerator": "accelerate", "get_peft_model": "peft"}
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATIONS:
+        import importlib
+
+        return getattr(importlib.import_module(f".integrations.{_INTEGRATIONS[name]}", __name__), name)
+    raise AttributeError(f"module 'tpify' has no attribute {name!r}")

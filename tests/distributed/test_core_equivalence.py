@@ -103,7 +103,7 @@ def _body(rank, world):
     assert preds.decoder.weight is par.bert.embeddings.word_embeddings.weight
     assert preds.decoder.bias is preds.bias
     _check_heads([BertModel, BertForSequenceClassification], bert_config(), world)
-    assert isinstance(par.bert.encoder.layer[0].attention.self.query, tpify.ColumnParallelLinear)
+    assert isinstance(par.bert.encoder.layer[0].attention.self.query, tpify.layers.ColumnParallelLinear)
     return "ok"
 
 

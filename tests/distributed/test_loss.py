@@ -71,7 +71,8 @@ def _shard(full, rank, world):
 
 
 def _check_function(rank, world, dtype):
-    from tpify import count_collectives, vocab_parallel_cross_entropy
+    from tpify import vocab_parallel_cross_entropy
+    from tpify.comm import count_collectives
 
     g = torch.Generator().manual_seed(0)
     for V in (37, 40):  # uneven (padded) and even vocabularies
@@ -129,7 +130,7 @@ def _check_model(cls, config, world, causal, recipe=None, n_layers=2):
     hf = ref(ids, labels=labels, **kw).loss  # HF's own (float32 for causal LMs) dense loss
     ref_out = ref(ids)
     loss_ref = tputil.ref_lm_loss(ref_out.logits, labels, causal, num_items)
-    with tpify.count_collectives() as counts:
+    with tpify.comm.count_collectives() as counts:
         out = par(ids, labels=labels, **kw)
         out.loss.backward()
     assert counts["all_gather"] == 0, f"{cls.__name__}: logits were gathered: {counts}"

@@ -76,7 +76,7 @@ def _check_family(family, rank, tmp):
 
     # Collectives of one plain tensor-parallel step, for comparison.
     ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(1))
-    with tpify.count_collectives() as plain:
+    with tpify.comm.count_collectives() as plain:
         par(ids, labels=ids).loss.backward()
     par.zero_grad()
 
@@ -92,7 +92,7 @@ def _check_family(family, rank, tmp):
         ids = torch.randint(0, vocab, (2, 8), generator=g)
         loss_d = tputil.ref_lm_loss(dense(ids).logits, ids, causal=causal)
         loss_d.backward()
-        with tpify.count_collectives() as counted:
+        with tpify.comm.count_collectives() as counted:
             loss_p = lora(ids, labels=ids).loss
             loss_p.backward()
         torch.testing.assert_close(loss_p, loss_d, **EXACT, msg=f"{family} loss, step {step}")
