@@ -8,7 +8,8 @@ its slices; ``tpify.save_pretrained(model, path)`` writes it back in the Hugging
 """
 
 from .api import TPInfo, get_tp_info, parallelize, remove_hooks
-from .comm import AgreementError, count_collectives
+from .agree import AgreementError
+from .comm import count_collectives
 from .engine import PlanError
 from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loading import CheckpointError, from_pretrained, save_pretrained

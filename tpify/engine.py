@@ -57,7 +57,7 @@ def apply_layout(model: nn.Module, layout: Layout,
         PlanError: ``tp_group``'s size differs from the layout's ``tp_size``, or two tied
             parameters were given styles that shard them differently.
     """
-    group_size = comm.get_tp_size(tp_group)
+    group_size = comm.group_size(tp_group)
     if group_size != layout.tp_size:
         raise PlanError(f"the layout is for tp_size = {layout.tp_size} but tp_group has {group_size} ranks")
     for rule in layout.unmatched_rules:
@@ -104,7 +104,7 @@ def apply_layout(model: nn.Module, layout: Layout,
         hook = HeadInputs(fqn, module, inputs, tp_group)
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     # Dropout: TP-distinct random stream between column- and row-parallel layers (tpify.random).
-    tracker, rng_handles = install_rng_hooks(model, layout, comm.get_tp_rank(tp_group))
+    tracker, rng_handles = install_rng_hooks(model, layout, comm.group_rank(tp_group))
     handles += rng_handles
     sequence = None
     if layout.sequence_parallel is not None and layout.tp_size > 1:

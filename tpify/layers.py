@@ -334,8 +334,8 @@ class _ParallelLinear(KeepsShardSpecs, nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.tp_size = comm.group_size(tp_group)
+        self.tp_rank = comm.group_rank(tp_group)
         self.weight_layout = weight_layout
 
     @classmethod
@@ -598,8 +598,8 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         else:
             self.output_scale = output_scale
         self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.tp_size = comm.group_size(tp_group)
+        self.tp_rank = comm.group_rank(tp_group)
         self.padded_num_embeddings = padded_num_embeddings or num_embeddings
         spec = ShardSpec(0, (num_embeddings,), self.tp_size, self.padded_num_embeddings)
         self.num_embeddings_per_partition = spec.local_size
@@ -692,8 +692,8 @@ class ColumnParallelEmbedding(KeepsShardSpecs, nn.Module):
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
         self.tp_group = tp_group
-        self.tp_size = comm.get_tp_size(tp_group)
-        self.tp_rank = comm.get_tp_rank(tp_group)
+        self.tp_size = comm.group_size(tp_group)
+        self.tp_rank = comm.group_rank(tp_group)
         self.embedding_dim_per_partition = divide(embedding_dim, self.tp_size, "embedding_dim")
         spec = ShardSpec(1, (embedding_dim,), self.tp_size)
         self.weight = _new_param((num_embeddings, self.embedding_dim_per_partition), spec, device, dtype)

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import comm
+from .agree import agree, digest
 from .sharding import ShardSpec, is_dtensor, shard_spec_of
 
 __all__ = ["from_pretrained", "save_pretrained", "load_weights_", "CheckpointError"]
@@ -526,7 +527,7 @@ def from_pretrained(
                                  (pad_vocab_multiple, sequence_parallel, dp_group), group)
     except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
         error = e
-    tp_groups = comm.agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=group, share=share)
+    tp_groups = agree("tpify.from_pretrained", found.get("fingerprint", {}), error, group=group, share=share)
     model, source, headers, dtype, to_init, snap = (found[k] for k in ("model", "source", "headers", "dtype",
                                                                          "to_init", "snap"))
     try:
@@ -538,7 +539,7 @@ def from_pretrained(
             read = _replicated_fingerprint(model)
         except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
             error = e
-        comm.agree("reading the checkpoint in tpify.from_pretrained", read, error, group=tp_group)
+        agree("reading the checkpoint in tpify.from_pretrained", read, error, group=tp_group)
     finally:
         snap.close()  # the files stay open from the headers to the last slice: one save, never a mix
     return model
@@ -606,7 +607,7 @@ def _meta_model(path, snap, config, cls, weight_map, headers, torch_dtype, recip
                                         may_init=lambda fqns: _replicated_head(model, fqns, layout))
 
     shared = {**fingerprint(model, layout, size, agree_group), "dtype": str(dtype),
-              "checkpoint tensors": comm.digest(sorted((k, list(v[0])) for k, v in headers.items()))}
+              "checkpoint tensors": digest(sorted((k, list(v[0])) for k, v in headers.items()))}
     return {"model": model, "tp_size": size, "layout": layout, "source": source, "headers": headers, "dtype": dtype,
             "to_init": to_init, "fingerprint": shared, "snap": snap}
 
@@ -727,15 +728,15 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
         if snap is not None:
             snap.close()
     fingerprint = {} if error is not None else {
-        "checkpoint tensors": comm.digest(sorted((k, list(v[0])) for k, v in headers.items()))}
-    comm.agree("tpify.load_weights_", fingerprint, error, group=tp_group)
+        "checkpoint tensors": digest(sorted((k, list(v[0])) for k, v in headers.items()))}
+    agree("tpify.load_weights_", fingerprint, error, group=tp_group)
     try:
         error = None
         try:
             _materialize(model, snap, source, headers, None, [], in_place=True)
         except Exception as e:  # noqa: BLE001 - a file that fails while reading on one rank stops every rank
             error = e
-        comm.agree("reading the checkpoint in tpify.load_weights_", {}, error, group=tp_group)
+        agree("reading the checkpoint in tpify.load_weights_", {}, error, group=tp_group)
     finally:
         snap.close()
 
@@ -1116,8 +1117,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         specs = param_specs(model)
     except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement below
         error = error or e
-    shapes = comm.digest([(k, list(t.shape), str(t.dtype)) for k, t in entries])
-    comm.agree("tpify.save_pretrained", {"saved tensors": shapes, "max_shard_size": str(max_shard_size)}, error)
+    shapes = digest([(k, list(t.shape), str(t.dtype)) for k, t in entries])
+    agree("tpify.save_pretrained", {"saved tensors": shapes, "max_shard_size": str(max_shard_size)}, error)
     info = getattr(model, "tp_info", None)
     group = info.tp_group if info is not None else None
     writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
