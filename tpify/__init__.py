@@ -12,7 +12,8 @@ from .agree import AgreementError
 from .comm import count_collectives
 from .engine import PlanError
 from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .loading import CheckpointError, from_pretrained, save_pretrained
+from .io import CheckpointError
+from .loading import from_pretrained, save_pretrained
 from .loss import vocab_parallel_cross_entropy
 from .random import manual_seed
 from .recipe import RecipeError, load_recipe

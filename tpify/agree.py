@@ -5,16 +5,17 @@ recipe, a different tp size) must not leave the others waiting in a collective t
 comes, so each entry point first makes every rank learn every rank's outcome. Three protocols,
 one per kind of step:
 
-| protocol             | used by                                       | communication                          |
-| -------------------- | --------------------------------------------- | -------------------------------------- |
-| :func:`agree`        | the first step of every entry point           | the rendezvous store (no collective)   |
-| :func:`on_writing_rank` | each write of a save (rank 0 writes)       | one all-reduce of one int (world)      |
-| :func:`step_outcome` | each step of ``tpify verify``'s cases          | one all-gather of a small object       |
+| protocol                | used by                                     | communication                        |
+| ----------------------- | ------------------------------------------- | ------------------------------------ |
+| :func:`agree`           | the first step of every entry point         | the rendezvous store (no collective) |
+| :func:`on_writing_rank` | each write of a save (global rank 0 writes) | one all-reduce of one int (world)    |
+| :func:`step_outcome`    | each step of ``tpify verify``'s cases       | one all-gather of a small object     |
 
 :func:`agree` compares fingerprints too (the ranks must bring the same model, checkpoint,
 recipe and arguments) and fails fast, with a message that names the cause, when a rank never
 comes (it exited, or is in another tpify call). The other two only report success or failure:
-their ranks already agreed. The collectives are issued through :mod:`tpify.comm`.
+their ranks already agreed. :func:`agreement` wraps a block of local checks in :func:`agree`.
+The collectives are issued through :mod:`tpify.comm`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from .comm import all_gather_objects, all_reduce, group_size
 __all__ = [
     "AgreementError",
     "agree",
+    "agreement",
+    "Agreement",
     "digest",
     "agreement_timeout",
     "agreement_notice",
@@ -260,6 +263,35 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     return None if share is None else shared
 
 
+
+
+class Agreement:
+    """The block of :func:`agreement` sets ``fingerprint``; after the block, ``shared`` holds every
+    rank's ``share`` in the group's rank order (``None`` when no ``share`` was given)."""
+
+    def __init__(self) -> None:
+        self.fingerprint: dict = {}
+        self.shared: list | None = None
+
+
+@contextlib.contextmanager
+def agreement(what: str, group: dist.ProcessGroup | None = None, share=None) -> Iterator[Agreement]:
+    """Run this rank's local checks in the block, then :func:`agree` on their outcome.
+
+    The block sets ``fingerprint`` on the :class:`Agreement` it is given; an ``Exception`` it
+    raises is this rank's error, re-raised here after the agreement (an :class:`AgreementError`
+    on the other ranks). A ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``)
+    propagates at once, without an agreement. Every rank of ``group`` must enter the block.
+
+    Communication and Raises: as :func:`agree`.
+    """
+    outcome = Agreement()
+    try:
+        yield outcome
+    except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
+        agree(what, {}, e, group, share)
+        raise  # not reached: agree re-raised e
+    outcome.shared = agree(what, outcome.fingerprint, None, group, share)
 
 
 def _distributed() -> bool:
