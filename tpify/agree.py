@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_objects, all_reduce, group_size
+from .comm import all_gather_objects, all_reduce, group_rank, group_size
 
 __all__ = [
     "AgreementError",
@@ -232,7 +232,7 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     Warns:
         RuntimeWarning: once, after ``$TPIFY_AGREEMENT_NOTICE`` seconds of waiting for other ranks.
     """
-    if not (dist.is_available() and dist.is_initialized()) or group_size(group) == 1:
+    if group_size(group) == 1:  # one rank, or no torch.distributed
         if error is not None:
             raise error
         return None if share is None else [share]
@@ -261,8 +261,6 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
         raise AgreementError(f"the ranks disagree on {what}: " + "; ".join(parts) + ". Launch every rank with the "
                              "same model, checkpoint, recipe, tp_size, dtype and arguments.")
     return None if share is None else shared
-
-
 
 
 class Agreement:
@@ -294,13 +292,9 @@ def agreement(what: str, group: dist.ProcessGroup | None = None, share=None) -> 
     outcome.shared = agree(what, outcome.fingerprint, None, group, share)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 @contextlib.contextmanager
 def on_writing_rank(where: str, device: torch.device | str | None = None) -> Iterator[bool]:
-    """Run a block that writes on the writing rank (global rank 0), and tell every rank whether it succeeded.
+    """A block that writes, run on the writing rank (global rank 0); every rank learns whether it succeeded.
 
     Yields whether this process is the writing rank (always true without torch.distributed); the
     block writes under ``if writing:`` and issues no collective itself. On exit, every rank takes
@@ -316,15 +310,14 @@ def on_writing_rank(where: str, device: torch.device | str | None = None) -> Ite
         The block's own exception, on the rank that raised it (after the all-reduce).
         RuntimeError: on every other rank when the block raised somewhere, naming ``where``.
     """
-    writing = not _distributed() or dist.get_rank() == 0
+    writing = group_rank(None) == 0  # global rank 0; 0 without torch.distributed
     error = None
     try:
         yield writing
     except BaseException as e:  # noqa: BLE001 - reported to every rank below
         error = e
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    if _distributed():
-        all_reduce(flag, None, op="max")
+    all_reduce(flag, None, op="max")  # a no-op without torch.distributed
     if error is not None:
         raise error
     if flag.item():

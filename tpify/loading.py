@@ -29,6 +29,7 @@ from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtyp
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
 from .io.save import gather_dense, plan_shards, staged
+from .layout import Layout
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .sharding import is_dtensor, shard_spec_of
 
@@ -138,7 +139,7 @@ class _Load:
 
     model: nn.Module
     tp_size: int
-    layout: object
+    layout: Layout
     snap: Snapshot
     headers: dict[str, TensorHeader]
     source: dict[str, str]  # model fqn -> checkpoint key
@@ -205,9 +206,9 @@ def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     holders keep pointing at the same tensors (used to resume a Trainer run). Every tensor the
     model needs must be in the checkpoint with its dense shape.
 
-    Communication: as :func:`from_pretrained`, one agreement (:func:`tpify.agree.agree`, over the model's
-    TP group) after the local checks, so a rank whose copy is missing, truncated or different
-    stops every rank, and one after reading. Call it on every rank of the TP group.
+    Communication: as :func:`from_pretrained`, one agreement (:func:`tpify.agree.agree`, over
+    the model's TP group) after the local checks, so a rank whose copy is missing, truncated or
+    different stops every rank, and one after reading. Call it on every rank of the TP group.
 
     Raises:
         FileNotFoundError, CheckpointError: as :func:`from_pretrained`.

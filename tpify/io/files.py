@@ -215,8 +215,9 @@ def _open(file: Path, where: str | None = None):
     try:
         return safe_open(where or str(file), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises SafetensorError (not exported) or OSError
-        raise CheckpointError(f"cannot read safetensors file {file} ({file.stat().st_size if file.exists() else 'missing'}"
-                              f" bytes): {e}. The file is truncated or corrupt; re-download or re-save it.") from e
+        size = file.stat().st_size if file.exists() else "missing"
+        raise CheckpointError(f"cannot read safetensors file {file} ({size} bytes): {e}. The file is truncated or "
+                              f"corrupt; re-download or re-save it.") from e
 
 
 def _headers(snap: Snapshot, weight_map: dict[str, str],

@@ -55,7 +55,8 @@ class ShardPlan:
         if len(self.files) == 1:
             return None
         weight_map = {key: name for name, entries in self.files for key, _ in entries}
-        return {"metadata": {"total_size": self.total, SAVE_ID: save_id}, "weight_map": dict(sorted(weight_map.items()))}
+        return {"metadata": {"total_size": self.total, SAVE_ID: save_id},
+                "weight_map": dict(sorted(weight_map.items()))}
 
 
 def plan_shards(entries: list[tuple[str, torch.Tensor]], specs: dict, max_shard_size: int | str) -> ShardPlan:
@@ -73,7 +74,8 @@ def plan_shards(entries: list[tuple[str, torch.Tensor]], specs: dict, max_shard_
     size = total = 0
     for key, t in entries:
         spec = _spec(specs, t)
-        nbytes = (t.numel() // t.shape[spec.dim] * spec.global_size if spec is not None else t.numel()) * t.element_size()
+        numel = t.numel() // t.shape[spec.dim] * spec.global_size if spec is not None else t.numel()
+        nbytes = numel * t.element_size()
         total += nbytes
         if groups[-1] and size + nbytes > limit:
             groups.append([])
@@ -156,7 +158,7 @@ def staged(path: Path, device: torch.device) -> Iterator[_Stage]:
             stage.target.parent.mkdir(parents=True, exist_ok=True)
             _remove_dead_saves(stage.target)
             stage.tmp.mkdir()
-            stage.held = _lock(stage.tmp, wait=True)  # until this save ends: a later save's _remove_dead_saves leaves it
+            stage.held = _lock(stage.tmp, wait=True)  # until the save ends: later saves' _remove_dead_saves leave it
     try:
         yield stage
     finally:
