@@ -238,8 +238,8 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     tp_group, dp_group, dp_source = resolve_groups(size, tp_group, dp_group, tp_groups)
     if dp_source == "argument":  # the DP peers must hold the same shard of the same model
         agree("tpify.parallelize (the DP group passed as dp_group)",
-                   {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
-                    "model class": type(model).__name__}, group=dp_group)
+              {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
+               "model class": type(model).__name__}, group=dp_group)
     tracker, hooks = apply_layout(model, layout, tp_group)
     specs = {name: shard_spec_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
     model.tp_info = TPInfo(size, comm.group_rank(tp_group), tp_group, dp_group, layout, tracker, hooks,
@@ -400,8 +400,8 @@ def parallelize(
     ``DistributedDataParallel`` over other ranks than its DP group raises
     (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards.
 
-    Communication: first one agreement (:func:`tpify.agree.agree`, one all-gather of a small object over the
-    world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
+    Communication: first one agreement (:func:`tpify.agree.agree`: the rendezvous store, or one
+    all-gather of a small object over the world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
     one rank, or ranks launched with different models, configs, recipes, tp sizes or dtypes,
     raise on every rank (:class:`~tpify.agree.AgreementError` on the others) instead of hanging;
     then creating the TP/DP groups (collective over the world).
