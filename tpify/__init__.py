@@ -14,11 +14,12 @@ integrations' entry points ``TPTrainer``, ``TPAccelerator`` and ``get_peft_model
 docs/architecture.md.
 """
 
+from .agree import AgreementError
 from .api import parallelize, remove_hooks
-from .comm import AgreementError
 from .info import TPInfo, TPUsageError, get_tp_info
+from .io import CheckpointError
 from .layout import PlanError
-from .loading import CheckpointError, from_pretrained, save_pretrained
+from .loading import from_pretrained, save_pretrained
 from .loss import vocab_parallel_cross_entropy
 from .random import manual_seed
 from .recipe import RecipeError, load_recipe

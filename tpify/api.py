@@ -4,7 +4,7 @@ One pipeline, in two halves with the agreement between them:
 
 1. :func:`prepare` (local, no collective): refuse what cannot be parallelized, resolve the tp
    size, load the recipe, build the :class:`~tpify.layout.Layout`;
-2. ``comm.agree`` (every rank learns every rank's outcome and fingerprint);
+2. :func:`tpify.agree.agree` (every rank learns every rank's outcome and fingerprint);
 3. :func:`finish` (collective: groups): surgery by the layout, ``model.tp_info``, the parallel LM
    loss, the HF methods.
 
@@ -23,6 +23,7 @@ from torch import nn
 
 from . import comm
 from . import hf_methods, hooks
+from .agree import agree, digest
 from .context import CallState, TPContext
 from .hooks import guards
 from .layout import Layout, build_layout
@@ -96,7 +97,7 @@ def weights_digest(tensors) -> str | None:
 
 
 def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp_group=None) -> dict:
-    """What every rank must share to parallelize ``model`` together (compared by ``comm.agree``).
+    """What every rank must share to parallelize ``model`` together (compared by :func:`~tpify.agree.agree`).
 
     The tp size, the model class, a digest of its config (without paths), of the recipe and of
     the layout, the parameters' dtypes and device types, a sample of the weights
@@ -107,13 +108,13 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config)) if config is not None else {}
     config_dict = {k: v for k, v in raw.items() if k != "_name_or_path"}
     params = list(model.parameters())
-    out = {"tp_size": tp_size, "model class": type(model).__name__, "config": comm.digest(config_dict),
+    out = {"tp_size": tp_size, "model class": type(model).__name__, "config": digest(config_dict),
            "dtypes": sorted({str(p.dtype) for p in params}), "device types": sorted({p.device.type for p in params})}
     weights = weights_digest([*model.parameters(), *model.buffers()])
     if weights is not None:
         out["weights (a sample of every tensor; seed from_config alike on every rank)"] = weights
     if layout is not None:
-        out["recipe"] = comm.digest(layout.recipe.digest_data())
+        out["recipe"] = digest(layout.recipe.digest_data())
         out["layout"] = layout.digest()
     if tp_group is not None:
         out["tp_group ranks"] = sorted(dist.get_process_group_ranks(tp_group))
@@ -148,9 +149,9 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     (:func:`agreement_scope`), when the DP group must be inferred."""
     tp_group, dp_group, dp_source = resolve_groups(size, tp_group, dp_group, tp_groups)
     if dp_source == "argument":  # the DP peers must hold the same shard of the same model
-        comm.agree("tpify.parallelize (the DP group passed as dp_group)",
-                   {"tp_size": size, "tp rank": comm.get_tp_rank(tp_group), "layout": layout.digest(),
-                    "model class": type(model).__name__}, group=dp_group)
+        agree("tpify.parallelize (the DP group passed as dp_group)",
+              {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
+               "model class": type(model).__name__}, group=dp_group)
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState())
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
@@ -312,10 +313,10 @@ def parallelize(
     ``DistributedDataParallel`` over other ranks than its DP group raises
     (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards.
 
-    Communication: first one agreement (``comm.agree``, one all-gather of a small object over the
-    world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
+    Communication: first one agreement (:func:`tpify.agree.agree`: the rendezvous store, or one
+    all-gather of a small object over the world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
     one rank, or ranks launched with different models, configs, recipes, tp sizes or dtypes,
-    raise on every rank (:class:`~tpify.comm.AgreementError` on the others) instead of hanging;
+    raise on every rank (:class:`~tpify.agree.AgreementError` on the others) instead of hanging;
     then creating the TP/DP groups (collective over the world).
 
     Raises:
@@ -338,7 +339,7 @@ def parallelize(
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group)
         shared = fingerprint(model, layout, size, group)
-    except Exception as e:  # noqa: BLE001 - re-raised by comm.agree on this rank, reported on the others
+    except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
-    tp_groups = comm.agree("tpify.parallelize", shared, error, group=group, share=share)
+    tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
     return finish(model, size, layout, tp_group, dp_group, tp_groups)

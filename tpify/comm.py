@@ -2,8 +2,10 @@
 
 This is the only module of tpify that calls ``torch.distributed`` collectives. It holds the
 four region operators of Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3, figure 3),
-each an autograd function over an explicit process group, and the few plain collectives the
-vocab-parallel loss needs.
+each an autograd function over an explicit process group, the plain collectives the
+vocab-parallel loss, loading and saving need, and the check that the ranks of a TP group were
+given the same inputs (:func:`check_same_inputs`). The protocols that make every rank learn
+whether every rank succeeded are in :mod:`tpify.agree`, over these collectives.
 
 | operator                 | forward                          | backward                          |
 | ------------------------ | -------------------------------- | --------------------------------- |
@@ -30,15 +32,7 @@ benchmarks use to compare what a step really issues with the analytic minimum.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import hashlib
-import json
-import os
-import pickle
-import threading
-import time
-import warnings
 import weakref
 from collections import Counter
 from typing import Iterator
@@ -47,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "get_tp_size",
-    "get_tp_rank",
+    "group_size",
+    "group_rank",
     "copy_to_tp_region",
     "copy_many_to_tp_region",
     "reduce_from_tp_region",
@@ -66,9 +60,6 @@ __all__ = [
     "barrier",
     "all_gather_objects",
     "count_collectives",
-    "agree",
-    "digest",
-    "AgreementError",
     "SharesProcessGroups",
     "checksum",
     "check_same_inputs",
@@ -102,15 +93,17 @@ def count_collectives() -> Iterator[Counter]:
         _counters.remove(counter)
 
 
-def get_tp_size(group: dist.ProcessGroup | None) -> int:
-    """Number of ranks in ``group``; 1 when torch.distributed is not initialised."""
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (a TP or a DP group; ``None``: the world); 1 when
+    torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def get_tp_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank inside ``group``; 0 when torch.distributed is not initialised."""
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group`` (a TP or a DP group; ``None``: the world); 0 when
+    torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
@@ -126,7 +119,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = 
     """
     if op not in ("sum", "max"):
         raise ValueError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return tensor
     _record("all_reduce", tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
@@ -141,7 +134,7 @@ def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None):
     weight-gradient matmul (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``).
     Counted by :func:`count_collectives` as an ``all_reduce``.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return None
     _record("all_reduce", tensor)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -166,7 +159,7 @@ def all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | No
     non-trivial dimension, e.g. ``T`` of ``(B, T, H)`` with ``B > 1``; none otherwise), so its
     consumers need not copy it again.
     """
-    world = get_tp_size(group)
+    world = group_size(group)
     if world == 1:
         return tensor
     dim = dim % tensor.dim()
@@ -195,7 +188,7 @@ def reduce_scatter_dim_async(tensor: torch.Tensor, dim: int, group: dist.Process
     Raises:
         ValueError: ``n`` is not divisible by the group size.
     """
-    world = get_tp_size(group)
+    world = group_size(group)
     if world == 1:
         return tensor, None
     dim = dim % tensor.dim()
@@ -220,13 +213,13 @@ def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup
 
 def _split_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's chunk of ``dim`` (a new contiguous tensor); no communication."""
-    world = get_tp_size(group)
+    world = group_size(group)
     if world == 1:
         return tensor
     if tensor.shape[dim] % world:
         which = "a last dimension" if dim % tensor.dim() == tensor.dim() - 1 else f"dimension {dim}"
         raise ValueError(f"cannot split {which} of {tensor.shape[dim]} over {world} ranks: it is not divisible")
-    return tensor.chunk(world, dim=dim)[get_tp_rank(group)].contiguous()
+    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -269,216 +262,6 @@ class SharesProcessGroups:
         for key, value in self.__dict__.items():
             new.__dict__[key] = copy.deepcopy(value, memo)
         return new
-
-
-class AgreementError(RuntimeError):
-    """Ranks that must agree do not: different arguments, models, recipes or tp sizes, or another
-    rank failed before the first collective. Raised on every rank at the same point."""
-
-
-def digest(value) -> str:
-    """A short digest of a JSON-able value, for the fingerprints :func:`agree` compares."""
-    return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-#: Seconds a rank waits in :func:`agree` for the other ranks (environment variable).
-AGREEMENT_TIMEOUT_ENV = "TPIFY_AGREEMENT_TIMEOUT"
-_DEFAULT_AGREEMENT_TIMEOUT_S = 300.0
-#: Seconds of waiting in :func:`agree` after which a rank says once what it waits for (environment variable).
-AGREEMENT_NOTICE_ENV = "TPIFY_AGREEMENT_NOTICE"
-# 30 s: ranks routinely reach a call seconds apart (one rank reads a checkpoint or converts a
-# model first), rarely half a minute, so a notice after 30 s is seldom noise; and a user looking
-# at a silent terminal learns the likely cause in half a minute, not after the 5-minute timeout.
-_DEFAULT_AGREEMENT_NOTICE_S = 30.0
-_sequence: dict[str, int] = {}  # ranks of a group -> agreements this process has entered on it
-_exit_marker: list = []  # (store, rank) once the marker is registered
-
-
-def _seconds_from_env(name: str, default: float) -> float:
-    """``$name`` as a positive number of seconds (``inf``: never), or ``default`` when unset or empty.
-
-    Raises:
-        ValueError: ``$name`` is not a number, or not a positive one (NaN included).
-    """
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
-    return value
-
-
-def agreement_timeout() -> float:
-    """Seconds :func:`agree` waits for the other ranks: ``$TPIFY_AGREEMENT_TIMEOUT``, default 300."""
-    return _seconds_from_env(AGREEMENT_TIMEOUT_ENV, _DEFAULT_AGREEMENT_TIMEOUT_S)
-
-
-def agreement_notice() -> float:
-    """Seconds of waiting in :func:`agree` before the waiting rank warns, once, which ranks it waits
-    for and why they may never come: ``$TPIFY_AGREEMENT_NOTICE``, default 30 (none when it is not
-    shorter than :func:`agreement_timeout`: the error comes first)."""
-    return _seconds_from_env(AGREEMENT_NOTICE_ENV, _DEFAULT_AGREEMENT_NOTICE_S)
-
-
-def _waiting_notice(what: str, me: int, missing: list[int], waited: float, timeout: float) -> str:
-    then = (f"This rank raises an AgreementError after {timeout:g} s of waiting; if those ranks are only slower, "
-            f"set ${AGREEMENT_TIMEOUT_ENV} to wait longer" if timeout < float("inf") else
-            f"This rank waits for them without limit (${AGREEMENT_TIMEOUT_ENV}=inf)")
-    return (f"tpify: rank {me} has waited {waited:.0f} s in {what} for rank(s) {missing}, which have not called it. "
-            f"The usual cause is a tpify entry point called on some ranks only (e.g. under `if rank == 0:`) "
-            f"while the others wait elsewhere (a barrier, another collective): tpify's entry points are "
-            f"collective, call {what} on every rank. {then} (${AGREEMENT_NOTICE_ENV} sets when this notice comes)")
-
-
-def _agreement_store():
-    """The default group's key-value store (the rendezvous store), or ``None`` if there is none."""
-    try:
-        # One namespace per torchrun restart, so that markers of a previous attempt never count.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return dist.PrefixStore(f"tpify/{restart}/", dist.distributed_c10d._get_default_store())
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-
-
-def _mark_exited() -> None:
-    """At interpreter exit: tell ranks waiting in :func:`agree` that this rank will never come."""
-    store, rank = _exit_marker[0]
-    writer = threading.Thread(target=lambda: store.set(f"exited/{rank}", "1"), daemon=True)
-    writer.start()
-    writer.join(2.0)  # a store whose host is gone must not delay this process's exit
-
-
-def _exchange(what: str, mine, ranks: list[int]) -> list | None:
-    """Every rank's ``(what, mine)`` through the rendezvous store, waiting at most
-    :func:`agreement_timeout` seconds and failing at once when a missing rank has exited.
-    After :func:`agreement_notice` seconds of waiting it warns once (``RuntimeWarning``) which
-    ranks it waits for, the likely cause and when it will raise.
-
-    Keys are ``agree/<ranks of the group>/<n>/<rank>``: the n-th agreement this process enters on
-    that group, so a rank that skipped a call meets the others' next one with another ``what``.
-    ``None`` when there is no store (then the caller all-gathers).
-    """
-    store = _agreement_store()
-    if store is None:
-        return None
-    me = dist.get_rank()
-    if not _exit_marker:
-        _exit_marker.append((store, me))
-        atexit.register(_mark_exited)
-    name = "-".join(map(str, ranks))
-    _sequence[name] = n = _sequence.get(name, 0) + 1
-    base = f"agree/{name}/{n}/"
-    store.set(base + str(me), pickle.dumps((what, mine)))
-    timeout, notice = agreement_timeout(), agreement_notice()
-    start = time.monotonic()
-    deadline, delay = start + timeout, 0.001
-    noticed = notice >= timeout  # the error would come first
-    missing = [r for r in ranks if r != me]
-    while True:
-        missing = [r for r in missing if not store.check([base + str(r)])]
-        if not missing:
-            break
-        if not noticed and time.monotonic() - start > notice:
-            noticed = True
-            warnings.warn(_waiting_notice(what, me, missing, time.monotonic() - start, timeout), RuntimeWarning,
-                          stacklevel=3)  # the line of the entry point that called agree
-        exited = [r for r in missing if store.check([f"exited/{r}"])]
-        if exited:
-            raise AgreementError(f"{what}: rank(s) {exited} exited without calling it. Call {what} on every rank "
-                                 f"(a call under `if rank == 0:` is the usual cause: tpify's entry points are "
-                                 f"collective)")
-        if time.monotonic() > deadline:
-            raise AgreementError(f"{what}: rank(s) {missing} did not call it within {timeout:g} s. Call {what} on "
-                                 f"every rank (a call under `if rank == 0:` is the usual cause: tpify's entry points "
-                                 f"are collective); if those ranks are only slower, raise ${AGREEMENT_TIMEOUT_ENV}")
-        time.sleep(delay)
-        # At most 5 ms late after the last rank arrives (a load makes several agreements): a few
-        # hundred store lookups a second while a slow rank is awaited, which the store serves easily.
-        delay = min(2 * delay, 0.005)
-    everyone = [pickle.loads(store.get(base + str(r))) for r in ranks]
-    if store.add(base + "read", 1) == len(ranks):  # the last reader removes the round's keys
-        for key in [base + str(r) for r in ranks] + [base + "read"]:
-            with contextlib.suppress(RuntimeError, NotImplementedError):
-                store.delete_key(key)
-    elsewhere = [(r, w) for r, (w, _) in zip(ranks, everyone) if w != what]
-    if elsewhere:
-        raise AgreementError(f"the ranks are in different tpify calls: this rank (rank {me}) in {what}, "
-                             + ", ".join(f"rank {r} in {w}" for r, w in elsewhere)
-                             + ". A call made on some ranks only (e.g. under `if rank == 0:`) puts the ranks out "
-                               "of step; tpify's entry points are collective: call them on every rank")
-    return [value for _, value in everyone]
-
-
-def agree(what: str, fingerprint: dict, error: BaseException | None = None,
-          group: dist.ProcessGroup | None = None, share=None) -> list | None:
-    """The first communication of a tpify entry point: every rank learns every rank's outcome.
-
-    Each rank brings what it checked locally: a ``fingerprint`` (small, picklable values that must
-    be equal on every rank: the tp size, a digest of the config, the recipe and the plan, the
-    dtype, a path) and the ``error`` its own checks raised, if any. Every rank posts these to the
-    rendezvous store and reads the others', then every rank decides alike: a rank that failed
-    raises its own error, the others raise an :class:`AgreementError` naming that rank and its
-    error; if the fingerprints differ, every rank raises an :class:`AgreementError` listing each
-    differing value per rank. So bad input on one rank, or ranks launched with different
-    arguments, stop every rank with an error instead of a hang or a collective mismatch.
-
-    A call made on some ranks only (``if rank == 0: tpify.save_pretrained(...)``) does not hang
-    either: the waiting rank raises as soon as a missing rank has exited (a marker it writes at
-    interpreter exit), or when that rank enters another tpify entry point (each rank numbers its
-    agreements per group), or after ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (default 300). A rank
-    still waiting after ``$TPIFY_AGREEMENT_NOTICE`` seconds (default 30) warns once, on that
-    rank (``RuntimeWarning``): which ranks it waits for in which call, the likely cause (a call
-    under ``if rank == 0:``), and when it will raise.
-
-    ``share``: a small picklable value of this rank's that is not compared (each rank's own
-    process-group ranks, say); once the agreement holds, every rank receives every rank's, in
-    the group's rank order, as the return value (``None`` when ``share`` is None).
-
-    Without torch.distributed (or a one-rank group) it only re-raises ``error`` (and returns
-    ``[share]``).
-
-    Communication: none through the process group (so no collective can be mismatched): a
-    few small keys in the default group's store (``tpify/agree/...``), removed by the last
-    reader; an ``all_gather_object`` over ``group`` where the default group has no store.
-
-    Raises:
-        AgreementError: another rank failed, the ranks disagree, are in different tpify calls,
-            or a rank exited or did not come within the timeout.
-        ValueError: ``$TPIFY_AGREEMENT_TIMEOUT`` or ``$TPIFY_AGREEMENT_NOTICE`` is not a positive number.
-    Warns:
-        RuntimeWarning: once, after ``$TPIFY_AGREEMENT_NOTICE`` seconds of waiting for other ranks.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or get_tp_size(group) == 1:
-        if error is not None:
-            raise error
-        return None if share is None else [share]
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    if dist.get_rank() not in ranks:  # a group of other ranks: nothing to agree with them
-        raise error if error is not None else ValueError(f"{what}: the group {ranks} does not contain this "
-                                                         f"process (rank {dist.get_rank()})")
-    mine = (None, f"{type(error).__name__}: {error}", None) if error is not None else (fingerprint, None, share)
-    everyone = _exchange(what, mine, ranks)
-    if everyone is None:
-        everyone = all_gather_objects(mine, group)
-    if error is not None:
-        raise error
-    shared = [value for _, _, value in everyone]
-    everyone = [(fp, message) for fp, message, _ in everyone]
-    failed = [(ranks[i], message) for i, (_, message) in enumerate(everyone) if message is not None]
-    if failed:
-        rank, message = failed[0]
-        raise AgreementError(f"{what} failed on rank(s) {[r for r, _ in failed]} (rank {rank}: {message.strip()}); "
-                             f"this rank stops here too instead of waiting for it")
-    keys = sorted({k for fp, _ in everyone for k in fp})
-    differing = [k for k in keys if len({repr(fp.get(k)) for fp, _ in everyone}) > 1]
-    if differing:
-        parts = [f"{k}: " + ", ".join(f"rank {ranks[i]} {fp.get(k)!r}" for i, (fp, _) in enumerate(everyone))
-                 for k in differing]
-        raise AgreementError(f"the ranks disagree on {what}: " + "; ".join(parts) + ". Launch every rank with the "
-                             "same model, checkpoint, recipe, tp_size, dtype and arguments.")
-    return None if share is None else shared
 
 
 def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=None) -> None:
@@ -575,7 +358,7 @@ def check_same_inputs(named: list[tuple[str, torch.Tensor]], group: dist.Process
             every rank raises (under ``torch.compile``: ``RuntimeError``, from
             ``torch._assert_async``).
     """
-    if get_tp_size(group) == 1 or not named:
+    if group_size(group) == 1 or not named:
         return flag
     device = named[0][1].device
     layout = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named)
@@ -702,7 +485,7 @@ def sum_grad_ranges(xs: list[torch.Tensor], where: list[tuple[int, list[tuple[in
     Communication: backward, one all-reduce (sum) of all the named slices of all the tensors
     together; forward none.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return tuple(xs)
     return _SumGradRanges.apply(group, tuple(where), *xs)
 
@@ -751,7 +534,7 @@ def scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None)
     Raises:
         ValueError: ``T`` is not divisible by the group size.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ScatterToSequenceRegion.apply(x, group)
 
@@ -766,7 +549,7 @@ def gather_from_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None
     all-reduce; without (the gathered output feeds replicated computation) a split, no
     communication.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _GatherFromSequenceRegion.apply(x, group, partial_grad)
 
@@ -779,7 +562,7 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup 
     Raises:
         ValueError: ``T`` is not divisible by the group size.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ReduceScatterToSequenceRegion.apply(x, group)
 
@@ -791,7 +574,7 @@ def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     the partial gradients each rank computes for it are summed. One all-reduce of ``B*T*H``
     values in backward, none in forward.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _CopyToTPRegion.apply(x, group)
 
@@ -805,7 +588,7 @@ def copy_many_to_tp_region(xs: list[torch.Tensor], group: dist.ProcessGroup | No
     group in a single all-reduce of ``B*T*(H + r)`` values (in the widest of their dtypes).
     Forward: identity, no communication.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return tuple(xs)
     return _CopyManyToTPRegion.apply(group, *xs)
 
@@ -816,7 +599,7 @@ def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> t
     Sums the partial outputs ``(B, T, H)`` of a row-parallel layer or vocab-parallel embedding.
     One all-reduce of the output's size in forward, none in backward.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ReduceFromTPRegion.apply(x, group)
 
@@ -829,7 +612,7 @@ def scatter_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> to
     Raises:
         ValueError: the last dim is not divisible by the group size.
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _ScatterToTPRegion.apply(x, group)
 
@@ -839,6 +622,6 @@ def gather_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> t
 
     One all-gather forward; backward keeps this rank's chunk of the gradient (no communication).
     """
-    if get_tp_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _GatherFromTPRegion.apply(x, group)

@@ -72,8 +72,8 @@ class TPContext(comm.SharesProcessGroups):
 
     def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None):
         self.group = group
-        self.size = comm.get_tp_size(group)
-        self.rank = comm.get_tp_rank(group)
+        self.size = comm.group_size(group)
+        self.rank = comm.group_rank(group)
         self.region_input = region_input
         self.rng = rng
         self.state = state if state is not None else CallState()

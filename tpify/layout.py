@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import comm
+from .agree import digest
 from .hf_modules import SHARDABLE_TYPES, base_model, is_peft, module_kind, relative_fqn
 from .recipe import Recipe, Rule, RuleIndex
 from .sharding import ShardSpec, valid_tp_sizes
@@ -118,7 +118,7 @@ class Layout:
     def digest(self) -> str:
         """A short digest of what decides the per-rank tensors besides ``tp_size`` (which the
         agreement compares on its own, so that a different size is reported as such)."""
-        return comm.digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.output_scale)
+        return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.output_scale)
                                    for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),

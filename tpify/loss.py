@@ -25,7 +25,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, bad_targets):
-        tp_size, tp_rank = comm.get_tp_size(group), comm.get_tp_rank(group)
+        tp_size, tp_rank = comm.group_size(group), comm.group_rank(group)
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 input
         per_partition = logits.shape[-1]
         start = tp_rank * per_partition
@@ -174,7 +174,7 @@ def vocab_parallel_cross_entropy(
             rank raises, none waits. Under ``torch.compile`` these data checks raise
             ``RuntimeError`` with the same message (``torch._assert_async``).
     """
-    tp_size = comm.get_tp_size(tp_group)
+    tp_size = comm.group_size(tp_group)
     padded_vocab = logits.shape[-1] * tp_size
     if reduction not in _REDUCTIONS:
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")

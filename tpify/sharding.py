@@ -165,17 +165,19 @@ class ShardSpec:
         return self._assemble(pieces, full).contiguous()
 
     def read(self, file_slice, tp_rank: int, dtype: torch.dtype | None = None,
-             block_bytes: int = 1 << 24) -> torch.Tensor:
+             block_bytes: int = 1 << 24, itemsize: int = 4) -> torch.Tensor:
         """Read this rank's shard from a safetensors ``safe_open(...).get_slice(name)``.
 
         Only the bytes of this rank's ranges are read, in blocks of about ``block_bytes`` along
         :attr:`dim`, each converted to ``dtype`` and copied straight into the preallocated shard
         (padding rows zero), so the memory in flight is one block, not a second copy of the shard.
+        ``itemsize``: bytes per element as stored in the file, which sizes the blocks
+        (:mod:`tpify.io.reader` passes the stored dtype's; 4, float32's, when not given).
         """
         shape = list(file_slice.get_shape())
         self.local_shape(shape)
         ndim = len(shape)
-        per_index = max(1, math.prod(shape) // max(1, shape[self.dim])) * 4
+        per_index = max(1, math.prod(shape) // max(1, shape[self.dim])) * itemsize
         step = max(1, block_bytes // per_index)
         out, offset = None, 0
         for a, b in self.ranges(tp_rank) or [(0, 0)]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .agree import AgreementError
 from .sharding import is_dtensor, shard_spec_of
 
 __all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_",
@@ -70,7 +71,7 @@ def sync_gradients(model: nn.Module) -> None:
     """
     _refuse_fsdp(model, "tpify.training.sync_gradients")
     _, dp_group = _groups(model)
-    dp_size = comm.get_tp_size(dp_group)
+    dp_size = comm.group_size(dp_group)
     if dp_group is None or dp_size == 1:
         return
     params = _trainable(model.parameters())
@@ -260,7 +261,7 @@ def check_replicas(model: nn.Module) -> None:
             dp_copies.add(key)
     problems = []
     for group, names, what in ((tp_group, replicated, "TP ranks"), (dp_group, dp_copies, "DP replicas")):
-        if group is None or comm.get_tp_size(group) == 1:  # None: no such group (not the world)
+        if group is None or comm.group_size(group) == 1:  # None: no such group (not the world)
             continue
         everyone = comm.all_gather_objects({n: digests[n] for n in sorted(names)}, group)
         ranks = dist.get_process_group_ranks(group)
@@ -272,5 +273,5 @@ def check_replicas(model: nn.Module) -> None:
                     groups.setdefault(v, []).append(r)
                 problems.append(f"{n} differs between {what} ({', '.join(f'ranks {g}' for g in groups.values())})")
     if problems:
-        raise comm.AgreementError(f"replicated parameters differ across ranks: {problems[:10]}"
+        raise AgreementError(f"replicated parameters differ across ranks: {problems[:10]}"
                                   f"{' ...' if len(problems) > 10 else ''}; the replicas have drifted apart")

@@ -75,16 +75,16 @@ class _CountingHandle:
 def _check_load(rank, world, ckpt, dense, tp, ids):
     """Load ``ckpt`` at ``tp``; outputs equal dense; every local tensor is the exact slice."""
     import tpify
-    from tpify import loading
+    from tpify.io import reader
     from tpify.sharding import shard_spec_of
 
     log = {}
-    real = loading.safe_open
-    loading.safe_open = lambda *a, **k: _CountingHandle(real(*a, **k), log)
+    real = reader.safe_open
+    reader.safe_open = lambda *a, **k: _CountingHandle(real(*a, **k), log)
     try:
         model = tpify.from_pretrained(ckpt, tp_size=tp)
     finally:
-        loading.safe_open = real
+        reader.safe_open = real
     info = model.tp_info
     out, ref = model(ids).logits, dense(ids).logits
     torch.testing.assert_close(out, ref, **TOL)
@@ -203,7 +203,7 @@ def test_load_save_reshard(results):
 
 def _body_bad(rank, world, cases, good):
     import tpify
-    from tpify import loading
+    from tpify.io import save
 
     messages = {}
     for name, path in cases.items():
@@ -222,7 +222,7 @@ def _body_bad(rank, world, cases, good):
     if rank == 0:
         def broken(*a, **k):
             raise OSError("disk full (simulated)")
-        loading.save_file = broken
+        save.save_file = broken
     try:
         tpify.save_pretrained(model, good["existing"])
         messages["save"] = "no error"

@@ -332,7 +332,7 @@ def trainer_other_param_groups(c):
 def trainer_manifest_missing_on_one_rank(c):
     """Rank 1 resumes from a directory without a manifest: it raises ResumeError, every other
     rank AgreementError naming it (never a hang)."""
-    from tpify.comm import AgreementError
+    from tpify.agree import AgreementError
 
     empty = c.out + "/not-a-checkpoint"
     os.makedirs(empty, exist_ok=True)

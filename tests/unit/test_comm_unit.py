@@ -15,8 +15,7 @@ What it proves:
 * on a one-rank group inside the two-rank world, and in-process without any process group,
   every operator is the identity (the same tensor object), issues nothing and counts nothing;
 * ``raise_unless`` raises the given error with its detail eagerly, ``torch._assert_async``'s
-  ``RuntimeError`` under ``torch.compile``; ``digest`` is a stable 12-hex-digit digest of the
-  JSON form, independent of key order.
+  ``RuntimeError`` under ``torch.compile``.
 
 Tolerance: none; comparisons are exact (``rtol=0, atol=0``). With two ranks each reduced element
 is one IEEE addition ``a + b``, which is commutative, so the gloo sum and the reference sum
@@ -212,8 +211,8 @@ def one_rank_group(c):
     assert all(o is x for o in outs) and all(o is x for o in many), "one-rank operators return their input"
     torch.testing.assert_close(x.grad, torch.full_like(x, 6.0), **EXACT)
     assert dict(counts) == {}, dict(counts)
-    assert (comm.get_tp_size(g), comm.get_tp_rank(g)) == (1, 0)
-    assert (comm.get_tp_size(c.group), comm.get_tp_rank(c.group)) == (2, c.rank)
+    assert (comm.group_size(g), comm.group_rank(g)) == (1, 0)
+    assert (comm.group_size(c.group), comm.group_rank(c.group)) == (2, c.rank)
 
 
 def _body(rank, world):
@@ -286,7 +285,7 @@ def test_every_check_ran_on_every_rank(tp2):
 
 def test_without_process_group_every_operator_is_identity_and_counts_nothing():
     assert not dist.is_initialized(), "these checks need a process without torch.distributed"
-    assert (comm.get_tp_size(None), comm.get_tp_rank(None)) == (1, 0)
+    assert (comm.group_size(None), comm.group_rank(None)) == (1, 0)
     x = _t(1, (2, 5)).requires_grad_()
     before = x.detach().clone()
     with comm.count_collectives() as counts:
@@ -321,27 +320,3 @@ def test_raise_unless_under_torch_compile_stays_in_graph_and_raises_runtime_erro
     torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 2.0), **EXACT)
     with pytest.raises(RuntimeError, match="x must be non-negative"):
         compiled(-torch.ones(3))
-
-
-def test_digest_is_stable_short_hex_and_ignores_key_order():
-    d = comm.digest({"tp": 2, "dtype": "float32", "parts": [1, 2]})
-    assert len(d) == 12 and int(d, 16) >= 0
-    assert d == comm.digest({"parts": [1, 2], "dtype": "float32", "tp": 2}), "key order must not matter"
-    assert d == "a235c593c439", "the digest must not change between processes or versions of Python"
-    assert comm.digest({"tp": 4, "dtype": "float32", "parts": [1, 2]}) != d
-    assert comm.digest({"tp": 2, "dtype": "float32", "parts": [2, 1]}) != d
-    # Values JSON cannot encode are digested through str(): a dtype is its name.
-    assert comm.digest({"dtype": torch.float32}) == comm.digest({"dtype": "torch.float32"})
-
-
-def test_agreement_timeout_and_notice_read_positive_seconds_from_the_environment(monkeypatch):
-    monkeypatch.delenv(comm.AGREEMENT_TIMEOUT_ENV, raising=False)
-    monkeypatch.delenv(comm.AGREEMENT_NOTICE_ENV, raising=False)
-    assert (comm.agreement_timeout(), comm.agreement_notice()) == (300.0, 30.0)
-    monkeypatch.setenv(comm.AGREEMENT_NOTICE_ENV, "2.5")
-    monkeypatch.setenv(comm.AGREEMENT_TIMEOUT_ENV, "inf")  # wait without limit
-    assert (comm.agreement_timeout(), comm.agreement_notice()) == (float("inf"), 2.5)
-    for bad in ("0", "-1", "nan", "soon"):
-        monkeypatch.setenv(comm.AGREEMENT_NOTICE_ENV, bad)
-        with pytest.raises(ValueError, match=f"TPIFY_AGREEMENT_NOTICE='{bad}' (must be a positive|is not a) number"):
-            comm.agreement_notice()

@@ -1,4 +1,4 @@
-"""Single-process checks of tpify.loading: key mapping, dtype, buffers, atomic save.
+"""Single-process checks of tpify.loading and tpify.io: key mapping, dtype, buffers, atomic save.
 
 Everything here runs at tp=1 without torch.distributed; the sharded paths are covered by
 tests/distributed/test_loading.py. Comparisons are bitwise (``torch.equal``): loading and saving
@@ -67,13 +67,13 @@ _INTERRUPTED = textwrap.dedent("""
     import torch
     from transformers import BertConfig, BertModel
     import tpify
-    from tpify import loading
-    real = loading.save_file
+    from tpify.io import save
+    real = save.save_file
     def slow(*a, **k):
         real(*a, **k)
         print("wrote", flush=True)
         time.sleep(30)  # the parent kills us here, mid-save
-    loading.save_file = slow
+    save.save_file = slow
     torch.manual_seed(1)
     cfg = BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
                      vocab_size=100, max_position_embeddings=32)
@@ -142,7 +142,8 @@ def test_unclear_arguments_are_named():
     with pytest.raises((ValueError, tpify.PlanError), match="tp_size must be a positive integer, got True"):
         tpify.parallelize(BertModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                                                intermediate_size=32, vocab_size=100)), tp_size=True)
-    from tpify.loading import _resolve_dtype, _Snapshot, _weight_files
+    from tpify.io.files import Snapshot as _Snapshot, _weight_files
+    from tpify.meta_model import resolve_dtype as _resolve_dtype
 
     for bad in ("float33", "int8"):
         with pytest.raises(ValueError, match=f"torch_dtype='{bad}' is not a floating dtype"):
@@ -232,7 +233,7 @@ def test_load_during_concurrent_resaves_sees_one_checkpoint(tmp_path):
     print(f"measured: {loads} loads during concurrent re-saves, models seen {sorted(seen)}")
 
 
-# ---- zero-copy views of the checkpoint's mapping (tpify/loading.py, _Reader)
+# ---- zero-copy views of the checkpoint's mapping (tpify/io/reader.py, _Reader)
 
 def test_views_are_private_and_outlive_a_resave(tmp_path):
     """Shards loaded as views of the file's mapping (the 20000 x 16 float32 embedding, 1.2 MiB, is
@@ -270,7 +271,8 @@ def test_single_range_shards_are_views_strided_ones_too(tmp_path):
     each holding exactly its slice, with storage spanning only its own first to last element;
     writes to either stay private; packed parts and padded rows, which are not one range of the
     file, and small tensors are copied (contiguous, own storage)."""
-    from tpify.loading import _headers, _Reader, _Snapshot
+    from tpify.io.files import Snapshot as _Snapshot, _headers
+    from tpify.io.reader import _Reader
     from tpify.sharding import ShardSpec
 
     rows, cols = 512, 1024  # 2 MiB of float32: above the 1 MiB view threshold

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import tpify
-from tpify.loading import _OWNED_WEIGHTS
+from tpify.io.save import _OWNED_WEIGHTS
 
 # About 20 KB of float32: "6KB" shards give 4 files, "4KB" 6, "1GB" one model.safetensors.
 _CFG = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
@@ -254,7 +254,7 @@ def test_next_save_removes_only_dead_temporary_directories(tmp_path):
     """A save removes ``.NAME.tmp-<id>`` directories beside its target that no process holds
     (a killed save's: the kernel released its flock), keeps one a live save holds (locked
     here through another descriptor), and never touches other names beside the target."""
-    from tpify.loading import _lock, _unlock
+    from tpify.io.save import _lock, _unlock
 
     path = tmp_path / "ckpt"
     dead, live = tmp_path / ".ckpt.tmp-0123abcd", tmp_path / ".ckpt.tmp-4567cdef"

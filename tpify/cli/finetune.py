@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..agree import agree
 from ..random import get_rng_tracker
 from .launch import world_mismatch
 from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check, output_problem
@@ -255,7 +256,7 @@ def _restore(trainer_dir: Path, model, optimizer, scheduler, lora: bool) -> None
     except Exception as e:  # noqa: BLE001
         error = ValueError(f"--resume: cannot restore {file} ({type(e).__name__}: {e}); "
                            f"delete {trainer_dir.parent} to resume from the checkpoint before it")
-    comm.agree("restoring the optimizer in tpify finetune --resume", {}, error)
+    agree("restoring the optimizer in tpify finetune --resume", {}, error)
 
 
 def lora_targets(model) -> list[str]:
@@ -463,9 +464,9 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             _require_peft()
         if cfg.resume:
             ckpt, state = resume_point(cfg)
-    except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
+    except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
         error = e
-    comm.agree("tpify finetune", {"args": _run_args(cfg), "resume step": state["step"] if state else None}, error)
+    agree("tpify finetune", {"args": _run_args(cfg), "resume step": state["step"] if state else None}, error)
     if cfg.resume:
         start_step, losses, trainer_dir = state["step"], state["losses"], ckpt / "trainer"
         model_dir = model_dir if cfg.lora_r else ckpt / "model"  # LoRA: the base model and the saved adapter
@@ -482,7 +483,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / total:.2f}%)", flush=True)
     info = tpify.get_tp_info(model)
-    dp_rank = comm.get_tp_rank(info.dp_group)
+    dp_rank = comm.group_rank(info.dp_group)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))

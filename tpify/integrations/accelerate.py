@@ -113,7 +113,7 @@ class TPAccelerator(accelerate.Accelerator):
         from .. import comm
 
         info = get_tp_info(models[0])
-        return comm.get_tp_size(info.dp_group), comm.get_tp_rank(info.dp_group), info
+        return comm.group_size(info.dp_group), comm.group_rank(info.dp_group), info
 
     # -- accelerate's methods -------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -231,7 +231,7 @@ class TPAccelerator(accelerate.Accelerator):
         model class, adapters, every optimized parameter's shard, the param groups); then each
         rank reads its slices of the dense weights (or adapter) and its own state file.
 
-        Communication: one agreement (``comm.agree``) before anything is read.
+        Communication: one agreement (:func:`tpify.agree.agree`) before anything is read.
 
         Raises:
             TPUsageError: no ``input_dir``.

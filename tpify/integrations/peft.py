@@ -279,14 +279,12 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
     model's ``save_pretrained`` by :func:`get_peft_model`; every rank must call it.
 
     Communication: one all-gather over TP per sharded factor; one all-reduce of one int over
-    the world (so a failed write raises on every rank).
+    the world (:func:`tpify.agree.on_writing_rank`: a failed write raises on every rank).
 
     Raises:
         TPUsageError: ``state_dict=`` given (local shards cannot be the dense adapter).
     """
-    import torch.distributed as dist
-
-    from ..loading import agree_on_write
+    from ..agree import on_writing_rank
 
     if kwargs.pop("state_dict", None) is not None:
         raise TPUsageError("save_pretrained of a tensor-parallel PEFT model takes no state_dict=; every rank calls "
@@ -298,17 +296,11 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
         spec = shard_spec_of(t)
         value = spec.gather(t.detach(), group) if spec is not None else t.detach()
         full[name] = value.cpu()
-    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    err = None
-    if writer:
-        try:
+    with on_writing_rank(f"writing the adapter to {save_directory}", next(peft_model.parameters()).device) as writing:
+        if writing:
             kwargs.setdefault("save_embedding_layers", False)
             PeftModel.save_pretrained(peft_model, str(save_directory), state_dict=full, is_main_process=True,
                                       safe_serialization=True, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - reported to every rank
-            err = e
-    device = next(peft_model.parameters()).device
-    agree_on_write(err is None, f"writing the adapter to {save_directory}", err, device)
 
 
 def load_adapter_(peft_model: PeftModel, path, adapter_name: str = "default") -> None:

@@ -25,8 +25,8 @@ The manifest (:func:`training_layout`, JSON) holds what decides the per-rank opt
 * each optimizer's class and param groups (the parameter names of each, in order).
 
 :func:`check_resume` reads the saved manifest and compares; the outcome goes through
-:func:`tpify.comm.agree`, so a mismatch or a missing file on one rank raises on every rank
-(there, an :class:`~tpify.comm.AgreementError` naming it) before any collective or any read of
+:func:`tpify.agree.agree`, so a mismatch or a missing file on one rank raises on every rank
+(there, an :class:`~tpify.agree.AgreementError` naming it) before any collective or any read of
 the state. The message lists what differs, with the numbers, and the fix.
 """
 
@@ -222,10 +222,10 @@ def check_resume(directory, mine: dict, what: str, *, checkpoint=None, files=())
 
     Each rank reads ``directory/tpify_layout.json``, compares it with ``mine``
     (:func:`training_layout` of this run) and checks that its own ``files`` exist; then
-    :func:`tpify.comm.agree` (over the world) makes every rank raise if any rank failed.
+    :func:`tpify.agree.agree` (over the world) makes every rank raise if any rank failed.
     Call it on every rank before reading any state.
 
-    Communication: one agreement (``comm.agree``: the store, no collective).
+    Communication: one agreement (:func:`tpify.agree.agree`: the store, no collective).
 
     Raises:
         ResumeError: the manifest is missing or unreadable; the layouts differ (the message
@@ -233,7 +233,7 @@ def check_resume(directory, mine: dict, what: str, *, checkpoint=None, files=())
         AgreementError: another rank raised one of these, or the ranks resume from different
             checkpoints.
     """
-    from .. import comm
+    from ..agree import agree, digest
 
     directory = Path(directory)
     checkpoint = checkpoint if checkpoint is not None else directory
@@ -255,7 +255,7 @@ def check_resume(directory, mine: dict, what: str, *, checkpoint=None, files=())
             raise ResumeError(f"{what}: {checkpoint} was saved at {_describe(saved)}, but this rank's files {lost} "
                               f"are missing; the checkpoint is incomplete (interrupted while saving, or copied in "
                               f"part): resume from another checkpoint")
-    except Exception as e:  # noqa: BLE001 - re-raised by comm.agree here, reported on the other ranks
+    except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
         error = e
-    comm.agree(what, {"checkpoint": str(checkpoint), "saved layout": comm.digest(saved)} if saved else {}, error)
+    agree(what, {"checkpoint": str(checkpoint), "saved layout": digest(saved)} if saved else {}, error)
     return saved

@@ -182,7 +182,7 @@ class TPTrainer(transformers.Trainer):
         info = get_tp_info(self._tp_model)
         if self.args.should_save:
             write_manifest(os.path.join(output_dir, OPTIMIZER_DIR), self._training_layout(True))
-        if comm.get_tp_rank(info.dp_group) == 0:  # DP replicas hold the same optimizer state
+        if comm.group_rank(info.dp_group) == 0:  # DP replicas hold the same optimizer state
             os.makedirs(os.path.join(output_dir, OPTIMIZER_DIR), exist_ok=True)
             torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
         if self.args.should_save:

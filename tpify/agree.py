@@ -1,0 +1,364 @@
+"""Did every rank succeed: the protocols that turn one rank's failure into an error on every rank.
+
+tpify's entry points are collective. A rank whose local checks fail (a missing file, another
+recipe, a different tp size) must not leave the others waiting in a collective that never
+comes, so each entry point first makes every rank learn every rank's outcome. Three protocols,
+one per kind of step:
+
+| protocol                | used by                                     | communication                        |
+| ----------------------- | ------------------------------------------- | ------------------------------------ |
+| :func:`agree`           | the first step of every entry point         | the rendezvous store (no collective) |
+| :func:`on_writing_rank` | each write of a save (global rank 0 writes) | one all-reduce of one int (world)    |
+| :func:`step_outcome`    | each step of ``tpify verify``'s cases       | one all-gather of a small object     |
+
+:func:`agree` compares fingerprints too (the ranks must bring the same model, checkpoint,
+recipe and arguments) and fails fast, with a message that names the cause, when a rank never
+comes (it exited, or is in another tpify call). The other two only report success or failure:
+their ranks already agreed. :func:`agreement` wraps a block of local checks in :func:`agree`.
+The collectives are issued through :mod:`tpify.comm`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_objects, all_reduce, group_rank, group_size
+
+__all__ = [
+    "AgreementError",
+    "agree",
+    "agreement",
+    "Agreement",
+    "digest",
+    "agreement_timeout",
+    "agreement_notice",
+    "AGREEMENT_TIMEOUT_ENV",
+    "AGREEMENT_NOTICE_ENV",
+    "on_writing_rank",
+    "StepOutcome",
+    "step_outcome",
+]
+
+
+class AgreementError(RuntimeError):
+    """Ranks that must agree do not: different arguments, models, recipes or tp sizes, or another
+    rank failed before the first collective. Raised on every rank at the same point."""
+
+
+def digest(value) -> str:
+    """A short digest of a JSON-able value, for the fingerprints :func:`agree` compares."""
+    return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+#: Seconds a rank waits in :func:`agree` for the other ranks (environment variable).
+AGREEMENT_TIMEOUT_ENV = "TPIFY_AGREEMENT_TIMEOUT"
+_DEFAULT_AGREEMENT_TIMEOUT_S = 300.0
+#: Seconds of waiting in :func:`agree` after which a rank says once what it waits for (environment variable).
+AGREEMENT_NOTICE_ENV = "TPIFY_AGREEMENT_NOTICE"
+# 30 s: ranks routinely reach a call seconds apart (one rank reads a checkpoint or converts a
+# model first), rarely half a minute, so a notice after 30 s is seldom noise; and a user looking
+# at a silent terminal learns the likely cause in half a minute, not after the 5-minute timeout.
+_DEFAULT_AGREEMENT_NOTICE_S = 30.0
+_sequence: dict[str, int] = {}  # ranks of a group -> agreements this process has entered on it
+_exit_marker: list = []  # (store, rank) once the marker is registered
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    """``$name`` as a positive number of seconds (``inf``: never), or ``default`` when unset or empty.
+
+    Raises:
+        ValueError: ``$name`` is not a number, or not a positive one (NaN included).
+    """
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def agreement_timeout() -> float:
+    """Seconds :func:`agree` waits for the other ranks: ``$TPIFY_AGREEMENT_TIMEOUT``, default 300."""
+    return _seconds_from_env(AGREEMENT_TIMEOUT_ENV, _DEFAULT_AGREEMENT_TIMEOUT_S)
+
+
+def agreement_notice() -> float:
+    """Seconds of waiting in :func:`agree` before the waiting rank warns, once, which ranks it waits
+    for and why they may never come: ``$TPIFY_AGREEMENT_NOTICE``, default 30 (none when it is not
+    shorter than :func:`agreement_timeout`: the error comes first)."""
+    return _seconds_from_env(AGREEMENT_NOTICE_ENV, _DEFAULT_AGREEMENT_NOTICE_S)
+
+
+def _waiting_notice(what: str, me: int, missing: list[int], waited: float, timeout: float) -> str:
+    then = (f"This rank raises an AgreementError after {timeout:g} s of waiting; if those ranks are only slower, "
+            f"set ${AGREEMENT_TIMEOUT_ENV} to wait longer" if timeout < float("inf") else
+            f"This rank waits for them without limit (${AGREEMENT_TIMEOUT_ENV}=inf)")
+    return (f"tpify: rank {me} has waited {waited:.0f} s in {what} for rank(s) {missing}, which have not called it. "
+            f"The usual cause is a tpify entry point called on some ranks only (e.g. under `if rank == 0:`) "
+            f"while the others wait elsewhere (a barrier, another collective): tpify's entry points are "
+            f"collective, call {what} on every rank. {then} (${AGREEMENT_NOTICE_ENV} sets when this notice comes)")
+
+
+def _agreement_store():
+    """The default group's key-value store (the rendezvous store), or ``None`` if there is none."""
+    try:
+        # One namespace per torchrun restart, so that markers of a previous attempt never count.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"tpify/{restart}/", dist.distributed_c10d._get_default_store())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _mark_exited() -> None:
+    """At interpreter exit: tell ranks waiting in :func:`agree` that this rank will never come."""
+    store, rank = _exit_marker[0]
+    writer = threading.Thread(target=lambda: store.set(f"exited/{rank}", "1"), daemon=True)
+    writer.start()
+    writer.join(2.0)  # a store whose host is gone must not delay this process's exit
+
+
+def _exchange(what: str, mine, ranks: list[int]) -> list | None:
+    """Every rank's ``(what, mine)`` through the rendezvous store, waiting at most
+    :func:`agreement_timeout` seconds and failing at once when a missing rank has exited.
+    After :func:`agreement_notice` seconds of waiting it warns once (``RuntimeWarning``) which
+    ranks it waits for, the likely cause and when it will raise.
+
+    Keys are ``agree/<ranks of the group>/<n>/<rank>``: the n-th agreement this process enters on
+    that group, so a rank that skipped a call meets the others' next one with another ``what``.
+    ``None`` when there is no store (then the caller all-gathers).
+    """
+    store = _agreement_store()
+    if store is None:
+        return None
+    me = dist.get_rank()
+    if not _exit_marker:
+        _exit_marker.append((store, me))
+        atexit.register(_mark_exited)
+    name = "-".join(map(str, ranks))
+    _sequence[name] = n = _sequence.get(name, 0) + 1
+    base = f"agree/{name}/{n}/"
+    store.set(base + str(me), pickle.dumps((what, mine)))
+    timeout, notice = agreement_timeout(), agreement_notice()
+    start = time.monotonic()
+    deadline, delay = start + timeout, 0.001
+    noticed = notice >= timeout  # the error would come first
+    missing = [r for r in ranks if r != me]
+    while True:
+        missing = [r for r in missing if not store.check([base + str(r)])]
+        if not missing:
+            break
+        if not noticed and time.monotonic() - start > notice:
+            noticed = True
+            warnings.warn(_waiting_notice(what, me, missing, time.monotonic() - start, timeout), RuntimeWarning,
+                          stacklevel=3)  # the line of the entry point that called agree
+        exited = [r for r in missing if store.check([f"exited/{r}"])]
+        if exited:
+            raise AgreementError(f"{what}: rank(s) {exited} exited without calling it. Call {what} on every rank "
+                                 f"(a call under `if rank == 0:` is the usual cause: tpify's entry points are "
+                                 f"collective)")
+        if time.monotonic() > deadline:
+            raise AgreementError(f"{what}: rank(s) {missing} did not call it within {timeout:g} s. Call {what} on "
+                                 f"every rank (a call under `if rank == 0:` is the usual cause: tpify's entry points "
+                                 f"are collective); if those ranks are only slower, raise ${AGREEMENT_TIMEOUT_ENV}")
+        time.sleep(delay)
+        # At most 5 ms late after the last rank arrives (a load makes several agreements): a few
+        # hundred store lookups a second while a slow rank is awaited, which the store serves easily.
+        delay = min(2 * delay, 0.005)
+    everyone = [pickle.loads(store.get(base + str(r))) for r in ranks]
+    if store.add(base + "read", 1) == len(ranks):  # the last reader removes the round's keys
+        for key in [base + str(r) for r in ranks] + [base + "read"]:
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                store.delete_key(key)
+    elsewhere = [(r, w) for r, (w, _) in zip(ranks, everyone) if w != what]
+    if elsewhere:
+        raise AgreementError(f"the ranks are in different tpify calls: this rank (rank {me}) in {what}, "
+                             + ", ".join(f"rank {r} in {w}" for r, w in elsewhere)
+                             + ". A call made on some ranks only (e.g. under `if rank == 0:`) puts the ranks out "
+                               "of step; tpify's entry points are collective: call them on every rank")
+    return [value for _, value in everyone]
+
+
+def agree(what: str, fingerprint: dict, error: BaseException | None = None,
+          group: dist.ProcessGroup | None = None, share=None) -> list | None:
+    """The first communication of a tpify entry point: every rank learns every rank's outcome.
+
+    Each rank brings what it checked locally: a ``fingerprint`` (small, picklable values that must
+    be equal on every rank: the tp size, a digest of the config, the recipe and the plan, the
+    dtype, a path) and the ``error`` its own checks raised, if any. Every rank posts these to the
+    rendezvous store and reads the others', then every rank decides alike: a rank that failed
+    raises its own error, the others raise an :class:`AgreementError` naming that rank and its
+    error; if the fingerprints differ, every rank raises an :class:`AgreementError` listing each
+    differing value per rank. So bad input on one rank, or ranks launched with different
+    arguments, stop every rank with an error instead of a hang or a collective mismatch.
+
+    A call made on some ranks only (``if rank == 0: tpify.save_pretrained(...)``) does not hang
+    either: the waiting rank raises as soon as a missing rank has exited (a marker it writes at
+    interpreter exit), or when that rank enters another tpify entry point (each rank numbers its
+    agreements per group), or after ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (default 300). A rank
+    still waiting after ``$TPIFY_AGREEMENT_NOTICE`` seconds (default 30) warns once, on that
+    rank (``RuntimeWarning``): which ranks it waits for in which call, the likely cause (a call
+    under ``if rank == 0:``), and when it will raise.
+
+    ``share``: a small picklable value of this rank's that is not compared (each rank's own
+    process-group ranks, say); once the agreement holds, every rank receives every rank's, in
+    the group's rank order, as the return value (``None`` when ``share`` is None).
+
+    Without torch.distributed (or a one-rank group) it only re-raises ``error`` (and returns
+    ``[share]``).
+
+    Communication: none through the process group (so no collective can be mismatched): a
+    few small keys in the default group's store (``tpify/agree/...``), removed by the last
+    reader; an ``all_gather_object`` over ``group`` where the default group has no store.
+
+    Raises:
+        AgreementError: another rank failed, the ranks disagree, are in different tpify calls,
+            or a rank exited or did not come within the timeout.
+        ValueError: ``$TPIFY_AGREEMENT_TIMEOUT`` or ``$TPIFY_AGREEMENT_NOTICE`` is not a positive number.
+    Warns:
+        RuntimeWarning: once, after ``$TPIFY_AGREEMENT_NOTICE`` seconds of waiting for other ranks.
+    """
+    if group_size(group) == 1:  # one rank, or no torch.distributed
+        if error is not None:
+            raise error
+        return None if share is None else [share]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if dist.get_rank() not in ranks:  # a group of other ranks: nothing to agree with them
+        raise error if error is not None else ValueError(f"{what}: the group {ranks} does not contain this "
+                                                         f"process (rank {dist.get_rank()})")
+    mine = (None, f"{type(error).__name__}: {error}", None) if error is not None else (fingerprint, None, share)
+    everyone = _exchange(what, mine, ranks)
+    if everyone is None:
+        everyone = all_gather_objects(mine, group)
+    if error is not None:
+        raise error
+    shared = [value for _, _, value in everyone]
+    everyone = [(fp, message) for fp, message, _ in everyone]
+    failed = [(ranks[i], message) for i, (_, message) in enumerate(everyone) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise AgreementError(f"{what} failed on rank(s) {[r for r, _ in failed]} (rank {rank}: {message.strip()}); "
+                             f"this rank stops here too instead of waiting for it")
+    keys = sorted({k for fp, _ in everyone for k in fp})
+    differing = [k for k in keys if len({repr(fp.get(k)) for fp, _ in everyone}) > 1]
+    if differing:
+        parts = [f"{k}: " + ", ".join(f"rank {ranks[i]} {fp.get(k)!r}" for i, (fp, _) in enumerate(everyone))
+                 for k in differing]
+        raise AgreementError(f"the ranks disagree on {what}: " + "; ".join(parts) + ". Launch every rank with the "
+                             "same model, checkpoint, recipe, tp_size, dtype and arguments.")
+    return None if share is None else shared
+
+
+class Agreement:
+    """The block of :func:`agreement` sets ``fingerprint``; after the block, ``shared`` holds every
+    rank's ``share`` in the group's rank order (``None`` when no ``share`` was given)."""
+
+    def __init__(self) -> None:
+        self.fingerprint: dict = {}
+        self.shared: list | None = None
+
+
+@contextlib.contextmanager
+def agreement(what: str, group: dist.ProcessGroup | None = None, share=None) -> Iterator[Agreement]:
+    """Run this rank's local checks in the block, then :func:`agree` on their outcome.
+
+    The block sets ``fingerprint`` on the :class:`Agreement` it is given; an ``Exception`` it
+    raises is this rank's error, re-raised here after the agreement (an :class:`AgreementError`
+    on the other ranks). A ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``)
+    propagates at once, without an agreement. Every rank of ``group`` must enter the block.
+
+    Communication and Raises: as :func:`agree`.
+    """
+    outcome = Agreement()
+    try:
+        yield outcome
+    except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
+        agree(what, {}, e, group, share)
+        raise  # not reached: agree re-raised e
+    outcome.shared = agree(what, outcome.fingerprint, None, group, share)
+
+
+@contextlib.contextmanager
+def on_writing_rank(where: str, device: torch.device | str | None = None) -> Iterator[bool]:
+    """A block that writes, run on the writing rank (global rank 0); every rank learns whether it succeeded.
+
+    Yields whether this process is the writing rank (always true without torch.distributed); the
+    block writes under ``if writing:`` and issues no collective itself. On exit, every rank takes
+    part in one all-reduce (max) of one int over the world, 1 when the block raised on some rank
+    (any exception, ``KeyboardInterrupt`` included). Every rank must enter the block, each time.
+
+    Args:
+        where: what the block does (``"writing model-00001-of-00002.safetensors"``), for the
+            error the other ranks raise.
+        device: where the flag lives: the model's device (NCCL reduces only CUDA tensors).
+
+    Raises:
+        The block's own exception, on the rank that raised it (after the all-reduce).
+        RuntimeError: on every other rank when the block raised somewhere, naming ``where``.
+    """
+    writing = group_rank(None) == 0  # global rank 0; 0 without torch.distributed
+    error = None
+    try:
+        yield writing
+    except BaseException as e:  # noqa: BLE001 - reported to every rank below
+        error = e
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    all_reduce(flag, None, op="max")  # a no-op without torch.distributed
+    if error is not None:
+        raise error
+    if flag.item():
+        raise RuntimeError(f"tpify: saving failed on the writing rank (global rank 0) while {where}; "
+                           f"see that rank's error. The target directory holds one whole checkpoint (the previous "
+                           f"one unless the failure came after the switch to the new one).")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What :func:`step_outcome` learnt: the ranks whose step failed, and why.
+
+    Attributes:
+        failed: ``(rank, message)`` of each rank whose step failed, in rank order (empty: all succeeded).
+        errors: the exception class names those ranks gave.
+        ranks: how many ranks took part.
+    """
+
+    failed: tuple[tuple[int, str], ...]
+    errors: frozenset[str]
+    ranks: int
+
+    def describe(self) -> str:
+        """``"every rank: <message>"`` when every rank failed alike, else ``"rank r: <message>; ..."``."""
+        if len(self.failed) == self.ranks and len({m for _, m in self.failed}) == 1:
+            return f"every rank: {self.failed[0][1]}"
+        return "; ".join(f"rank {r}: {m}" for r, m in self.failed)
+
+
+def step_outcome(ok: bool, message: str = "", error: str = "") -> StepOutcome:
+    """Every rank learns whether any rank failed a step that every rank ran.
+
+    Args:
+        ok: whether this rank's step succeeded.
+        message: this rank's failure, for the others (``""`` when ``ok``).
+        error: the class name of this rank's exception (``""`` when ``ok``).
+
+    Communication: one ``all_gather_object`` over the default group (not over a group the step
+    itself used: a group a failed step left broken cannot hang it). Without torch.distributed,
+    none. Raises nothing: the caller decides what a failure is.
+    """
+    outcomes = all_gather_objects((ok, message, error))
+    failed = tuple((r, m) for r, (o, m, _) in enumerate(outcomes) if not o)
+    return StepOutcome(failed, frozenset(e for o, _, e in outcomes if not o), len(outcomes))

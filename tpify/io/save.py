@@ -1,0 +1,337 @@
+"""The dense save: a parallelized model written as a standard Hugging Face directory, atomically.
+
+Each file's tensors are gathered to their dense layout (:func:`gather_dense`; padding
+stripped, packed parts re-packed) on every rank and written by the writing rank (global rank
+0) into a temporary directory beside the target (:func:`staged`); the target then goes from
+the checkpoint it holds to the new one in one atomic rename or unlink (:func:`_swap_into_place`),
+so it holds one whole checkpoint at every instant, a kill included. Each write is wrapped in
+:func:`tpify.agree.on_writing_rank`, so a failure on the writing rank raises on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..agree import on_writing_rank
+from ..sharding import ShardSpec, is_dtensor, shard_spec_of
+from .files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID
+
+__all__ = ["ShardPlan", "plan_shards", "gather_dense", "staged"]
+
+
+def _spec(specs: dict[int, ShardSpec | None], t: torch.Tensor) -> ShardSpec | None:
+    """``t``'s spec: the one recorded for it by id (FSDP2's DTensors lost theirs), else its own."""
+    return specs.get(id(t), shard_spec_of(t))
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which tensors go in which file, in save order.
+
+    Attributes:
+        files: ``(file name, [(key, local tensor), ...])`` per file: ``model.safetensors`` when
+            one file holds everything, else ``model-0000i-of-0000n.safetensors`` (names in the
+            temporary directory; :func:`_swap_into_place` may rename them in the target).
+        total: the dense size of every tensor, in bytes (the index's ``total_size``).
+    """
+
+    files: list[tuple[str, list[tuple[str, torch.Tensor]]]]
+    total: int
+
+    def index(self, save_id: str) -> dict | None:
+        """The ``model.safetensors.index.json`` to write (``None`` for one file), with ``save_id``."""
+        if len(self.files) == 1:
+            return None
+        weight_map = {key: name for name, entries in self.files for key, _ in entries}
+        return {"metadata": {"total_size": self.total, SAVE_ID: save_id},
+                "weight_map": dict(sorted(weight_map.items()))}
+
+
+def plan_shards(entries: list[tuple[str, torch.Tensor]], specs: dict, max_shard_size: int | str) -> ShardPlan:
+    """Group ``entries`` (key, local tensor), in order, into files of at most ``max_shard_size``
+    dense bytes (``"2GB"``, ``"300KB"`` or a number; a larger tensor gets a file of its own).
+    Local: sizes from the shapes and the specs, no communication.
+
+    Raises:
+        ValueError: ``max_shard_size`` is not a size (from transformers' parser).
+    """
+    from transformers.utils.hub import convert_file_size_to_int
+
+    limit = convert_file_size_to_int(max_shard_size)
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = total = 0
+    for key, t in entries:
+        spec = _spec(specs, t)
+        numel = t.numel() // t.shape[spec.dim] * spec.global_size if spec is not None else t.numel()
+        nbytes = numel * t.element_size()
+        total += nbytes
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((key, t))
+        size += nbytes
+    names = ([SAFE_WEIGHTS_NAME] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    return ShardPlan(list(zip(names, groups)), total)
+
+
+def gather_dense(entries: list[tuple[str, torch.Tensor]], specs: dict, group, keep: bool) -> dict[str, torch.Tensor]:
+    """The dense value of each of ``entries`` (one file's), kept (contiguous, in host memory) only
+    when ``keep`` (on the writing rank): ``{}`` elsewhere.
+
+    Communication: per sharded tensor, one all-gather over the TP ``group``
+    (:meth:`ShardSpec.gather`); under FSDP2 (a DTensor), first ``full_tensor`` over the DP
+    dimension. Every rank of every TP group must call it with the same entries.
+    """
+    dense = {}
+    for key, t in entries:
+        spec = _spec(specs, t)
+        local = t.detach()
+        if is_dtensor(local):  # FSDP2: first the whole TP shard, gathered over the DP dimension
+            local = local.full_tensor()
+        value = spec.gather(local, group) if spec is not None else local
+        if keep:
+            dense[key] = value.contiguous().cpu()  # one file's tensors at a time, in host memory
+    return dense
+
+
+class _Stage:
+    """A save in progress: its id, its temporary directory beside the target (:func:`staged`)."""
+
+    def __init__(self, path: Path, device: torch.device):
+        self.path, self.device = path, device
+        self.save_id = uuid.uuid4().hex  # in every file of this save: a reader can tell one save from a mix of two
+        self.target = path.resolve() if path.is_symlink() else path  # tmp on the target's filesystem: atomic renames
+        self.tmp = self.target.parent / f".{self.target.name}.tmp-{self.save_id[:8]}"
+        self.writing, self.held = False, None
+
+    def write(self, name: str, dense: dict[str, torch.Tensor]) -> None:
+        """Write one file of ``dense`` tensors into the temporary directory (on the writing rank).
+
+        Communication: one all-reduce of one int over the world (:func:`on_writing_rank`).
+        """
+        with on_writing_rank(f"writing {name}", self.device) as writing:
+            if writing:
+                save_file(dense, str(self.tmp / name), metadata={"format": "pt", SAVE_ID: self.save_id})
+
+    def commit(self, model: nn.Module, index: dict | None) -> None:
+        """Write ``model``'s dense config (and generation config) beside the weights, then move
+        the new checkpoint into the target (:func:`_swap_into_place`), on the writing rank.
+
+        Communication: one all-reduce of one int over the world (:func:`on_writing_rank`).
+        """
+        with on_writing_rank(f"moving {self.tmp} to {self.path}", self.device) as writing:
+            if writing:
+                _write_configs(model, self.tmp)
+                _swap_into_place(self.tmp, self.target, index, self.save_id)
+
+
+@contextlib.contextmanager
+def staged(path: Path, device: torch.device) -> Iterator[_Stage]:
+    """A save into ``path``: the writing rank creates its temporary directory ``.NAME.tmp-<id>``
+    beside ``path`` (beside the directory a symlinked ``path`` points to), first removing such
+    directories no live save holds (left by a killed save), and holds a lock on it until the
+    block ends; then it removes whatever is left of it (nothing after a commit).
+
+    Communication: one all-reduce of one int over the world, after the creation
+    (:func:`on_writing_rank`); every rank must enter the block.
+
+    Raises:
+        OSError: creating the directory failed (on the writing rank; ``RuntimeError`` elsewhere).
+    """
+    stage = _Stage(path, device)
+    with on_writing_rank(f"creating {stage.tmp}", device) as writing:
+        stage.writing = writing
+        if writing:
+            stage.target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_dead_saves(stage.target)
+            stage.tmp.mkdir()
+            stage.held = _lock(stage.tmp, wait=True)  # until the save ends: later saves' _remove_dead_saves leave it
+    try:
+        yield stage
+    finally:
+        if stage.writing:
+            try:
+                if stage.tmp.exists():
+                    shutil.rmtree(stage.tmp, ignore_errors=True)
+            finally:
+                _unlock(stage.held)
+
+
+def _write_configs(model: nn.Module, directory: Path) -> None:
+    """``config.json`` (dense: :func:`_dense_config`) and, for a model that generates,
+    ``generation_config.json``, written into ``directory``."""
+    with _dense_config(model):
+        model.config.save_pretrained(str(directory))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(str(directory))
+
+
+@contextlib.contextmanager
+def _dense_config(model: nn.Module):
+    """The model's config as it must be written: the values the layout divided per rank put back
+    dense, and ``architectures`` naming the model's class (as transformers' save_pretrained sets it)."""
+    info = getattr(model, "tp_info", None)
+    divided = dict(info.layout.config_divides) if info is not None else {}
+    config = model.config
+    divided["architectures"] = [type(model).__name__]
+    per_rank = {name: getattr(config, name) for name in divided}
+    try:
+        for name, dense in divided.items():
+            setattr(config, name, dense)
+        yield config
+    finally:
+        for name, value in per_rank.items():
+            setattr(config, name, value)
+
+
+# Weight files a save owns in its target: replaced by the new save, or removed when it writes others.
+_OWNED_WEIGHTS = re.compile(r"^(model((-[0-9a-f]{8}|-[0-9a-f]{32})?-\d{5}-of-\d{5})?\.safetensors|"
+                            r"model\.safetensors\.index\.json|"
+                            r"pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$")
+_CONFIG_FILES = ("config.json", "generation_config.json")  # moved in after the weights' switch, in this order
+
+
+def _lock(directory: Path, wait: bool) -> int | None:
+    """An exclusive ``flock`` on ``directory``: its descriptor (:func:`_unlock` releases it; so
+    does the death of the process), or ``None`` when the platform or filesystem has no flock
+    or, with ``wait=False``, another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:  # held (LOCK_NB), or no locks on this filesystem
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def _remove_dead_saves(target: Path) -> None:
+    """Remove the temporary directories ``.NAME.tmp-<id>`` beside ``target`` whose save is dead.
+
+    A save holds a ``flock`` on its temporary directory from just after creating it to its end;
+    the kernel releases it when the process dies (SIGKILL included), so a directory this
+    process can lock is a killed save's leftover. Where locks are unavailable nothing is
+    removed (leftovers are harmless: no load reads them). A save whose directory is removed in
+    the microseconds between its ``mkdir`` and its ``flock`` fails loudly on its next write;
+    its target is untouched. Touches nothing else.
+    """
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.tmp-[0-9a-f]{{8}}$")
+    for entry in target.parent.iterdir():
+        if not pattern.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        fd = _lock(entry, wait=False)
+        if fd is not None:
+            try:
+                shutil.rmtree(entry, ignore_errors=True)
+            finally:
+                _unlock(fd)
+
+
+def _shard_names(path: Path, count: int, save_id: str) -> list[str]:
+    """Names of ``count`` shard files for a save into ``path``, none of which is a file there:
+    the standard ``model-0000i-of-0000n.safetensors`` when all are free, else
+    ``model-<8 hex digits of save_id>-0000i-of-0000n.safetensors`` (the whole id in the
+    astronomically rare case that those exist too). transformers' own ``save_pretrained``
+    removes both forms (names matching ``*-NNNNN-of-NNNNN``)."""
+    for tag in ("", f"-{save_id[:8]}", f"-{save_id}"):
+        names = [f"model{tag}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        if not any(os.path.lexists(path / n) for n in names):
+            return names
+    raise FileExistsError(f"save_pretrained: shard files of save {save_id} already exist in {path}")
+
+
+def _swap_into_place(tmp: Path, path: Path, index: dict | None, save_id: str) -> None:
+    """Move the checkpoint written in ``tmp`` (its shards, configs; ``index``: the index to
+    write, with ``tmp``'s file names, or ``None`` for one ``model.safetensors``) into ``path``.
+
+    A new ``path`` is ``tmp`` renamed (atomic). Into an existing directory, under an exclusive
+    ``flock`` of it (two saves never interleave their moves), in this order:
+
+    1. the shard files, under names no file in ``path`` has (:func:`_shard_names`; ``tmp``'s
+       files renamed and the index written with those names): the checkpoint transformers
+       loads is unchanged, the new files are unused;
+    2. the switch, one atomic step: for one file, ``os.replace`` of ``model.safetensors``
+       (transformers loads it before any index); for an index, ``os.replace`` of
+       ``model.safetensors.index.json``, which is the switch unless a ``model.safetensors``
+       is there, whose ``os.unlink`` then is (the new index and its shards are complete before);
+    3. ``config.json``, then ``generation_config.json`` (each ``os.replace``): until then the new
+       weights load with the old config (the same file in a resumed training; a loud shape error
+       at worst, never a silent mix of weights);
+    4. the weight files of earlier saves the new checkpoint does not use (``_OWNED_WEIGHTS``:
+       the old index first, then files, ``pytorch_model*.bin``), all unused since the switch.
+
+    A kill before step 2 leaves the old checkpoint and unused new files; after it, the new one
+    and unused old files: the next save removes the unused ones (step 4). Every other file
+    (tokenizer, notes, logs, ``checkpoint-*`` directories) stays, as with transformers.
+
+    Raises:
+        OSError: a rename or unlink failed (``path`` then holds one whole checkpoint).
+    """
+    if not path.exists():
+        if index is not None:
+            _write_index(tmp / SAFE_WEIGHTS_INDEX_NAME, index)
+        os.rename(tmp, path)
+        return
+    held = _lock(path, wait=True)
+    try:
+        if index is not None:
+            index = _rename_shards(tmp, path, index, save_id)
+            _write_index(tmp / SAFE_WEIGHTS_INDEX_NAME, index)
+        new = sorted(p.name for p in tmp.iterdir())
+        shards = [n for n in new if n.endswith(".safetensors") and n != SAFE_WEIGHTS_NAME]
+        for name in shards:  # 1. unused by the checkpoint transformers loads
+            os.replace(tmp / name, path / name)
+        if index is None:  # 2. the switch
+            os.replace(tmp / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_NAME)
+        else:
+            os.replace(tmp / SAFE_WEIGHTS_INDEX_NAME, path / SAFE_WEIGHTS_INDEX_NAME)
+            if (path / SAFE_WEIGHTS_NAME).is_file():
+                os.unlink(path / SAFE_WEIGHTS_NAME)
+        rest = [n for n in _CONFIG_FILES if n in new] + [n for n in new if n not in _CONFIG_FILES and n not in
+                                                         (*shards, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
+        for name in rest:  # 3. configs (and any file the config's save wrote, e.g. remote code)
+            os.replace(tmp / name, path / name)
+        stale = [p.name for p in path.iterdir()
+                 if p.name not in new and _OWNED_WEIGHTS.match(p.name) and p.is_file()]
+        for name in sorted(stale, key=lambda n: (not n.endswith(".json"), n)):  # 4. indexes first
+            os.unlink(path / name)
+        os.rmdir(tmp)
+    finally:
+        _unlock(held)
+
+
+def _rename_shards(tmp: Path, path: Path, index: dict, save_id: str) -> dict:
+    """Rename the shard files in ``tmp`` to names free in ``path`` (:func:`_shard_names`);
+    the index with the new names."""
+    written = sorted(set(index["weight_map"].values()))
+    final = dict(zip(written, _shard_names(path, len(written), save_id)))
+    for old, new in final.items():
+        if old != new:
+            os.rename(tmp / old, tmp / new)
+    return {**index, "weight_map": {k: final[v] for k, v in index["weight_map"].items()}}
+
+
+def _write_index(file: Path, index: dict) -> None:
+    file.write_text(json.dumps(index, indent=2) + "\n")
