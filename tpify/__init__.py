@@ -15,11 +15,10 @@ docs/architecture.md.
 """
 
 from .agree import AgreementError
-from .api import parallelize, remove_hooks
+from .api import from_pretrained, parallelize, remove_hooks, save_pretrained
 from .info import TPInfo, TPUsageError, get_tp_info
 from .io import CheckpointError
 from .layout import PlanError
-from .loading import from_pretrained, save_pretrained
 from .loss import vocab_parallel_cross_entropy
 from .random import manual_seed
 from .recipe import RecipeError, load_recipe

@@ -48,7 +48,7 @@ def _save_pretrained(self, save_directory, is_main_process: bool = True, state_d
             dense checkpoint), ``push_to_hub``, ``safe_serialization=False`` or other options of
             ``PreTrainedModel.save_pretrained`` that tpify does not implement.
     """
-    from .loading import save_pretrained
+    from .api import save_pretrained
 
     unsupported = [k for k, v in kwargs.items() if k not in _SAVE_DEFAULTS or v != _SAVE_DEFAULTS[k]]
     problems = []

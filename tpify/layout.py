@@ -8,7 +8,7 @@ layout instead of re-deriving what it needs:
 
 * surgery (:func:`tpify.surgery.apply_layout`): per module the style and per-rank sizes, the
   module attributes and config values to divide;
-* sharded loading and saving (:mod:`tpify.loading`): which modules are sharded, the checkpoint
+* sharded loading and saving (:mod:`tpify.api`, :mod:`tpify.io`): which modules are sharded, the checkpoint
   key renames, the config values to write back dense;
 * the dropout streams and gradient hooks (:mod:`tpify.hooks`): the
   sharded regions, from the output of each column-parallel layer to the next row-parallel one;

@@ -61,7 +61,7 @@ def _cases(rank, tmp):
         tpify.from_pretrained(path, tp_size=2)
 
     def truncated_load_weights():  # after truncated(): rank 1's copy is the truncated one
-        from tpify.loading import load_weights_
+        from tpify.api import load_weights_
 
         load_weights_(tpify.parallelize(_gpt2(), tp_size=2), f"{tmp}/rank{rank}")
 

@@ -450,7 +450,7 @@ def fsdp2_over_dp_clips_checks_and_saves_as_the_dense_model(c):
 
     import tpify
     from tpify.integrations import TPUsageError, get_peft_model
-    from tpify.loading import load_weights_
+    from tpify.api import load_weights_
     from tpify.training import check_replicas, sync_gradients
     from tpify.verify import float64_loss_function
 

@@ -1,4 +1,4 @@
-"""Single-process checks of tpify.loading and tpify.io: key mapping, dtype, buffers, atomic save.
+"""Single-process checks of tpify.api's loading and saving and tpify.io: key mapping, dtype, buffers, atomic save.
 
 Everything here runs at tp=1 without torch.distributed; the sharded paths are covered by
 tests/distributed/test_loading.py. Comparisons are bitwise (``torch.equal``): loading and saving

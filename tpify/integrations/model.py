@@ -30,7 +30,7 @@ def save_dense(model: nn.Module, directory, max_shard_size="2GB") -> None:
 
         save_adapter(model, directory)
     else:
-        from ..loading import save_pretrained
+        from ..api import save_pretrained
 
         save_pretrained(tp_model_of(model), directory, max_shard_size=max_shard_size)
 
@@ -42,6 +42,6 @@ def load_dense_(model: nn.Module, directory) -> None:
 
         load_adapter_(model, directory, adapter_name=model.active_adapter)
     else:
-        from ..loading import load_weights_
+        from ..api import load_weights_
 
         load_weights_(tp_model_of(model), directory)

@@ -11,7 +11,7 @@
 every rank given the same directory. ``save`` gathers over the TP group and reports the
 writing rank's outcome to every rank (:func:`tpify.agree.on_writing_rank`). The sequences
 that use them (``from_pretrained``, ``load_weights_``, ``save_pretrained``) are in
-:mod:`tpify.loading`.
+:mod:`tpify.api`, next to ``parallelize``.
 """
 
 
