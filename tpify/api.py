@@ -170,7 +170,7 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     model.tp_info = info
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
     info.guards = guards.install(model, info)  # before every other hook: what would be silently wrong
-    hf_methods.install(model)  # TP-aware save_pretrained, gradient checkpointing; resize refused
+    hf_methods.install(model, save_pretrained)  # TP-aware save_pretrained, gradient checkpointing; resize refused
     return model
 
 

@@ -22,6 +22,7 @@ model fails on the shapes instead of loading wrong values.
 
 from __future__ import annotations
 
+import functools
 import types
 
 from torch import nn
@@ -37,7 +38,7 @@ _SAVE_DEFAULTS = {"variant": None, "token": None, "save_peft_format": True, "sav
 
 
 def _save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
-                     max_shard_size="2GB", safe_serialization: bool = True, **kwargs):
+                     max_shard_size="2GB", safe_serialization: bool = True, *, save, **kwargs):
     """Save the dense Hugging Face checkpoint of this tensor-parallel model (= tpify.save_pretrained).
 
     A collective: every rank of the world calls it; global rank 0 writes. ``is_main_process`` is
@@ -48,8 +49,6 @@ def _save_pretrained(self, save_directory, is_main_process: bool = True, state_d
             dense checkpoint), ``push_to_hub``, ``safe_serialization=False`` or other options of
             ``PreTrainedModel.save_pretrained`` that tpify does not implement.
     """
-    from .api import save_pretrained
-
     unsupported = [k for k, v in kwargs.items() if k not in _SAVE_DEFAULTS or v != _SAVE_DEFAULTS[k]]
     problems = []
     if state_dict is not None:
@@ -64,7 +63,7 @@ def _save_pretrained(self, save_directory, is_main_process: bool = True, state_d
     if problems:
         raise TPUsageError(f"{type(self).__name__}.save_pretrained on a tensor-parallel model does not support "
                            + "; ".join(problems))
-    save_pretrained(self, save_directory, max_shard_size=max_shard_size)
+    save(self, save_directory, max_shard_size=max_shard_size)
 
 
 def _resize_token_embeddings(self, *args, **kwargs):
@@ -127,11 +126,12 @@ def check_before_parallelize(model: nn.Module) -> None:
                            f"forward restores tpify's dropout streams")
 
 
-def install(model: nn.Module) -> None:
-    """Give a freshly parallelized model its TP-aware HF methods (see the module docstring)."""
+def install(model: nn.Module, save) -> None:
+    """Give a freshly parallelized model its TP-aware HF methods (see the module docstring);
+    ``save``: :func:`tpify.save_pretrained`, which its ``save_pretrained`` calls."""
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, model)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained = types.MethodType(_save_pretrained, model)
+        model.save_pretrained = types.MethodType(functools.partial(_save_pretrained, save=save), model)
     if hasattr(model, "resize_token_embeddings"):
         model.resize_token_embeddings = types.MethodType(_resize_token_embeddings, model)

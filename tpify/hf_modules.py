@@ -22,7 +22,8 @@ def is_conv1d(module: nn.Module) -> bool:
     """Whether ``module`` is transformers' ``Conv1D`` (GPT-2 family): ``y = x W + b`` with ``W``
     stored ``[in, out]`` (``nx`` in, ``nf`` out). Recognised by name and attributes, so that a
     subclass or a copy from another transformers version counts too."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+    return (any(klass.__name__ == "Conv1D" for klass in type(module).__mro__)
+            and hasattr(module, "nf") and hasattr(module, "nx"))
 
 
 def module_kind(module: nn.Module) -> str | None:

@@ -47,7 +47,7 @@ class TPInfo(SharesProcessGroups):
         dp_source: how ``dp_group`` was found: ``"mesh"`` (the ``("dp", "tp")`` DeviceMesh),
             ``"argument"`` (``parallelize(dp_group=...)``), ``"inferred"`` (from the TP groups of
             every rank: the ranks holding the same TP rank) or ``"none"`` (no data parallelism).
-        state: the model's per-call state that hooks share (:class:`tpify.hooks.CallState`).
+        state: the model's per-call state that hooks share (:class:`tpify.context.CallState`).
     """
 
     tp_size: int

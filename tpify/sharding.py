@@ -254,8 +254,10 @@ def row_spec(in_features: int, tp_size: int, weight_layout: str = "linear") -> S
 
 def vocab_rows_spec(num_embeddings: int, tp_size: int, padded_size: int | None = None) -> ShardSpec:
     """The weight spec of a vocab-parallel embedding: rows (vocabulary entries) split, the table
-    padded to ``padded_size`` rows (default: unpadded)."""
-    return ShardSpec(0, (num_embeddings,), tp_size, padded_size or num_embeddings)
+    padded to ``padded_size`` rows (default, or ``padded_size == num_embeddings``: unpadded, the
+    same spec as a column-parallel LM head over that vocabulary, which a tied head shares)."""
+    padded = padded_size if padded_size and padded_size != num_embeddings else None
+    return ShardSpec(0, (num_embeddings,), tp_size, padded)
 
 
 def embedding_columns_spec(embedding_dim: int, tp_size: int) -> ShardSpec:

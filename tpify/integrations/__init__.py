@@ -28,6 +28,6 @@ def __getattr__(name: str):
         from . import peft
         return getattr(peft, name)
     if name == "TPUsageError":
-        from .model import TPUsageError
+        from ..info import TPUsageError
         return TPUsageError
     raise AttributeError(f"module 'tpify.integrations' has no attribute {name!r}")

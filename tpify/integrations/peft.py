@@ -55,7 +55,7 @@ from ..info import get_tp_info
 from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
 from ..random import DEFAULT, TP
 from ..sharding import KeepsShardSpecs, ShardSpec, lora_factor_spec, shard_spec_of
-from .model import TPUsageError
+from ..info import TPUsageError
 
 __all__ = ["LoraTPLinear", "get_peft_model", "save_adapter", "load_adapter_"]
 
