@@ -46,7 +46,7 @@ LINEAR_STYLES = ("colwise", "packed_colwise", "colwise_rep", "rowwise")
 EMBEDDING_STYLES = ("embedding_rowwise", "embedding_colwise")
 
 
-def _plan_ctx(tp, *, pad=1, parts=None, subclasses=None, raise_on_indivisible=True):
+def _plan_ctx(tp, *, pad=1, parts=None, subclasses=None, report_indivisible=True):
     """A :class:`PlanContext` as build_layout makes one: ``need_divisible`` records every count
     (``ctx.counts``) and an error when ``tp`` does not divide it; ``packed_sizes`` answers
     ``parts`` (the recipe's weighing of packed parts is build_layout's, tested with it)."""
@@ -54,7 +54,7 @@ def _plan_ctx(tp, *, pad=1, parts=None, subclasses=None, raise_on_indivisible=Tr
 
     def need_divisible(what, value):
         counts.append((what, value))
-        if value % tp and raise_on_indivisible:
+        if value % tp and report_indivisible:
             errors.append(f"{what} = {value} is not divisible by tp_size = {tp}")
 
     model = nn.Module()
@@ -93,7 +93,8 @@ def test_every_recipe_style_name_has_a_style_object_of_that_name():
 def test_an_unknown_style_is_refused_by_the_registry_and_by_the_recipe():
     with pytest.raises(KeyError):
         style_of("sideways")
-    with pytest.raises(RecipeError, match=r"rule #0 \(match=\['fc'\]\) has unknown style 'sideways'; known styles") as err:
+    needle = r"rule #0 \(match=\['fc'\]\) has unknown style 'sideways'; known styles"
+    with pytest.raises(RecipeError, match=needle) as err:
         Recipe.from_dict({"model_type": "x", "rule": [{"match": "fc", "style": "sideways"}]}, "test.toml")
     assert all(repr(name) in str(err.value) for name in STYLES), "the message lists every known style"
 
@@ -307,7 +308,7 @@ def test_counts_that_tp_size_must_divide_go_through_need_divisible_and_are_repor
 def test_a_spec_error_that_need_divisible_did_not_report_is_reported_by_plan():
     """Should a context's need_divisible record without reporting, the spec functions' own
     ValueError still reaches the errors, naming the module: plan never swallows it."""
-    ctx = _plan_ctx(4, raise_on_indivisible=False)
+    ctx = _plan_ctx(4, report_indivisible=False)
     entry = STYLES["colwise"].plan(ctx, "attn.fc", nn.Linear(8, 6), _rule("colwise"))
     assert entry.specs == {}
     assert ctx.errors == ["attn.fc (Linear, colwise): a part of the sharded dimension = 6 is not divisible by "

@@ -295,7 +295,8 @@ def test_at_tp1_the_swapped_model_computes_the_dense_logits():
     torch.manual_seed(0)
     model = _gpt2().double().eval()
     dense = copy.deepcopy(model)
-    apply_layout(model, build_layout(model, load_recipe("gpt2"), 1), TPContext(None, region_input=ColumnParallelInput()))
+    layout = build_layout(model, load_recipe("gpt2"), 1)
+    apply_layout(model, layout, TPContext(None, region_input=ColumnParallelInput()))
     assert isinstance(model.transformer.h[0].attn.c_attn, ColumnParallelLinear)
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
