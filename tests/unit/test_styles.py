@@ -224,7 +224,7 @@ SPEC_CASES = [
     ("rowwise-linear-nobias-tp4", "rowwise", lambda: nn.Linear(12, 8, bias=False), 4, 1, None, (),
      {"weight": S(1, (12,), 4), "bias": None}, (None, None, ())),
     ("vocab-rows-divisible-tp2", "embedding_rowwise", lambda: nn.Embedding(10, 8), 2, 1, None, (),
-     {"weight": S(0, (10,), 2, 10)}, (None, 10, ())),
+     {"weight": S(0, (10,), 2)}, (None, 10, ())),
     ("vocab-rows-padded-tp4", "embedding_rowwise", lambda: nn.Embedding(10, 8, padding_idx=9), 4, 1, None, (),
      {"weight": S(0, (10,), 4, 12)}, (None, 12, ())),
     ("vocab-rows-pad-multiple-4-tp2", "embedding_rowwise", lambda: nn.Embedding(10, 8), 2, 4, None, (),
@@ -410,7 +410,7 @@ def test_a_declared_scaled_embedding_records_its_scale(scale):
     entry = STYLES["embedding_rowwise"].plan(ctx, "fc", _ScaledEmbedding(10, 8, scale), _rule("embedding_rowwise"))
     assert ctx.errors == []
     assert (entry.output_scale, entry.scale_attr) == (float(scale), "embed_scale")
-    assert entry.specs == {"weight": S(0, (10,), 2, 10)}
+    assert entry.specs == {"weight": S(0, (10,), 2)}
 
 
 @pytest.mark.parametrize("style, make", [
