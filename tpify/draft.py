@@ -55,8 +55,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .hf_plan import (HEAD_COUNT_ATTRS, TASK_HEADS, _base, _forward_reads, _kind, _overrides_forward, _rel,
-                      has_hf_plan, head_counts, import_hf_plan, wildcard)
+from .hf_plan import (HEAD_COUNT_ATTRS, TASK_HEADS, base_model_and_prefix, forward_reads, has_hf_plan, head_counts,
+                      import_hf_plan, layer_kind, overrides_forward, relative_name, wildcard)
 from .recipe import Recipe, RecipeError, loss_terms_of
 
 __all__ = ["DraftError", "Draft", "draft", "trace_flows", "FlowTrace", "to_toml"]
@@ -1007,7 +1007,7 @@ def trace_flows(model: nn.Module, inputs: dict | None = None) -> FlowTrace:
         tracer.token_weights.add(id(inp.weight))
     handles = []
     for fqn, module in model.named_modules():
-        kind = _kind(module)
+        kind = layer_kind(module)
         shardable = kind is not None
         handles.append(module.register_forward_pre_hook(tracer.pre(fqn, shardable), with_kwargs=True))
         handles.append(module.register_forward_hook(tracer.post(fqn, shardable, kind)))
@@ -1086,13 +1086,13 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
     torch.manual_seed(0)
     model = cls(small).float().eval()
     trace = trace_flows(model)
-    base, prefix = _base(model)
+    base, prefix = base_model_and_prefix(model)
     modules = {}
     for fqn, m in model.named_modules():
         if not fqn and base is not model:
             continue
         modules[fqn] = m
-    rel = {fqn: _rel(fqn, prefix)[0] for fqn in modules}
+    rel = {fqn: relative_name(fqn, prefix)[0] for fqn in modules}
     hd = small.head_dim if isinstance(getattr(small, "head_dim", None), int) else None
     if hd is None:
         counts = head_counts(small)
@@ -1123,12 +1123,12 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
                 problems.append(f"{rel[q]}: its features reach the model's output")
             if q in styles or q in cons:
                 problems.append(f"{rel[q]} is already {styles.get(q, ('a consumer',))[0]}")
-            if _kind(modules[q]) == "embedding" and (modules[q].max_norm is not None or modules[q].sparse):
+            if layer_kind(modules[q]) == "embedding" and (modules[q].max_norm is not None or modules[q].sparse):
                 problems.append(f"{rel[q]} is an embedding with max_norm / sparse")
         for c in sorted(cons):
             if c in styles:
                 problems.append(f"{rel[c]} is already {styles[c][0]}")
-            if _kind(modules[c]) != "linear":
+            if layer_kind(modules[c]) != "linear":
                 problems.append(f"{rel[c]} is not a linear layer")
         packed = {}
         for q in sorted(prods):
@@ -1145,8 +1145,8 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
         for q in prods:
             heads = sorted(trace.heads.get(q, ()))
             how = (f"split into {heads} heads" if heads else
-                   "the heads" if _kind(modules[q]) == "embedding" else "elementwise")
-            if _kind(modules[q]) == "embedding":
+                   "the heads" if layer_kind(modules[q]) == "embedding" else "elementwise")
+            if layer_kind(modules[q]) == "embedding":
                 styles[q] = ("embedding_colwise", f"traced: its columns are {how} (a per-head table), read only "
                                                   f"with the heads of {cons_names}", {})
             elif packed[q] is not None:
@@ -1166,7 +1166,7 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
         outp = None
     review: list[str] = []
     subclasses: dict[str, dict] = {}
-    emb_weight = getattr(inp, "weight", None) if _kind(inp) == "embedding" else None
+    emb_weight = getattr(inp, "weight", None) if layer_kind(inp) == "embedding" else None
     if emb_weight is not None:
         forward = _subclass_forward(inp)
         if inp.max_norm is not None or inp.scale_grad_by_freq or inp.sparse or forward is None:
@@ -1179,10 +1179,10 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
             if forward != "plain-class":
                 subclasses[type(inp).__name__] = forward
         for fqn, m in modules.items():
-            if _kind(m) == "embedding" and m.weight is emb_weight:
+            if layer_kind(m) == "embedding" and m.weight is emb_weight:
                 styles[fqn] = emb_style
     for fqn, m in modules.items():
-        if outp is not None and m is outp and _kind(m) == "linear":
+        if outp is not None and m is outp and layer_kind(m) == "linear":
             tied = emb_weight is not None and getattr(m, "weight", None) is emb_weight
             if tied and emb_style[0] == "replicate":
                 styles[fqn] = ("replicate", "the LM head, tied to a replicated embedding: a full copy", {})
@@ -1193,7 +1193,7 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
     # Linear subclasses that override forward: split only when it computes the plain layer.
     for fqn, (style, note, extra) in list(styles.items()):
         m = modules[fqn]
-        if style == "replicate" or _kind(m) != "linear" or not _overrides_forward(m):
+        if style == "replicate" or layer_kind(m) != "linear" or not overrides_forward(m):
             continue
         forward = _subclass_forward(m)
         if forward == {"forward": "plain"}:
@@ -1232,7 +1232,7 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
         rel[q].startswith(rel[a] + ".") for q in sharded)})
     rel_modules = {rel[f]: m for f, m in modules.items()}
     widths = {v * hd for v in counts.values()} if hd else set()
-    more, more_cfg = _forward_reads(rel_modules, attention, small, counts, widths)
+    more, more_cfg = forward_reads(rel_modules, attention, small, counts, widths)
     for r, attrs in more.items():
         full = next(f for f in modules if rel[f] == r)
         for a in attrs:
@@ -1279,13 +1279,13 @@ def _draft_from_trace(config, classes: dict[str, type]) -> Draft:
             review.append(f"{c.__name__} could not be built on the meta device ({type(e).__name__}: {e}); its modules "
                           f"are not covered")
             continue
-        b, pre = _base(m)
+        b, pre = base_model_and_prefix(m)
         for f, mod in m.named_modules():
             if not f and b is not m:
                 continue
-            if _kind(mod) is None:
+            if layer_kind(mod) is None:
                 continue
-            r, inside = _rel(f, pre)
+            r, inside = relative_name(f, pre)
             w = wildcard(r)
             if w in covered_rel or w in fill:
                 continue
@@ -1412,7 +1412,7 @@ def _subclass_forward(module: nn.Module):
 
     import torch.nn.functional as F
 
-    if not _overrides_forward(module):
+    if not overrides_forward(module):
         return "plain-class"
     try:
         m = copy.deepcopy(module).double()
