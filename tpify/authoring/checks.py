@@ -358,8 +358,9 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
         ValueError: the default group does not have exactly ``tp_size`` ranks (before anything).
     """
     if not dist.is_initialized() or dist.get_world_size() != tp_size:
-        raise ValueError(f"tpify.verify.check_case needs an initialised process group of exactly tp_size = {tp_size} "
-                         f"ranks; this one has {dist.get_world_size() if dist.is_initialized() else 0}")
+        world = dist.get_world_size() if dist.is_initialized() else 0
+        raise ValueError(f"tpify.authoring.checks.check_case needs an initialised process group of exactly "
+                         f"tp_size = {tp_size} ranks; this one has {world}")
     task = task or task_of(cls)
     label = target or config.model_type
     if workdir is None:

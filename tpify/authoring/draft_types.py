@@ -50,7 +50,7 @@ class Draft:
     def toml(self) -> str:
         """The draft as a commented TOML file (``tomllib`` reads it back to :attr:`data`)."""
         how = ("imported from transformers' own tensor-parallel plan (tpify.hf_plan)" if self.method == "hf-plan"
-               else "from a data-flow trace of one forward of a small random model (tpify.draft.trace_flows)")
+               else "from a data-flow trace of one forward of a small random model (tpify.authoring.tracer)")
         header = [f"DRAFT tpify recipe for model_type {self.model_type!r}, {how}.",
                   f"Head classes looked at: {', '.join(self.head_classes)}.",
                   "Review every rule (the comment above it says what it is based on), then prove it exact:",

@@ -157,8 +157,8 @@ def rank_shapes(module, entry, tp_size: int) -> dict[str, tuple[tuple[int, ...],
         specs["weight"] = ShardSpec(1, (module.embedding_dim,), tp_size)
     else:
         raise PlanReportError(f"plan does not know style {entry.style!r} ({entry.fqn}, rule #{entry.rule}): "
-                              f"tpify.cli.plan.rank_shapes has no per-rank shape for it; extend it before trusting "
-                              f"a report")
+                              f"tpify.authoring.plan.rank_shapes has no per-rank shape for it; extend it before "
+                              f"trusting a report")
     out = {}
     for name, shape in dense.items():
         spec = specs.get(name)

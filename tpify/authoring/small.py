@@ -260,8 +260,8 @@ def _check_small(config, heads: int, hidden: int, max_dim: int) -> None:
         largest = ", ".join(f"{n} {s}" for _, n, s in params[:3])
         raise ShrinkError(f"cannot shrink {name}: {base.__name__} from the small config still has {layers} "
                           f"linear/embedding layers (at most {_MAX_SMALL_LAYERS}; largest: {largest}); its config "
-                          f"has size attributes tpify.verify.small_config does not know. Pass a directory holding a "
-                          f"small config.json")
+                          f"has size attributes tpify.authoring.small.small_config does not know. Pass a directory "
+                          f"holding a small config.json")
 
 
 def _attributes_note(config, named_shapes) -> str:
@@ -282,9 +282,9 @@ def _attributes_note(config, named_shapes) -> str:
     except Exception:  # noqa: BLE001 - a config that cannot serialise itself: no names
         return ""
     if not found:
-        return ("; no config attribute has these sizes (derived from several; tpify.verify.small_config does not "
-                "know them)")
-    return ("; config attributes tpify.verify.small_config does not shrink, with these sizes: "
+        return ("; no config attribute has these sizes (derived from several; tpify.authoring.small.small_config does "
+                "not know them)")
+    return ("; config attributes tpify.authoring.small.small_config does not shrink, with these sizes: "
             + ", ".join(f"{k} = {v}" for k, v in sorted(found.items())[:8]))
 
 

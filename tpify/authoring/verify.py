@@ -162,7 +162,8 @@ def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,),
     Each job starts ``tp`` ranks (``python -c`` subprocesses, :mod:`tpify.authoring.launcher`;
     gloo over localhost, ``GLOO_SOCKET_IFNAME=lo``, rendezvous at a ``TCPStore`` on a free port
     served by this process; one thread per rank) that run
-    :func:`~tpify.authoring.checks.check_case` for every (target, head class) in turn; rank 0's rows come back as each case ends. Jobs run one after another. A target
+    :func:`~tpify.authoring.checks.check_case` for every (target, head class) in turn; rank 0's
+    rows come back as each case ends. Jobs run one after another. A target
     whose config cannot be resolved or shrunk, whose recipe is missing or malformed, or whose
     head class is unknown gives a failed ``setup`` row (no ranks are spawned for it); a job that
     crashes or passes ``timeout_s`` gives a failed ``job`` row for each case that did not report.
@@ -184,7 +185,7 @@ def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,),
     specs = [t if isinstance(t, Target) else Target(t) for t in targets]
     for tp in tp_sizes:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tpify.verify: tp sizes must be positive integers, got {tp!r}")
+            raise ValueError(f"tpify.authoring.verify: tp sizes must be positive integers, got {tp!r}")
         cases: list[_Case] = []
         for spec in specs:
             planned, failed = _plan_cases(spec, tp)
