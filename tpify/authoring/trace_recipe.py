@@ -113,7 +113,7 @@ def draft_from_trace(config, classes: dict[str, type]) -> Draft:
     # The sizes of split dimensions passed as numbers, confirmed by a second trace with other
     # head counts (trace_sizes).
     literal_divides, literal_problems, literal_notes = resolve_literals(t.trace, second_trace(config, t.cls),
-                                                                        t.modules, t.rel, t.small)
+                                                                        t.modules, t.small)
     styles, rejected = _pair_layers(t, literal_problems)
     review: list[str] = []
     subclasses: dict[str, dict] = {}

@@ -40,8 +40,11 @@ def second_trace(config, cls):
     return None
 
 
-def resolve_literals(trace: FlowTrace, other, modules: dict, rel: dict, small):
+def resolve_literals(trace: FlowTrace, other, modules: dict, small):
     """Where each size passed as a number comes from, confirmed by the second trace.
+
+    ``trace``: the first trace; ``other``: :func:`second_trace`'s ``(model, trace)`` or None;
+    ``modules``: FQN -> module of the first trace's model; ``small``: its config.
 
     Returns ``(found, problems, notes)``: producer -> ``[(module FQN, "attr" | "config", name)]``
     to divide; producer -> reasons it cannot be split; review lines."""
