@@ -92,9 +92,9 @@ def dense_named(model, attr: str | None = None) -> dict[str, torch.Tensor]:
     """``{fqn: dense tensor}`` of every parameter (``attr='grad'`` for gradients), gathered.
 
     Collective on a parallelized model: every rank of the TP group must call it. The gathering
-    lives in the library (:func:`tpify.verify.dense_named`, which ``tpify verify`` uses).
+    lives in the library (:func:`tpify.authoring.compare.dense_named`, which ``tpify verify`` uses).
     """
-    from tpify.verify import dense_named as gather
+    from tpify.authoring.compare import dense_named as gather
 
     return gather(model, attr)
 
@@ -123,7 +123,7 @@ def float64_loss_function(causal: bool):
     would cap a float64 dense reference at float32 precision. Set it as
     ``dense_model.loss_function = tputil.float64_loss_function(causal=True)``.
     """
-    from tpify.verify import float64_loss_function as f64
+    from tpify.authoring.reference import float64_loss_function as f64
 
     return f64("ForCausalLM" if causal else "ForMaskedLM")
 

@@ -1,7 +1,7 @@
 """Small model classes that misbehave on purpose, for ``tpify verify``'s tests (tests/distributed/test_verify.py).
 
 They live in a module of their own (``tests/`` is on ``sys.path``, see conftest.py) so that the
-ranks ``tpify.verify.verify_many`` launches can unpickle them by name.
+ranks ``tpify.authoring.verify.verify_many`` launches can unpickle them by name.
 
 * ``Float64Refusing*``: a family whose kernel refuses float64 the way transformers' fused-experts
   kernel does (``torch.nn.functional.grouped_mm`` raises ``RuntimeError: Expected mat_a to be

@@ -77,7 +77,8 @@ from torch import nn
 from .recipe import Recipe, RecipeError, _compile_glob, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
-           "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard"]
+           "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard", "head_counts",
+           "base_model_and_prefix", "relative_name", "layer_kind", "overrides_forward", "forward_reads"]
 
 # Config attributes holding head counts, in the order they are reported (transformers maps
 # family-specific names such as n_head onto them through the config's attribute_map).
@@ -105,13 +106,15 @@ def wildcard(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
 
 
-def _base(model: nn.Module) -> tuple[nn.Module, str]:
+def base_model_and_prefix(model: nn.Module) -> tuple[nn.Module, str]:
+    """``(base model, its attribute name)`` of a head class (``(model.transformer, "transformer")``
+    for ``GPT2LMHeadModel``); ``(model, "")`` for a base model or a model without one."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = getattr(model, prefix, None) if prefix else None
     return (base, prefix) if isinstance(base, nn.Module) and base is not model else (model, "")
 
 
-def _rel(name: str, prefix: str) -> tuple[str, bool]:
+def relative_name(name: str, prefix: str) -> tuple[str, bool]:
     """``(name relative to the base model, whether it is inside the base model)``."""
     if not prefix:
         return name, True
@@ -131,18 +134,18 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     prefix (``model.layers.*.mlp.up_proj`` -> ``layers.*.mlp.up_proj``); head-class keys
     (``lm_head``) stay. Empty when the family defines no plan.
     """
-    _, prefix = _base(model)
+    _, prefix = base_model_and_prefix(model)
     plan = getattr(model, "_tp_plan", None)
     if not plan:
         config = getattr(model, "config", None)
         plan = dict(getattr(type(model), "_tp_plan", None) or {})
         base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-        if base_plan and isinstance(getattr(_base(model)[0], "embed_tokens", None), nn.Embedding):
+        if base_plan and isinstance(getattr(base_model_and_prefix(model)[0], "embed_tokens", None), nn.Embedding):
             base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
         plan.update({(f"{prefix}.{k}" if prefix else k): v for k, v in base_plan.items()})
     out = {}
     for key, style in dict(plan).items():
-        out[_rel(key, prefix)[0]] = style
+        out[relative_name(key, prefix)[0]] = style
     return out
 
 
@@ -153,7 +156,9 @@ def has_hf_plan(model: nn.Module) -> bool:
     return bool(getattr(config, "base_model_tp_plan", None)) or bool(hf_tp_plan(model))
 
 
-def _kind(module: nn.Module) -> str | None:
+def layer_kind(module: nn.Module) -> str | None:
+    """``"embedding"`` (``nn.Embedding``), ``"linear"`` (``nn.Linear``, transformers ``Conv1D``) or
+    None: the module kinds a recipe can split."""
     if isinstance(module, nn.Embedding):
         return "embedding"
     if isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf")):
@@ -161,7 +166,8 @@ def _kind(module: nn.Module) -> str | None:
     return None
 
 
-def _overrides_forward(module: nn.Module) -> bool:
+def overrides_forward(module: nn.Module) -> bool:
+    """Whether an ``nn.Linear`` / ``nn.Embedding`` subclass replaces the plain layer's ``forward``."""
     for plain in (nn.Linear, nn.Embedding):
         if isinstance(module, plain):
             return type(module).forward is not plain.forward
@@ -248,13 +254,13 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         raise _error(model, "transformers defines no tensor-parallel plan for it (config.base_model_tp_plan "
                             "is empty)")
     config = getattr(model, "config", None)
-    base, prefix = _base(model)
+    base, prefix = base_model_and_prefix(model)
     modules: dict[str, nn.Module] = {}
     inside: dict[str, bool] = {}
     for fqn, module in model.named_modules():
         if not fqn and base is not model:
             continue
-        rel, in_base = _rel(fqn, prefix)
+        rel, in_base = relative_name(fqn, prefix)
         modules[rel] = module
         inside[rel] = in_base
     by_key: dict[str, list[str]] = {}
@@ -295,7 +301,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                                     f"{shape}, not to a module: {what}")
             dropped.append(f"{key} = {hf_style}")
             continue
-        kinds = {_kind(modules[n]) for n in names}
+        kinds = {layer_kind(modules[n]) for n in names}
         first = names[0]
         where = f"HF rule {key!r} = {hf_style!r} (module {first}, a {type(modules[first]).__name__})"
         if hf_style in _UNSUPPORTED:
@@ -315,7 +321,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         if hf_style == "embedding_rowwise":
             if kinds != {"embedding"}:
                 raise _error(model, f"{where}: embedding_rowwise applies to an nn.Embedding")
-            if any(_overrides_forward(modules[n]) for n in names):
+            if any(overrides_forward(modules[n]) for n in names):
                 add_rule(key, names, "replicate",
                          f"HF embedding_rowwise, but {type(modules[first]).__name__} overrides forward (a scaled "
                          f"embedding?): kept whole; review: declare it in [subclasses] to shard it")
@@ -355,9 +361,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     covered = set(styles)
     fill: dict[str, tuple[list[str], bool]] = {}
     for rel, module in modules.items():
-        if _kind(module) is None or rel in covered:
+        if layer_kind(module) is None or rel in covered:
             continue
-        if any(rel.startswith(c + ".") for c, s in styles.items() if s == "replicate" and _kind(modules[c]) is None):
+        if any(rel.startswith(c + ".") for c, s in styles.items()
+               if s == "replicate" and layer_kind(modules[c]) is None):
             continue
         key = wildcard(rel)
         names, _ = fill.get(key, ([], True))
@@ -378,7 +385,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     attention = sorted({r.rpartition(".")[0] for r, s in styles.items()
                         if s in ("colwise", "packed_colwise") and inside[r] and _out_features(modules[r]) in widths})
     divisible = list(heads) if attention else []
-    divides, divide_config = _forward_reads(modules, attention, config, heads, widths)
+    divides, divide_config = forward_reads(modules, attention, config, heads, widths)
     for rel, attrs in divides.items():
         rules.append(({"match": wildcard(rel), "divide": attrs},
                       f"{type(modules[rel]).__name__}.forward reads {attrs}: per-rank values"))
@@ -416,8 +423,8 @@ def _tie_heads(model, modules, styles, rules, add_rule):
         if isinstance(w, nn.Parameter):
             weights.setdefault(id(w), []).append(rel)
     for holders in weights.values():
-        embeds = [h for h in holders if _kind(modules[h]) == "embedding"]
-        heads = [h for h in holders if _kind(modules[h]) == "linear"]
+        embeds = [h for h in holders if layer_kind(modules[h]) == "embedding"]
+        heads = [h for h in holders if layer_kind(modules[h]) == "linear"]
         if not embeds or not heads:
             continue
         estyle = styles.get(embeds[0], "replicate")
@@ -451,7 +458,7 @@ def _check_per_head_params(model, modules, styles):
                if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
     for parent in sorted(parents):
         for rel, module in modules.items():
-            if not rel.startswith(parent + ".") or _kind(module) is not None:
+            if not rel.startswith(parent + ".") or layer_kind(module) is not None:
                 continue
             for pname, param in module.named_parameters(recurse=False):
                 shape = tuple(param.shape)
@@ -475,9 +482,13 @@ _DIVIDE_NAME = re.compile(r"(head|hidden_size|embed_dim|split_size|inner_dim)", 
 _NOT_DIVIDE_NAME = re.compile(r"(head_dim|head_size|group|per_head)", re.I)
 
 
-def _forward_reads(modules, attention, config, heads, widths):
+def forward_reads(modules, attention, config, heads, widths):
     """Attributes of the attention modules (and config head counts) their forward reads that
-    hold a head count or a sharded width: ``({module rel: [attrs]}, [config attrs])``."""
+    hold a head count or a sharded width: ``({module rel: [attrs]}, [config attrs])``.
+
+    ``modules``: name relative to the base model -> module; ``attention``: the names to read;
+    ``heads``: :func:`head_counts` of ``config``; ``widths``: sharded widths (head count x head size).
+    """
     targets = set(heads.values()) | widths
     divides: dict[str, list[str]] = {}
     divide_config: list[str] = []

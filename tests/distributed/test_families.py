@@ -24,7 +24,7 @@ Engine features new architectures need (the layout issue):
 * t5: encoder-decoder with cross-attention, the relative attention bias split by heads
   (``embedding_colwise``), the three-way tied embeddings, the seq2seq loss vocab-parallel.
 
-Each case runs ``tpify.verify.check_case`` (the comparison code ``tpify verify`` uses): logits
+Each case runs ``tpify.authoring.checks.check_case`` (the comparison code ``tpify verify`` uses): logits
 with a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``
 (causal LMs), a ``save_pretrained``/``from_pretrained`` round trip, and for ``divide_config``
 values (phi3) the saved ``config.json`` dense while the parallel config holds ``dense / tp``.
@@ -109,7 +109,7 @@ GENERATIVE = {name for name, (cls, _) in CASES.items() if cls.__name__.endswith(
 
 
 def _body(rank, world, tmp):
-    from tpify.verify import check_case
+    from tpify.authoring.checks import check_case
 
     return {name: check_case(cls, make(world), world, workdir=f"{tmp}/{name.replace(' ', '_')}", target=name)
             for name, (cls, make) in CASES.items()}
@@ -174,7 +174,7 @@ def test_pad_vocab_multiple_pads_to_a_gpu_friendly_width_and_strips_it_on_save(t
 def _padding_body(rank, world, tmp):
     import tpify
     from transformers import GPT2Config, GPT2LMHeadModel
-    from tpify.verify import compare, dense_named
+    from tpify.authoring.compare import compare, dense_named
 
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=101, n_positions=32)).double().eval()

@@ -1,6 +1,6 @@
 """transformers' own TP plans (tpify/hf_plan.py) and ``tpify draft`` recipes, proved exact at tp = 2.
 
-ONE spawned job (tests/tputil.spawn, 2 gloo ranks) runs :func:`tpify.verify.check_case` for:
+ONE spawned job (tests/tputil.spawn, 2 gloo ranks) runs :func:`tpify.authoring.checks.check_case` for:
 
 * six decoder families that ship no tpify recipe but have a ``base_model_tp_plan``, each through
   ``tpify.parallelize(model)`` with no recipe argument, so the import path of ``tpify/api.py`` is
@@ -23,7 +23,7 @@ its logits must FAIL, silently wrong numbers caught. This is why the import maps
 
 Each case compares, against the dense float64 model: every output with a left-padding mask,
 the ``labels=`` loss, every gathered gradient, greedy ``generate`` (identical token ids), and a
-save / sharded-load round trip. Tolerance ``atol=1e-10, rtol=1e-9`` (tpify.verify.ATOL/RTOL): in
+save / sharded-load round trip. Tolerance ``atol=1e-10, rtol=1e-9`` (tpify.authoring.compare.ATOL/RTOL): in
 float64 only the order of the sums differs (~1e-16 relative, <= ~1e-13 over 2 layers); a wrong
 shard or a size not divided gives errors >= 1e-3 or a shape error.
 """
@@ -54,8 +54,8 @@ DRAFT_CASES = {"gpt2": ("gpt2", "auto", "trace"), "llama": ("llama", "auto", "hf
 
 
 def _config(model_type, changes):
-    from tpify.cli.target import resolve_config
-    from tpify.verify import small_config
+    from tpify.authoring.small import small_config
+    from tpify.authoring.target import resolve_config
 
     config = small_config(resolve_config(model_type), (2,))
     for k, v in changes.items():
@@ -67,7 +67,7 @@ def _naive_glm_recipe():
     """glm's imported recipe with HF's gathered pair taken as plain colwise / rowwise."""
     import torch
 
-    from tpify.cli.target import head_classes
+    from tpify.authoring.target import head_classes
     from tpify.hf_plan import import_hf_plan
 
     with torch.device("meta"):
@@ -86,10 +86,10 @@ def _body(rank, world, drafts, workdir):
 
     import torch
 
-    from tpify.cli.target import head_classes
+    from tpify.authoring.target import head_classes
     from tpify.hf_plan import recipe_from_hf_plan
     from tpify.recipe import available_recipes
-    from tpify.verify import check_case
+    from tpify.authoring.checks import check_case
 
     hf_logging.set_verbosity_error()
     out = {}
@@ -120,7 +120,7 @@ def _body(rank, world, drafts, workdir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from tpify.draft import draft
+    from tpify.authoring.draft import draft
 
     tmp = tmp_path_factory.mktemp("hf_plan")
     drafts = {}
@@ -139,7 +139,7 @@ def results(tmp_path_factory):
 
 def _assert_rows(label, rows):
     """Every row passed (print the table: the measured differences)."""
-    from tpify.verify import VerifyReport
+    from tpify.authoring.verify_report import VerifyReport
 
     report = VerifyReport(rows=rows)
     print(report.format_table())

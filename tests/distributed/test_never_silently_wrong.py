@@ -172,7 +172,7 @@ def moe_aux_loss_is_part_of_the_loss(c):
     load-balancing loss, and the router gradients include the aux loss's; float64, every
     gradient. Without output_router_logits the loss is the CE alone, as in HF."""
     import tpify
-    from tpify.verify import float64_loss_function
+    from tpify.authoring.reference import float64_loss_function
 
     for aux in (True, False):
         ref = _seeded(lambda: _mixtral(aux))
@@ -225,7 +225,7 @@ def peft_modules_to_save_lm_head_trains_the_sharded_copy(c):
 
     import tpify
     from tpify.integrations import get_peft_model
-    from tpify.verify import float64_loss_function
+    from tpify.authoring.reference import float64_loss_function
 
     ref = _seeded(_gpt2).double()
     ref.loss_function = float64_loss_function("ForCausalLM")
@@ -401,7 +401,7 @@ def dp_group_is_inferred_from_tp_group(c):
     the same TP rank (it used to be None: sync_gradients did nothing and the replicas drifted)."""
     import tpify
     from tpify.training import check_replicas
-    from tpify.verify import float64_loss_function
+    from tpify.authoring.reference import float64_loss_function
 
     tp_group, _ = dist.new_subgroups(2)  # [0, 1] and [2, 3]
     ref = _seeded(_gpt2).double()
@@ -452,7 +452,7 @@ def fsdp2_over_dp_clips_checks_and_saves_as_the_dense_model(c):
     from tpify.integrations import TPUsageError, get_peft_model
     from tpify.api import load_weights_
     from tpify.training import check_replicas, sync_gradients
-    from tpify.verify import float64_loss_function
+    from tpify.authoring.reference import float64_loss_function
 
     ref = _seeded(_llama).double()
     ref.loss_function = float64_loss_function("ForCausalLM")

@@ -45,7 +45,7 @@ def _models(world):
 def _body(rank, world):
     import tpify
     from tpify import comm
-    from tpify.verify import dense_named
+    from tpify.authoring.compare import dense_named
 
     out = {}
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from tpify import cli
-from tpify.cli.plan import PlanReportError, plan_report, rank_shapes
+from tpify.authoring.plan import PlanReportError, plan_report, rank_shapes
 from tpify.layout import ModuleLayout
 
 # The small GPT-2: n_layer = 2, n_embd = E = 64, n_head = 4, vocab V = 101 (odd: padded to 102 at

@@ -1,4 +1,4 @@
-"""transformers' TP plans as tpify recipes (tpify/hf_plan.py) and ``tpify draft`` (tpify/draft.py),
+"""transformers' TP plans as tpify recipes (tpify/hf_plan.py) and ``tpify draft`` (tpify/authoring/draft.py),
 without ranks: models on the meta device or small random ones on the CPU.
 
 * Style mapping, on synthetic plans set on a small Qwen3 model: colwise, rowwise,
@@ -26,11 +26,11 @@ import warnings
 import pytest
 import torch
 
-from tpify.cli.target import head_classes, resolve_config
+from tpify.authoring.small import small_config
+from tpify.authoring.target import head_classes, resolve_config
 from tpify.hf_plan import has_hf_plan, import_hf_plan, recipe_from_hf_plan
 from tpify.layout import build_layout
 from tpify.recipe import RecipeError, load_recipe
-from tpify.verify import small_config
 
 FAMILIES = ["qwen3", "olmo2", "granite", "starcoder2", "cohere", "glm"]
 
@@ -188,7 +188,7 @@ def _core(recipe):
 
 
 def test_draft_gpt2_by_trace_matches_the_shipped_recipe():
-    from tpify.draft import draft
+    from tpify.authoring.draft import draft
 
     d = draft("gpt2")
     assert d.method == "trace"
@@ -204,7 +204,7 @@ def test_draft_gpt2_by_trace_matches_the_shipped_recipe():
 
 
 def test_draft_llama_from_the_hf_plan_matches_the_shipped_recipe():
-    from tpify.draft import draft
+    from tpify.authoring.draft import draft
 
     d = draft("llama")
     assert d.method == "hf-plan"
@@ -215,7 +215,7 @@ def test_draft_llama_from_the_hf_plan_matches_the_shipped_recipe():
 
 def test_traced_olmo2_keeps_the_attention_whole_like_hf():
     """The trace sees q_norm normalise over all heads (a reduction over the split dimension)."""
-    from tpify.draft import draft
+    from tpify.authoring.draft import draft
 
     d = draft("olmo2", ["causal-lm"], method="trace")
     styles = _styles(d.recipe())
@@ -243,7 +243,7 @@ def test_traced_phi3_finds_packed_gqa_parts_and_forward_time_sizes():
     """phi3's packed [Q|K|V] (GQA widths) and the sizes its forward slices with: query_pos =
     config.num_attention_heads * head_dim (divide_config) and query_pos + num_key_value_heads *
     head_dim (a sum, confirmed by the second trace); the shipped recipe says the same."""
-    from tpify.draft import draft
+    from tpify.authoring.draft import draft
 
     d = draft("phi3", ["causal-lm"], method="trace")
     mine, shipped = d.recipe(), load_recipe("phi3")
@@ -257,7 +257,7 @@ def test_traced_constant_size_keeps_the_layer_whole():
     """codegen reshapes qkv_proj's output with a constant mp_num = 4, equal to the small config's
     head count only by chance: the second trace (8 heads) shows it does not follow, so qkv_proj
     stays whole instead of a recipe that divides num_attention_heads."""
-    from tpify.draft import draft
+    from tpify.authoring.draft import draft
 
     d = draft("codegen", ["causal-lm"])
     styles = _styles(d.recipe())
@@ -267,7 +267,7 @@ def test_traced_constant_size_keeps_the_layer_whole():
 
 
 def test_traced_t5_splits_the_relative_attention_bias_by_heads():
-    from tpify.draft import draft
+    from tpify.authoring.draft import draft
 
     d = draft("t5", ["seq2seq-lm"])
     styles = _styles(d.recipe())

@@ -36,6 +36,7 @@ The loss curve of ``tpify finetune`` needs matplotlib: ``pip install "tpify[cli]
 #   tpify/cli/plan.py         tpify plan: a recipe's coverage report on a meta model (no ranks)
 #   tpify/cli/verify.py       tpify verify: a recipe against the dense model in float64 (its own ranks)
 #   tpify/cli/draft.py        tpify draft: a draft recipe from transformers' TP plan or a trace (no ranks)
+#                             (the three are argparse over tpify/authoring/, which does the work)
 #   tpify/cli/demo_models.py  the embedded demo models: locators, GGUF -> safetensors
 #   tpify/cli/data/           the default fine-tuning text (GNU GPL v3)
 

@@ -1,6 +1,6 @@
 """``tpify draft MODEL_TYPE_OR_DIR [--out FILE] [--head-class ...] [--method ...]``: a draft recipe.
 
-Writes a commented TOML recipe to review (tpify/draft.py): from transformers' own tensor-parallel
+Writes a commented TOML recipe to review (tpify/authoring/draft.py): from transformers' own tensor-parallel
 plan when the family has one (imported by tpify/hf_plan.py, every head class merged), else from
 a data-flow trace of one forward of a small random model of the family. Each rule's comment says
 what it is based on; the end of the file lists what to review. Then prove it exact with
@@ -47,9 +47,9 @@ def run(args) -> int:
         return 2
     from transformers.utils import logging as hf_logging
 
-    from ..draft import DraftError, draft
+    from ..authoring.draft import DraftError, draft
+    from ..authoring.target import TargetError
     from ..recipe import RecipeError
-    from .target import TargetError
 
     hf_logging.set_verbosity_error()
     heads = None

@@ -1,6 +1,6 @@
 """``tpify verify MODEL_TYPE_OR_DIR [--recipe FILE] [--tp 2,4] [--head-class ...]``: prove a recipe exact.
 
-Runs :func:`tpify.verify.verify` on this machine's CPU: for every head class of the family (or
+Runs :func:`tpify.authoring.verify.verify` on this machine's CPU: for every head class of the family (or
 those named) and every tp size, a small random float64 model against ``tpify.parallelize`` of a
 copy on gloo ranks it launches itself (no torchrun). Prints one row per comparison (outputs
 with a padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, a
@@ -54,9 +54,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """Run ``tpify verify`` in this process (it launches its ranks itself); the exit status."""
-    from .. import verify as tv
+    from ..authoring.compare import TOLERANCE
+    from ..authoring.small import RANK_MEMORY_LIMIT_GIB, ShrinkError
+    from ..authoring.target import TargetError
+    from ..authoring.verify import verify
     from ..recipe import RecipeError
-    from .target import TargetError
 
     start = time.perf_counter()
     heads = None
@@ -70,14 +72,14 @@ def run(args) -> int:
 
     memory = args.memory_limit
     if memory is None:
-        memory = None if args.shrink is False else tv.RANK_MEMORY_LIMIT_GIB
+        memory = None if args.shrink is False else RANK_MEMORY_LIMIT_GIB
     print(f"tpify verify {args.target}: tp {','.join(map(str, args.tp))}, float64 (float32 where the family's "
-          f"kernels refuse float64), tolerance {tv.TOLERANCE}", flush=True)
+          f"kernels refuse float64), tolerance {TOLERANCE}", flush=True)
     try:
-        report = tv.verify(args.target, recipe=args.recipe, tp_sizes=args.tp, head_classes=heads, shrink=args.shrink,
+        report = verify(args.target, recipe=args.recipe, tp_sizes=args.tp, head_classes=heads, shrink=args.shrink,
                            timeout_s=args.timeout, progress=progress, max_elements=args.max_elements,
                            memory_limit_gib=memory or None)
-    except (TargetError, RecipeError, tv.ShrinkError, ValueError) as e:
+    except (TargetError, RecipeError, ShrinkError, ValueError) as e:
         print(f"tpify verify: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print()

@@ -1,0 +1,92 @@
+"""Imports go one way: cli -> authoring / integrations -> api -> the rest (docs: STYLE.md, "Layout
+that shows the architecture").
+
+Every file of ``tpify/`` is parsed with :mod:`ast` (nothing is imported), and every import of a
+``tpify`` module it holds is listed: absolute and relative, at the top and inside functions.
+:data:`RULES` says, per package, which packages may import it; a rule is one row.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import tpify
+
+ROOT = Path(tpify.__file__).resolve().parent
+
+# package -> the packages whose modules may import it (a package includes its submodules).
+RULES: dict[str, tuple[str, ...]] = {
+    "tpify.cli": ("tpify.cli",),
+    "tpify.authoring": ("tpify.cli", "tpify.authoring"),
+}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    """``tpify.authoring.verify`` for ``root/authoring/verify.py`` (``root`` is the ``tpify`` folder)."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def tpify_imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """``[(line, module)]``: every ``tpify`` module (or name in a ``tpify`` package) ``path`` imports.
+
+    ``from X import a`` counts as importing ``X`` and ``X.a`` (``a`` may be a submodule); a
+    relative import is resolved against the file's package.
+    """
+    name = _module_name(path, root)
+    package = (name if path.name == "__init__.py" else name.rpartition(".")[0]).split(".")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = ".".join(package[:len(package) - (node.level - 1)])
+                base = f"{anchor}.{base}" if base else anchor
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names if alias.name != "*"]
+    return [(line, n) for line, n in found if n == "tpify" or n.startswith("tpify.")]
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _violations() -> list[str]:
+    """One line per import statement that breaks a rule."""
+    out: dict[tuple, str] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        importer = _module_name(path, ROOT)
+        for line, name in tpify_imports(path):
+            for package, allowed in RULES.items():
+                if _inside(name, package) and not any(_inside(importer, a) for a in allowed):
+                    out.setdefault((path, line, package), f"{path.relative_to(ROOT.parent)}:{line}: {importer} imports "
+                                                          f"{name} (only {', '.join(allowed)} may import {package})")
+    return list(out.values())
+
+
+def test_imports_go_one_way():
+    problems = _violations()
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("where, source, expected", [
+    ("authoring/x.py", "from .. import comm\n", "tpify.comm"),
+    ("authoring/x.py", "from ..cli.target import f\n", "tpify.cli.target"),
+    ("authoring/__init__.py", "from .plan import f\n", "tpify.authoring.plan"),
+    ("cli/__init__.py", "from . import plan\n", "tpify.cli.plan"),
+    ("x.py", "def f():\n    import tpify.cli.plan\n", "tpify.cli.plan"),
+    ("x.py", "from tpify import authoring\n", "tpify.authoring"),
+])
+def test_imports_are_found_everywhere(tmp_path, where, source, expected):
+    """Relative imports, imports inside functions and ``from tpify import package`` are all seen."""
+    path = tmp_path / "tpify" / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    assert expected in [name for _, name in tpify_imports(path, tmp_path / "tpify")]

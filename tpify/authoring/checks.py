@@ -1,0 +1,389 @@
+"""What ``tpify verify`` checks: one head class at one tp size, on every rank (:func:`check_case`).
+
+A seeded dense reference (:mod:`tpify.authoring.reference`) against ``tpify.parallelize`` of a
+deep copy, step by step: forward outputs, the loss, every gathered gradient, the same with
+sequence parallelism where the recipe has it, greedy ``generate``, a ``save_pretrained`` /
+``from_pretrained`` round trip. Each step is a function of the case's shared state
+(:class:`_CaseRun`); every rank learns after each step whether any rank failed it
+(:func:`_agree_step`), so that all stop at the same step. The method checked is Megatron-LM's
+(Shoeybi et al., arXiv:1909.08053, section 3); the recipe format is docs/recipes.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import os
+import re
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tpify
+
+from .. import comm
+from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named
+from .inputs import TOKENS, case_config, case_loss, float_outputs, make_inputs
+from .reference import DenseNotFinite, Reference, dense_reference, use_eager_experts
+from .small import RANK_MEMORY_LIMIT_GIB
+from .target import task_of
+from .verify_report import DENSE_REFERENCE, Row, merge_rows
+
+__all__ = ["check_case"]
+
+
+class _CaseFailed(Exception):
+    """A step failed on some rank: every rank stops the case at the same point.
+
+    ``errors`` holds the exception classes the failed ranks raised (by name)."""
+
+    def __init__(self, message: str, errors: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.errors = errors
+
+
+def _agree_step(ok: bool, message: str, error: str = "") -> None:
+    """Every rank learns whether any rank failed the step; raise :class:`_CaseFailed` if one did.
+
+    ``error``: the class name of this rank's exception. One ``all_gather_object`` over the
+    default group (never used by the case itself, so a case group left in a broken state cannot
+    hang it).
+    """
+    outcomes = comm.all_gather_objects((ok, message, error))
+    failed = [(r, m) for r, (o, m, _) in enumerate(outcomes) if not o]
+    errors = frozenset(e for o, _, e in outcomes if not o)
+    if failed:
+        if len(failed) == len(outcomes) and len({m for _, m in failed}) == 1:
+            raise _CaseFailed(f"every rank: {failed[0][1]}", errors)
+        raise _CaseFailed("; ".join(f"rank {r}: {m}" for r, m in failed), errors)
+
+
+def _error_message(error: BaseException) -> str:
+    """``"Type: message"``, with a hint when it is a memory error (verify's per-rank limit)."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "can't allocate memory" in str(error) \
+            or "Cannot allocate memory" in str(error):
+        text += (" (out of memory: each verify rank's address space is limited by memory_limit_gib / --memory-limit, "
+                 f"default {RANK_MEMORY_LIMIT_GIB:g} GiB; raise it, or verify a smaller config)")
+    return text
+
+
+@dataclass
+class _CaseRun:
+    """What the steps of one case share (built the same way on every rank).
+
+    Filled step by step: ``reference`` and the batch (``inputs``, ``labels``, ``gen``) by
+    :func:`_reference`, ``par`` by :func:`_parallelize`, ``losses`` by :func:`_loss`. ``rows``
+    are this rank's; :func:`check_case` merges the ranks' rows at the end.
+    """
+
+    cls: type
+    config: object
+    task: str
+    tp_size: int
+    label: str
+    recipe: object
+    seed: int
+    dtype: torch.dtype | None
+    save_dir: Path
+    group: object = None
+    step: str = "setup"
+    rows: list[Row] = field(default_factory=list)
+    tolerance: tuple[float, float, str] = (ATOL, RTOL, TOLERANCE)  # the reference's, once it is chosen
+    normwise: bool = False
+    reference: Reference | None = None
+    inputs: dict = field(default_factory=dict)
+    labels: dict = field(default_factory=dict)
+    gen: dict | None = None
+    par: torch.nn.Module | None = None
+    losses: tuple = ()
+
+    @property
+    def ref(self) -> torch.nn.Module:
+        return self.reference.model
+
+    def row(self, check: str, diff, ok: bool, message: str = "", tolerance: str | None = None) -> None:
+        self.rows.append(Row(self.label, self.cls.__name__, self.tp_size, check, diff,
+                             self.tolerance[2] if tolerance is None else tolerance, ok, message))
+
+    def compare(self, actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, bool, str]:
+        return compare(actual, expected, self.tolerance[0], self.tolerance[1], normwise=self.normwise)
+
+    def run(self, name: str, step) -> None:
+        """Run ``step(self)`` as step ``name`` on this rank, then agree with the others
+        (:func:`_agree_step`): a step that raised on any rank raises :class:`_CaseFailed` on every rank."""
+        self.step = name
+        error = None
+        try:
+            step(self)
+        except Exception as e:  # noqa: BLE001 - reported as a failed row on every rank
+            error = e
+        _agree_step(error is None, "" if error is None else _error_message(error),
+                    "" if error is None else type(error).__name__)
+
+
+def _compare_outputs(case: _CaseRun, prefix: str, got, want) -> None:
+    """A row per floating output of the dense model (losses left out): ``<prefix> <field>``."""
+    got_f, want_f = float_outputs(got), float_outputs(want)
+    for name, expected in want_f.items():
+        if name.endswith("loss"):
+            continue
+        if name not in got_f:
+            case.row(f"{prefix} {name}", None, False, "missing from the parallel model's output")
+            continue
+        diff, ok, why = case.compare(got_f[name], expected)
+        case.row(f"{prefix} {name}", diff, ok, why)
+
+
+def _compare_gradients(case: _CaseRun, check: str, par_model, ref_model) -> None:
+    """One row for every gradient, sharded ones gathered (:func:`dense_named`): ``<check> (N tensors)``."""
+    ref_g, par_g = dense_named(ref_model, "grad"), dense_named(par_model, "grad")
+    problems, worst = [], 0.0
+    if ref_g.keys() != par_g.keys():
+        problems.append(f"parameter names differ: dense only {sorted(set(ref_g) - set(par_g))[:5]}, "
+                        f"parallel only {sorted(set(par_g) - set(ref_g))[:5]}")
+    for name in ref_g.keys() & par_g.keys():
+        a, b = par_g[name], ref_g[name]
+        if (a is None) != (b is None):
+            problems.append(f"{name}: gradient on the {'dense' if a is None else 'parallel'} side only")
+            continue
+        if a is None:
+            continue
+        diff, ok, why = case.compare(a, b)
+        worst = max(worst, diff)
+        if not ok:
+            problems.append(f"{name}: max |diff| {diff:.3g} ({why})")
+    n = sum(1 for g in ref_g.values() if g is not None)
+    case.row(f"{check} ({n} tensors)", worst, not problems,
+             "\n".join(sorted(problems)[:8]) + (f"\n... {len(problems) - 8} more" if len(problems) > 8 else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# The steps, in the order they run.
+
+def _reference(case: _CaseRun) -> None:
+    """The dense reference (:func:`dense_reference`) and the batch it is finite on."""
+    case.reference = dense_reference(case.cls, case.config, case.task, case.seed, case.dtype)
+    case.inputs, case.labels, case.gen = make_inputs(case.task, case.cls, case.config,
+                                                     padding=case.reference.padding)
+
+
+def _adopt_reference(case: _CaseRun) -> None:
+    """After every rank has its reference: its tolerance, and a row stating its choices (if any)."""
+    chosen = case.reference
+    case.tolerance, case.normwise = chosen.tolerance, chosen.dtype != torch.float64
+    if chosen.notes:
+        case.row(chosen.summary(), None, True, "\n".join(chosen.notes), "-")
+
+
+def _parallelize(case: _CaseRun) -> None:
+    case.par = tpify.parallelize(copy.deepcopy(case.ref), tp_group=case.group, recipe=case.recipe)
+
+
+def _forward(case: _CaseRun) -> None:
+    out_ref = case.ref(**case.inputs)
+    out_par = case.par(**case.inputs)
+    _compare_outputs(case, "forward", out_par, out_ref)
+
+
+def _loss(case: _CaseRun) -> None:
+    loss_ref = case_loss(case.ref, case.inputs, case.labels)
+    loss_par = case_loss(case.par, case.inputs, case.labels)
+    diff, ok, why = case.compare(loss_par, loss_ref)
+    case.row(f"labels= loss ({', '.join(case.labels)})" if case.labels else "outputs x fixed weights (no labels)",
+             diff, ok, why)
+    case.losses = (loss_ref, loss_par)
+
+
+def _gradients(case: _CaseRun) -> None:
+    loss_ref, loss_par = case.losses
+    loss_ref.backward()
+    loss_par.backward()
+    _compare_gradients(case, "gradients", case.par, case.ref)
+
+
+def _sequence_parallel(case: _CaseRun) -> None:
+    """The recipe's ``[sequence_parallel]`` regions: outputs, loss and every gradient again, with
+    ``sequence_parallel=True``, on a batch whose length ``tp_size`` divides (none without the table)."""
+    if case.par.tp_info.layout.recipe.sequence_parallel is None:
+        return
+    tokens = case.tp_size * -(-TOKENS // case.tp_size)
+    inputs, labels, _ = make_inputs(case.task, case.cls, case.config, tokens, case.reference.padding)
+    dense = copy.deepcopy(case.ref)
+    dense.zero_grad(set_to_none=True)
+    sp = tpify.parallelize(copy.deepcopy(dense), tp_group=case.group, recipe=case.recipe, sequence_parallel=True)
+    with torch.no_grad():
+        _compare_outputs(case, "sequence parallel: forward", sp(**inputs), dense(**inputs))
+    # (a forward of its own: with labels the LM heads keep their logits vocab-sharded)
+    loss_dense, loss_sp = case_loss(dense, inputs, labels), case_loss(sp, inputs, labels)
+    diff, ok, why = case.compare(loss_sp, loss_dense)
+    case.row(f"sequence parallel: loss (T = {tokens})", diff, ok, why)
+    loss_dense.backward()
+    loss_sp.backward()
+    _compare_gradients(case, "sequence parallel: gradients", sp, dense)
+
+
+def _generate(case: _CaseRun) -> None:
+    """Greedy token ids of causal and seq2seq LMs (none for other heads): identical."""
+    if case.gen is None:
+        return
+    with torch.no_grad():
+        a, b = case.par.generate(**case.gen), case.ref.generate(**case.gen)
+    if a.shape != b.shape:
+        case.row("generate (greedy token ids)", math.inf, False, f"shape {tuple(a.shape)} != dense {tuple(b.shape)}",
+                 "identical")
+    else:
+        n = int((a != b).sum())
+        case.row("generate (greedy token ids)", float(n), n == 0,
+                 "" if n == 0 else f"parallel {a.tolist()} != dense {b.tolist()}", "identical")
+
+
+def _save_load(case: _CaseRun) -> None:
+    tpify.save_pretrained(case.par, case.save_dir)
+    dense_back = _saved_weights(case)
+    _sharded_load(case, dense_back)
+    _saved_config_divides(case)
+
+
+def _saved_weights(case: _CaseRun) -> torch.nn.Module:
+    """The saved checkpoint, read by plain transformers, holds the dense model's weights (bitwise);
+    returns that dense model."""
+    chosen = case.reference
+    dense_back = case.cls.from_pretrained(case.save_dir, dtype=chosen.dtype).eval()
+    if chosen.eager_experts:
+        use_eager_experts(dense_back)
+    want, got = dense_named(case.ref), dense_named(dense_back)
+    wrong = sorted(n for n in want.keys() | got.keys()
+                   if n not in want or n not in got or not torch.equal(want[n], got[n]))
+    worst = max((float((want[n] - got[n]).abs().max()) if n in want and n in got and
+                 want[n].shape == got[n].shape else math.inf for n in wrong), default=0.0)
+    case.row(f"save: checkpoint weights ({len(want)} tensors, read by transformers)", worst,
+             not wrong, f"differ: {wrong[:8]}" if wrong else "", "bitwise")
+    return dense_back
+
+
+def _sharded_load(case: _CaseRun, dense_back: torch.nn.Module) -> None:
+    """tpify's sharded load of the checkpoint computes what transformers' dense load of it computes
+    (buffers made at load time included, such as GPT-J's rotary table)."""
+    chosen = case.reference
+    back = tpify.from_pretrained(case.save_dir, tp_size=case.tp_size, tp_group=case.group, torch_dtype=chosen.dtype,
+                                 model_class=case.cls, recipe=case.recipe).eval()
+    if chosen.eager_experts:
+        use_eager_experts(back)
+    with torch.no_grad():
+        _compare_outputs(case, "save/load", back(**case.inputs), dense_back(**case.inputs))
+
+
+def _saved_config_divides(case: _CaseRun) -> None:
+    """Each ``divide_config`` value: dense in the saved ``config.json``, ``dense / tp_size`` on the model."""
+    config_divides = case.par.tp_info.layout.config_divides
+    if not config_divides:
+        return
+    from transformers import AutoConfig
+
+    saved = AutoConfig.from_pretrained(case.save_dir)
+    wrong = [f"{n}: saved {getattr(saved, n, None)}, parallel {getattr(case.par.config, n, None)}, "
+             f"dense {v}" for n, v in config_divides.items()
+             if getattr(saved, n, None) != v or getattr(case.par.config, n, None) != v // case.tp_size]
+    case.row(f"save: divide_config {sorted(config_divides)} dense in config.json, / tp on the model", 0.0,
+             not wrong, "\n".join(wrong), "exact")
+
+
+_STEPS = (("parallelize", _parallelize), ("forward", _forward), ("loss", _loss), ("gradients", _gradients),
+          ("sequence parallel", _sequence_parallel), ("generate", _generate), ("save/load", _save_load))
+
+
+# ---------------------------------------------------------------------------------------------
+
+def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | os.PathLike | None = None,
+               target: str | None = None, task: str | None = None, seed: int = 0,
+               group_timeout_s: float = 120.0, dtype: torch.dtype | None = None) -> list[Row]:
+    """Check one head class at one tp size against the dense model; run on every rank.
+
+    Must be called on every rank of an initialised process group of exactly ``tp_size`` ranks
+    (gloo on CPU), with the same arguments. Steps, each a :class:`Row` (or several):
+
+    1. ``dense reference``: ``torch.manual_seed(seed)``; ``ref = cls(config).double().eval()``,
+       the dense float64 reference, and its batch
+       (:func:`~tpify.authoring.reference.dense_reference`: fused MoE experts run eagerly; the
+       padded row moves from the left to the right, or the padding goes, when the dense model is
+       not finite with it; float32 when its kernels refuse float64; ``dtype``
+       forces one dtype, with no fallback). When no batch gives finite values the case ends with
+       a failed ``dense reference not finite`` row: nothing is compared, and it is not the
+       parallel model's fault. A choice other than float64 with left padding is stated in a
+       passing ``dense reference: ...`` row (its message says why).
+       ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe)`` on a process
+       group ``G`` made for this case. Where HF's loss would upcast to float32 only (causal /
+       masked LM, token classification), both models get it in float64
+       (:func:`~tpify.authoring.reference.float64_loss_function`).
+    2. ``forward <field>``: every floating output (``logits``, ``last_hidden_state``,
+       ``start_logits``...) of a batch ``(B, T) = (2, 10)`` whose second row is padded
+       (``attention_mask`` 0 on 3 tokens; on the left unless step 1 chose otherwise).
+    3. ``labels= loss``: the loss with the head's labels (``-100`` at some positions); classes
+       without labels (base models) take a fixed random projection of their outputs instead.
+    4. ``gradients (N tensors)``: every parameter's gradient after ``backward``, sharded ones
+       gathered (:func:`~tpify.authoring.compare.dense_named`); a gradient on one side only fails.
+    5. ``sequence parallel: ...``, where the recipe has a ``[sequence_parallel]`` table: steps
+       2 to 4 again with ``parallelize(..., sequence_parallel=True)`` on a batch of ``T`` = 10
+       rounded up to a multiple of ``tp_size`` tokens, against a fresh copy of the reference.
+    6. ``generate``: greedy ``generate()`` (5 new tokens, KV cache, the padded batch) for causal
+       and seq2seq LMs: identical token ids.
+    7. ``save``/``save/load``: ``tpify.save_pretrained`` to ``workdir``; the checkpoint read by
+       plain transformers (``cls.from_pretrained(dtype=float64)``; the reference's dtype) holds
+       the dense weights bit for bit; ``tpify.from_pretrained(tp_size=..., torch_dtype="float64")`` of it gives the
+       outputs that transformers' own dense load of it gives (the loaded model is compared with
+       what a user of the checkpoint gets from transformers, buffers computed at load time
+       included); and for each ``divide_config`` value, the saved ``config.json`` holds the
+       dense value while the parallel config holds ``dense / tp_size``. ``workdir`` (the same
+       path on every rank) holds the checkpoint; default a new temporary directory, left in place.
+
+    Tolerance: :data:`~tpify.authoring.compare.ATOL`, :data:`~tpify.authoring.compare.RTOL` (see
+    :mod:`tpify.authoring.compare`: in float64 only the order of summation differs); in float32
+    :func:`~tpify.authoring.compare.float32_tolerance` of the depth, normwise, and every row's
+    tolerance says ``float32``. A step that raises on any rank (``PlanError``,
+    ``RecipeError``, a shape error in a forward, anything) ends the case on every rank with a
+    failed row carrying the message; nothing propagates. The ranks' rows are merged: a check fails if it failed on
+    any rank.
+
+    Communication: besides the model's own, one ``all_gather_object`` over the default group
+    per step (so every rank stops at the same step), one process group created per case
+    (``dist.new_group``, timeout ``group_timeout_s``, destroyed at the end).
+
+    Raises:
+        ValueError: the default group does not have exactly ``tp_size`` ranks (before anything).
+    """
+    if not dist.is_initialized() or dist.get_world_size() != tp_size:
+        world = dist.get_world_size() if dist.is_initialized() else 0
+        raise ValueError(f"tpify.authoring.checks.check_case needs an initialised process group of exactly "
+                         f"tp_size = {tp_size} ranks; this one has {world}")
+    task = task or task_of(cls)
+    label = target or config.model_type
+    if workdir is None:
+        workdir = comm.all_gather_objects(tempfile.mkdtemp(prefix="tpify-verify-") if dist.get_rank() == 0
+                                          else None)[0]
+    save_dir = Path(workdir) / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{label}-{cls.__name__}-tp{tp_size}")
+    case = _CaseRun(cls, config, task, tp_size, label, recipe, seed, dtype, save_dir)
+    try:
+        case.group = dist.new_group(list(range(tp_size)), timeout=datetime.timedelta(seconds=group_timeout_s))
+        case.config = case_config(config, task, config.model_type)
+        case.run(DENSE_REFERENCE, _reference)
+        _adopt_reference(case)
+        for name, step in _STEPS:
+            case.run(name, step)
+    except _CaseFailed as e:
+        not_finite = case.step == DENSE_REFERENCE and e.errors == {DenseNotFinite.__name__}
+        case.row(f"{DENSE_REFERENCE} not finite" if not_finite else f"{case.step}: raised", None, False, str(e), "-")
+    except Exception as e:  # noqa: BLE001 - a failure outside a step (group creation): this rank's own
+        case.row(f"{case.step}: raised", None, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}", "-")
+    finally:
+        if case.group is not None:
+            try:
+                dist.destroy_process_group(case.group)
+            except Exception:  # noqa: BLE001 - a broken group is abandoned
+                pass
+    return merge_rows(comm.all_gather_objects(case.rows))

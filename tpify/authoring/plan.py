@@ -1,0 +1,411 @@
+"""``tpify plan``'s report: what a recipe does to a model, without running it (:func:`plan_report`).
+
+The coverage report a recipe author reads: no process group, no weights. The model is built on
+the meta device (accelerate's ``init_empty_weights``) from the target's config
+(:func:`tpify.authoring.target.resolve_config`), the recipe is matched to it with
+:func:`tpify.layout.build_layout`, and for every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding``
+the report gives the rule that covers it, its style and each parameter's dense and per-rank
+shape. Per-rank shapes come from :class:`tpify.sharding.ShardSpec`, built for each style exactly
+as :mod:`tpify.layers` builds the parallel layer's specs (Megatron-LM, arXiv:1909.08053,
+section 3), so the arithmetic is the library's. Then: parameter memory per rank against the
+dense model (replicated parameters counted in full on every rank, tied parameters once), the
+attributes and config values divided per rank, the rules that took no part, what stays
+replicated and why, the LM head and the loss kind.
+
+:func:`plan_report` returns the report as JSON-able data; :func:`tpify.authoring.plan_text.render_text`
+renders it as plain-text tables; ``tpify plan --json`` prints the data itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..api import resolve_recipe
+from ..layout import build_layout, relative_fqn
+from ..recipe import Rule, RuleIndex
+from ..sharding import ShardSpec
+from .target import HEAD_TASKS, head_classes, resolve_config
+
+__all__ = ["PlanReportError", "plan_report", "rank_shapes"]
+
+
+class PlanReportError(ValueError):
+    """The plan cannot be reported exactly: an unknown head class, a style or layout field this
+    command does not know how to size (never guessed), tied parameters sized differently."""
+
+
+def _dtype_of(config):
+    """The parameter dtype the report counts bytes in: the config's floating dtype, else float32."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype, "the config's dtype"
+    return torch.float32, "the config sets no dtype"
+
+
+def _head_class(config, head_class: str | None):
+    """The class to build: ``head_class`` as a task of ``HEAD_TASKS`` or a transformers class name;
+    by default the family's masked LM, else its causal LM, else its seq2seq LM, else its base model."""
+    import transformers
+
+    found = head_classes(config.model_type)
+    if head_class is None:
+        # An encoder family (bert, roberta) also defines a causal LM (BertLMHeadModel), but its
+        # masked LM is the head it is pretrained with; decoder families have no masked LM.
+        for task in ("masked-lm", "causal-lm", "seq2seq-lm", "base"):
+            if task in found:
+                return found[task]
+        raise PlanReportError(f"transformers defines no base model or LM head for model_type "
+                              f"{config.model_type!r}; pass --head-class with a class name")
+    if head_class in HEAD_TASKS:
+        if head_class not in found:
+            raise PlanReportError(f"model_type {config.model_type!r} has no {head_class!r} head class in the installed "
+                                  f"transformers; its heads: {{{', '.join(f'{t}: {c.__name__}' for t, c in found.items())}}}")
+        return found[head_class]
+    cls = getattr(transformers, head_class, None)
+    if not isinstance(cls, type) or not hasattr(cls, "_from_config"):
+        raise PlanReportError(f"--head-class {head_class!r} is neither a task ({', '.join(HEAD_TASKS)}) nor a model "
+                              f"class of the installed transformers")
+    config_class = getattr(cls, "config_class", None)
+    if config_class is not None and not isinstance(config, config_class):
+        raise PlanReportError(f"--head-class {head_class} takes a {config_class.__name__}, but the target's config is a "
+                              f"{type(config).__name__} (model_type {config.model_type!r}); heads of this family: "
+                              f"{', '.join(c.__name__ for c in found.values())}")
+    return cls
+
+
+def _meta_model(config, cls, dtype):
+    """``cls`` built from ``config`` on the meta device, tied as ``from_pretrained`` leaves it."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(config, dtype=dtype)  # attention implementation picked as from_pretrained does
+    model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
+    return model.eval()
+
+
+def _spec_kwargs(entry) -> dict:
+    """``replicated`` for :class:`ShardSpec` when the layout keeps packed parts whole (multi-query
+    K/V); an explicit error when the installed ShardSpec cannot express it."""
+    replicated = tuple(getattr(entry, "replicated_parts", None) or ())
+    if not replicated:
+        return {}
+    if "replicated" not in getattr(ShardSpec, "__dataclass_fields__", {}):
+        raise PlanReportError(f"{entry.fqn}: the layout keeps packed parts {list(replicated)} whole, which the installed "
+                              f"tpify.sharding.ShardSpec cannot express; plan does not size it")
+    return {"replicated": replicated}
+
+
+def rank_shapes(module, entry, tp_size: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
+    """Per parameter of one layout entry: ``(dense shape, per-rank shape, sharded)``.
+
+    ``module`` is the dense ``nn.Linear``, transformers ``Conv1D`` or ``nn.Embedding`` (real or
+    on meta); ``entry`` its :class:`tpify.layout.ModuleLayout`. The per-rank shape is
+    ``ShardSpec.local_shape`` of the spec that :mod:`tpify.layers` attaches to that parameter
+    (padding rows of a vocabulary included): ``colwise``/``packed_colwise``/``colwise_rep`` split
+    the output features (each packed part alike; ``nn.Linear`` weight dim 0, ``Conv1D`` dim 1,
+    bias dim 0), ``rowwise`` the input features (weight dim 1 / 0, bias whole),
+    ``embedding_rowwise`` the padded vocabulary rows, ``embedding_colwise`` the embedding
+    columns, ``replicate`` nothing.
+
+    Raises:
+        PlanReportError: a style this function does not know, a style on a module of the wrong
+            kind, or a sharded module with parameters besides ``weight`` and ``bias``, so that a
+            new layout feature is never reported with a wrong number.
+    """
+    params = {name: p for name, p in module.named_parameters(recurse=False)}
+    dense = {name: tuple(p.shape) for name, p in params.items()}
+    if entry.style == "replicate":
+        return {name: (shape, shape, False) for name, shape in dense.items()}
+    extra = sorted(set(params) - {"weight", "bias"})
+    if extra:
+        raise PlanReportError(f"{entry.fqn} ({type(module).__name__}, style {entry.style!r}) holds parameters {extra} "
+                              f"besides weight and bias; plan does not know how they are split")
+    specs: dict[str, ShardSpec | None] = {}
+    embedding = isinstance(module, nn.Embedding)
+    conv1d = type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+    linear = isinstance(module, nn.Linear) or conv1d
+    wrong_kind = PlanReportError(f"{entry.fqn} is a {type(module).__name__}; plan does not know style "
+                                 f"{entry.style!r} on it")
+    if entry.style in ("colwise", "packed_colwise", "colwise_rep"):
+        if not linear:
+            raise wrong_kind
+        out_f = module.nf if conv1d else module.out_features
+        parts = tuple(entry.partition_sizes) if entry.partition_sizes else (out_f,)
+        padded = entry.padded_size if entry.style == "colwise_rep" else None
+        extra_kw = _spec_kwargs(entry)
+        specs["weight"] = ShardSpec(1 if conv1d else 0, parts, tp_size, padded, **extra_kw)
+        specs["bias"] = ShardSpec(0, parts, tp_size, padded, **extra_kw)
+    elif entry.style == "rowwise":
+        if not linear:
+            raise wrong_kind
+        in_f = module.nx if conv1d else module.in_features
+        specs["weight"] = ShardSpec(0 if conv1d else 1, (in_f,), tp_size)
+        specs["bias"] = None  # whole on every rank, added once after the all-reduce
+    elif entry.style == "embedding_rowwise":
+        if not embedding:
+            raise wrong_kind
+        specs["weight"] = ShardSpec(0, (module.num_embeddings,), tp_size, entry.padded_size or module.num_embeddings)
+    elif entry.style == "embedding_colwise":
+        if not embedding:
+            raise wrong_kind
+        specs["weight"] = ShardSpec(1, (module.embedding_dim,), tp_size)
+    else:
+        raise PlanReportError(f"plan does not know style {entry.style!r} ({entry.fqn}, rule #{entry.rule}): "
+                              f"tpify.authoring.plan.rank_shapes has no per-rank shape for it; extend it before "
+                              f"trusting a report")
+    out = {}
+    for name, shape in dense.items():
+        spec = specs.get(name)
+        out[name] = (shape, spec.local_shape(shape), True) if spec is not None else (shape, shape, False)
+    return out
+
+
+def _rule_dict(rule) -> dict:
+    return {"index": rule.index, "match": list(rule.patterns), "style": rule.style, "divide": list(rule.divide),
+            "optional": rule.optional, "when": dict(rule.when)}
+
+
+def _matching_pattern(rule, rel: str) -> str | None:
+    """The first glob of ``rule`` that matches ``rel`` (a name relative to the base model)."""
+    return next((p for p in rule.patterns if Rule(rule.index, (p,)).matches(rel)), None)
+
+
+def _match_origin(model, rule, fqn: str) -> tuple[str | None, str | None]:
+    """``(glob, container)``: the glob of ``rule`` that covers module ``fqn``, and the replicated
+    container it lies in when the glob matches that container rather than the module (None)."""
+    pattern = _matching_pattern(rule, relative_fqn(model, fqn))
+    if pattern is not None:
+        return pattern, None
+    base = getattr(model, "base_model", model)
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        container = ".".join(parts[:i])
+        if not container and base is not model:
+            continue  # the head class's root is never matched
+        pattern = _matching_pattern(rule, relative_fqn(model, container))
+        if pattern is not None:
+            return pattern, container or "<base model>"
+    return None, None
+
+
+def _replicate_reason(model, layout, fqn: str) -> str:
+    """Why a ``replicate`` entry is whole: its own rule, or the replicated container it lies in."""
+    rule = layout.recipe.rules[layout.modules[fqn].rule]
+    pattern, container = _match_origin(model, rule, fqn)
+    if container is not None:
+        return f"inside container {container}, replicated by rule #{rule.index} (match {pattern!r})"
+    return f"style replicate from rule #{rule.index} (match {pattern!r})"
+
+
+def _rule_uses(model, layout) -> list[dict]:
+    """Rules that took part in nothing: inactive (``when``), warned (``layout.unmatched_rules``)
+    or optional and unmatched (a head this class lacks)."""
+    config = getattr(model, "config", None)
+    base = model.base_model if hasattr(model, "base_model") else model
+    names = [relative_fqn(model, fqn) for fqn, _ in model.named_modules() if fqn or base is model]
+    warned = {r.index for r in layout.unmatched_rules}
+    index = RuleIndex(layout.recipe.rules)  # a lookup per module, not every rule against every module
+    hit = {rule.index for name in names for rule in index.hits(name)}
+    unused = []
+    for rule in layout.recipe.rules:
+        if not rule.applies(config):
+            unused.append({**_rule_dict(rule), "reason": "inactive: its 'when' conditions do not hold for this config"})
+        elif rule.index in warned:
+            unused.append({**_rule_dict(rule), "reason": "matched no module (parallelize warns)"})
+        elif rule.index not in hit:
+            unused.append({**_rule_dict(rule), "reason": "optional, matched no module of this head class"})
+    return unused
+
+
+
+def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None = None) -> dict:
+    """The coverage report of ``recipe`` on ``target`` at ``tp_size``, as JSON-able data.
+
+    Args:
+        target: a ``model_type`` (its default config) or a local directory with a ``config.json``.
+        tp_size: the tensor-parallel size to plan for.
+        recipe: a recipe name, ``.toml`` path or mapping (default: ``config.model_type``'s).
+        head_class: a task of :data:`tpify.authoring.target.HEAD_TASKS` or a transformers class
+            name (default: the family's masked LM, else causal LM, else seq2seq LM, else base model).
+
+    Returns:
+        ``{"target", "model_type", "head_class", "tp_size", "recipe", "dtype", "modules",
+        "memory", "divides", "config_divides", "divisible", "unused_rules", "replicated",
+        "lm_head", "loss_kind", "honours_num_items", "head_inputs"}``; shapes are lists in the
+        parameter's own layout (``nn.Linear`` ``[out, in]``, ``Conv1D`` ``[in, out]``), bytes in
+        the report's dtype. No collective; nothing is downloaded or allocated.
+
+    Raises:
+        tpify.authoring.target.TargetError: the target is neither a model_type nor a config directory.
+        tpify.recipe.RecipeError: no recipe, or a malformed one.
+        tpify.layout.PlanError: the recipe does not fit the model at ``tp_size``.
+        PlanReportError: an unknown head class, or a layout this command cannot size exactly.
+    """
+    config = resolve_config(target)
+    cls = _head_class(config, head_class)
+    dtype, dtype_source = _dtype_of(config)
+    model = _meta_model(config, cls, dtype)
+    layout = build_layout(model, resolve_recipe(model, recipe), tp_size)  # shipped, given, or HF's plan imported
+    recipe_obj = layout.recipe
+    params = _Params.of(model)
+    module_rows = _module_rows(model, layout, tp_size, params)
+    memory, replicated = _memory(model, layout, params)
+    _tied(model, module_rows, params)
+    head_inputs = getattr(layout, "head_inputs", None)  # module FQN -> ((argument, dim, dense heads), ...)
+    return {
+        "target": str(target), "model_type": config.model_type, "head_class": cls.__name__,
+        "tp_size": tp_size, "recipe": recipe_obj.source, "recipe_model_type": recipe_obj.model_type,
+        "dtype": str(dtype).removeprefix("torch."), "dtype_source": dtype_source,
+        "modules": module_rows,
+        "memory": memory,
+        **_divided(model, layout, config, tp_size),
+        "unused_rules": _rule_uses(model, layout), "replicated": replicated,
+        "lm_head": layout.lm_head, "loss_kind": layout.loss_kind, "honours_num_items": layout.honours_num_items,
+        "head_inputs": [{"fqn": fqn, "argument": arg, "dim": dim, "dense_heads": heads, "per_rank": heads // tp_size}
+                        for fqn, items in (head_inputs or {}).items() for arg, dim, heads in items],
+    }
+
+
+@dataclass
+class _Params:
+    """Every parameter of the model once, by identity (tied ones have several holders).
+
+    Attributes:
+        holders: id -> ``(module FQN, parameter name)`` of every module holding it.
+        unique: id -> the parameter.
+        shapes: id -> ``(dense shape, per-rank shape, sharded, "fqn.pname" that decides it)``, for
+            the parameters of shardable modules (filled by :func:`_module_rows`).
+    """
+
+    holders: dict[int, list[tuple[str, str]]]
+    unique: dict[int, torch.nn.Parameter]
+    shapes: dict[int, tuple] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model) -> "_Params":
+        holders: dict[int, list[tuple[str, str]]] = {}
+        unique = {}
+        for mname, module in model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                holders.setdefault(id(param), []).append((mname, pname))
+                unique[id(param)] = param
+        return cls(holders, unique)
+
+    def owner(self, pid: int) -> str:
+        """The name a parameter is counted under: the shardable holder that sizes it, else the first."""
+        if pid in self.shapes:
+            return self.shapes[pid][3]
+        m, p = self.holders[pid][0]
+        return f"{m}.{p}" if m else p
+
+
+def _module_rows(model, layout, tp_size: int, params: _Params) -> list[dict]:
+    """One row per shardable module: rule, style, each parameter's dense and per-rank shape; fills
+    ``params.shapes``.
+
+    Raises:
+        PlanReportError: a tied parameter sized differently by two of its holders.
+    """
+    module_rows = []
+    for fqn, entry in layout.modules.items():
+        module = model.get_submodule(fqn)
+        per_param = rank_shapes(module, entry, tp_size)
+        rule = layout.recipe.rules[entry.rule]
+        origin = _match_origin(model, rule, fqn)
+        rows_dim = {"embedding_rowwise": "num_embeddings", "colwise_rep": "nf" if hasattr(module, "nf") else
+                    "out_features"}.get(entry.style)
+        row = {"fqn": fqn, "relative_fqn": relative_fqn(model, fqn), "type": type(module).__name__,
+               "rule": entry.rule, "match": list(rule.patterns), "matched_by": origin[0], "container": origin[1],
+               "style": entry.style, "partition_sizes": entry.partition_sizes, "padded_size": entry.padded_size,
+               "vocab_size": getattr(module, rows_dim) if rows_dim else None,
+               "replicated_parts": list(getattr(entry, "replicated_parts", None) or ()) or None,
+               "output_scale": getattr(entry, "output_scale", None), "params": []}
+        for pname, (dense_shape, rank_shape, sharded) in per_param.items():
+            param = getattr(module, pname)
+            seen = params.shapes.get(id(param))
+            if seen is not None and seen[1] != rank_shape:
+                raise PlanReportError(f"{fqn}.{pname} is tied to {seen[3]}, which is sized {list(seen[1])} per rank, "
+                                      f"but style {entry.style!r} sizes it {list(rank_shape)}")
+            if seen is None or (sharded and not seen[2]):
+                params.shapes[id(param)] = (dense_shape, rank_shape, sharded, f"{fqn}.{pname}")
+            row["params"].append({"name": pname, "dense_shape": list(dense_shape), "rank_shape": list(rank_shape),
+                                  "sharded": sharded})
+        module_rows.append(row)
+    return module_rows
+
+
+def _memory(model, layout, params: _Params) -> tuple[dict, list[dict]]:
+    """``(memory, replicated)``: parameter bytes and counts, dense and per rank (every unique
+    parameter once; replicated ones in full on every rank), and one entry per replicated parameter
+    with why it is whole."""
+    dense_bytes = rank_bytes = sharded_dense = sharded_rank = 0
+    dense_numel = rank_numel = 0
+    replicated = []
+    for pid, param in params.unique.items():
+        size = param.element_size()
+        dense_shape, rank_shape, sharded, _ = params.shapes.get(pid, (tuple(param.shape), tuple(param.shape), False,
+                                                                      None))
+        dn, rn = math.prod(dense_shape), math.prod(rank_shape)
+        dense_numel += dn
+        rank_numel += rn
+        dense_bytes += dn * size
+        rank_bytes += rn * size
+        if sharded:
+            sharded_dense += dn * size
+            sharded_rank += rn * size
+            continue
+        name = params.owner(pid)
+        mname, _, pname = name.rpartition(".")
+        module = model.get_submodule(mname)
+        replicated.append({"param": name, "module_type": type(module).__name__, "shape": list(dense_shape),
+                           "bytes": dn * size, "reason": _whole_reason(model, layout, module, mname, pname),
+                           "tied_to": sorted(f"{m}.{p}" for m, p in params.holders[pid] if f"{m}.{p}" != name)})
+    memory = {"dense_bytes": dense_bytes, "rank_bytes": rank_bytes,
+              "ratio": rank_bytes / dense_bytes if dense_bytes else 1.0,
+              "dense_params": dense_numel, "rank_params": rank_numel,
+              "sharded_dense_bytes": sharded_dense, "sharded_rank_bytes": sharded_rank,
+              "replicated_bytes": rank_bytes - sharded_rank}
+    return memory, replicated
+
+
+def _whole_reason(model, layout, module, mname: str, pname: str) -> str:
+    """Why parameter ``pname`` of module ``mname`` is a full copy on every rank."""
+    if mname not in layout.modules:
+        return f"not a shardable layer ({type(module).__name__}): a full copy on every rank"
+    entry = layout.modules[mname]
+    if entry.style == "rowwise" and pname == "bias":
+        return "bias of a rowwise layer: whole on every rank, added once after the all-reduce"
+    if entry.style == "replicate":
+        return _replicate_reason(model, layout, mname)
+    return f"not split by style {entry.style!r}"
+
+
+def _tied(model, module_rows: list[dict], params: _Params) -> None:
+    """Tied parameters in the module rows: the other holders, and where the bytes are counted."""
+    for row in module_rows:
+        module = model.get_submodule(row["fqn"])
+        for p in row["params"]:
+            full, pid = f"{row['fqn']}.{p['name']}", id(getattr(module, p["name"]))
+            p["tied_to"] = sorted(f"{m}.{q}" for m, q in params.holders[pid] if f"{m}.{q}" != full)
+            p["counted_as"] = params.owner(pid)
+
+
+def _divided(model, layout, config, tp_size: int) -> dict:
+    """``divides`` (module attributes), ``config_divides`` (config values, written back dense on
+    save) with their dense and per-rank values, and ``divisible`` (checked, not changed)."""
+    divides = []
+    for fqn, attrs in layout.divides.items():
+        module = model.get_submodule(fqn)
+        for attr in attrs:
+            value = getattr(module, attr)
+            divides.append({"fqn": fqn, "attr": attr, "dense": value, "per_rank": value // tp_size})
+    config_divides = [{"name": n, "dense": v, "per_rank": v // tp_size} for n, v in layout.config_divides.items()]
+    divisible = [{"name": n, "value": getattr(config, n)} for n in layout.recipe.divisible
+                 if n not in layout.config_divides]
+    return {"divides": divides, "config_divides": config_divides, "divisible": divisible}

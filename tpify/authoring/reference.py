@@ -1,0 +1,261 @@
+"""The dense reference of one verify case: float64 where its kernels allow, on inputs where it is finite.
+
+The reference is chosen before anything is compared (:func:`dense_reference`), and each choice
+other than float64 with a left-padded batch is stated in a ``dense reference: ...`` row: fused
+MoE experts run with transformers' eager implementation (its ``grouped_mm`` kernel refuses
+float64; the eager loop computes the same function); the padded row moves to the right when the
+float64 model is NaN with it on the left (gemma2 and vaultgemma: a fully masked query row meets
+transformers' float32 softmax; bloom: its ALiBi bias added to the float64 minimum); a family
+whose own kernels still refuse float64 runs in float32, with
+:func:`~tpify.authoring.compare.float32_tolerance` (``64 (layers + 1) eps32``, normwise). A dense
+model that is not finite on any of these inputs raises :class:`DenseNotFinite`: nothing is
+compared, and the parallel model is not at fault.
+
+Where HF's loss would upcast to float32 only (causal / masked LM, token classification), the
+reference gets it in float64 (:func:`float64_loss_function`; the tests use it too).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .compare import ATOL, RTOL, TOLERANCE, float32_tolerance
+from .inputs import float_outputs, loss_of, make_inputs, synthetic_loss
+from .verify_report import DENSE_REFERENCE
+
+__all__ = ["DenseNotFinite", "Reference", "dense_reference", "float64_loss_function", "use_eager_experts"]
+
+def float64_loss_function(loss_type: str):
+    """Hugging Face's loss for ``loss_type`` computed in the logits' dtype, or None if HF's own does.
+
+    HF's ``ForCausalLM`` (also ``ForConditionalGeneration``), ``ForMaskedLM`` and
+    ``ForTokenClassification`` losses upcast with ``logits.float()``: float32 even for a float64
+    model, which would cap every float64 comparison at float32 precision (~1e-8). The returned
+    function has the same signature and semantics (causal: labels shifted by one, or
+    ``shift_labels``; ``ignore_index``; mean, or sum / ``num_items_in_batch``) without the upcast.
+    Set it as ``model.loss_function = float64_loss_function(model.loss_type)``.
+    """
+    import torch.nn.functional as F
+
+    def _ce(logits, target, num_items_in_batch, ignore_index):
+        red = "mean" if num_items_in_batch is None else "sum"
+        loss = F.cross_entropy(logits, target.to(logits.device), ignore_index=ignore_index, reduction=red)
+        if num_items_in_batch is None:
+            return loss
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
+
+    if loss_type in ("ForCausalLM", "ForConditionalGeneration", "ForMaskedLM"):
+        causal = loss_type != "ForMaskedLM"
+
+        def lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                    **kwargs):
+            if causal:
+                target = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            else:
+                target = labels
+            return _ce(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), num_items_in_batch, ignore_index)
+        return lm_loss
+    if loss_type == "ForTokenClassification":
+        def token_loss(logits, labels, config, num_items_in_batch=None, ignore_index=-100, **kwargs):
+            return _ce(logits.reshape(-1, config.num_labels), labels.reshape(-1), num_items_in_batch, ignore_index)
+        return token_loss
+    return None
+
+
+def _use_float64_loss(model) -> None:
+    """Give ``model`` HF's loss in float64 where HF's own would upcast to float32 only."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type not in LOSS_MAPPING:
+        loss_type = "ForCausalLM"  # what PreTrainedModel.loss_function falls back to
+    fn = float64_loss_function(loss_type)
+    if fn is not None:
+        model.loss_function = fn
+
+
+class DenseNotFinite(RuntimeError):
+    """The dense reference gives NaN or infinity on every input verify tries: nothing to compare."""
+
+
+# A kernel's refusal of float64, as torch and transformers word it: grouped_mm's "Expected mat_a
+# to be Float32, BFloat16 or Float16 matrix, got Double", "... not implemented for 'Double'",
+# "expected scalar type Float but found Double", "Input type (double) and bias type (float) ...".
+_FLOAT64_REFUSAL = re.compile(r"\b(double|float64)\b", re.IGNORECASE)
+_PADDINGS = {"left": "left padding", "right": "right padding", "none": "no padding"}  # in the order tried
+
+
+@dataclass
+class Reference:
+    """The dense reference of one case and the choices made for it (the same on every rank).
+
+    Attributes:
+        model: the dense model, ``eval()``, its loss in its own dtype.
+        dtype: ``torch.float64``, or ``torch.float32`` where its kernels refuse float64.
+        padding: the side of the padded row (``"left"``, ``"right"``, ``"none"``).
+        eager_experts: whether fused MoE experts were switched to their eager implementation.
+        notes: why each choice differs from float64 with a left-padded row, and the kernel
+            switches made (empty when none).
+        layers: the model's depth (:func:`_depth`), for the float32 tolerance.
+    """
+
+    model: torch.nn.Module
+    dtype: torch.dtype
+    padding: str
+    eager_experts: bool
+    notes: list[str]
+    layers: int
+
+    @property
+    def tolerance(self) -> tuple[float, float, str]:
+        """``(atol, rtol, in words)`` of the comparisons: :data:`ATOL`/:data:`RTOL` in float64,
+        :func:`float32_tolerance` of the model's depth in float32 (normwise)."""
+        if self.dtype == torch.float64:
+            return ATOL, RTOL, TOLERANCE
+        return float32_tolerance(self.layers)
+
+    def summary(self) -> str:
+        """The check name of the row stating the choices (``dense reference: float32, ...``)."""
+        parts = ["float64" if self.dtype == torch.float64 else "float32"]
+        parts.append({"left": "left-padded batch", "right": "right-padded batch", "none": "no padding"}[self.padding])
+        if self.eager_experts:
+            parts.append("eager experts")
+        return f"{DENSE_REFERENCE}: " + ", ".join(parts)
+
+
+def _refuses_float64(error: BaseException) -> bool:
+    """Whether ``error`` is a kernel refusing float64 (a dtype error naming Double / float64).
+
+    Only errors of the dense reference's own forward or backward are read this way (in
+    :func:`dense_reference`, before anything is compared), so a float64 error of the parallel
+    model is never mistaken for one.
+    """
+    return isinstance(error, (RuntimeError, NotImplementedError, TypeError, ValueError)) \
+        and bool(_FLOAT64_REFUSAL.search(str(error)))
+
+
+def use_eager_experts(model: torch.nn.Module) -> bool:
+    """Switch ``model``'s fused MoE experts to transformers' eager implementation; True if it has any.
+
+    transformers 5 runs fused experts (classes decorated ``@use_experts_implementation``, whose
+    instances carry ``has_gate`` and ``is_transposed``: qwen2_moe, mixtral, olmoe, ...) with
+    ``grouped_mm`` by default, whose kernel accepts float32, bfloat16 and float16 only.
+    ``experts_implementation="eager"`` is the family's own loop over the experts: the same
+    function (each token's experts, weighted by the router) in any dtype, so the reference stays
+    float64. A model without such experts is left as it is.
+    """
+    has_experts = any(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
+    if not has_experts or not hasattr(model, "set_experts_implementation"):
+        return False
+    if any(v not in (None, "eager") for v in model.get_experts_implementation().values()):
+        model.set_experts_implementation("eager")
+    return True
+
+
+def _not_finite(model, inputs: dict, labels: dict) -> list[str]:
+    """What is not finite in one forward and backward of ``model`` (outputs, loss, gradients)."""
+    out = model(**inputs, **labels) if labels else model(**inputs)
+    problems = [f"{name} ({int((~torch.isfinite(v)).sum())} of {v.numel()})"
+                for name, v in float_outputs(out).items() if not bool(torch.isfinite(v).all())]
+    loss = loss_of(out) if labels else synthetic_loss(out)
+    if not problems and not bool(torch.isfinite(loss).all()):
+        problems.append("the loss")
+    if not problems and loss.requires_grad:
+        loss.backward()
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        if bad:
+            more = " ..." if len(bad) > 3 else ""
+            problems.append(f"gradients of {len(bad)} parameters ({', '.join(bad[:3])}{more})")
+    model.zero_grad(set_to_none=True)
+    return problems
+
+
+def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dtype | None = None) -> Reference:
+    """The dense reference of one case: float64 where its kernels allow, inputs where it is finite.
+
+    1. ``torch.manual_seed(seed); cls(config).eval()``; fused MoE experts switched to their eager
+       implementation (:func:`use_eager_experts`: ``grouped_mm`` refuses float64).
+    2. For dtype float64, then float32: one forward and backward (the case's loss) on the
+       batch of :func:`make_inputs` with its padded row on the left, else on the right, else
+       no padding, until outputs, loss and every gradient are finite. Left first: it is what
+       generation uses. A fully masked query row (a left pad token under causal attention) is
+       finite in most families, but not in every float64 one: transformers' eager attention
+       adds the mask's minimum (``torch.finfo(float64).min`` = -1.8e308) to the scores and then
+       takes ``softmax(..., dtype=torch.float32)``, and -1.8e308 is -inf in float32, so that row
+       is all -inf and its softmax NaN (gemma2, eager by default for its logit soft-capping);
+       BLOOM adds its ALiBi bias to that minimum. The NaN is the float64 reference's alone
+       (in float32 the minimum stays finite), and the pad row's NaN values then reach every
+       row through the next layer's ``0 * NaN``. Right padding keeps every query row attending
+       to a real token.
+    3. Float32 only when the float64 forward or backward raises a kernel's refusal of float64
+       (:func:`_refuses_float64`); comparisons then use :func:`float32_tolerance` of the depth.
+
+    ``dtype`` forces one dtype (no fallback). Every choice that is not float64 with left padding
+    is stated in ``notes``.
+
+    Raises:
+        DenseNotFinite: no padding gives finite values (names what is NaN / infinite for each).
+        Exception: anything else the dense model raises (it is not the parallel model's fault).
+    """
+    torch.manual_seed(seed)
+    base = cls(config).eval()
+    eager = use_eager_experts(base)
+    notes = []
+    if eager:
+        notes.append("fused MoE experts run with experts_implementation='eager' (the family's loop over experts, "
+                     "the same function; transformers' default grouped_mm kernel refuses float64)")
+    dtypes = [dtype] if dtype is not None else [torch.float64, torch.float32]
+    for dt in dtypes:
+        model = copy.deepcopy(base).to(dt)
+        _use_float64_loss(model)
+        tried = []
+        try:
+            for padding in _PADDINGS:
+                inputs, labels, _ = make_inputs(task, cls, config, padding=padding)
+                problems = _not_finite(model, inputs, labels)
+                if not problems:
+                    if tried:
+                        notes.append(f"{_PADDINGS[padding]}: the dense {_dtype_name(dt)} model is not finite with "
+                                     + "; ".join(tried))
+                    return Reference(model, dt, padding, eager, notes, _depth(config))
+                tried.append(f"{_PADDINGS[padding]} ({', '.join(problems)})")
+        except Exception as e:  # noqa: BLE001 - a refusal of float64 switches dtype, anything else propagates
+            if dt == torch.float64 and len(dtypes) > 1 and _refuses_float64(e):
+                notes.append(f"float32: the dense model's kernels refuse float64 ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]}); tolerance {float32_tolerance(_depth(config))[2]}")
+                continue
+            raise
+        raise DenseNotFinite(f"dense reference not finite: the {_dtype_name(dt)} dense model gives NaN or infinity "
+                             f"with every input verify tries: {'; '.join(tried)}; nothing was compared")
+    raise AssertionError("unreachable")  # the last dtype returns or raises
+
+
+def _depth(config) -> int:
+    """The number of layers of ``config`` (an encoder-decoder's encoder and decoder together), at least 1."""
+    def first(names) -> int:
+        values = (_config_value(config, n) for n in names)
+        return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), 0)
+
+    layers = first(("num_hidden_layers", "num_layers", "n_layer", "num_encoder_layers", "encoder_layers"))
+    if getattr(config, "is_encoder_decoder", False):
+        layers = first(("num_encoder_layers", "encoder_layers", "num_layers", "num_hidden_layers")) \
+            + first(("num_decoder_layers", "decoder_layers"))
+    return max(layers, 1)
+
+
+def _config_value(config, name: str):
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - some configs raise on attributes they define per layer
+        return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+

@@ -1,0 +1,240 @@
+"""Prove a recipe exact: a tensor-parallel model against its dense twin (``tpify verify``).
+
+A recipe is exact when the parallel model computes what the dense model computes, up to the
+order of floating-point sums. Verify checks it on a small random model of the family, on CPU
+ranks over gloo, for every head class the family defines:
+
+* :func:`verify` (one target) / :func:`verify_many` (several): plan the cases before any rank
+  starts (config resolved and made small, recipe found, head classes selected, sizes bounded),
+  then one spawned job per tp size (:mod:`tpify.authoring.launcher`) runs every case, and the
+  rows come back in a :class:`~tpify.authoring.verify_report.VerifyReport`;
+* what each case checks: :func:`tpify.authoring.checks.check_case` (outputs with a left-padding
+  mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, a save/load round
+  trip), against the dense reference of :mod:`tpify.authoring.reference`, with the tolerances
+  of :mod:`tpify.authoring.compare`;
+* small configs and the bounds on what is built and run: :mod:`tpify.authoring.small`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ..recipe import RecipeError, available_recipes, load_recipe
+from .inputs import accepts, case_config
+from .launcher import run_job
+from .small import MAX_SMALL_ELEMENTS, RANK_MEMORY_LIMIT_GIB, check_build_size, small_config
+from .target import family_head_classes, resolve_config, task_of
+from .verify_report import Row, VerifyReport
+
+__all__ = ["Target", "verify", "verify_many"]
+
+
+@dataclass
+class Target:
+    """One thing to verify in :func:`verify_many`.
+
+    Attributes:
+        target: a ``model_type`` (``"gpt2"``) or a directory holding a ``config.json``.
+        recipe: a recipe name, ``.toml`` path, mapping or Recipe; None: the target's model_type.
+        head_classes: class names, task names (``causal-lm``) or classes; None: every head class.
+        label: the name rows carry (default ``target``).
+        shrink: make the config small (:func:`small_config`); None: for a model_type yes, for a
+            directory no (its config is used as it is).
+        config: a config to use instead of resolving ``target`` (shrunk only if ``shrink``).
+        max_elements: the most parameter and buffer elements a head class built from the config
+            may have (:func:`check_build_size`, on the meta device, before any rank starts);
+            None: :data:`MAX_SMALL_ELEMENTS` when the config is made small, no bound otherwise.
+    """
+
+    target: str
+    recipe: object = None
+    head_classes: Sequence | None = None
+    label: str | None = None
+    shrink: bool | None = None
+    config: object = None
+    max_elements: int | None = None
+
+
+@dataclass
+class _Case:
+    """One head class of one target, as the ranks run it (pickled to them; ``progress`` gets it)."""
+
+    label: str
+    cls: type
+    task: str
+    config: object
+    recipe: object
+
+
+def _recipe_for(recipe, config):
+    """The recipe to verify: the given one, else the shipped one of ``config.model_type``, else None
+    (a family with an HF TP plan and no shipped recipe: ``parallelize`` imports the plan, which is
+    then what is verified). Raises RecipeError when none exists, before any rank starts."""
+    if recipe is None and config.model_type not in available_recipes():
+        if not getattr(config, "base_model_tp_plan", None):
+            raise RecipeError(f"no tpify recipe for model_type {config.model_type!r} and transformers defines no "
+                              f"tensor-parallel plan for it; pass --recipe FILE (tpify draft writes a draft)")
+        return None
+    return load_recipe(recipe if recipe is not None else config.model_type)
+
+
+def _prepare(spec: Target, tp_sizes: Sequence[int]):
+    """``(config, recipe, fed heads, unfed heads)`` of one target, before any rank starts.
+
+    The config is resolved and made small for ``tp_sizes`` (:func:`small_config`; ``spec.shrink``
+    None: for a model_type yes, for a directory or a given config no), the recipe found
+    (:func:`_recipe_for`), the head classes selected and split by whether their ``forward`` takes
+    ``input_ids`` (verify feeds token ids only); the fed ones are built on the meta device and
+    refused when larger than the bound (:func:`check_build_size`: ``spec.max_elements``, default
+    :data:`MAX_SMALL_ELEMENTS` for a config made small, none for a config used as it is).
+
+    Raises:
+        TargetError, RecipeError, ShrinkError, ValueError: as :func:`verify` says.
+    """
+    config = spec.config if spec.config is not None else resolve_config(str(spec.target))
+    shrink = spec.shrink if spec.shrink is not None else (spec.config is None and not Path(str(spec.target)).is_dir())
+    if shrink:
+        config = small_config(config, tuple(tp_sizes))
+    recipe = _recipe_for(spec.recipe, config)
+    fed, unfed = _fed_heads(_select_heads(config, spec.head_classes))
+    limit = spec.max_elements if spec.max_elements is not None else (MAX_SMALL_ELEMENTS if shrink else None)
+    if limit is not None:
+        for task, cls in fed:
+            check_build_size(case_config(config, task, config.model_type), [cls], limit)
+    return config, recipe, fed, unfed
+
+
+def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
+    """The cases of one target at one tp size (:func:`_prepare`), and a failed ``setup`` row for
+    each head class whose ``forward`` takes no ``input_ids`` (a vision tower fed ``pixel_values``).
+    A target that fails any step of :func:`_prepare` is one failed ``setup`` row."""
+    label = spec.label or str(spec.target)
+    try:
+        config, recipe, fed, unfed = _prepare(spec, (tp,))
+    except Exception as e:  # noqa: BLE001 - one target's problem is one failed row
+        return [], [Row(label, "-", tp, "setup", None, "-", False, f"{type(e).__name__}: {e}")]
+    failed = [Row(label, cls.__name__, tp, "setup", None, "-", False, _unfed_message(cls)) for _, cls in unfed]
+    return [_Case(label, cls, task, config, recipe) for task, cls in fed], failed
+
+
+def _fed_heads(heads: list[tuple[str, type]]) -> tuple[list[tuple[str, type]], list[tuple[str, type]]]:
+    """``(heads whose forward takes input_ids, the others)``: verify feeds token ids only."""
+    fed = [(t, c) for t, c in heads if accepts(c, "input_ids")]
+    return fed, [(t, c) for t, c in heads if (t, c) not in fed]
+
+
+def _unfed_message(cls: type) -> str:
+    params = [p for p in inspect.signature(cls.forward).parameters if p != "self"][:4]
+    return (f"not verified: tpify verify feeds token ids (input_ids) and {cls.__name__}.forward takes none "
+            f"({', '.join(params)}, ...)")
+
+
+def _select_heads(config, requested) -> list[tuple[str, type]]:
+    """``[(task, class)]`` for the requested head classes (names, task names or classes; None: all)."""
+    available = family_head_classes(config)
+    if not requested:
+        return list(available.items())
+    by_name = {cls.__name__: (task, cls) for task, cls in available.items()}
+    out = []
+    for item in requested:
+        if isinstance(item, type):
+            task = next((t for t, c in available.items() if c is item), None)
+            out.append((task or task_of(item), item))
+        elif item in available:
+            out.append((item, available[item]))
+        elif item in by_name:
+            out.append(by_name[item])
+        else:
+            raise ValueError(f"{item!r} is not a head class of model_type {config.model_type!r}; its head classes "
+                             f"(class name or task): {[f'{c.__name__} ({t})' for t, c in available.items()]}")
+    return out
+
+
+def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,), *, timeout_s: float = 1800.0,
+                group_timeout_s: float = 120.0, progress=None,
+                memory_limit_gib: float | None = RANK_MEMORY_LIMIT_GIB) -> VerifyReport:
+    """Verify several targets, every head class of each, in one spawned job per tp size.
+
+    Each job starts ``tp`` ranks (``python -c`` subprocesses, :mod:`tpify.authoring.launcher`;
+    gloo over localhost, ``GLOO_SOCKET_IFNAME=lo``, rendezvous at a ``TCPStore`` on a free port
+    served by this process; one thread per rank) that run
+    :func:`~tpify.authoring.checks.check_case` for every (target, head class) in turn; rank 0's
+    rows come back as each case ends. Jobs run one after another. A target
+    whose config cannot be resolved or shrunk, whose recipe is missing or malformed, or whose
+    head class is unknown gives a failed ``setup`` row (no ranks are spawned for it); a job that
+    crashes or passes ``timeout_s`` gives a failed ``job`` row for each case that did not report.
+
+    Args:
+        targets: :class:`Target`\\ s, or strings (a model_type or a directory: every head class).
+        tp_sizes: the tp sizes; the small config is made per tp size (:func:`small_config`).
+        timeout_s: the deadline of one job.
+        group_timeout_s: the gloo timeout of each case's collectives (a case stuck in a
+            collective fails after this long).
+        progress: ``progress(case, rows, seconds)`` called in this process as each case reports.
+        memory_limit_gib: each rank's address-space limit (``RLIMIT_AS``, where the platform
+            enforces it; default :data:`RANK_MEMORY_LIMIT_GIB`), so that a model or a forward
+            larger than expected fails its step with a memory error row instead of exhausting
+            the machine; None: no limit.
+    """
+    start = time.perf_counter()
+    report = VerifyReport()
+    specs = [t if isinstance(t, Target) else Target(t) for t in targets]
+    for tp in tp_sizes:
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tpify.authoring.verify: tp sizes must be positive integers, got {tp!r}")
+        cases: list[_Case] = []
+        for spec in specs:
+            planned, failed = _plan_cases(spec, tp)
+            cases.extend(planned)
+            report.rows.extend(failed)
+        if not cases:
+            continue
+        job_start = time.perf_counter()
+        rows, seconds, error = run_job(cases, tp, timeout_s, group_timeout_s, progress, memory_limit_gib)
+        report.job_seconds[tp] = time.perf_counter() - job_start
+        for case, case_rows, secs in zip(cases, rows, seconds):
+            if case_rows is None:
+                report.rows.append(Row(case.label, case.cls.__name__, tp, "job", None, "-", False,
+                                       error or "the ranks ended without reporting this case"))
+            else:
+                report.rows.extend(case_rows)
+                report.case_seconds[(case.label, case.cls.__name__, tp)] = secs
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classes: Sequence | None = None, *,
+           shrink: bool | None = None, timeout_s: float = 1800.0, progress=None, max_elements: int | None = None,
+           memory_limit_gib: float | None = RANK_MEMORY_LIMIT_GIB) -> VerifyReport:
+    """Verify one recipe on one target: every head class (or ``head_classes``) at every tp size.
+
+    ``target`` is a ``model_type`` (the family's default config, made small by
+    :func:`small_config`) or a directory holding a ``config.json`` (used as it is unless
+    ``shrink=True``; random weights, the checkpoint's are not read). ``recipe`` defaults to the
+    shipped recipe of the config's ``model_type``. One spawned job per tp size runs every head
+    class (:func:`verify_many`); rank 0's :class:`Row`\\ s are returned in a
+    :class:`VerifyReport` (``report.ok``, ``report.format_table()``). ``max_elements`` bounds
+    what is built (:func:`check_build_size`; default :data:`MAX_SMALL_ELEMENTS` for a config
+    made small, none for one used as it is), ``memory_limit_gib`` each rank's address space
+    (:func:`verify_many`).
+
+    Raises:
+        tpify.authoring.target.TargetError: the target is neither a model_type nor a config directory.
+        RecipeError: the recipe is missing or malformed.
+        ShrinkError: the family's config cannot be made small, or a head class built from it
+            would have more than ``max_elements`` parameter and buffer elements (checked on the
+            meta device, nothing is built).
+        ValueError: a head class that is not the family's, or none that takes token ids; a tp
+            size that is not a positive integer.
+    """
+    spec = Target(str(target), recipe, head_classes, shrink=shrink, max_elements=max_elements)
+    if spec.shrink is None:
+        spec.shrink = not Path(str(target)).is_dir()
+    _, _, fed, unfed = _prepare(spec, tp_sizes)  # errors about the target itself are raised, not reported
+    if not fed:
+        raise ValueError("; ".join(_unfed_message(cls) for _, cls in unfed))
+    return verify_many([spec], tp_sizes, timeout_s=timeout_s, progress=progress, memory_limit_gib=memory_limit_gib)
