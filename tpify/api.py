@@ -34,7 +34,7 @@ from .agree import agree, agreement, digest
 from .context import CallState, TPContext
 from .hf_methods import check_before_parallelize
 from .hooks import guards
-from .info import TPInfo, TPUsageError, find_tp_model, get_tp_info, param_specs  # noqa: F401 - the public names
+from .info import TPInfo, TPUsageError, get_tp_info, param_specs
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
@@ -476,8 +476,6 @@ def _open_for_load_weights(model: nn.Module, path: Path, renames) -> tuple[Snaps
         FileNotFoundError, CheckpointError: as :func:`from_pretrained`.
     """
     if any(is_dtensor(p) for p in model.parameters()):
-        from .info import TPUsageError
-
         raise TPUsageError(f"load_weights_: {type(model).__name__}'s parameters are DTensors (FSDP2's "
                            f"fully_shard); reading a checkpoint into a model FSDP2 shards is not supported yet: "
                            f"load it with tpify.from_pretrained, then shard it with fully_shard")

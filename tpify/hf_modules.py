@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = ["SHARDABLE_TYPES", "is_conv1d", "module_kind", "dense_dims", "overrides_forward", "qualname",
-           "base_model", "relative_fqn", "is_peft"]
+           "base_model_and_prefix", "relative_name", "base_model", "relative_fqn", "is_peft"]
 
 #: What the recipe styles split (and what must be covered by a rule).
 SHARDABLE_TYPES = "nn.Linear, transformers Conv1D, nn.Embedding"
@@ -72,25 +72,36 @@ def qualname(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The base model of a head class (``model.transformer`` of ``GPT2LMHeadModel``, by
-    ``base_model_prefix``), or ``model`` itself."""
-    prefix = getattr(model, "base_model_prefix", "")
+def base_model_and_prefix(model: nn.Module) -> tuple[nn.Module, str]:
+    """``(base model, its attribute name)`` of a head class (``(model.transformer, "transformer")``
+    for ``GPT2LMHeadModel``, by ``base_model_prefix``); ``(model, "")`` for a base model or a
+    model without one."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
     base = getattr(model, prefix, None) if prefix else None
-    return base if isinstance(base, nn.Module) else model
+    return (base, prefix) if isinstance(base, nn.Module) and base is not model else (model, "")
+
+
+def relative_name(name: str, prefix: str) -> tuple[str, bool]:
+    """``(name relative to the base model whose attribute is prefix, whether it is inside it)``:
+    ``transformer.h.0`` -> ``("h.0", True)``; the base model itself is ``""``; a head outside it
+    keeps its name."""
+    if not prefix:
+        return name, True
+    if name == prefix:
+        return "", True
+    if name.startswith(prefix + "."):
+        return name[len(prefix) + 1:], True
+    return name, False
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The base model of a head class (``model.transformer`` of ``GPT2LMHeadModel``), or ``model``."""
+    return base_model_and_prefix(model)[0]
 
 
 def relative_fqn(model: nn.Module, fqn: str) -> str:
-    """``fqn`` relative to the base model, as recipe rules are written: ``transformer.h.0`` ->
-    ``h.0``; the base model itself is ``""``. Unchanged for a model without a base model, and for
-    modules outside it (a head)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if base_model(model) is not model:
-        if fqn == prefix:
-            return ""
-        if fqn.startswith(prefix + "."):
-            return fqn[len(prefix) + 1:]
-    return fqn
+    """``fqn`` relative to the base model, as recipe rules are written (:func:`relative_name`)."""
+    return relative_name(fqn, base_model_and_prefix(model)[1])[0]
 
 
 def is_peft(module: nn.Module) -> bool:

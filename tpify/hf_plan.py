@@ -74,11 +74,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .hf_modules import base_model_and_prefix, module_kind, overrides_forward, relative_name
 from .recipe import Recipe, RecipeError, _compile_glob, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
-           "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard", "head_counts",
-           "base_model_and_prefix", "relative_name", "layer_kind", "overrides_forward", "forward_reads"]
+           "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard", "head_counts", "forward_reads"]
 
 # Config attributes holding head counts, in the order they are reported (transformers maps
 # family-specific names such as n_head onto them through the config's attribute_map).
@@ -104,25 +104,6 @@ def wildcard(name: str) -> str:
     """Layer numbers -> ``*``, as transformers' ``replace_layer_number_by_wildcard``:
     ``layers.3.mlp.up_proj`` -> ``layers.*.mlp.up_proj`` (only all-digit dotted segments)."""
     return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
-
-
-def base_model_and_prefix(model: nn.Module) -> tuple[nn.Module, str]:
-    """``(base model, its attribute name)`` of a head class (``(model.transformer, "transformer")``
-    for ``GPT2LMHeadModel``); ``(model, "")`` for a base model or a model without one."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    base = getattr(model, prefix, None) if prefix else None
-    return (base, prefix) if isinstance(base, nn.Module) and base is not model else (model, "")
-
-
-def relative_name(name: str, prefix: str) -> tuple[str, bool]:
-    """``(name relative to the base model, whether it is inside the base model)``."""
-    if not prefix:
-        return name, True
-    if name == prefix:
-        return "", True
-    if name.startswith(prefix + "."):
-        return name[len(prefix) + 1:], True
-    return name, False
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -154,24 +135,6 @@ def has_hf_plan(model: nn.Module) -> bool:
     (``config.base_model_tp_plan`` or the model's merged ``tp_plan``)."""
     config = getattr(model, "config", None)
     return bool(getattr(config, "base_model_tp_plan", None)) or bool(hf_tp_plan(model))
-
-
-def layer_kind(module: nn.Module) -> str | None:
-    """``"embedding"`` (``nn.Embedding``), ``"linear"`` (``nn.Linear``, transformers ``Conv1D``) or
-    None: the module kinds a recipe can split."""
-    if isinstance(module, nn.Embedding):
-        return "embedding"
-    if isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf")):
-        return "linear"
-    return None
-
-
-def overrides_forward(module: nn.Module) -> bool:
-    """Whether an ``nn.Linear`` / ``nn.Embedding`` subclass replaces the plain layer's ``forward``."""
-    for plain in (nn.Linear, nn.Embedding):
-        if isinstance(module, plain):
-            return type(module).forward is not plain.forward
-    return False
 
 
 def _out_features(module: nn.Module) -> int | None:
@@ -301,7 +264,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                                     f"{shape}, not to a module: {what}")
             dropped.append(f"{key} = {hf_style}")
             continue
-        kinds = {layer_kind(modules[n]) for n in names}
+        kinds = {module_kind(modules[n]) for n in names}
         first = names[0]
         where = f"HF rule {key!r} = {hf_style!r} (module {first}, a {type(modules[first]).__name__})"
         if hf_style in _UNSUPPORTED:
@@ -361,10 +324,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     covered = set(styles)
     fill: dict[str, tuple[list[str], bool]] = {}
     for rel, module in modules.items():
-        if layer_kind(module) is None or rel in covered:
+        if module_kind(module) is None or rel in covered:
             continue
         if any(rel.startswith(c + ".") for c, s in styles.items()
-               if s == "replicate" and layer_kind(modules[c]) is None):
+               if s == "replicate" and module_kind(modules[c]) is None):
             continue
         key = wildcard(rel)
         names, _ = fill.get(key, ([], True))
@@ -423,8 +386,8 @@ def _tie_heads(model, modules, styles, rules, add_rule):
         if isinstance(w, nn.Parameter):
             weights.setdefault(id(w), []).append(rel)
     for holders in weights.values():
-        embeds = [h for h in holders if layer_kind(modules[h]) == "embedding"]
-        heads = [h for h in holders if layer_kind(modules[h]) == "linear"]
+        embeds = [h for h in holders if module_kind(modules[h]) == "embedding"]
+        heads = [h for h in holders if module_kind(modules[h]) == "linear"]
         if not embeds or not heads:
             continue
         estyle = styles.get(embeds[0], "replicate")
@@ -458,7 +421,7 @@ def _check_per_head_params(model, modules, styles):
                if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
     for parent in sorted(parents):
         for rel, module in modules.items():
-            if not rel.startswith(parent + ".") or layer_kind(module) is not None:
+            if not rel.startswith(parent + ".") or module_kind(module) is not None:
                 continue
             for pname, param in module.named_parameters(recurse=False):
                 shape = tuple(param.shape)

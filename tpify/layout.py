@@ -25,7 +25,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from .agree import digest
@@ -190,7 +189,6 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
         raise PlanError(f"pad_vocab_multiple must be a positive integer (the vocabulary is padded to a multiple of "
                         f"pad_vocab_multiple * tp_size), got {pad_vocab_multiple!r}")
-    step = pad_vocab_multiple * tp_size
     peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
     if peft:
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .agree import agree  # noqa: F401 - used by the group checks below
 
 __all__ = ["init_tp_mesh", "resolve_tp_size", "INFER", "check_dp_group", "agreement_scope", "resolve_groups"]
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import comm
 from .agree import AgreementError
+from .info import param_specs
 from .sharding import is_dtensor, shard_spec_of
 
 __all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_",
@@ -195,8 +196,6 @@ def clip_params_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_g
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """:func:`params_grad_norm` of all the trainable parameters of a parallelized ``model`` (also
     one FSDP2's ``fully_shard`` wraps over the data-parallel dimension)."""
-    from .api import param_specs
-
     tp_group, _ = _groups(model)
     return params_grad_norm(model.parameters(), tp_group, norm_type, specs=param_specs(model))
 
@@ -205,8 +204,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """:func:`clip_params_grad_norm_` of all the trainable parameters of a parallelized ``model``
     (also one FSDP2's ``fully_shard`` wraps over the data-parallel dimension: use this, not
     ``torch.nn.utils.clip_grad_norm_``, which would clip each TP rank by its own norm)."""
-    from .api import param_specs
-
     tp_group, _ = _groups(model)
     return clip_params_grad_norm_(model.parameters(), max_norm, tp_group, specs=param_specs(model))
 
@@ -239,8 +236,6 @@ def check_replicas(model: nn.Module) -> None:
         AgreementError: on every rank, naming the parameters that differ and the ranks.
     """
     import torch.distributed as dist
-
-    from .api import param_specs
 
     tp_group, dp_group = _groups(model)
     specs = param_specs(model)

@@ -23,7 +23,6 @@ Tolerances:
 
 import copy
 import os
-import re
 import tempfile
 from types import SimpleNamespace
 

@@ -18,9 +18,22 @@ import tpify
 ROOT = Path(tpify.__file__).resolve().parent
 
 # package -> the packages whose modules may import it (a package includes its submodules).
+# The face (tpify/__init__.py) may import the verbs; it reaches the integrations lazily by name.
+_ABOVE_API = ("tpify.cli", "tpify.authoring", "tpify.integrations")
 RULES: dict[str, tuple[str, ...]] = {
     "tpify.cli": ("tpify.cli",),
     "tpify.authoring": ("tpify.cli", "tpify.authoring"),
+    "tpify.integrations": _ABOVE_API,
+    "tpify.api": _ABOVE_API + ("tpify.api",),
+}
+# The leaves: what tpify sets on a model, and the facts about HF modules, import nothing of tpify
+# but these (one-way core: everything reads them, they read nothing above them).
+LEAVES: dict[str, tuple[str, ...]] = {
+    "tpify.hf_modules": (),
+    "tpify.sharding": ("tpify.comm",),
+    "tpify.info": ("tpify.comm", "tpify.sharding"),
+    "tpify.comm": (),
+    "tpify.agree": ("tpify.comm",),
 }
 
 
@@ -65,6 +78,8 @@ def _violations() -> list[str]:
         importer = _module_name(path, ROOT)
         for line, name in tpify_imports(path):
             for package, allowed in RULES.items():
+                if importer == "tpify" and package == "tpify.api":
+                    continue  # the face (tpify/__init__.py) exports the verbs
                 if _inside(name, package) and not any(_inside(importer, a) for a in allowed):
                     out.setdefault((path, line, package), f"{path.relative_to(ROOT.parent)}:{line}: {importer} imports "
                                                           f"{name} (only {', '.join(allowed)} may import {package})")
@@ -74,6 +89,57 @@ def _violations() -> list[str]:
 def test_imports_go_one_way():
     problems = _violations()
     assert not problems, "\n".join(problems)
+
+
+def test_the_leaves_of_the_core_import_only_below_them():
+    """``hf_modules``, ``comm``, ``sharding``, ``info`` and ``agree`` read no other tpify module
+    than the ones listed: the core's imports form no circle through them."""
+    problems = []
+    for leaf, allowed in LEAVES.items():
+        path = ROOT / (leaf.split(".", 1)[1].replace(".", "/") + ".py")
+        for line, name in tpify_imports(path):
+            if name == "tpify":  # ``from . import comm`` names the package, then the module
+                continue
+            if name != leaf and not _inside(name, leaf) and not any(_inside(name, a) for a in allowed):
+                problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {leaf} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_core_has_no_circle():
+    """No tpify module reaches itself through its top-level imports (the import graph, drawn
+    from the code, is a DAG; imports inside functions are the lazy exceptions they are)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        importer = _module_name(path, ROOT)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {name for line, name in tpify_imports(path) if any(n.lineno == line for n in top)}
+        graph[importer] = {n for n in names if n not in (importer, "tpify")}  # "tpify": ``from . import x``
+    modules = set(graph)
+    edges = {m: {_owner(n, modules) for n in targets} - {None, m} for m, targets in graph.items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1 and not cycle:
+                cycle.extend(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not cycle, " -> ".join(cycle)
+
+
+def _owner(name: str, modules: set[str]) -> str | None:
+    """The module ``name`` lives in (``tpify.comm.agree`` -> ``tpify.comm``), or None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
 
 
 @pytest.mark.parametrize("where, source, expected", [

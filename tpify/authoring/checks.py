@@ -27,6 +27,7 @@ import torch.distributed as dist
 import tpify
 
 from .. import comm
+from ..agree import step_outcome
 from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named
 from .inputs import TOKENS, case_config, case_loss, float_outputs, make_inputs
 from .reference import DenseNotFinite, Reference, dense_reference, use_eager_experts
@@ -48,19 +49,13 @@ class _CaseFailed(Exception):
 
 
 def _agree_step(ok: bool, message: str, error: str = "") -> None:
-    """Every rank learns whether any rank failed the step; raise :class:`_CaseFailed` if one did.
-
-    ``error``: the class name of this rank's exception. One ``all_gather_object`` over the
-    default group (never used by the case itself, so a case group left in a broken state cannot
-    hang it).
-    """
-    outcomes = comm.all_gather_objects((ok, message, error))
-    failed = [(r, m) for r, (o, m, _) in enumerate(outcomes) if not o]
-    errors = frozenset(e for o, _, e in outcomes if not o)
-    if failed:
-        if len(failed) == len(outcomes) and len({m for _, m in failed}) == 1:
-            raise _CaseFailed(f"every rank: {failed[0][1]}", errors)
-        raise _CaseFailed("; ".join(f"rank {r}: {m}" for r, m in failed), errors)
+    """Every rank learns whether any rank failed the step (:func:`tpify.agree.step_outcome`: one
+    ``all_gather_object`` over the default group, never the case's own group, so a case group
+    left broken cannot hang it); raise :class:`_CaseFailed` if one did. ``error``: the class name
+    of this rank's exception."""
+    outcome = step_outcome(ok, message, error)
+    if outcome.failed:
+        raise _CaseFailed(outcome.describe(), outcome.errors)
 
 
 def _error_message(error: BaseException) -> str:

@@ -5,9 +5,9 @@ the meta device (accelerate's ``init_empty_weights``) from the target's config
 (:func:`tpify.authoring.target.resolve_config`), the recipe is matched to it with
 :func:`tpify.layout.build_layout`, and for every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding``
 the report gives the rule that covers it, its style and each parameter's dense and per-rank
-shape. Per-rank shapes come from :class:`tpify.sharding.ShardSpec`, built for each style exactly
-as :mod:`tpify.layers` builds the parallel layer's specs (Megatron-LM, arXiv:1909.08053,
-section 3), so the arithmetic is the library's. Then: parameter memory per rank against the
+shape. Per-rank shapes come from the layout's specs, which the styles give each parameter
+(:mod:`tpify.styles`) and the layers attach (Megatron-LM, arXiv:1909.08053, section 3), so the
+arithmetic is the library's. Then: parameter memory per rank against the
 dense model (replicated parameters counted in full on every rank, tied parameters once), the
 attributes and config values divided per rank, the rules that took no part, what stays
 replicated and why, the LM head and the loss kind.
@@ -22,12 +22,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from ..api import resolve_recipe
-from ..layout import build_layout, relative_fqn
+from ..hf_modules import module_kind, relative_fqn
+from ..styles import STYLES
+from ..layout import build_layout
 from ..recipe import Rule, RuleIndex
-from ..sharding import ShardSpec
 from .target import HEAD_TASKS, head_classes, resolve_config
 
 __all__ = ["PlanReportError", "plan_report", "rank_shapes"]
@@ -89,76 +89,36 @@ def _meta_model(config, cls, dtype):
     return model.eval()
 
 
-def _spec_kwargs(entry) -> dict:
-    """``replicated`` for :class:`ShardSpec` when the layout keeps packed parts whole (multi-query
-    K/V); an explicit error when the installed ShardSpec cannot express it."""
-    replicated = tuple(getattr(entry, "replicated_parts", None) or ())
-    if not replicated:
-        return {}
-    if "replicated" not in getattr(ShardSpec, "__dataclass_fields__", {}):
-        raise PlanReportError(f"{entry.fqn}: the layout keeps packed parts {list(replicated)} whole, which the installed "
-                              f"tpify.sharding.ShardSpec cannot express; plan does not size it")
-    return {"replicated": replicated}
-
-
 def rank_shapes(module, entry, tp_size: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
     """Per parameter of one layout entry: ``(dense shape, per-rank shape, sharded)``.
 
     ``module`` is the dense ``nn.Linear``, transformers ``Conv1D`` or ``nn.Embedding`` (real or
-    on meta); ``entry`` its :class:`tpify.layout.ModuleLayout`. The per-rank shape is
-    ``ShardSpec.local_shape`` of the spec that :mod:`tpify.layers` attaches to that parameter
-    (padding rows of a vocabulary included): ``colwise``/``packed_colwise``/``colwise_rep`` split
-    the output features (each packed part alike; ``nn.Linear`` weight dim 0, ``Conv1D`` dim 1,
-    bias dim 0), ``rowwise`` the input features (weight dim 1 / 0, bias whole),
-    ``embedding_rowwise`` the padded vocabulary rows, ``embedding_colwise`` the embedding
-    columns, ``replicate`` nothing.
+    on meta); ``entry`` its :class:`tpify.styles.ModuleLayout`. The per-rank shape is
+    ``ShardSpec.local_shape`` of the spec the style gives that parameter (the layout's
+    ``entry.specs``, the spec the layer attaches; :meth:`tpify.styles.Style.param_specs` when the
+    entry was made by hand): padding rows of a vocabulary included.
 
     Raises:
-        PlanReportError: a style this function does not know, a style on a module of the wrong
-            kind, or a sharded module with parameters besides ``weight`` and ``bias``, so that a
-            new layout feature is never reported with a wrong number.
+        PlanReportError: a style tpify does not know, a style on a module of the wrong kind, or a
+            sharded module with parameters besides those the style splits, so that a new layout
+            feature is never reported with a wrong number.
     """
     params = {name: p for name, p in module.named_parameters(recurse=False)}
     dense = {name: tuple(p.shape) for name, p in params.items()}
-    if entry.style == "replicate":
+    if entry.style not in STYLES:
+        raise PlanReportError(f"plan does not know style {entry.style!r} ({entry.fqn}, rule #{entry.rule}): "
+                              f"tpify.styles has no such style; extend it before trusting a report")
+    style = STYLES[entry.style]
+    if not style.shards:
         return {name: (shape, shape, False) for name, shape in dense.items()}
-    extra = sorted(set(params) - {"weight", "bias"})
+    if module_kind(module) != style.kind:
+        raise PlanReportError(f"{entry.fqn} is a {type(module).__name__}; plan does not know style {entry.style!r} "
+                              f"on it")
+    specs = entry.specs or style.param_specs(module, entry, tp_size)
+    extra = sorted(set(params) - set(specs))
     if extra:
         raise PlanReportError(f"{entry.fqn} ({type(module).__name__}, style {entry.style!r}) holds parameters {extra} "
-                              f"besides weight and bias; plan does not know how they are split")
-    specs: dict[str, ShardSpec | None] = {}
-    embedding = isinstance(module, nn.Embedding)
-    conv1d = type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-    linear = isinstance(module, nn.Linear) or conv1d
-    wrong_kind = PlanReportError(f"{entry.fqn} is a {type(module).__name__}; plan does not know style "
-                                 f"{entry.style!r} on it")
-    if entry.style in ("colwise", "packed_colwise", "colwise_rep"):
-        if not linear:
-            raise wrong_kind
-        out_f = module.nf if conv1d else module.out_features
-        parts = tuple(entry.partition_sizes) if entry.partition_sizes else (out_f,)
-        padded = entry.padded_size if entry.style == "colwise_rep" else None
-        extra_kw = _spec_kwargs(entry)
-        specs["weight"] = ShardSpec(1 if conv1d else 0, parts, tp_size, padded, **extra_kw)
-        specs["bias"] = ShardSpec(0, parts, tp_size, padded, **extra_kw)
-    elif entry.style == "rowwise":
-        if not linear:
-            raise wrong_kind
-        in_f = module.nx if conv1d else module.in_features
-        specs["weight"] = ShardSpec(0 if conv1d else 1, (in_f,), tp_size)
-        specs["bias"] = None  # whole on every rank, added once after the all-reduce
-    elif entry.style == "embedding_rowwise":
-        if not embedding:
-            raise wrong_kind
-        specs["weight"] = ShardSpec(0, (module.num_embeddings,), tp_size, entry.padded_size or module.num_embeddings)
-    elif entry.style == "embedding_colwise":
-        if not embedding:
-            raise wrong_kind
-        specs["weight"] = ShardSpec(1, (module.embedding_dim,), tp_size)
-    else:
-        raise PlanReportError(f"plan does not know style {entry.style!r} ({entry.fqn}, rule #{entry.rule}): "
-                              f"tpify.authoring.plan.rank_shapes has no per-rank shape for it; extend it before "
-                              f"trusting a report")
+                              f"besides {sorted(specs)}; plan does not know how they are split")
     out = {}
     for name, shape in dense.items():
         spec = specs.get(name)

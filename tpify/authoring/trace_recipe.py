@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf_plan import (HEAD_COUNT_ATTRS, TASK_HEADS, base_model_and_prefix, forward_reads, head_counts, layer_kind,
-                       overrides_forward, relative_name, wildcard)
+from ..hf_modules import base_model_and_prefix, overrides_forward, relative_name
+from ..hf_modules import module_kind as layer_kind
+from ..hf_plan import HEAD_COUNT_ATTRS, TASK_HEADS, forward_reads, head_counts, wildcard
 from .draft_types import LM_TASKS, Draft, DraftError, build_head_class, recipe_data
 from .small import ShrinkError, small_config
 from .trace_sizes import resolve_literals, second_trace

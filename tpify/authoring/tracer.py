@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..hf_plan import layer_kind
+from ..hf_modules import module_kind as layer_kind
 from .draft_types import DraftError
 
 __all__ = ["trace_flows", "FlowTrace"]

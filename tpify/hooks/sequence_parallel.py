@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..context import CallState, ModeArgument, TPContext
+from ..context import ModeArgument, TPContext
 from ..layers import RowParallelLinear
 from ..random import DEFAULT, TP, devices_of
 

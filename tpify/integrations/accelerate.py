@@ -40,7 +40,7 @@ from pathlib import Path
 import accelerate
 from accelerate.data_loader import prepare_data_loader
 
-from ..api import get_tp_info, param_specs
+from ..info import get_tp_info, param_specs
 from ..training import clip_params_grad_norm_, sync_gradients
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 from .resume import PER_RANK, check_resume, training_layout, write_manifest

@@ -90,7 +90,7 @@ def training_layout(models, optimizers=None, *, optimizer_files: str, written_by
     """
     import torch.distributed as dist
 
-    from ..api import get_tp_info
+    from ..info import get_tp_info
 
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     tp_models = [m for m in (tp_model_of(x) for x in models) if m is not None]

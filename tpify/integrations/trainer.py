@@ -69,7 +69,7 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
-from ..api import get_tp_info
+from ..info import get_tp_info
 from ..random import get_rng_tracker
 from .accelerate import TPAccelerator
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
