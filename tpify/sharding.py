@@ -257,6 +257,9 @@ def vocab_rows_spec(num_embeddings: int, tp_size: int, padded_size: int | None =
     padded to ``padded_size`` rows (default, or ``padded_size == num_embeddings``: unpadded, the
     same spec as a column-parallel LM head over that vocabulary, which a tied head shares)."""
     padded = padded_size if padded_size and padded_size != num_embeddings else None
+    if padded is None and num_embeddings % tp_size:
+        raise ValueError(f"num_embeddings = {num_embeddings} rows cannot be split over tp_size = {tp_size}: pad the "
+                         f"table to a multiple of {tp_size} rows (padded_num_embeddings >= {num_embeddings})")
     return ShardSpec(0, (num_embeddings,), tp_size, padded)
 
 

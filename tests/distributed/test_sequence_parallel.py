@@ -147,7 +147,7 @@ def _with_lora_and_checkpointing_body(rank, world):
 
     import tpify
     from tpify.integrations import get_peft_model
-    from tpify.verify import dense_named
+    from tpify.authoring.compare import dense_named
 
     out = {}
     ids = torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1))

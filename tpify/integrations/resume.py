@@ -55,14 +55,31 @@ class ResumeError(TPUsageError):
     missing or unreadable. Raised on every rank (on the others as an ``AgreementError``)."""
 
 
-def _spec(param) -> dict | None:
+def _spec(param, vocabulary: set[int]) -> dict | None:
+    """A parameter's split, as JSON; for a vocabulary table (``vocabulary``: ids of the embedding's
+    and LM head's parameters) also its padded rows, which decide which Adam moments go where."""
     from ..sharding import shard_spec_of
 
     spec = shard_spec_of(param)
     if spec is None:
         return None
-    return {"dim": spec.dim, "parts": list(spec.parts), "padded_size": spec.padded_size,
-            "replicated": list(spec.replicated)}
+    out = {"dim": spec.dim, "parts": list(spec.parts), "padded_size": spec.padded_size,
+           "replicated": list(spec.replicated)}
+    if id(param) in vocabulary:
+        out["vocab_rows"] = spec.padded_size or spec.global_size
+    return out
+
+
+def _vocabulary_params(tp_models) -> set[int]:
+    """Ids of the parameters of the modules whose style splits a vocabulary (embedding, LM head)."""
+    from ..info import get_tp_info
+
+    ids = set()
+    for model in tp_models:
+        for fqn, entry in get_tp_info(model).layout.modules.items():
+            if entry.styler.vocab_rows:
+                ids.update(id(p) for p in model.get_submodule(fqn).parameters(recurse=False))
+    return ids
 
 
 def _unwrap_optimizer(optimizer):
@@ -115,8 +132,9 @@ def training_layout(models, optimizers=None, *, optimizer_files: str, written_by
                    "param_groups": [[name(p) for p in g["params"]] for g in opt.param_groups]} for opt in optimizers]
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     parameters = {}
+    vocabulary = _vocabulary_params(tp_models)
     for p in params:
-        parameters.setdefault(name(p), {"shape": list(p.shape), "shard": _spec(p)})
+        parameters.setdefault(name(p), {"shape": list(p.shape), "shard": _spec(p, vocabulary)})
     adapters = sorted({a for m in models if is_peft(m) for a in getattr(m, "peft_config", {})})
     if optimizer_files not in (PER_TP_RANK, PER_RANK):
         raise ValueError(f"optimizer_files must be {PER_TP_RANK!r} or {PER_RANK!r}, got {optimizer_files!r}")
@@ -157,10 +175,10 @@ def _read(directory: Path, checkpoint) -> dict:
 
 
 def _vocab(m: dict) -> str:
-    padded = [(n, p["shard"]) for n, p in m["parameters"].items() if p["shard"] and p["shard"]["padded_size"]]
+    padded = [(n, p["shard"]) for n, p in m["parameters"].items() if p["shard"] and p["shard"].get("vocab_rows")]
     if not padded:
         return ""
-    shown = [f"{n} padded to {s['padded_size']} rows" if s["padded_size"] > s["parts"][0]
+    shown = [f"{n} padded to {s['vocab_rows']} rows" if s["vocab_rows"] > s["parts"][0]
              else f"{n} unpadded, {s['parts'][0]} rows" for n, s in padded[:2]]
     return f" ({'; '.join(shown)})"
 
