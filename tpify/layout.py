@@ -174,7 +174,8 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
-    a style (``replicate`` counts). Rules that match nothing warn, unless ``optional``.
+    a style (``replicate`` counts); each module's style checks it and gives its per-parameter
+    specs (:mod:`tpify.styles`). Rules that match nothing warn, unless ``optional``.
     Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are padded to a multiple of
     ``pad_vocab_multiple * tp_size`` rows.
 
@@ -184,6 +185,16 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
             type, counts (config values, attributes to divide, features of sharded layers) that
             ``tp_size`` does not divide, with the tp sizes that would work.
     """
+    _check_arguments(model, tp_size, pad_vocab_multiple)
+    planner = _Planner(model, recipe, tp_size, pad_vocab_multiple)
+    planner.config_counts()
+    planner.match_modules()
+    planner.finish(sequence_parallel)
+    return planner.result()
+
+
+def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple) -> None:
+    """The arguments and the model can be planned at all (before anything is matched)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
@@ -194,124 +205,158 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
                         f"{' ...' if len(peft) > 3 else ''}). Parallelize the base model first, then add the adapters: "
                         f"model = tpify.parallelize(model); model = tpify.integrations.get_peft_model(model, lora_config)")
-    config = getattr(model, "config", None)
-    layout = Layout(tp_size, recipe, type(model).__name__, pad_vocab_multiple, renames=recipe.renames)
-    errors: list[str] = []
-    constraints: list[int] = []
-    indivisible: list[str] = []
 
-    def need_divisible(what: str, value: int):
-        constraints.append(value)
-        if value % tp_size:
-            indivisible.append(what)
+
+class _Planner:
+    """One :func:`build_layout` run: the layout being filled and every problem found so far.
+
+    The work is linear in the rules (a recipe may list thousands): rules are looked up by name
+    where they can be (:class:`~tpify.recipe.RuleIndex`), and ``matched`` holds rule indices,
+    never compares Rule objects.
+    """
+
+    def __init__(self, model: nn.Module, recipe: Recipe, tp_size: int, pad_vocab_multiple: int):
+        self.model, self.recipe, self.tp_size = model, recipe, tp_size
+        self.config = getattr(model, "config", None)
+        self.layout = Layout(tp_size, recipe, type(model).__name__, pad_vocab_multiple, renames=recipe.renames)
+        self.errors: list[str] = []
+        self.constraints: list[int] = []  # every count tp_size must divide (for the sizes that would work)
+        self.indivisible: list[str] = []
+        self.uncovered: list[str] = []
+        self.containers: dict[str, Rule] = {}  # replicated container FQN -> its rule
+        self.ctx = PlanContext(model, self.config, recipe, tp_size, pad_vocab_multiple, self.errors,
+                               self.need_divisible,
+                               lambda rule, out_f, owner, fqn: _packed_sizes(rule, out_f, self.config, owner, fqn,
+                                                                             self.errors))
+
+    def need_divisible(self, what: str, value: int) -> None:
+        """Record a count ``tp_size`` must divide; an error when it does not."""
+        self.constraints.append(value)
+        if value % self.tp_size:
+            self.indivisible.append(what)
             fewer = (" (fewer than tp_size: each rank must hold whole ones, and tpify does not copy one onto "
-                     "several ranks)" if 0 < value < tp_size else "")
-            errors.append(f"{what} = {value} is not divisible by tp_size = {tp_size}{fewer}")
+                     "several ranks)" if 0 < value < self.tp_size else "")
+            self.errors.append(f"{what} = {value} is not divisible by tp_size = {self.tp_size}{fewer}")
 
-    ctx = PlanContext(model, config, recipe, tp_size, pad_vocab_multiple, errors, need_divisible,
-                      lambda rule, out_f, owner, fqn: _packed_sizes(rule, out_f, config, owner, fqn, errors))
+    def config_counts(self) -> None:
+        """The recipe's ``divisible`` and ``divide_config`` config values."""
+        for name in self.recipe.divisible + self.recipe.divide_config:
+            value = getattr(self.config, name, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                self.errors.append(f"recipe {self.recipe.source} requires config.{name} to be an integer; it is "
+                                   f"{value!r}")
+            else:
+                self.need_divisible(f"config.{name} ({type(self.model).__name__})", value)
+                if name in self.recipe.divide_config:
+                    self.layout.config_divides[name] = value
 
-    for name in recipe.divisible + recipe.divide_config:
-        value = getattr(config, name, None)
-        if not isinstance(value, int) or isinstance(value, bool):
-            errors.append(f"recipe {recipe.source} requires config.{name} to be an integer; it is {value!r}")
-        else:
-            need_divisible(f"config.{name} ({type(model).__name__})", value)
-            if name in recipe.divide_config:
-                layout.config_divides[name] = value
+    def match_modules(self) -> None:
+        """Every module against the rules that apply (those whose ``when`` the config meets; the
+        others take no part and never warn): the rules' facts, then the module's style."""
+        active = [rule for rule in self.recipe.rules if rule.applies(self.config)]
+        index = RuleIndex(active)
+        self.matched = {rule.index for rule in self.recipe.rules} - {rule.index for rule in active}
+        base = base_model(self.model)
+        for fqn, module in self.model.named_modules():
+            if not fqn and base is not self.model:
+                continue  # the head class's root: rules are written relative to the base model
+            rel = relative_fqn(self.model, fqn)
+            hits = index.hits(rel)
+            self.matched.update(rule.index for rule in hits)
+            for rule in hits:
+                self._rule_facts(fqn, module, rule)
+            self._style_module(fqn, rel, module, [rule for rule in hits if rule.style is not None])
 
-    # Rules whose `when` conditions the config does not meet take no part (and do not warn).
-    # The work is linear in the rules (a recipe may list thousands): rules are looked up by name
-    # where they can be (RuleIndex), and `matched` holds indices, never compares Rule objects.
-    active = [rule for rule in recipe.rules if rule.applies(config)]
-    index = RuleIndex(active)
-    matched = {rule.index for rule in recipe.rules} - {rule.index for rule in active}  # inactive ones never warn
-    uncovered: list[str] = []
-    containers: dict[str, Rule] = {}  # replicated container FQN -> its rule
-    base = base_model(model)
-    for fqn, module in model.named_modules():
-        if not fqn and base is not model:
-            continue  # the head class's root: rules are written relative to the base model
-        rel = relative_fqn(model, fqn)
-        hits = index.hits(rel)
-        matched.update(rule.index for rule in hits)
-        for rule in hits:
-            for attr in rule.divide:
-                value = getattr(module, attr, None)
-                if not isinstance(value, int) or isinstance(value, bool):
-                    errors.append(f"{fqn} ({type(module).__name__}): {rule.describe()} divides attribute "
-                                  f"{attr!r}, which is {value!r}, not an integer")
-                else:
-                    need_divisible(f"{fqn}.{attr}", value)
-            if rule.divide:
-                layout.divides[fqn] = layout.divides.get(fqn, ()) + rule.divide
-            for arg, dim, heads_attr in rule.head_inputs:
-                heads = getattr(config, heads_attr, None)
-                if not isinstance(heads, int) or isinstance(heads, bool):
-                    errors.append(f"{fqn}: {rule.describe()} slices argument {arg!r} by config.{heads_attr}, which "
-                                  f"is {heads!r}, not an integer")
-                    continue
-                need_divisible(f"config.{heads_attr} (heads of {fqn}'s argument {arg!r})", heads)
-                params = inspect.signature(type(module).forward).parameters
-                if arg not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                    errors.append(f"{fqn}: {rule.describe()} slices argument {arg!r}, but "
-                                  f"{type(module).__name__}.forward takes no such argument")
-                    continue
-                layout.head_inputs[fqn] = layout.head_inputs.get(fqn, ()) + ((arg, dim, heads),)
-        styled = [rule for rule in hits if rule.style is not None]
-        container = _outermost_container(fqn, containers)
+    def _rule_facts(self, fqn: str, module: nn.Module, rule: Rule) -> None:
+        """What a rule says of a module besides its style: attributes to divide, per-head inputs."""
+        for attr in rule.divide:
+            value = getattr(module, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                self.errors.append(f"{fqn} ({type(module).__name__}): {rule.describe()} divides attribute {attr!r}, "
+                                   f"which is {value!r}, not an integer")
+            else:
+                self.need_divisible(f"{fqn}.{attr}", value)
+        if rule.divide:
+            self.layout.divides[fqn] = self.layout.divides.get(fqn, ()) + rule.divide
+        for arg, dim, heads_attr in rule.head_inputs:
+            heads = getattr(self.config, heads_attr, None)
+            if not isinstance(heads, int) or isinstance(heads, bool):
+                self.errors.append(f"{fqn}: {rule.describe()} slices argument {arg!r} by config.{heads_attr}, which is "
+                                   f"{heads!r}, not an integer")
+                continue
+            self.need_divisible(f"config.{heads_attr} (heads of {fqn}'s argument {arg!r})", heads)
+            params = inspect.signature(type(module).forward).parameters
+            if arg not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                self.errors.append(f"{fqn}: {rule.describe()} slices argument {arg!r}, but {type(module).__name__}"
+                                   f".forward takes no such argument")
+                continue
+            self.layout.head_inputs[fqn] = self.layout.head_inputs.get(fqn, ()) + ((arg, dim, heads),)
+
+    def _style_module(self, fqn: str, rel: str, module: nn.Module, styled: list[Rule]) -> None:
+        """The one styled rule of a module (or its replicated container's) plans it."""
+        container = _outermost_container(fqn, self.containers)
         if module_kind(module) is None:
             if styled and styled[0].style == "replicate" and len(styled) == 1:
-                containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
+                self.containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
             elif styled:
-                style_of(styled[0].style).plan(ctx, fqn, module, styled[0])  # the style says why not
-            continue
+                style_of(styled[0].style).plan(self.ctx, fqn, module, styled[0])  # the style says why not
+            return
         if container is not None:
             if styled and any(r.style != "replicate" for r in styled):
-                errors.append(f"{fqn} is inside {container or '<base model>'}, which "
-                              f"{containers[container].describe()} replicates, but {styled[0].describe()} gives it "
-                              f"style {styled[0].style!r}")
-                continue
-            styled = [containers[container]]
+                self.errors.append(f"{fqn} is inside {container or '<base model>'}, which "
+                                   f"{self.containers[container].describe()} replicates, but {styled[0].describe()} "
+                                   f"gives it style {styled[0].style!r}")
+                return
+            styled = [self.containers[container]]
         if not styled:
-            uncovered.append(f"{rel or '<base model>'} ({type(module).__name__})")
-            continue
-        if len(styled) > 1:
-            errors.append(f"{fqn} is matched by several styled rules: {[r.describe() for r in styled]}")
-            continue
-        entry = style_of(styled[0].style).plan(ctx, fqn, module, styled[0])
-        if entry is not None:
-            layout.modules[fqn] = entry
+            self.uncovered.append(f"{rel or '<base model>'} ({type(module).__name__})")
+        elif len(styled) > 1:
+            self.errors.append(f"{fqn} is matched by several styled rules: {[r.describe() for r in styled]}")
+        else:
+            entry = style_of(styled[0].style).plan(self.ctx, fqn, module, styled[0])
+            if entry is not None:
+                self.layout.modules[fqn] = entry
 
-    errors.extend(_tie_conflicts(model, layout))
-    heads = [fqn for fqn, m in layout.modules.items() if m.styler.lm_head]
-    if len(heads) > 1:
-        errors.append(f"several colwise_rep LM heads {heads}: the parallel LM loss supports one; give the others "
-                      f"'replicate' or 'colwise'")
-    layout.lm_head = heads[0] if heads else None
-    layout.loss_kind, layout.honours_num_items = _loss_of(model, recipe) if heads else (None, True)
-    if layout.loss_kind is not None:
-        layout.loss_terms = recipe.loss_terms
-        for output, coefficient in recipe.loss_terms:
-            if isinstance(coefficient, str) and not isinstance(getattr(config, coefficient, None), (int, float)):
-                errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config.{coefficient}, which "
-                              f"{type(model).__name__}'s config does not hold as a number")
-    layout.region_starts = tuple(f for f, m in layout.modules.items() if m.styler.region == "start")
-    layout.region_ends = tuple(f for f, m in layout.modules.items() if m.styler.region == "end")
-    if sequence_parallel:
-        layout.sequence_parallel = _sequence_layout(model, recipe, layout, errors)
-    if uncovered:
-        errors.insert(0, f"{len(uncovered)} module(s) of types {SHARDABLE_TYPES} are covered by no rule of recipe "
-                         f"{recipe.source} (names relative to the base model, as rules are written): {uncovered}. "
-                         f"Add a rule for each (style 'replicate' to keep a full copy on every rank).")
-    if errors:
-        # The sizes that would work answer a divisibility error only (not an uncovered module).
-        hint = (f" tp sizes that would work for this model: {valid_tp_sizes(*constraints)}."
-                if indivisible and constraints else "")
-        raise PlanError(f"cannot parallelize {type(model).__name__} with recipe {recipe.source} at "
-                        f"tp_size = {tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
-    layout.unmatched_rules = [r for r in recipe.rules if r.index not in matched and not r.optional]
-    return layout
+    def finish(self, sequence_parallel: bool) -> None:
+        """What follows from the modules' styles: ties, the LM head and its loss, the sharded
+        regions, the sequence-parallel stretch."""
+        layout, recipe = self.layout, self.recipe
+        self.errors.extend(_tie_conflicts(self.model, layout))
+        heads = [fqn for fqn, m in layout.modules.items() if m.styler.lm_head]
+        if len(heads) > 1:
+            self.errors.append(f"several colwise_rep LM heads {heads}: the parallel LM loss supports one; give the "
+                               f"others 'replicate' or 'colwise'")
+        layout.lm_head = heads[0] if heads else None
+        layout.loss_kind, layout.honours_num_items = _loss_of(self.model, recipe) if heads else (None, True)
+        if layout.loss_kind is not None:
+            layout.loss_terms = recipe.loss_terms
+            for output, coefficient in recipe.loss_terms:
+                if isinstance(coefficient, str) and not isinstance(getattr(self.config, coefficient, None),
+                                                                   (int, float)):
+                    self.errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config."
+                                       f"{coefficient}, which {type(self.model).__name__}'s config does not hold as a "
+                                       f"number")
+        layout.region_starts = tuple(f for f, m in layout.modules.items() if m.styler.region == "start")
+        layout.region_ends = tuple(f for f, m in layout.modules.items() if m.styler.region == "end")
+        if sequence_parallel:
+            layout.sequence_parallel = _sequence_layout(self.model, recipe, layout, self.errors)
+
+    def result(self) -> Layout:
+        """The layout, or a :class:`PlanError` listing every problem (uncovered modules first)."""
+        errors = list(self.errors)
+        if self.uncovered:
+            errors.insert(0, f"{len(self.uncovered)} module(s) of types {SHARDABLE_TYPES} are covered by no rule of "
+                             f"recipe {self.recipe.source} (names relative to the base model, as rules are written): "
+                             f"{self.uncovered}. Add a rule for each (style 'replicate' to keep a full copy on every "
+                             f"rank).")
+        if errors:
+            # The sizes that would work answer a divisibility error only (not an uncovered module).
+            hint = (f" tp sizes that would work for this model: {valid_tp_sizes(*self.constraints)}."
+                    if self.indivisible and self.constraints else "")
+            raise PlanError(f"cannot parallelize {type(self.model).__name__} with recipe {self.recipe.source} at "
+                            f"tp_size = {self.tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
+        self.layout.unmatched_rules = [r for r in self.recipe.rules if r.index not in self.matched and not r.optional]
+        return self.layout
 
 
 def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: list[str]) -> dict | None:
