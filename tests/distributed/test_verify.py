@@ -207,7 +207,8 @@ def _compared(rows):
 def test_gemma2_verifies_with_the_padded_row_on_the_right(tp2_report):
     """gemma2's float64 reference is NaN on a left-padded row (eager attention adds
     finfo(float64).min, then softmax(dtype=float32) makes it -inf): verify moves the padding to the
-    right, says so in a row, and every check passes at the float64 tolerance."""
+    right, says so in a row, and every check passes at the float64 tolerance, except the gradients
+    of the norm weights gemma2's own code casts to float32 (float32 sums, float32 tolerance)."""
     rows = _rows(tp2_report, "gemma2")
     failed = [f"{r.head} {r.check}: {r.message}" for r in rows if not r.passed]
     assert not failed, failed
@@ -215,9 +216,11 @@ def test_gemma2_verifies_with_the_padded_row_on_the_right(tp2_report):
     assert {r.head for r in rows} == heads
     notes = [r for r in rows if r.check.startswith("dense reference")]
     assert {r.head for r in notes} == heads
-    assert {r.check for r in notes} == {"dense reference: float64, right-padded batch"}
-    assert all("not finite with left padding" in r.message for r in notes), notes
-    assert {r.tolerance for r in _compared(rows)} == {TOLERANCE}
+    # gemma2's RMSNorm multiplies by weight.float(): those weights' gradients are float32 sums
+    assert {r.check for r in notes} == {"dense reference: float64, right-padded batch, parameters used in float32"}
+    assert all("not finite with left padding" in r.message and "cast to float32" in r.message for r in notes), notes
+    assert all(r.tolerance == TOLERANCE or (r.check.startswith("gradients") and r.tolerance.startswith(TOLERANCE))
+               for r in _compared(rows)), {r.tolerance for r in _compared(rows)}
     assert any(r.check.startswith("generate") for r in rows)
 
 
@@ -402,13 +405,13 @@ def test_vision_towers_are_refused_before_building():
     """What once grew past 18 GB: llama4_vision_model's 'head classes' included
     Llama4ForConditionalGeneration, built from the vision config with a full-size default text
     config. Classes of another config are not the family's; the vision towers' own size
-    attributes are named; a head class without token ids is refused without ranks."""
+    attributes are shrunk (tens of thousands of elements); a head class without token ids is refused without ranks."""
     from transformers import Llama4VisionConfig
 
-    with pytest.raises(ShrinkError, match=r"Llama4VisionConfig.*projector_input_dim = 4096"):
-        small_config(resolve_config("llama4_vision_model"), (2,))
-    with pytest.raises(ShrinkError, match=r"Gemma4VisionConfig.*position_embedding_size = 10240"):
-        small_config(resolve_config("gemma4_vision"), (2,))
+    for model_type in ("llama4_vision_model", "gemma4_vision"):  # the towers' own sizes are shrunk too
+        small = small_config(resolve_config(model_type), (2,))
+        sizes = check_build_size(small, list(family_head_classes(small).values()))
+        assert sizes and max(sizes.values()) < 40_000, (model_type, sizes)
     assert {c.__name__ for c in family_head_classes(resolve_config("llama4_vision_model")).values()} == \
         {"Llama4VisionModel"}
     gemma3 = {c.__name__ for c in family_head_classes(resolve_config("gemma3_text")).values()}

@@ -28,7 +28,7 @@ import tpify
 
 from .. import comm
 from ..agree import step_outcome
-from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named
+from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named, float32_tolerance
 from .inputs import TOKENS, case_config, case_loss, float_outputs, make_inputs
 from .reference import DenseNotFinite, Reference, dense_reference, use_eager_experts
 from .small import RANK_MEMORY_LIMIT_GIB
@@ -149,13 +149,20 @@ def _compare_gradients(case: _CaseRun, check: str, par_model, ref_model) -> None
             continue
         if a is None:
             continue
-        diff, ok, why = case.compare(a, b)
+        in_float32 = case.reference.gradient_tolerance(name)
+        diff, ok, why = case.compare(a, b) if in_float32 is None else \
+            compare(a, b, in_float32[0], in_float32[1], normwise=True)
         worst = max(worst, diff)
         if not ok:
             problems.append(f"{name}: max |diff| {diff:.3g} ({why})")
     n = sum(1 for g in ref_g.values() if g is not None)
+    tolerance = None
+    if case.reference.float32_parameters:
+        tolerance = (f"{case.tolerance[2]}; {len(case.reference.float32_parameters)} used in float32: "
+                     f"{float32_tolerance(case.reference.layers)[2]}")
     case.row(f"{check} ({n} tensors)", worst, not problems,
-             "\n".join(sorted(problems)[:8]) + (f"\n... {len(problems) - 8} more" if len(problems) > 8 else ""))
+             "\n".join(sorted(problems)[:8]) + (f"\n... {len(problems) - 8} more" if len(problems) > 8 else ""),
+             tolerance)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from .target import head_classes
 
-__all__ = ["case_config", "make_inputs", "case_loss", "float_outputs", "synthetic_loss", "loss_of", "accepts",
+__all__ = ["case_config", "make_inputs", "text_config", "case_loss", "float_outputs", "synthetic_loss", "loss_of", "accepts",
            "GENERATIVE_TASKS", "BATCH", "TOKENS", "CHOICES", "DECODER_TOKENS", "NEW_TOKENS", "PAD_TOKENS"]
 
 # The shape of the inputs every case feeds: batch, tokens, choices (multiple choice), decoder tokens.
@@ -30,9 +30,12 @@ GENERATIVE_TASKS = ("causal-lm", "seq2seq-lm")
 def case_config(config, task: str, model_type: str):
     """The config one case builds its model from: pad id set, encoder families as decoders for causal LM."""
     config = copy.deepcopy(config)
-    if getattr(config, "pad_token_id", None) is None:
-        eos = getattr(config, "eos_token_id", None)
-        config.pad_token_id = eos if isinstance(eos, int) else 0
+    text = text_config(config)
+    if getattr(text, "pad_token_id", None) is None:
+        eos = getattr(text, "eos_token_id", None)
+        text.pad_token_id = eos if isinstance(eos, int) else 0
+    if text is not config and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = text.pad_token_id
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = config.pad_token_id  # T5's convention
     if task == "question-answering":
@@ -41,6 +44,13 @@ def case_config(config, task: str, model_type: str):
         if "masked-lm" in head_classes(model_type):  # BertLMHeadModel, RobertaForCausalLM: HF says is_decoder=True
             config.is_decoder = True
     return config
+
+
+def text_config(config):
+    """The config of the token part of ``config`` (a composite's ``text_config``; else ``config``):
+    the vocabulary, the pad and eos ids the inputs are made from."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
 
 
 def accepts(cls: type, name: str) -> bool:
@@ -60,9 +70,10 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     padding).
     """
     g = torch.Generator().manual_seed(1)
-    vocab = config.vocab_size
-    pad = config.pad_token_id
-    specials = [v for k, v in config.to_dict().items()
+    text = text_config(config)
+    vocab = text.vocab_size
+    pad = text.pad_token_id
+    specials = [v for part in {id(config): config, id(text): text}.values() for k, v in part.to_dict().items()
                 if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 64]
     low = min(max(specials, default=-1) + 1, vocab - 1)
     shape = (BATCH, CHOICES, tokens) if task in ("multiple-choice", "double-heads") else (BATCH, tokens)
@@ -73,7 +84,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
         mask[1, ..., padded] = 0
         ids[1, ..., padded] = pad
     encdec = bool(getattr(config, "is_encoder_decoder", False))
-    eos = config.eos_token_id if isinstance(getattr(config, "eos_token_id", None), int) else None
+    eos = text.eos_token_id if isinstance(getattr(text, "eos_token_id", None), int) else None
     if encdec and eos is not None:
         ids[..., -1] = eos  # encoder-decoder classifiers pool at the (single) eos token
     inputs = {"input_ids": ids}
