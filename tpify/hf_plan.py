@@ -466,11 +466,15 @@ def _check_per_head_params(model, modules, styles):
     parents = {r.rpartition(".")[0] for r, s in styles.items()
                if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
     for parent in sorted(parents):
+        # the attention module's own head dim (gemma4's full-attention layers: twice the config's)
+        own = getattr(modules.get(parent), "head_dim", None)
         for rel, module in modules.items():
             if not rel.startswith(parent + ".") or module_kind(module) is not None:
                 continue
             for pname, param in module.named_parameters(recurse=False):
                 shape = tuple(param.shape)
+                if isinstance(own, int) and shape == (own,):
+                    continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
                 per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
                 if per_head or any(s in widths for s in shape):
                     raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or "

@@ -348,6 +348,30 @@ def test_small_configs_have_the_sizes_asked_for(tp):
     assert small_config(resolve_config("llama"), (3,)).num_attention_heads == 6
 
 
+def test_small_configs_of_layer_lists_mrope_composite_and_mla_families_are_small_and_consistent():
+    """The groups verify could not build before (issue 24 item 6), one family each, on the meta
+    device: olmo_hybrid's layer_types keep a linear- and a full-attention layer, as long as the
+    layer count; hrm_text's layer count follows its cycles; glm4v_text's mrope sections sum to
+    half the small head dim; muse_spark's text sub-config is made small; deepseek_v2's latent
+    ranks, head dims and experts are small. Each built model is far below the 2M-element bound."""
+    hybrid = small_config(resolve_config("olmo_hybrid"), (2,))
+    assert hybrid.num_hidden_layers == len(hybrid.layer_types) == 2
+    assert set(hybrid.layer_types) == {"linear_attention", "full_attention"}
+    hrm = small_config(resolve_config("hrm_text"), (2,))
+    assert hrm.num_hidden_layers == hrm.num_layers_per_stack * hrm.H_cycles * (hrm.L_cycles + 1)
+    glm = small_config(resolve_config("glm4v_text"), (2,))
+    assert sum(glm.rope_parameters["mrope_section"]) == glm.hidden_size // glm.num_attention_heads // 2 == 4
+    spark = small_config(resolve_config("muse_spark"), (2,))
+    text = spark.get_text_config(decoder=True)
+    assert (text.hidden_size, text.num_attention_heads, text.num_hidden_layers, text.vocab_size) == (32, 4, 2, 101)
+    mla = small_config(resolve_config("deepseek_v2"), (2,))
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+            mla.n_routed_experts, mla.num_experts_per_tok) == (16, 16, 8, 8, 8, 4, 2)
+    for config in (hybrid, hrm, glm, spark, mla):
+        sizes = check_build_size(config, list(family_head_classes(config).values()))
+        assert sizes and max(sizes.values()) < 150_000, (config.model_type, sizes)
+
+
 def test_a_family_that_cannot_be_shrunk_raises():
     with pytest.raises(ShrinkError, match="cannot shrink ResNetConfig.*head-count attributes"):
         small_config(resolve_config("resnet"), (2,))
