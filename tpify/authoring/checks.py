@@ -138,7 +138,7 @@ def _compare_outputs(case: _CaseRun, prefix: str, got, want) -> None:
 def _compare_gradients(case: _CaseRun, check: str, par_model, ref_model) -> None:
     """One row for every gradient, sharded ones gathered (:func:`dense_named`): ``<check> (N tensors)``."""
     ref_g, par_g = dense_named(ref_model, "grad"), dense_named(par_model, "grad")
-    problems, worst = [], 0.0
+    problems, worst, relaxed = [], 0.0, 0
     if ref_g.keys() != par_g.keys():
         problems.append(f"parameter names differ: dense only {sorted(set(ref_g) - set(par_g))[:5]}, "
                         f"parallel only {sorted(set(par_g) - set(ref_g))[:5]}")
@@ -152,14 +152,21 @@ def _compare_gradients(case: _CaseRun, check: str, par_model, ref_model) -> None
         in_float32 = case.reference.gradient_tolerance(name)
         diff, ok, why = case.compare(a, b) if in_float32 is None else \
             compare(a, b, in_float32[0], in_float32[1], normwise=True)
+        fallback = case.reference.fallback_tolerance(name) if not ok and in_float32 is None else None
+        if fallback is not None:  # a float32 rounding tie taken differently (Reference.fallback_tolerance)
+            diff, ok, why = compare(a, b, fallback[0], fallback[1], normwise=True)
+            relaxed += ok
         worst = max(worst, diff)
         if not ok:
             problems.append(f"{name}: max |diff| {diff:.3g} ({why})")
     n = sum(1 for g in ref_g.values() if g is not None)
     tolerance = None
-    if case.reference.float32_parameters:
-        tolerance = (f"{case.tolerance[2]}; {len(case.reference.float32_parameters)} used in float32: "
-                     f"{float32_tolerance(case.reference.layers)[2]}")
+    if case.reference.float32_parameters or relaxed:
+        f32 = float32_tolerance(case.reference.layers)[2]
+        tolerance = "; ".join([case.tolerance[2]]
+                              + ([f"{len(case.reference.float32_parameters)} used in float32: {f32}"]
+                                 if case.reference.float32_parameters else [])
+                              + ([f"{relaxed} through float32 sections within {f32} only"] if relaxed else []))
     case.row(f"{check} ({n} tensors)", worst, not problems,
              "\n".join(sorted(problems)[:8]) + (f"\n... {len(problems) - 8} more" if len(problems) > 8 else ""),
              tolerance)
