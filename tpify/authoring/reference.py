@@ -177,7 +177,9 @@ def float32_parameters(model: torch.nn.Module, loss: torch.Tensor) -> tuple[tupl
     a dtype conversion (``ToCopyBackward0``; in a float64 model only a cast to a lower
     precision is an operation).
     """
-    names = {id(p): n for n, p in model.named_parameters()}
+    names: dict[int, list[str]] = {}  # every name of a tied parameter (lm_head.weight beside embed_tokens.weight)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
     found, through, seen, stack = set(), set(), set(), [(loss.grad_fn, False)]
     while stack:
         node, below = stack.pop()
@@ -192,9 +194,9 @@ def float32_parameters(model: torch.nn.Module, loss: torch.Tensor) -> tuple[tupl
             var = getattr(child, "variable", None)
             if var is not None and id(var) in names:
                 if casts and var.dtype != torch.float32:
-                    found.add(names[id(var)])
+                    found.update(names[id(var)])
                 if below:
-                    through.add(names[id(var)])
+                    through.update(names[id(var)])
             stack.append((child, below))
     return tuple(sorted(found)), tuple(sorted(through))
 
