@@ -28,7 +28,9 @@
   gpt_bigcode have the sizes asked for; a family that cannot be shrunk raises ``ShrinkError``;
   a config above the size bound is refused on the meta device, naming the family and the
   attribute, with no rank started (and the process does not grow); llama4_vision_model and
-  gemma4_vision are refused before building, naming their size attributes; the choices of the
+  gemma4_vision are made small (their towers' own sizes); the groups verify could not build
+  before (per-layer lists, cycles, mrope, composite, MLA sizes) have small, consistent configs
+  (slow: one family of each verified exact in one job); the choices of the
   dense reference (gemma2 right-padded, olmoe's experts eager, float32 for the real
   ``grouped_mm`` refusal, ``DenseNotFinite``); the normwise criterion of the float32 comparisons.
 """
