@@ -34,7 +34,7 @@ from .agree import agree, agreement, digest
 from .context import CallState, TPContext
 from .hf_methods import check_before_parallelize
 from .hooks import guards
-from .info import TPInfo, TPUsageError, get_tp_info, param_specs
+from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
@@ -132,7 +132,8 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
-            sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER) -> tuple[int, Layout]:
+            sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
+            ep_size: int = 1) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -146,7 +147,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     return size, build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, ep_size=ep_size)
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
@@ -166,7 +167,7 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     specs = {name: shard_spec_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, specs=specs, dp_source=dp_source,
-                  state=ctx.state)
+                  state=ctx.state, foreign_shards=foreign_shards(model))
     model.tp_info = info
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
     info.guards = guards.install(model, info)  # before every other hook: what would be silently wrong
@@ -204,6 +205,7 @@ def parallelize(
     recipe: "str | Path | dict | Recipe | None" = None,
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -240,6 +242,13 @@ def parallelize(
             become reduce-scatter + all-gather pairs (same bytes), activation memory there
             ``1/tp_size``. Training batches need ``T`` divisible by ``tp_size``
             (:class:`tpify.hooks.sequence_parallel.SequenceParallel`).
+        ep_size: for the recipe's ``experts`` modules (fused MoE experts): 1 (default),
+            tensor-parallel experts (every expert's intermediate dimension split, the output
+            all-reduced); or ``tp_size``, expert parallelism over the TP group (rank ``r`` holds
+            experts ``[r E/p, (r+1) E/p)`` whole; each rank routes its share of the tokens to the
+            experts' ranks with all-to-all; :mod:`tpify.hooks.experts`). Attention and the rest
+            are tensor-parallel either way. With ``world = dp * tp``, the DP replicas hold the
+            same experts on the same TP rank.
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
@@ -270,7 +279,8 @@ def parallelize(
     error, layout, size, shared = None, None, None, {}
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
-        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group)
+        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
+                               ep_size)
         shared = fingerprint(model, layout, size, group)
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
@@ -293,6 +303,7 @@ def from_pretrained(
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
     disable_mmap: bool = False,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -322,7 +333,7 @@ def from_pretrained(
             plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
             several are present, the one transformers 5 loads is read (``transformers_weights``
             in config.json, then ``model.safetensors``, then the index), and only its files.
-        tp_size, tp_group, dp_group: as in :func:`tpify.parallelize` (default: the whole world).
+        tp_size, tp_group, dp_group, ep_size: as in :func:`tpify.parallelize` (default: the whole world).
         torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
             Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
         model_class: the ``transformers`` class to build; default ``config.architectures[0]``.
@@ -360,7 +371,7 @@ def from_pretrained(
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         load = _prepare_load(path, model_class, torch_dtype, recipe, tp_size, tp_group,
-                             (pad_vocab_multiple, sequence_parallel, dp_group), group)
+                             (pad_vocab_multiple, sequence_parallel, dp_group, ep_size), group)
         checked.fingerprint = load.fingerprint
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
@@ -394,7 +405,7 @@ class _Load:
 def _prepare_load(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options, agree_group) -> _Load:
     """The local part of :func:`from_pretrained`: config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
-    sequence_parallel and dp_group), the key map, and the fingerprint every rank must share (the
+    sequence_parallel, dp_group and ep_size), the key map, and the fingerprint every rank must share (the
     checkpoint's and :func:`tpify.api.fingerprint`). No collective; the files are closed again
     on an error.
 

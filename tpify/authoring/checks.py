@@ -86,6 +86,7 @@ class _CaseRun:
     seed: int
     dtype: torch.dtype | None
     save_dir: Path
+    ep_size: int = 1
     group: object = None
     step: str = "setup"
     rows: list[Row] = field(default_factory=list)
@@ -177,7 +178,8 @@ def _adopt_reference(case: _CaseRun) -> None:
 
 
 def _parallelize(case: _CaseRun) -> None:
-    case.par = tpify.parallelize(copy.deepcopy(case.ref), tp_group=case.group, recipe=case.recipe)
+    case.par = tpify.parallelize(copy.deepcopy(case.ref), tp_group=case.group, recipe=case.recipe,
+                                 ep_size=case.ep_size)
 
 
 def _forward(case: _CaseRun) -> None:
@@ -267,7 +269,7 @@ def _sharded_load(case: _CaseRun, dense_back: torch.nn.Module) -> None:
     (buffers made at load time included, such as GPT-J's rotary table)."""
     chosen = case.reference
     back = tpify.from_pretrained(case.save_dir, tp_size=case.tp_size, tp_group=case.group, torch_dtype=chosen.dtype,
-                                 model_class=case.cls, recipe=case.recipe).eval()
+                                 model_class=case.cls, recipe=case.recipe, ep_size=case.ep_size).eval()
     if chosen.eager_experts:
         use_eager_experts(back)
     with torch.no_grad():
@@ -297,7 +299,7 @@ _STEPS = (("parallelize", _parallelize), ("forward", _forward), ("loss", _loss),
 
 def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | os.PathLike | None = None,
                target: str | None = None, task: str | None = None, seed: int = 0,
-               group_timeout_s: float = 120.0, dtype: torch.dtype | None = None) -> list[Row]:
+               group_timeout_s: float = 120.0, dtype: torch.dtype | None = None, ep_size: int = 1) -> list[Row]:
     """Check one head class at one tp size against the dense model; run on every rank.
 
     Must be called on every rank of an initialised process group of exactly ``tp_size`` ranks
@@ -312,8 +314,11 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
        a failed ``dense reference not finite`` row: nothing is compared, and it is not the
        parallel model's fault. A choice other than float64 with left padding is stated in a
        passing ``dense reference: ...`` row (its message says why).
-       ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe)`` on a process
-       group ``G`` made for this case. Where HF's loss would upcast to float32 only (causal /
+       ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe, ep_size=ep_size)``
+       on a process group ``G`` made for this case (``ep_size = tp_size``: the fused MoE experts
+       whole per rank, expert parallelism). A mixture of experts runs with its router logits
+       on, so its load-balancing loss is part of the ``labels=`` loss (the recipe's ``[loss]
+       terms``). Where HF's loss would upcast to float32 only (causal /
        masked LM, token classification), both models get it in float64
        (:func:`~tpify.authoring.reference.float64_loss_function`).
     2. ``forward <field>``: every floating output (``logits``, ``last_hidden_state``,
@@ -362,7 +367,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
         workdir = comm.all_gather_objects(tempfile.mkdtemp(prefix="tpify-verify-") if dist.get_rank() == 0
                                           else None)[0]
     save_dir = Path(workdir) / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{label}-{cls.__name__}-tp{tp_size}")
-    case = _CaseRun(cls, config, task, tp_size, label, recipe, seed, dtype, save_dir)
+    case = _CaseRun(cls, config, task, tp_size, label, recipe, seed, dtype, save_dir, ep_size)
     try:
         case.group = dist.new_group(list(range(tp_size)), timeout=datetime.timedelta(seconds=group_timeout_s))
         case.config = case_config(config, task, config.model_type)
