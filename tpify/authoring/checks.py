@@ -29,7 +29,7 @@ import tpify
 from .. import comm
 from ..agree import step_outcome
 from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named
-from .inputs import TOKENS, case_config, case_loss, float_outputs, make_inputs
+from .inputs import TOKENS, case_config, case_loss, float_outputs, loss_of, make_inputs
 from .reference import DenseNotFinite, Reference, dense_reference, use_eager_experts
 from .small import RANK_MEMORY_LIMIT_GIB
 from .target import task_of
@@ -189,11 +189,18 @@ def _forward(case: _CaseRun) -> None:
 
 
 def _loss(case: _CaseRun) -> None:
-    loss_ref = case_loss(case.ref, case.inputs, case.labels)
-    loss_par = case_loss(case.par, case.inputs, case.labels)
+    """The ``labels=`` loss (every scalar ``*loss`` field added: a mixture of experts' ``aux_loss``
+    too, named in the row), or a fixed projection of the outputs for a class without labels."""
+    if case.labels:
+        out_ref, out_par = case.ref(**case.inputs, **case.labels), case.par(**case.inputs, **case.labels)
+        loss_ref, loss_par = loss_of(out_ref), loss_of(out_par)
+        terms = sorted(k for k, v in float_outputs(out_ref).items() if k.endswith("loss") and v.dim() == 0)
+        check = f"labels= loss ({', '.join(case.labels)})" + ("" if terms == ["loss"] else f": {' + '.join(terms)}")
+    else:
+        loss_ref, loss_par = (case_loss(m, case.inputs, case.labels) for m in (case.ref, case.par))
+        check = "outputs x fixed weights (no labels)"
     diff, ok, why = case.compare(loss_par, loss_ref)
-    case.row(f"labels= loss ({', '.join(case.labels)})" if case.labels else "outputs x fixed weights (no labels)",
-             diff, ok, why)
+    case.row(check, diff, ok, why)
     case.losses = (loss_ref, loss_par)
 
 
@@ -324,7 +331,8 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
     2. ``forward <field>``: every floating output (``logits``, ``last_hidden_state``,
        ``start_logits``...) of a batch ``(B, T) = (2, 10)`` whose second row is padded
        (``attention_mask`` 0 on 3 tokens; on the left unless step 1 chose otherwise).
-    3. ``labels= loss``: the loss with the head's labels (``-100`` at some positions); classes
+    3. ``labels= loss``: the loss with the head's labels (``-100`` at some positions; a mixture of
+       experts' causal LM adds its ``aux_loss``, and the row names it); classes
        without labels (base models) take a fixed random projection of their outputs instead.
     4. ``gradients (N tensors)``: every parameter's gradient after ``backward``, sharded ones
        gathered (:func:`~tpify.authoring.compare.dense_named`); a gradient on one side only fails.
