@@ -24,6 +24,10 @@ What it proves:
   norms, routers and position tables are below the threshold or replicated on purpose).
 
 Tolerance: none (integers and slices, bitwise).
+Markers: one quick test (a fused parameter no rule mentions raises the uncovered PlanError: the
+smoke check of coverage by size); the rest is ``slow`` (0.7 s of calls in all), since the quick
+suite's budget is tight and the quick jobs of tests/distributed/test_never_silently_wrong.py and
+test_verify.py already run split experts against dense.
 """
 
 import pytest
@@ -86,6 +90,7 @@ def _fake(tp, rank):
 # ---------------------------------------------------------------------------------------------
 # The recipe key
 
+@pytest.mark.slow
 def test_params_is_read_for_experts_and_refused_elsewhere():
     recipe = Recipe.from_dict({"model_type": "mixtral", "rule": [EXPERTS_RULE]})
     assert recipe.rules[0].params == PARAMS
@@ -102,6 +107,7 @@ def test_params_is_read_for_experts_and_refused_elsewhere():
 # ---------------------------------------------------------------------------------------------
 # plan: the specs, tensor-parallel and expert-parallel
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_experts_split_the_intermediate_dimension(tp):
     ctx = _ctx(tp)
@@ -113,6 +119,7 @@ def test_tensor_parallel_experts_split_the_intermediate_dimension(tp):
                                   ("experts.gate_up_proj dimension 1 (each of 2 parts)", 48)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_expert_parallel_experts_split_the_experts(tp):
     ctx = _ctx(tp, ep=tp)
@@ -147,6 +154,7 @@ class _Fused(nn.Module):
     (_Fused(has_post_expert_norm=True), "has_post_expert_norm = True"),
     (_Fused(is_concatenated=False), "is_concatenated = False"),
 ], ids=["bias", "norm", "has_bias", "post_norm", "interleaved"])
+@pytest.mark.slow
 def test_what_would_count_tp_times_or_see_a_partial_sum_is_refused(module, needle):
     ctx = _ctx(2)
     assert STYLES["experts"].plan(ctx, "layers.0.mlp.experts", module, _rule()) is None
@@ -156,6 +164,7 @@ def test_what_would_count_tp_times_or_see_a_partial_sum_is_refused(module, needl
     assert ctx.errors[0].endswith("give the module style 'replicate' to keep it whole")
 
 
+@pytest.mark.slow
 def test_a_missing_parameter_a_short_tensor_odd_parts_and_a_linear_are_refused():
     ctx = _ctx(2)
     assert STYLES["experts"].plan(ctx, "e", _Fused(), _rule((("up_proj", 1, 1), ("down_proj", 5, 1)))) is None
@@ -169,6 +178,7 @@ def test_a_missing_parameter_a_short_tensor_odd_parts_and_a_linear_are_refused()
     assert ctx.errors[0].startswith("e is a Linear; style 'experts'")
 
 
+@pytest.mark.slow
 def test_indivisible_sizes_go_through_need_divisible():
     ctx = _ctx(4)
     assert STYLES["experts"].plan(ctx, "e", _Fused(), _rule((("gate_up_proj", 1, 2), ("down_proj", 2, 1)))) is not None
@@ -179,6 +189,7 @@ def test_indivisible_sizes_go_through_need_divisible():
     assert ctx.errors == ["e.num_experts (_Fused, experts, ep_size) = 4 is not divisible by tp_size = 8"]
 
 
+@pytest.mark.slow
 def test_expert_parallelism_needs_num_experts_to_be_dim_0():
     module = _Fused(num_experts=3)
     ctx = _ctx(2, ep=2)
@@ -190,6 +201,7 @@ def test_expert_parallelism_needs_num_experts_to_be_dim_0():
 # ---------------------------------------------------------------------------------------------
 # build: each rank's slice, bitwise
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
 def test_build_holds_each_ranks_slice_and_the_spec(ep):
     dense = _experts()
@@ -244,12 +256,14 @@ def test_a_fused_3d_parameter_no_rule_mentions_raises():
     assert layout.modules["model.layers.0.mlp.experts"].style == "experts" and layout.coverage_threshold == 498
 
 
+@pytest.mark.slow
 def test_the_threshold_is_one_million_elements_for_large_models():
     big = nn.Linear(4000, 30000, device="meta")  # 120M parameters: 1% is 1.2M
     assert coverage_threshold(big) == 1_000_000
     assert coverage_threshold(nn.Linear(2, 2)) == 1
 
 
+@pytest.mark.slow
 def test_a_parameter_under_the_threshold_needs_no_rule_and_a_large_one_does():
     class Model(nn.Module):
         def __init__(self, width):
@@ -263,6 +277,7 @@ def test_a_parameter_under_the_threshold_needs_no_rule_and_a_large_one_does():
         build_layout(Model(200), recipe, 2)  # 200 elements >= 1% of 10,300 = 103
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", available_recipes())
 def test_every_shipped_recipe_still_plans_its_default_config(model_type):
     from tpify.authoring.target import head_classes, resolve_config
