@@ -7,9 +7,9 @@ from the same random state:
 
 * ``target_modules="all-linear"`` and a regular expression adapt exactly the modules dense PEFT
   adapts (the LM head left out, as PEFT leaves it out);
-* ``modules_to_save=["lm_head"]``: the trainable copy stays vocabulary-parallel, trains as dense
-  (loss and every gradient, 2 AdamW steps), is saved dense (gathered, unpadded: plain PEFT loads
-  it with the dense logits) and loads back sliced;
+* ``modules_to_save=["lm_head", <the embedding>]``: the trainable copies stay vocabulary-parallel,
+  train as dense (loss and every gradient, 2 AdamW steps), are saved dense (gathered, unpadded:
+  plain PEFT loads them with the dense logits) and load back sliced;
 * a dense adapter directory loads onto the tensor-parallel model (``load_peft_adapter``, then a
   second one with PEFT's own ``load_adapter``, switched with ``set_adapter``) with the dense
   logits; plain ``PeftModel.from_pretrained`` on it fails with PEFT's "not supported", an adapter
@@ -170,8 +170,9 @@ def modules_to_save_trains_saves_dense_and_loads_sliced(c):
     from tpify.layers import ColumnParallelLinear
 
     for family in FAMILIES:
-        base, dense, tp = _pair(family, lambda: _lora(target_modules=["q_proj", "c_attn"], modules_to_save=["lm_head"],
-                                                      init_lora_weights=False))
+        embedding = "embed_tokens" if family == "llama" else "wte"
+        base, dense, tp = _pair(family, lambda: _lora(target_modules=["q_proj", "c_attn"], init_lora_weights=False,
+                                                      modules_to_save=["lm_head", embedding]))
         copy_ = tp.base_model.model.lm_head.modules_to_save["default"]
         assert isinstance(copy_, ColumnParallelLinear) and copy_.weight.tp_shard_spec is not None
         vocab = base.config.vocab_size
@@ -187,7 +188,7 @@ def modules_to_save_trains_saves_dense_and_loads_sliced(c):
         torch.testing.assert_close(_logits(again, ids), want, **EXACT, msg=lambda m: f"{family} sliced load: {m}")
         loaded = again.base_model.model.lm_head.modules_to_save["default"].weight
         assert torch.equal(loaded, copy_.weight.detach()), f"{family}: the copy's slice"
-        _report(c, f"{family} modules_to_save=['lm_head']: max |grad - dense| {grads:.1e}, weights after 2 AdamW "
+        _report(c, f"{family} modules_to_save=['lm_head', '{embedding}']: max |grad - dense| {grads:.1e}, weights after 2 AdamW "
                    f"steps {weights:.1e}")
 
 
@@ -299,12 +300,14 @@ def unsupported_options_are_refused_by_name(c):
 
     cases = [(dict(init_lora_weights="pissa"), ValueError, "init_lora_weights='pissa'"),
              (dict(alora_invocation_tokens=[5], task_type="CAUSAL_LM"), ValueError, "alora_invocation_tokens"),
-             (dict(use_dora=True, target_modules=["lm_head"]), ValueError, "use_dora on a vocabulary-padded layer")]
+             (dict(use_dora=True, target_modules=["lm_head"]), ValueError, "use_dora on a vocabulary-padded layer.*lm_head")]
     for kw, error, match in cases:
         with pytest.raises(error, match=match):
             get_peft_model(_base("gpt2")[1], _lora(**kw))
     with pytest.raises(TPUsageError, match="low_cpu_mem_usage"):
         get_peft_model(_base("gpt2")[1], _lora(), low_cpu_mem_usage=True)
+    with pytest.raises(TPUsageError, match="trainable_token_indices .*each rank holds only its vocabulary rows"):
+        get_peft_model(_base("gpt2")[1], _lora(trainable_token_indices=[1, 2]))
 
 
 def _body(rank, world, checks):
@@ -321,37 +324,32 @@ def tp2():
     return tputil.spawn(_body, 2, _CHECKS, timeout=300)
 
 
-def _ok(results, name):
-    failures = {rank: r[name] for rank, r in enumerate(results) if r[name] is not None}
-    assert not failures, "\n".join(f"--- rank {rank}, {name} ---\n{tb}" for rank, tb in failures.items())
-
-
 def test_all_linear_and_regex_targets_adapt_the_modules_dense_peft_adapts(tp2):
-    _ok(tp2, "all_linear_and_regex_targets_adapt_the_dense_modules")
+    tputil.assert_checks_ok(tp2, "all_linear_and_regex_targets_adapt_the_dense_modules")
 
 
 def test_modules_to_save_trains_as_dense_saves_dense_and_loads_sliced(tp2):
-    _ok(tp2, "modules_to_save_trains_saves_dense_and_loads_sliced")
+    tputil.assert_checks_ok(tp2, "modules_to_save_trains_saves_dense_and_loads_sliced")
 
 
 def test_dense_adapters_load_onto_the_tp_model_and_switch_with_set_adapter(tp2):
-    _ok(tp2, "dense_adapters_load_switch_and_refuse_a_wrong_shape")
+    tputil.assert_checks_ok(tp2, "dense_adapters_load_switch_and_refuse_a_wrong_shape")
 
 
 def test_dora_trains_merges_and_saves_like_dense_peft(tp2):
-    _ok(tp2, "dora_trains_merges_and_saves_like_dense_peft")
+    tputil.assert_checks_ok(tp2, "dora_trains_merges_and_saves_like_dense_peft")
 
 
 def test_dora_under_sequence_parallelism_matches_dense(tp2):
-    _ok(tp2, "dora_under_sequence_parallelism_matches_dense")
+    tputil.assert_checks_ok(tp2, "dora_under_sequence_parallelism_matches_dense")
 
 
 def test_lora_bias_trains_and_merges_like_dense_peft(tp2):
-    _ok(tp2, "lora_bias_trains_and_merges_like_dense_peft")
+    tputil.assert_checks_ok(tp2, "lora_bias_trains_and_merges_like_dense_peft")
 
 
 def test_unsupported_adapter_options_are_refused_by_name(tp2):
-    _ok(tp2, "unsupported_options_are_refused_by_name")
+    tputil.assert_checks_ok(tp2, "unsupported_options_are_refused_by_name")
 
 
 def test_every_check_ran_on_every_rank(tp2):

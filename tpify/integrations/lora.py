@@ -173,9 +173,10 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if config.use_dora and shard_spec_of(base.weight).padded_size is not None:
             refused.append("use_dora on a vocabulary-padded layer (the padding rows have weight norm 0)")
         if refused:
-            raise ValueError(f"tpify LoRA on tensor-parallel layers does not support {refused} ({type(base).__name__}"
-                             f" {base.in_features} -> {base.out_features}); use LoRA or DoRA with "
-                             f"init_lora_weights=True, False or 'gaussian'")
+            where = kwargs.get("target_name") or "a layer"
+            raise ValueError(f"tpify LoRA on tensor-parallel layers does not support {refused} ({where}: "
+                             f"{type(base).__name__} {base.in_features} -> {base.out_features}); use LoRA or DoRA "
+                             f"with init_lora_weights=True, False or 'gaussian'")
         super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
         which, spec = self._factor_spec()
         linear = getattr(self, which)[adapter_name]

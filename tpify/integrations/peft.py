@@ -98,16 +98,29 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> None:
         config.target_modules = _all_linear_names(model, config)
 
 
+# LoraConfig options that would read or copy whole tensors of sharded layers: refused by name
+_REFUSED_CONFIG = {
+    "trainable_token_indices": "PEFT's trainable tokens index the embedding table by token id, and each rank "
+                               "holds only its vocabulary rows: train the embedding with modules_to_save instead",
+    "layer_replication": "PEFT's layer replication copies decoder layers, with their parallel layers and hooks",
+    "target_parameters": "LoRA on nn.Parameter targets reads the whole parameter; target the modules instead",
+}
+
+
 def _prepare_config(model: nn.Module, config, what: str) -> None:
     """Make ``config`` adapt ``model``'s parallel layers with :class:`LoraTPLinear` (PEFT's custom
     module mapping) and resolve ``"all-linear"``.
 
     Raises:
-        TPUsageError: a PEFT method other than LoRA.
+        TPUsageError: a PEFT method other than LoRA; ``trainable_token_indices``,
+            ``layer_replication`` or ``target_parameters`` (:data:`_REFUSED_CONFIG`).
     """
     if not isinstance(config, LoraConfig):
         raise TPUsageError(f"{what}: tpify supports LoRA (and DoRA) adapters on tensor-parallel models, not "
                            f"{type(config).__name__}")
+    refused = [f"{name} ({why})" for name, why in _REFUSED_CONFIG.items() if getattr(config, name, None)]
+    if refused:
+        raise TPUsageError(f"{what}: {'; '.join(refused)}: not supported on a tensor-parallel model")
     resolve_target_modules(model, config)
     config._register_custom_module({ColumnParallelLinear: LoraTPLinear, RowParallelLinear: LoraTPLinear})
 
@@ -217,7 +230,8 @@ def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str 
         ValueError: ``model`` was not parallelized by tpify; an option :class:`LoraTPLinear`
             refuses (LoRA variants other than DoRA, whole-weight initialisations).
         TPUsageError: a PEFT method other than LoRA; FSDP2-sharded parameters;
-            ``low_cpu_mem_usage=True``.
+            ``low_cpu_mem_usage=True``; ``trainable_token_indices``, ``layer_replication``,
+            ``target_parameters``.
     """
     _check_model(model, "get_peft_model", kwargs.get("low_cpu_mem_usage", False))
     _prepare_config(model, peft_config, "get_peft_model")
