@@ -167,6 +167,7 @@ def modules_to_save_trains_saves_dense_and_loads_sliced(c):
     import peft
 
     from tpify.integrations import load_peft_adapter
+    from tpify.integrations.peft import load_adapter_
     from tpify.layers import ColumnParallelLinear
 
     for family in FAMILIES:
@@ -188,6 +189,12 @@ def modules_to_save_trains_saves_dense_and_loads_sliced(c):
         torch.testing.assert_close(_logits(again, ids), want, **EXACT, msg=lambda m: f"{family} sliced load: {m}")
         loaded = again.base_model.model.lm_head.modules_to_save["default"].weight
         assert torch.equal(loaded, copy_.weight.detach()), f"{family}: the copy's slice"
+        with torch.no_grad():  # resuming reads the same directory back in place (TPTrainer, tpify finetune)
+            for n, p in tp.named_parameters():
+                if p.requires_grad:
+                    p.zero_()
+        load_adapter_(tp, f"{c.tmp}/{family}-mts")
+        torch.testing.assert_close(_logits(tp, ids), want, **EXACT, msg=lambda m: f"{family} load_adapter_: {m}")
         _report(c, f"{family} modules_to_save=['lm_head', '{embedding}']: max |grad - dense| {grads:.1e}, weights after 2 AdamW "
                    f"steps {weights:.1e}")
 
@@ -257,6 +264,10 @@ def dora_trains_merges_and_saves_like_dense_peft(c):
         torch.testing.assert_close(_logits(plain, ids), want, **EXACT)
         torch.testing.assert_close(_logits(load_peft_adapter(_base(family)[1], f"{c.tmp}/{family}-dora"), ids), want,
                                    **EXACT)
+        tp.merge_adapter()
+        torch.testing.assert_close(_logits(tp, ids), want, **EXACT, msg=lambda m: f"{family} merged: {m}")
+        tp.unmerge_adapter()
+        torch.testing.assert_close(_logits(tp, ids), want, **EXACT, msg=lambda m: f"{family} unmerged: {m}")
         merged = tp.merge_and_unload()
         torch.testing.assert_close(_logits(merged, ids), _logits(dense.merge_and_unload(), ids), **EXACT)
         _report(c, f"{family} DoRA (all-linear): max |grad - dense| {grads:.1e} (with dropout {dropout:.1e}), "
@@ -289,6 +300,11 @@ def lora_bias_trains_and_merges_like_dense_peft(c):
             with pytest.raises(RuntimeError, match="Impossible to merge LoRA with `lora_bias=True`"):
                 tp.merge_and_unload()
         else:
+            want = _logits(dense, ids)
+            tp.merge_adapter()
+            torch.testing.assert_close(_logits(tp, ids), want, **EXACT, msg=lambda m: f"{family} merged: {m}")
+            tp.unmerge_adapter()
+            torch.testing.assert_close(_logits(tp, ids), want, **EXACT, msg=lambda m: f"{family} unmerged: {m}")
             merged = tp.merge_and_unload()
             torch.testing.assert_close(_logits(merged, ids), _logits(dense.merge_and_unload(), ids), **EXACT)
         _report(c, f"{family} lora_bias: max |grad - dense| {grads:.1e}, weights {weights:.1e}")
