@@ -17,6 +17,8 @@ from the same random state:
 * DoRA (``use_dora=True``; the magnitude's gradient included; with dropout drawing, the base
   output recomputed on the dropped input), with sequence parallelism too (Llama), and
   ``lora_bias=True``: loss and every gradient as dense, merged weights as dense, saved dense;
+* bfloat16 adapters, which PEFT upcasts to float32 by new parameters, keep their split (saved
+  dense, loaded sliced);
 * what is not supported (LoRA variants other than DoRA, whole-weight initialisations, DoRA on
   the padded head, ``low_cpu_mem_usage``) is refused by name.
 
@@ -311,6 +313,37 @@ def lora_bias_trains_and_merges_like_dense_peft(c):
 
 
 @_check
+def half_precision_adapters_keep_their_split(c):
+    """PEFT upcasts bfloat16 adapters to float32 by new parameters: they keep their ShardSpecs, so
+    they are saved dense and load back sliced."""
+    import peft
+    from safetensors.torch import load_file
+
+    from tpify.integrations import get_peft_model, load_peft_adapter
+    from tpify.sharding import shard_spec_of
+
+    def sharded(model):
+        return {n for n, p in model.named_parameters() if shard_spec_of(p) is not None and "lora_" in n}
+
+    config = lambda: _lora(use_dora=True, init_lora_weights=False)  # noqa: E731
+    _, _, reference = _pair("llama", config)  # float64: no upcast
+    base, par = _base("llama")
+    torch.manual_seed(1)
+    tp = get_peft_model(par.to(torch.bfloat16), config())
+    assert sharded(tp) == sharded(reference) and sharded(tp)
+    assert all(p.dtype == torch.float32 for n, p in tp.named_parameters() if "lora_" in n)
+    tp.save_pretrained(f"{c.tmp}/bf16")
+    torch.manual_seed(1)
+    dense = peft.get_peft_model(copy.deepcopy(base).to(torch.bfloat16), config())
+    saved = load_file(f"{c.tmp}/bf16/adapter_model.safetensors")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in peft.get_peft_model_state_dict(dense).items()}
+    again = load_peft_adapter(_base("llama")[1].to(torch.bfloat16), f"{c.tmp}/bf16")
+    assert sharded(again) == sharded(reference)
+    before, after = tputil.dense_named(tp), tputil.dense_named(again)
+    assert all(torch.equal(after[n], before[n]) for n in before if "lora_" in n)
+
+
+@_check
 def unsupported_options_are_refused_by_name(c):
     from tpify.integrations import TPUsageError, get_peft_model
 
@@ -362,6 +395,10 @@ def test_dora_under_sequence_parallelism_matches_dense(tp2):
 
 def test_lora_bias_trains_and_merges_like_dense_peft(tp2):
     tputil.assert_checks_ok(tp2, "lora_bias_trains_and_merges_like_dense_peft")
+
+
+def test_half_precision_adapters_keep_their_tensor_parallel_split(tp2):
+    tputil.assert_checks_ok(tp2, "half_precision_adapters_keep_their_split")
 
 
 def test_unsupported_adapter_options_are_refused_by_name(tp2):

@@ -190,13 +190,36 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if adapter_name in self.lora_magnitude_vector:
             with torch.no_grad():
                 self.lora_magnitude_vector[adapter_name].weight.copy_(self._weight_norm(adapter_name))
+        self.attach_specs()
 
     def _local(self, dense: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
-        """This rank's slice of a dense adapter parameter, carrying ``spec``."""
-        local = nn.Parameter(spec.slice_dense(dense.detach(), self.get_base_layer().tp_rank),
-                             requires_grad=dense.requires_grad)
-        local.tp_shard_spec = spec
-        return local
+        """This rank's slice of a dense adapter parameter (its spec: :meth:`attach_specs`)."""
+        return nn.Parameter(spec.slice_dense(dense.detach(), self.get_base_layer().tp_rank),
+                            requires_grad=dense.requires_grad)
+
+    def attach_specs(self) -> None:
+        """Put its ShardSpec on every sharded adapter tensor of every adapter (again).
+
+        PEFT replaces adapter parameters by new ones when it upcasts half-precision adapters to
+        float32 (``tuners_utils.cast_adapter_dtype``, on by default for bfloat16 and float16
+        models), and a new parameter has no ``tp_shard_spec``: the gradient norm, the replica
+        check, saving and loading would take the shards for replicated tensors. tpify's PEFT entry
+        points call this after every PEFT call that may do so.
+
+        Raises:
+            RuntimeError: a tensor whose split dimension is not this rank's size (not a slice).
+        """
+        which, spec = self._factor_spec()
+        out = self._output_spec()
+        tensors = [(linear.weight, spec) for linear in getattr(self, which).values()]
+        if out is not None:
+            tensors += [(linear.bias, out) for linear in self.lora_B.values() if linear.bias is not None]
+            tensors += [(holder.weight, out) for holder in self.lora_magnitude_vector.values()]
+        for tensor, s in tensors:
+            if tensor.shape[s.dim] != s.local_size:
+                raise RuntimeError(f"tpify LoRA: an adapter tensor of shape {list(tensor.shape)} is not this rank's "
+                                   f"slice (dimension {s.dim} should be {s.local_size})")
+            tensor.tp_shard_spec = s
 
     def _add_magnitude(self, adapter_name: str) -> None:
         """DoRA's magnitude holder for ``adapter_name`` (PEFT's ``DoraLinearLayer``), its values set

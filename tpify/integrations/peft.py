@@ -156,6 +156,7 @@ class _DenseAdapterSlices:
 
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                  error_msgs):
+        _attach_specs(module)  # PeftModel.from_pretrained upcasts half-precision adapters before it loads
         rank = get_tp_info(module).tp_rank
         problems = []
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -180,6 +181,14 @@ class _DenseAdapterSlices:
                                f"tensors): {problems[:10]}")
 
 
+def _attach_specs(model: nn.Module) -> None:
+    """:meth:`LoraTPLinear.attach_specs` on every adapter layer of ``model`` (PEFT replaces the
+    adapter parameters of half-precision models when it upcasts them)."""
+    for m in model.modules():
+        if isinstance(m, LoraTPLinear):
+            m.attach_specs()
+
+
 def _slice_dense_adapters_on_load(tp_model: nn.Module) -> None:
     """Register :class:`_DenseAdapterSlices` on ``tp_model`` (once)."""
     if not any(isinstance(getattr(h, "hook", h), _DenseAdapterSlices)
@@ -202,10 +211,13 @@ def _add_adapter(self: PeftModel, adapter_name: str, peft_config, low_cpu_mem_us
     _prepare_config(self.get_base_model(), peft_config, "add_adapter")
     type(self).add_adapter(self, adapter_name, peft_config, low_cpu_mem_usage=low_cpu_mem_usage,
                            autocast_adapter_dtype=autocast_adapter_dtype)
+    _attach_specs(self)
 
 
 def _as_tpify_peft_model(peft_model: PeftModel) -> PeftModel:
-    """Give a PEFT model on a tpify model its dense ``save_pretrained`` and its ``add_adapter``."""
+    """Give a PEFT model on a tpify model its dense ``save_pretrained`` and its ``add_adapter``; its
+    adapters' ShardSpecs (again: PEFT upcasts half-precision adapters by new parameters)."""
+    _attach_specs(peft_model)
     peft_model.save_pretrained = types.MethodType(save_adapter, peft_model)
     peft_model.add_adapter = types.MethodType(_add_adapter, peft_model)
     return peft_model
