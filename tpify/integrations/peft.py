@@ -50,7 +50,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from .. import comm
-from ..context import mode_arguments
+from ..context import mode_arguments, output_watches
 from ..info import get_tp_info
 from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
 from ..random import DEFAULT, TP
@@ -118,6 +118,8 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         # parallelism, runtime_gather_output for the parallel loss): this layer is called instead.
         for hook in mode_arguments(base):
             self.register_forward_pre_hook(hook, with_kwargs=True)
+        for watch in output_watches(base):  # the model receives this layer's output, not the base's
+            self.register_forward_hook(watch)
 
     def _factor_spec(self) -> tuple[str, ShardSpec]:
         """Which factor is sharded and how (:func:`tpify.sharding.lora_factor_spec`)."""
