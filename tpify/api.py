@@ -132,7 +132,8 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
-            sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER) -> tuple[int, Layout]:
+            sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
+            lm_loss_chunk: int | None = None) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -146,7 +147,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     return size, build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, lm_loss_chunk=lm_loss_chunk)
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
@@ -204,6 +205,7 @@ def parallelize(
     recipe: "str | Path | dict | Recipe | None" = None,
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
+    lm_loss_chunk: int | None = None,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -240,6 +242,11 @@ def parallelize(
             become reduce-scatter + all-gather pairs (same bytes), activation memory there
             ``1/tp_size``. Training batches need ``T`` divisible by ``tp_size``
             (:class:`tpify.hooks.sequence_parallel.SequenceParallel`).
+        lm_loss_chunk: compute the ``labels=`` loss from the LM head's input in chunks of this
+            many tokens (:func:`tpify.loss.vocab_parallel_linear_cross_entropy`): with labels the
+            head does not run, no ``(B, T, V/p)`` logits exist, and ``.logits`` is None; without
+            labels nothing changes (``generate`` works). Default None: the loss from the logits
+            shard (docs/loss.md).
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
@@ -270,7 +277,8 @@ def parallelize(
     error, layout, size, shared = None, None, None, {}
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
-        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group)
+        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
+                               lm_loss_chunk)
         shared = fingerprint(model, layout, size, group)
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
@@ -293,6 +301,7 @@ def from_pretrained(
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
     disable_mmap: bool = False,
+    lm_loss_chunk: int | None = None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -322,7 +331,8 @@ def from_pretrained(
             plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
             several are present, the one transformers 5 loads is read (``transformers_weights``
             in config.json, then ``model.safetensors``, then the index), and only its files.
-        tp_size, tp_group, dp_group: as in :func:`tpify.parallelize` (default: the whole world).
+        tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk: as in
+            :func:`tpify.parallelize` (default: the whole world).
         torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
             Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
         model_class: the ``transformers`` class to build; default ``config.architectures[0]``.
@@ -360,7 +370,7 @@ def from_pretrained(
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         load = _prepare_load(path, model_class, torch_dtype, recipe, tp_size, tp_group,
-                             (pad_vocab_multiple, sequence_parallel, dp_group), group)
+                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk), group)
         checked.fingerprint = load.fingerprint
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
@@ -394,7 +404,7 @@ class _Load:
 def _prepare_load(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options, agree_group) -> _Load:
     """The local part of :func:`from_pretrained`: config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
-    sequence_parallel and dp_group), the key map, and the fingerprint every rank must share (the
+    sequence_parallel, dp_group and lm_loss_chunk), the key map, and the fingerprint every rank must share (the
     checkpoint's and :func:`tpify.api.fingerprint`). No collective; the files are closed again
     on an error.
 

@@ -75,6 +75,11 @@ class Layout:
         loss_terms: ``(output field, coefficient)`` pairs HF adds to the LM loss (a mixture of
             experts' ``router_aux_loss_coef * aux_loss``); the coefficient is a config
             attribute name or a number (the recipe's ``[loss] terms``).
+        logit_ops: ``(op, value)`` pairs the model applies to its LM head's output before its
+            loss, in order (the recipe's ``[loss] logits``; op in :data:`tpify.loss.LOGIT_OPS`,
+            value a config attribute name, read at each call, or a number).
+        lm_loss_chunk: with ``parallelize(..., lm_loss_chunk=c)``, the tokens per chunk of the
+            chunked LM-head loss (the head does not run; :mod:`tpify.hooks.lm_loss`); else None.
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
         sequence_parallel: with ``sequence_parallel=True``, the FQNs ``{"split": ..., "gather":
             [...], "exit": ...}`` of the recipe's ``[sequence_parallel]`` table; else None.
@@ -98,6 +103,8 @@ class Layout:
     loss_kind: str | None = None
     honours_num_items: bool = True
     loss_terms: tuple[tuple[str, str | float], ...] = ()
+    logit_ops: tuple[tuple[str, str | float], ...] = ()
+    lm_loss_chunk: int | None = None
     renames: tuple[tuple[str, str], ...] = ()
     head_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     sequence_parallel: dict | None = None
@@ -121,7 +128,8 @@ class Layout:
                                    for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),
-                            sorted(self.head_inputs.items()), self.sequence_parallel])
+                            sorted(self.head_inputs.items()), self.sequence_parallel, list(self.logit_ops),
+                            self.lm_loss_chunk])
 
 
 def _outermost_container(fqn: str, containers: dict[str, Rule]) -> str | None:
@@ -170,36 +178,44 @@ def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None
 
 
 def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_multiple: int = 1,
-                 sequence_parallel: bool = False) -> Layout:
+                 sequence_parallel: bool = False, lm_loss_chunk: int | None = None) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
     a style (``replicate`` counts); each module's style checks it and gives its per-parameter
     specs (:mod:`tpify.styles`). Rules that match nothing warn, unless ``optional``.
     Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are padded to a multiple of
-    ``pad_vocab_multiple * tp_size`` rows.
+    ``pad_vocab_multiple * tp_size`` rows. ``lm_loss_chunk``: tokens per chunk of the chunked
+    LM-head loss (needs a vocab-parallel LM head with an LM loss).
 
     Raises:
         PlanError: with every problem found, each naming the module and the numbers: modules no
             rule covers (listed by FQN), modules two rules claim, a style on the wrong module
             type, counts (config values, attributes to divide, features of sharded layers) that
-            ``tp_size`` does not divide, with the tp sizes that would work.
+            ``tp_size`` does not divide, with the tp sizes that would work; ``lm_loss_chunk``
+            that is not a positive integer, or set for a model without a vocab-parallel LM loss
+            or whose head is inside the sequence-parallel stretch; ``[loss] logits`` reading a
+            config attribute the config does not hold as a number (or None).
     """
-    _check_arguments(model, tp_size, pad_vocab_multiple)
+    _check_arguments(model, tp_size, pad_vocab_multiple, lm_loss_chunk)
     planner = _Planner(model, recipe, tp_size, pad_vocab_multiple)
     planner.config_counts()
     planner.match_modules()
-    planner.finish(sequence_parallel)
+    planner.finish(sequence_parallel, lm_loss_chunk)
     return planner.result()
 
 
-def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple) -> None:
+def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, lm_loss_chunk=None) -> None:
     """The arguments and the model can be planned at all (before anything is matched)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
         raise PlanError(f"pad_vocab_multiple must be a positive integer (the vocabulary is padded to a multiple of "
                         f"pad_vocab_multiple * tp_size), got {pad_vocab_multiple!r}")
+    if lm_loss_chunk is not None and (not isinstance(lm_loss_chunk, int) or isinstance(lm_loss_chunk, bool)
+                                      or lm_loss_chunk < 1):
+        raise PlanError(f"lm_loss_chunk must be a positive number of tokens per chunk (or None: the LM-head loss from "
+                        f"the whole logits shard), got {lm_loss_chunk!r}")
     peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
     if peft:
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
@@ -317,7 +333,7 @@ class _Planner:
             if entry is not None:
                 self.layout.modules[fqn] = entry
 
-    def finish(self, sequence_parallel: bool) -> None:
+    def finish(self, sequence_parallel: bool, lm_loss_chunk: int | None = None) -> None:
         """What follows from the modules' styles: ties, the LM head and its loss, the sharded
         regions, the sequence-parallel stretch."""
         layout, recipe = self.layout, self.recipe
@@ -336,10 +352,25 @@ class _Planner:
                     self.errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config."
                                        f"{coefficient}, which {type(self.model).__name__}'s config does not hold as a "
                                        f"number")
+            layout.logit_ops = recipe.logit_ops
+            for op, value in recipe.logit_ops:
+                if isinstance(value, str) and not (hasattr(self.config, value) and isinstance(
+                        getattr(self.config, value), (int, float, type(None)))):
+                    self.errors.append(f"recipe {recipe.source}: [loss] logits {op} reads config.{value}, which "
+                                       f"{type(self.model).__name__}'s config does not hold as a number (or None)")
+        if lm_loss_chunk is not None:
+            layout.lm_loss_chunk = lm_loss_chunk
+            if layout.loss_kind is None:
+                self.errors.append(f"lm_loss_chunk = {lm_loss_chunk}: {type(self.model).__name__} has no vocab-parallel "
+                                   f"LM loss (a 'colwise_rep' head and a causal, masked or seq2seq [loss]) to chunk; "
+                                   f"leave lm_loss_chunk unset")
         layout.region_starts = tuple(f for f, m in layout.modules.items() if m.styler.region == "start")
         layout.region_ends = tuple(f for f, m in layout.modules.items() if m.styler.region == "end")
         if sequence_parallel:
             layout.sequence_parallel = _sequence_layout(self.model, recipe, layout, self.errors)
+            if lm_loss_chunk is not None and layout.lm_head and layout.modules[layout.lm_head].sequence_parallel:
+                self.errors.append(f"lm_loss_chunk: the LM head {layout.lm_head} lies inside the sequence-parallel "
+                                   f"stretch ([sequence_parallel] gather); the chunked loss reads its input whole")
 
     def result(self) -> Layout:
         """The layout, or a :class:`PlanError` listing every problem (uncovered modules first)."""

@@ -53,7 +53,7 @@ from peft.tuners.lora.layer import LoraVariant
 from torch import nn
 
 from .. import comm
-from ..context import mode_arguments
+from ..context import mode_arguments, output_watches
 from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
 from ..random import DEFAULT, TP
 from ..sharding import KeepsShardSpecs, ShardSpec, lora_factor_spec, shard_spec_of
@@ -138,6 +138,8 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         # parallelism, runtime_gather_output for the parallel loss): this layer is called instead.
         for hook in mode_arguments(base):
             self.register_forward_pre_hook(hook, with_kwargs=True)
+        for watch in output_watches(base):  # the model receives this layer's output, not the base's
+            self.register_forward_hook(watch)
 
     @property
     def lora_variants(self):
