@@ -430,12 +430,12 @@ def dp_group_passed_as_an_argument_is_checked(c):
 def _fsdp2(par):
     from torch.distributed.fsdp import fully_shard
 
-    from tpify.mesh import init_tp_mesh
+    from tpify.mesh import dp_mesh, init_mesh
 
-    mesh = init_tp_mesh(2)
+    mesh = dp_mesh(init_mesh(2))
     for layer in par.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(par, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh)
+    fully_shard(par, mesh=mesh)
     return par
 
 
@@ -479,7 +479,7 @@ def fsdp2_over_dp_clips_checks_and_saves_as_the_dense_model(c):
         sync_gradients(par)
     import peft
 
-    with pytest.raises(TPUsageError, match="add the adapters before sharding with fully_shard"):
+    with pytest.raises(TPUsageError, match="add the adapters before sharding"):
         get_peft_model(par, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(TPUsageError, match="DTensor parameters .* before tpify.parallelize"):
         tpify.parallelize(_fsdp2(_seeded(_llama)), tp_size=2)

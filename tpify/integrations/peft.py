@@ -278,8 +278,9 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
     plain ``peft.PeftModel.from_pretrained(dense_model, dir)`` loads it. Installed as the PEFT
     model's ``save_pretrained`` by :func:`get_peft_model`; every rank must call it.
 
-    Communication: one all-gather over TP per sharded factor; one all-reduce of one int over
-    the world (:func:`tpify.agree.on_writing_rank`: a failed write raises on every rank).
+    Communication: one all-gather over TP per sharded factor (under FSDP2, before it, one
+    all-gather over DP per factor); one all-reduce of one int over the world
+    (:func:`tpify.agree.on_writing_rank`: a failed write raises on every rank).
 
     Raises:
         TPUsageError: ``state_dict=`` given (local shards cannot be the dense adapter).
@@ -290,11 +291,16 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
         raise TPUsageError("save_pretrained of a tensor-parallel PEFT model takes no state_dict=; every rank calls "
                            "it and the dense adapter is gathered")
     kwargs.pop("is_main_process", None)
+    from ..info import param_specs
+    from ..sharding import is_dtensor
+
     group = get_tp_info(peft_model).tp_group
+    specs = param_specs(peft_model)  # also for DTensor factors (FSDP2), by the names recorded
     full = {}
     for name, t in _adapter_tensors(peft_model):
-        spec = shard_spec_of(t)
-        value = spec.gather(t.detach(), group) if spec is not None else t.detach()
+        spec = specs[id(t)]
+        local = t.detach().full_tensor() if is_dtensor(t) else t.detach()  # FSDP2: gathered over DP first
+        value = spec.gather(local, group) if spec is not None else local
         full[name] = value.cpu()
     with on_writing_rank(f"writing the adapter to {save_directory}", next(peft_model.parameters()).device) as writing:
         if writing:
@@ -346,21 +352,28 @@ def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str 
     Only the adapters (and ``modules_to_save``) train, as in PEFT. Call it with the same random
     state on every rank (the adapters are initialised like PEFT's, identically on every rank).
 
+    Under FSDP2 (:func:`tpify.shard_data_parallel`), call it before sharding: the factors'
+    ShardSpecs are recorded by name here (:func:`tpify.info.record_specs`), so clipping, the
+    replica check and :func:`save_adapter` know their split once they are DTensors.
+
     Communication: none.
 
     Raises:
         ValueError: ``model`` was not parallelized by tpify.
-        TPUsageError: a PEFT method other than LoRA.
+        TPUsageError: a PEFT method other than LoRA; a model FSDP2 already sharded (add the
+            adapters first).
     """
     get_tp_info(model)
+    from ..info import record_specs
     from ..sharding import is_dtensor
 
     if any(is_dtensor(p) for p in model.parameters()):
         raise TPUsageError("get_peft_model: the model's parameters are DTensors (FSDP2's fully_shard); add the "
-                           "adapters before sharding with fully_shard (LoRA under FSDP2 is not supported yet)")
+                           "adapters before sharding: get_peft_model first, then tpify.shard_data_parallel")
     if not isinstance(peft_config, LoraConfig):
         raise TPUsageError(f"tpify supports LoRA adapters on tensor-parallel models, not {type(peft_config).__name__}")
     peft_config._register_custom_module({ColumnParallelLinear: LoraTPLinear, RowParallelLinear: LoraTPLinear})
     peft_model = _peft_get_peft_model(model, peft_config, adapter_name=adapter_name, **kwargs)
     peft_model.save_pretrained = types.MethodType(save_adapter, peft_model)
+    record_specs(model)  # the factors' specs and the base weights' new names, read back under FSDP2
     return peft_model
