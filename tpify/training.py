@@ -1,12 +1,14 @@
-"""Training utilities for DP x TP: gradient averaging over the DP group, global-norm clipping.
+"""Training utilities for DP x TP: global-norm clipping, the replica check, a DP-average fallback.
 
 With ``world = dp * tp`` (see :mod:`tpify.mesh`), the ranks of one TP group hold the shards of
-one model replica and see the same batch; the ``dp`` replicas see different batches. After
-``loss.backward()`` each shard's gradient is averaged over its DP group
-(:func:`sync_gradients`), and the gradient norm used for clipping is that of the whole dense
-model: squares of sharded gradients summed over the TP group, replicated ones counted once
-(:func:`clip_grad_norm_`; docs/mechanics.md "Gradients, clipping, memory"). The Trainer and
-accelerate adapters (:mod:`tpify.integrations`) call these same functions.
+one model replica and see the same batch; the ``dp`` replicas see different batches. Data
+parallelism is torch's (:mod:`tpify.data_parallel`: DDP over the DP group, FSDP2/HSDP over the
+mesh's DP axes). The gradient norm used for clipping is that of the whole dense model: squares
+of sharded gradients summed over the TP group (under FSDP2 over its shard axis first),
+replicated ones counted once (:func:`clip_grad_norm_`; docs/mechanics.md "Gradients, clipping,
+memory"). The Trainer and accelerate adapters (:mod:`tpify.integrations`) call these same
+functions. :func:`sync_gradients` averages gradients over DP after the backward, in one flat
+all-reduce: a fallback for loops that cannot run the model inside DDP.
 """
 
 from __future__ import annotations
@@ -51,7 +53,14 @@ def _refuse_fsdp(model: nn.Module, what: str) -> None:
 
 
 def sync_gradients(model: nn.Module) -> None:
-    """Average every gradient over the model's DP group, in place (what DDP does, over DP only).
+    """Average every gradient over the model's DP group, in place, after the backward: a fallback.
+
+    Prefer torch's DDP over the DP group (:func:`tpify.data_parallel.replicate_data_parallel`,
+    what :class:`~tpify.integrations.TPTrainer`, :class:`~tpify.integrations.TPAccelerator` and
+    ``tpify finetune`` use): it reduces in buckets while the backward still runs, without a second
+    copy of the gradients. This function waits for the whole backward, and holds a flat copy of
+    every gradient of one dtype while it reduces it (benchmarks/bench_memory.py measures both);
+    use it where the model cannot run inside DDP.
 
     Gradients are flattened into one buffer per dtype, so a step issues one all-reduce per
     dtype (of all gradient elements this rank holds) instead of one per parameter. The trainable

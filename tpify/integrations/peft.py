@@ -312,21 +312,26 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
 def load_adapter_(peft_model: PeftModel, path, adapter_name: str = "default") -> None:
     """Read a dense adapter directory (as :func:`save_adapter` writes) into the adapters in place.
 
-    Each rank copies its slice of each sharded factor; no communication.
+    Each rank copies its slice of each sharded factor (under FSDP2, its slice of that);
+    no communication.
 
     Raises:
         TPUsageError: a tensor the adapters need is missing, or has another shape.
     """
     from peft.utils import load_peft_weights
 
+    from ..info import param_specs
+    from ..sharding import copy_local_
+
     info = get_tp_info(peft_model)
     saved = load_peft_weights(str(path), device="cpu")
+    specs = param_specs(peft_model)  # also for DTensor factors (FSDP2)
     problems = []
     with torch.no_grad():
         for name, t in _adapter_tensors(peft_model):
             key = name.replace(f".{adapter_name}", "")
             value = saved.get(key)
-            spec = shard_spec_of(t)
+            spec = specs[id(t)]
             if value is None:
                 problems.append(f"missing {key}")
                 continue
@@ -338,7 +343,7 @@ def load_adapter_(peft_model: PeftModel, path, adapter_name: str = "default") ->
             if local.shape != t.shape:
                 problems.append(f"{key} has shape {list(value.shape)}")
                 continue
-            t.copy_(local)
+            copy_local_(t, local)  # under FSDP2, this rank's slice of its TP shard
     if problems:
         raise TPUsageError(f"adapter {path} does not fit the model's adapters: {problems[:10]}")
 

@@ -135,6 +135,11 @@ class TPTrainer(transformers.Trainer):
             if bad:
                 raise TPUsageError(f"TPTrainer does not support {bad} with a tensor-parallel model")
             plugin = None
+            version = (args.fsdp_plugin_args or {}).get("fsdp_version", 2)
+            if version != 2:  # refused before accelerate builds an FSDP1 plugin (which needs a GPU)
+                raise TPUsageError(f"TPTrainer: fsdp_config version {version} (FSDP1) is not supported with a "
+                                   f"tensor-parallel model: fsdp_version=1 (FSDP1): use fsdp_config={{'version': 2}} "
+                                   f"(FSDP2's fully_shard over the model's DP group)")
             if args.fsdp_plugin_args is not None:
                 from accelerate.utils import FullyShardedDataParallelPlugin
 
