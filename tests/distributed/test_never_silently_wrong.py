@@ -456,7 +456,7 @@ def tp_accelerator_refuses_unsupported_fsdp_options(c):
     from tpify.integrations import TPAccelerator, TPUsageError
 
     tputil.torchrun_env(c.rank, c.world)
-    with pytest.raises(TPUsageError, match="activation_checkpointing=True .* gradient_checkpointing_enable.*"
+    with pytest.raises(TPUsageError, match="activation_checkpointing=True .*gradient_checkpointing_enable.*"
                                            "auto_wrap_policy 'size_based_auto_wrap_policy'"):
         TPAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
             fsdp_version=2, activation_checkpointing=True, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10))
