@@ -37,7 +37,7 @@ from peft import get_peft_model as _peft_get_peft_model
 from torch import nn
 
 from ..hf_modules import is_conv1d
-from ..info import TPUsageError, find_tp_model, get_tp_info
+from ..info import TPUsageError, find_tp_model, get_tp_info, param_specs, record_specs
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..sharding import is_dtensor, shard_spec_of
 from .lora import LoraTPLinear
@@ -135,7 +135,7 @@ def _check_model(model: nn.Module, what: str, low_cpu_mem_usage: bool) -> None:
     get_tp_info(model)
     if any(is_dtensor(p) for p in model.parameters()):
         raise TPUsageError(f"{what}: the model's parameters are DTensors (FSDP2's fully_shard); add the adapters "
-                           f"before sharding with fully_shard (LoRA under FSDP2 is not supported yet)")
+                           f"before sharding: {what} first, then tpify.shard_data_parallel (LoRA under FSDP2 x TP)")
     if low_cpu_mem_usage:
         raise TPUsageError(f"{what}: low_cpu_mem_usage=True loads with load_state_dict(assign=True), which drops "
                            f"the tensor-parallel split of each adapter parameter; call it without")
@@ -218,6 +218,7 @@ def _as_tpify_peft_model(peft_model: PeftModel) -> PeftModel:
     """Give a PEFT model on a tpify model its dense ``save_pretrained`` and its ``add_adapter``; its
     adapters' ShardSpecs (again: PEFT upcasts half-precision adapters by new parameters)."""
     _attach_specs(peft_model)
+    record_specs(find_tp_model(peft_model))  # the adapters' specs by name, read back once FSDP2 shards them
     peft_model.save_pretrained = types.MethodType(save_adapter, peft_model)
     peft_model.add_adapter = types.MethodType(_add_adapter, peft_model)
     return peft_model
@@ -292,8 +293,8 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
     dir)`` loads it. Installed as the PEFT model's ``save_pretrained`` by :func:`get_peft_model`;
     every rank must call it.
 
-    Communication: one all-gather over TP per sharded adapter tensor; one all-reduce of one int
-    over the world (:func:`tpify.agree.on_writing_rank`: a failed write raises on every rank).
+    Communication: one all-gather over TP per sharded adapter tensor (under FSDP2, before it, one
+    all-gather over DP per adapter tensor); one all-reduce of one int over the world (:func:`tpify.agree.on_writing_rank`: a failed write raises on every rank).
 
     Raises:
         TPUsageError: ``state_dict=`` given (local shards cannot be the dense adapter).
@@ -306,10 +307,12 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
     kwargs.pop("is_main_process", None)
     group = get_tp_info(find_tp_model(peft_model)).tp_group
     params = dict(peft_model.named_parameters(remove_duplicate=False))
+    specs = param_specs(peft_model)  # also for DTensor adapters (FSDP2), by the names recorded
     full = {}
     for name, value in peft_model.state_dict().items():  # the same order on every rank
         if _is_adapter_key(name):
-            spec = shard_spec_of(params.get(name))
+            spec = specs.get(id(params[name])) if name in params else None
+            value = value.full_tensor() if is_dtensor(value) else value  # FSDP2: gathered over DP first
             full[name] = (spec.gather(value, group) if spec is not None else value).cpu()
     with on_writing_rank(f"writing the adapter to {save_directory}", next(peft_model.parameters()).device) as writing:
         if writing:
@@ -330,6 +333,9 @@ def load_adapter_(peft_model: PeftModel, path, adapter_name: str = "default") ->
     """
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
+    if any(is_dtensor(p) for p in peft_model.parameters()):
+        raise TPUsageError(f"load_adapter_: the model's parameters are DTensors (FSDP2's fully_shard); load the "
+                           f"adapter {path} before sharding with tpify.shard_data_parallel")
     _slice_dense_adapters_on_load(find_tp_model(peft_model))
     result = set_peft_model_state_dict(peft_model, load_peft_weights(str(path), device="cpu"),
                                        adapter_name=adapter_name)
