@@ -260,8 +260,8 @@ class SharesProcessGroups:
     A ``ProcessGroup`` cannot be copied (nor pickled): it is a connection to the other ranks,
     and a copy of a tensor-parallel module must talk to the same ranks as the original. Every
     tpify object that holds a group (the parallel layers, ``TPInfo``, the model's hooks) copies
-    its attributes as ``copy.deepcopy`` would, with its groups entered in the copy's memo as
-    themselves; everything else is copied. So ``copy.deepcopy`` of a parallelized model (or of
+    its attributes as ``copy.deepcopy`` would, with its groups (and DeviceMeshes) entered in the
+    copy's memo as themselves; everything else is copied. So ``copy.deepcopy`` of a parallelized model (or of
     one parallel layer: PEFT's ``modules_to_save`` copies the LM head) works and shares the
     groups.
     """
@@ -269,8 +269,10 @@ class SharesProcessGroups:
     def __deepcopy__(self, memo):
         import copy
 
+        from torch.distributed.device_mesh import DeviceMesh
+
         for value in self.__dict__.values():
-            if isinstance(value, dist.ProcessGroup):
+            if isinstance(value, (dist.ProcessGroup, DeviceMesh)):  # a mesh holds groups too
                 memo[id(value)] = value
         new = type(self).__new__(type(self))
         memo[id(self)] = new

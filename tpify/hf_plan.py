@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .hf_modules import base_model_and_prefix, module_kind, overrides_forward, relative_name
-from .recipe import Recipe, RecipeError, _compile_glob, loss_terms_of
+from .recipe import Recipe, RecipeError, _compile_glob, logit_ops_of, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
            "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard", "head_counts", "forward_reads"]
@@ -366,6 +366,9 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         terms = loss_terms_of(config)
         if terms:
             data["loss"]["terms"] = terms
+        ops = logit_ops_of(config)  # what HF does to the head's output before its loss (Cohere, Granite, Gemma 2)
+        if ops:
+            data["loss"]["logits"] = ops
     data["rule"] = [r for r, _ in rules]
     if dropped:
         review.append(f"HF rules that match nothing in {type(model).__name__} were left out: {dropped}")

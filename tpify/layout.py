@@ -76,6 +76,11 @@ class Layout:
         loss_terms: ``(output field, coefficient)`` pairs HF adds to the LM loss (a mixture of
             experts' ``router_aux_loss_coef * aux_loss``); the coefficient is a config
             attribute name or a number (the recipe's ``[loss] terms``).
+        logit_ops: ``(op, value)`` pairs the model applies to its LM head's output before its
+            loss, in order (the recipe's ``[loss] logits``; op in :data:`tpify.loss.LOGIT_OPS`,
+            value a config attribute name, read at each call, or a number).
+        lm_loss_chunk: with ``parallelize(..., lm_loss_chunk=c)``, the tokens per chunk of the
+            chunked LM-head loss (the head does not run; :mod:`tpify.hooks.lm_loss`); else None.
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
         sequence_parallel: with ``sequence_parallel=True``, the FQNs ``{"split": ..., "gather":
             [...], "exit": ...}`` of the recipe's ``[sequence_parallel]`` table; else None.
@@ -104,6 +109,8 @@ class Layout:
     loss_kind: str | None = None
     honours_num_items: bool = True
     loss_terms: tuple[tuple[str, str | float], ...] = ()
+    logit_ops: tuple[tuple[str, str | float], ...] = ()
+    lm_loss_chunk: int | None = None
     renames: tuple[tuple[str, str], ...] = ()
     head_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     sequence_parallel: dict | None = None
@@ -129,7 +136,8 @@ class Layout:
                                m.params, m.expert_parallel) for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),
-                            sorted(self.head_inputs.items()), self.sequence_parallel, self.ep_size])
+                            sorted(self.head_inputs.items()), self.sequence_parallel, list(self.logit_ops),
+                            self.lm_loss_chunk, self.ep_size])
 
 
 def _outermost_container(fqn: str, containers: dict[str, Rule]) -> str | None:
@@ -178,7 +186,7 @@ def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None
 
 
 def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_multiple: int = 1,
-                 sequence_parallel: bool = False, ep_size: int = 1) -> Layout:
+                 sequence_parallel: bool = False, lm_loss_chunk: int | None = None, ep_size: int = 1) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
@@ -187,22 +195,27 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     fused experts) of at least :func:`coverage_threshold` elements: by a style that splits it
     (``experts``) or by ``replicate`` on it or a container. Rules that match nothing warn,
     unless ``optional``. Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are
-    padded to a multiple of ``pad_vocab_multiple * tp_size`` rows. ``ep_size``: 1, or
-    ``tp_size`` for expert parallelism (the ``experts`` modules hold whole experts).
+    padded to a multiple of ``pad_vocab_multiple * tp_size`` rows. ``lm_loss_chunk``: tokens per
+    chunk of the chunked LM-head loss (needs a vocab-parallel LM head with an LM loss).
+    ``ep_size``: 1, or ``tp_size`` for expert parallelism (the ``experts`` modules hold whole
+    experts).
 
     Raises:
         PlanError: with every problem found, each naming the module and the numbers: modules and
             large parameters no rule covers (listed by FQN), modules two rules claim, a style on
             the wrong module type, counts (config values, attributes to divide, features of
             sharded layers) that ``tp_size`` does not divide, with the tp sizes that would work;
-            an ``ep_size`` other than 1 or ``tp_size``.
+            an ``ep_size`` other than 1 or ``tp_size``; ``lm_loss_chunk`` that is not a positive
+            integer, or set for a model without a vocab-parallel LM loss or whose head is inside
+            the sequence-parallel stretch; ``[loss] logits`` reading a config attribute the
+            config does not hold as a number (or None).
     """
-    _check_arguments(model, tp_size, pad_vocab_multiple, ep_size)
+    _check_arguments(model, tp_size, pad_vocab_multiple, lm_loss_chunk, ep_size)
     planner = _Planner(model, recipe, tp_size, pad_vocab_multiple, ep_size)
     planner.config_counts()
     planner.match_modules()
     planner.large_parameters()
-    planner.finish(sequence_parallel)
+    planner.finish(sequence_parallel, lm_loss_chunk)
     return planner.result()
 
 
@@ -231,7 +244,7 @@ def coverage_threshold(model: nn.Module) -> int:
     return max(1, min(COVERAGE_ELEMENTS, total // 100))
 
 
-def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, ep_size=1) -> None:
+def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, lm_loss_chunk=None, ep_size=1) -> None:
     """The arguments and the model can be planned at all (before anything is matched)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
@@ -242,6 +255,10 @@ def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, ep_size=1) -
     if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
         raise PlanError(f"pad_vocab_multiple must be a positive integer (the vocabulary is padded to a multiple of "
                         f"pad_vocab_multiple * tp_size), got {pad_vocab_multiple!r}")
+    if lm_loss_chunk is not None and (not isinstance(lm_loss_chunk, int) or isinstance(lm_loss_chunk, bool)
+                                      or lm_loss_chunk < 1):
+        raise PlanError(f"lm_loss_chunk must be a positive number of tokens per chunk (or None: the LM-head loss from "
+                        f"the whole logits shard), got {lm_loss_chunk!r}")
     peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
     if peft:
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
@@ -381,7 +398,7 @@ class _Planner:
             self.large_uncovered.append(f"{rel + '.' if rel else ''}{pname} ({type(module).__name__}, shape "
                                         f"{list(param.shape)}, {param.numel():,} elements)")
 
-    def finish(self, sequence_parallel: bool) -> None:
+    def finish(self, sequence_parallel: bool, lm_loss_chunk: int | None = None) -> None:
         """What follows from the modules' styles: ties, the LM head and its loss, the sharded
         regions, the sequence-parallel stretch."""
         layout, recipe = self.layout, self.recipe
@@ -400,10 +417,25 @@ class _Planner:
                     self.errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config."
                                        f"{coefficient}, which {type(self.model).__name__}'s config does not hold as a "
                                        f"number")
+            layout.logit_ops = recipe.logit_ops
+            for op, value in recipe.logit_ops:
+                if isinstance(value, str) and not (hasattr(self.config, value) and isinstance(
+                        getattr(self.config, value), (int, float, type(None)))):
+                    self.errors.append(f"recipe {recipe.source}: [loss] logits {op} reads config.{value}, which "
+                                       f"{type(self.model).__name__}'s config does not hold as a number (or None)")
+        if lm_loss_chunk is not None:
+            layout.lm_loss_chunk = lm_loss_chunk
+            if layout.loss_kind is None:
+                self.errors.append(f"lm_loss_chunk = {lm_loss_chunk}: {type(self.model).__name__} has no vocab-parallel "
+                                   f"LM loss (a 'colwise_rep' head and a causal, masked or seq2seq [loss]) to chunk; "
+                                   f"leave lm_loss_chunk unset")
         layout.region_starts = tuple(f for f, m in layout.modules.items() if m.styler.region == "start")
         layout.region_ends = tuple(f for f, m in layout.modules.items() if m.styler.region == "end")
         if sequence_parallel:
             layout.sequence_parallel = _sequence_layout(self.model, recipe, layout, self.errors)
+            if lm_loss_chunk is not None and layout.lm_head and layout.modules[layout.lm_head].sequence_parallel:
+                self.errors.append(f"lm_loss_chunk: the LM head {layout.lm_head} lies inside the sequence-parallel "
+                                   f"stretch ([sequence_parallel] gather); the chunked loss reads its input whole")
 
     def result(self) -> Layout:
         """The layout, or a :class:`PlanError` listing every problem (uncovered modules first)."""

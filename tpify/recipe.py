@@ -47,6 +47,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .loss import LOGIT_OPS
 from .styles import STYLES as _STYLE_OBJECTS
 
 __all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
@@ -60,7 +61,7 @@ _SP_KEYS = {"split", "gather", "exit"}
 _HEAD_INPUT_KEYS = {"arg", "dim", "heads"}
 SUBCLASS_FORWARDS = ("plain", "scaled")
 LOSS_KINDS = ("causal", "masked", "seq2seq", "none")
-_LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items", "terms"}
+_LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items", "terms", "logits"}
 _TERM_KEYS = {"output", "coefficient"}
 _CHECKPOINT_KEYS = {"renames"}
 
@@ -169,6 +170,8 @@ class Recipe:
     ignores_num_items: tuple[str, ...] = ()
     # (output field, coefficient: config attribute or number) HF adds to the LM loss (MoE aux losses)
     loss_terms: tuple[tuple[str, str | float], ...] = ()
+    # (op, value: config attribute or number) the model applies to its LM head's output, in order
+    logit_ops: tuple[tuple[str, str | float], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
     sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob}
@@ -179,7 +182,7 @@ class Recipe:
                   r.params) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
-                   self.sequence_parallel, list(self.loss_terms)])
+                   self.sequence_parallel, list(self.loss_terms), list(self.logit_ops)])
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -221,8 +224,18 @@ class Recipe:
                      "coefficient = the config attribute HF multiplies it by (\"router_aux_loss_coef\"), or a "
                      "number } tables")
             loss_terms.append((term["output"], coefficient))
+        logit_ops = []
+        raw_ops = loss_table.get("logits", [])
+        for item in raw_ops if isinstance(raw_ops, list) else [None]:
+            op, value = next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (None, None)
+            if (op not in LOGIT_OPS or isinstance(value, bool) or not isinstance(value, (str, int, float))
+                    or value in ("", 0)):
+                fail(f"[loss] logits must be a list of {{ op = value }} tables, op one of {list(LOGIT_OPS)} and value "
+                     f"the config attribute HF reads (\"final_logit_softcapping\") or a non-zero number, in the order "
+                     f"the model applies them to its LM head's output")
+            logit_ops.append((op, value))
         for kind, names in loss_table.items():
-            if kind == "terms":
+            if kind in ("terms", "logits"):
                 continue
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 fail(f"[loss] {kind} must be a list of head class names")
@@ -328,7 +341,7 @@ class Recipe:
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs), params))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
-                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms),
+                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp)
 
 
@@ -362,6 +375,17 @@ def loss_terms_of(config) -> list[dict]:
     if hasattr(config, "router_aux_loss_coef") and hasattr(config, "output_router_logits"):
         return [{"output": "aux_loss", "coefficient": "router_aux_loss_coef"}]
     return []
+
+
+def logit_ops_of(config) -> list[dict]:
+    """The ``[loss] logits`` a config's model applies to its LM head's output, for a recipe written
+    from the config (``tpify draft``, the imported HF plan), in the order transformers applies
+    them: ``logit_scale`` multiplies (Cohere), ``logits_scaling`` divides (Granite),
+    ``final_logit_softcapping`` caps (Gemma 2 and 3: ``cap * tanh(logits / cap)``). Local; reads
+    attribute names only. A declaration the model does not follow is refused when the chunked
+    loss checks it (:mod:`tpify.hooks.lm_loss`)."""
+    found = [("multiply", "logit_scale"), ("divide", "logits_scaling"), ("softcap", "final_logit_softcapping")]
+    return [{op: name} for op, name in found if hasattr(config, name)]
 
 
 def recipe_dirs() -> list[Path]:

@@ -6,7 +6,7 @@ running every check of its table
 (``tputil.run_checks``), so a spawn is paid once per world size.
 
 Tolerances:
-* float64 checks (the MoE auxiliary loss, DP-group inference, FSDP2): ``atol=1e-10, rtol=1e-9``,
+* float64 checks (the MoE auxiliary loss, DP-group inference): ``atol=1e-10, rtol=1e-9``,
   the order of floating-point sums only (as tests/distributed/test_core_equivalence.py);
   weights after AdamW steps ``atol=1e-8, rtol=1e-6`` (Adam turns ~1e-16 relative gradient noise
   near eps into a few 1e-9, see test_dp_tp_training.py).
@@ -24,7 +24,6 @@ Tolerances:
 
 import copy
 import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -490,64 +489,6 @@ def dp_group_passed_as_an_argument_is_checked(c):
         tpify.parallelize(_seeded(_gpt2), tp_group=tp_group, dp_group=tp_group)
 
 
-def _fsdp2(par):
-    from torch.distributed.fsdp import fully_shard
-
-    from tpify.mesh import init_tp_mesh
-
-    mesh = init_tp_mesh(2)
-    for layer in par.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(par, mesh=mesh["dp"])
-    return par
-
-
-@_dp2tp2
-def fsdp2_over_dp_clips_checks_and_saves_as_the_dense_model(c):
-    """fully_shard over the DP dimension of a tpify model: tpify's clip_grad_norm_ uses the dense
-    norm (torch's would clip each TP rank by its own), check_replicas compares each rank's slices,
-    save_pretrained gathers over DP then TP; three AdamW steps equal the dense model's (float64).
-    What FSDP2 does itself or cannot be done on its DTensors is refused."""
-    from transformers import LlamaForCausalLM
-
-    import tpify
-    from tpify.integrations import TPUsageError, get_peft_model
-    from tpify.api import load_weights_
-    from tpify.training import check_replicas, sync_gradients
-    from tpify.authoring.reference import float64_loss_function
-
-    ref = _seeded(_llama).double()
-    ref.loss_function = float64_loss_function("ForCausalLM")
-    par = _fsdp2(tpify.parallelize(copy.deepcopy(ref), tp_size=2))
-    ids = _ids(shape=(4, 12))[2 * (c.rank // 2): 2 * (c.rank // 2) + 2]
-    par(ids, labels=ids).loss.backward()
-    per_rank = torch.nn.utils.get_total_norm([p.grad for p in par.parameters()]).full_tensor()
-    everyone = [None] * c.world
-    dist.all_gather_object(everyone, float(per_rank))
-    assert everyone[0] != everyone[1], "torch's norm is per TP rank: what tpify.training.clip_grad_norm_ corrects"
-    par.zero_grad()
-    _train_dp_tp(c, par, ref, sync=False)
-    check_replicas(par)
-    with tempfile.TemporaryDirectory() as out:
-        shared = [out]
-        dist.broadcast_object_list(shared, src=0)
-        tpify.save_pretrained(par, shared[0])
-        loaded = LlamaForCausalLM.from_pretrained(shared[0], dtype=torch.float64)
-        for name, w in ref.state_dict().items():
-            torch.testing.assert_close(loaded.state_dict()[name], w, **WEIGHTS, msg=lambda m: f"{name}: {m}")
-        with pytest.raises(TPUsageError, match="load_weights_: .* DTensors"):
-            load_weights_(par, shared[0])
-        dist.barrier()
-    with pytest.raises(TPUsageError, match="FSDP2 reduces the gradients over the data-parallel dimension itself"):
-        sync_gradients(par)
-    import peft
-
-    with pytest.raises(TPUsageError, match="add the adapters before sharding with fully_shard"):
-        get_peft_model(par, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(TPUsageError, match="DTensor parameters .* before tpify.parallelize"):
-        tpify.parallelize(_fsdp2(_seeded(_llama)), tp_size=2)
-
-
 @_dp2tp2
 def bf16_autocast_at_dp2_tp2(c):
     import tpify
@@ -570,21 +511,18 @@ def bf16_autocast_at_dp2_tp2(c):
 
 
 @_dp2tp2
-def tp_accelerator_refuses_an_fsdp_plugin(c):
+def tp_accelerator_refuses_unsupported_fsdp_options(c):
+    """TPAccelerator applies FSDP2 over the DP group (tests/distributed/test_scaling_out.py); FSDP's own
+    activation checkpointing and size-based wrapping are refused at construction, naming the fix."""
     from accelerate import FullyShardedDataParallelPlugin
-    from accelerate.state import AcceleratorState
 
-    import tpify
     from tpify.integrations import TPAccelerator, TPUsageError
 
     tputil.torchrun_env(c.rank, c.world)
-    try:
-        accelerator = TPAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        with pytest.raises(TPUsageError, match="an FSDP plugin .* is not supported with a tpify model"):
-            accelerator.prepare(tpify.parallelize(_seeded(_gpt2), tp_size=2))
-    finally:
-        AcceleratorState._reset_state(True)
-        os.environ.pop("ACCELERATE_USE_FSDP", None)  # accelerate sets it for the plugin
+    with pytest.raises(TPUsageError, match="activation_checkpointing=True .*gradient_checkpointing_enable.*"
+                                           "auto_wrap_policy 'size_based_auto_wrap_policy'"):
+        TPAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
+            fsdp_version=2, activation_checkpointing=True, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10))
 
 
 @pytest.fixture(scope="module")
@@ -608,18 +546,13 @@ def test_a_dp_group_argument_is_used_and_checked(dp2tp2):
 
 
 @pytest.mark.slow
-def test_fsdp2_over_dp_clips_checks_and_saves_exactly_and_refuses_the_rest(dp2tp2):
-    _ok(dp2tp2, "fsdp2_over_dp_clips_checks_and_saves_as_the_dense_model")
-
-
-@pytest.mark.slow
 def test_bf16_autocast_at_dp2_tp2_matches_the_dense_model(dp2tp2):
     _ok(dp2tp2, "bf16_autocast_at_dp2_tp2")
 
 
 @pytest.mark.slow
-def test_tp_accelerator_refuses_an_fsdp_plugin(dp2tp2):
-    _ok(dp2tp2, "tp_accelerator_refuses_an_fsdp_plugin")
+def test_tp_accelerator_refuses_unsupported_fsdp_options(dp2tp2):
+    _ok(dp2tp2, "tp_accelerator_refuses_unsupported_fsdp_options")
 
 
 @pytest.mark.slow
