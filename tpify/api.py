@@ -34,7 +34,7 @@ from .agree import agree, agreement, digest
 from .context import CallState, TPContext
 from .hf_methods import check_before_parallelize
 from .hooks import guards
-from .info import TPInfo, TPUsageError, get_tp_info, param_specs, record_specs
+from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
@@ -133,7 +133,7 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
             sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
-            lm_loss_chunk: int | None = None, mesh=None) -> tuple[int, Layout]:
+            lm_loss_chunk: int | None = None, mesh=None, ep_size: int = 1) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -150,7 +150,8 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     return size, build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
-                              sequence_parallel=sequence_parallel, lm_loss_chunk=lm_loss_chunk)
+                              sequence_parallel=sequence_parallel, lm_loss_chunk=lm_loss_chunk,
+                              ep_size=ep_size)
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
@@ -172,7 +173,7 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
-                  mesh=mesh)
+                  mesh=mesh, foreign_shards=foreign_shards(model))
     model.tp_info = info
     record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
@@ -213,6 +214,7 @@ def parallelize(
     sequence_parallel: bool = False,
     lm_loss_chunk: int | None = None,
     mesh=None,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -259,6 +261,13 @@ def parallelize(
             the TP group, its data-parallel axes flattened the DP group, and
             :func:`tpify.shard_data_parallel` shards over them (HSDP with ``dp_replicate > 1``).
             Default: ``tpify.init_mesh(tp_size)`` when no ``tp_group`` is given.
+        ep_size: for the recipe's ``experts`` modules (fused MoE experts): 1 (default),
+            tensor-parallel experts (every expert's intermediate dimension split, the output
+            all-reduced); or ``tp_size``, expert parallelism over the TP group (rank ``r`` holds
+            experts ``[r E/p, (r+1) E/p)`` whole; each rank routes its share of the tokens to the
+            experts' ranks with all-to-all; :mod:`tpify.hooks.experts`). Attention and the rest
+            are tensor-parallel either way. With ``world = dp * tp``, the DP replicas hold the
+            same experts on the same TP rank.
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
@@ -290,7 +299,7 @@ def parallelize(
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
-                               lm_loss_chunk, mesh)
+                               lm_loss_chunk, mesh, ep_size)
         shared = fingerprint(model, layout, size, group)
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
@@ -315,6 +324,7 @@ def from_pretrained(
     disable_mmap: bool = False,
     lm_loss_chunk: int | None = None,
     mesh=None,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -344,7 +354,7 @@ def from_pretrained(
             plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
             several are present, the one transformers 5 loads is read (``transformers_weights``
             in config.json, then ``model.safetensors``, then the index), and only its files.
-        tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk, mesh:
+        tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk, mesh, ep_size:
             as in :func:`tpify.parallelize` (default: the whole world).
         torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
             Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
@@ -383,7 +393,7 @@ def from_pretrained(
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         load = _prepare_load(path, model_class, torch_dtype, recipe, tp_size, tp_group,
-                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh), group)
+                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group)
         checked.fingerprint = load.fingerprint
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
@@ -417,7 +427,7 @@ class _Load:
 def _prepare_load(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options, agree_group) -> _Load:
     """The local part of :func:`from_pretrained`: config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
-    sequence_parallel, dp_group, lm_loss_chunk and mesh), the key map, and the fingerprint every rank must share (the
+    sequence_parallel, dp_group, lm_loss_chunk, mesh and ep_size), the key map, and the fingerprint every rank must share (the
     checkpoint's and :func:`tpify.api.fingerprint`). No collective; the files are closed again
     on an error.
 

@@ -86,11 +86,15 @@ HEAD_COUNT_ATTRS = ("num_attention_heads", "num_key_value_heads")
 # Small task heads of the head classes, kept whole (optional: a head class may lack them).
 TASK_HEADS = ("score", "qa_outputs", "classifier")
 
+# What the import says of fused MoE experts: tpify splits them, by a recipe rule the plan does not give.
+_MOE = ("MoE experts (fused 3-D expert weights) are not imported from transformers' plan: write a recipe rule "
+        "with style 'experts' (docs/recipes.md, as the shipped mixtral, qwen2_moe, qwen3_moe and olmoe recipes do)")
+
 # HF styles tpify cannot express, and why (the message of the RecipeError).
 _UNSUPPORTED = {
     "sequence_parallel": "sequence parallelism (activations split along tokens) is not implemented in tpify",
-    "moe_tp_experts": "MoE experts (fused 3-D expert weights) are not supported by tpify",
-    "moe_identity_expert": "MoE experts are not supported by tpify",
+    "moe_tp_experts": _MOE,
+    "moe_identity_expert": _MOE,
     "packed_rowwise": "a row-parallel layer over packed input parts has no tpify style",
     "mla_kv_a_proj": "multi-head latent attention's split projection has no tpify style",
     "all_reduce": "an all-reduce of a module's partial output (shared MoE experts) has no tpify style",
@@ -258,7 +262,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                 if hf_style in ("replicate", "replicated_with_grad_allreduce"):
                     continue
                 pname, shape = param_keys[key]
-                what = ("MoE experts (fused 3-D expert parameters) are not supported by tpify" if len(shape) == 3
+                what = (_MOE if len(shape) == 3
                         else "tpify splits only whole nn.Linear / Conv1D / nn.Embedding modules")
                 raise _error(model, f"HF rule {key!r} = {hf_style!r} applies to the parameter {pname} of shape "
                                     f"{shape}, not to a module: {what}")
@@ -270,8 +274,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         if hf_style in _UNSUPPORTED:
             raise _error(model, f"{where}: {_UNSUPPORTED[hf_style]}")
         if hf_style == "packed_colwise" and kinds != {"linear"}:
-            raise _error(model, f"{where}: HF packs MoE expert weights here (fused 3-D parameters); MoE experts "
-                                f"are not supported by tpify")
+            raise _error(model, f"{where}: HF packs MoE expert weights here (fused 3-D parameters); {_MOE}")
         if hf_style == "replicated_with_grad_allreduce":
             if kinds == {None}:
                 by_construction.append(key)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import SharesProcessGroups
-from .sharding import is_dtensor, shard_spec_of
+from .sharding import KeepsShardSpecs, is_dtensor, shard_spec_of
 
-__all__ = ["TPInfo", "TPUsageError", "get_tp_info", "find_tp_model", "param_specs", "record_specs"]
+__all__ = ["TPInfo", "TPUsageError", "get_tp_info", "find_tp_model", "param_specs", "record_specs", "foreign_shards"]
 
 
 class TPUsageError(RuntimeError):
@@ -51,6 +51,12 @@ class TPInfo(SharesProcessGroups):
         mesh: the ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh the groups come from
             (:func:`tpify.mesh.init_mesh`, or ``parallelize(mesh=...)``), or None (groups passed
             or inferred); :mod:`tpify.data_parallel` shards over its data-parallel axes.
+        foreign_shards: ``(parameter, spec)`` of the split parameters that modules tpify did not
+            build hold (fused experts keep their transformers class; :func:`foreign_shards`).
+            ``copy.deepcopy`` of the model copies them along with this object and puts each spec
+            back on the copy (a deep copy of a Parameter drops its attributes, and a shard without
+            its spec would count as replicated in the gradient norm and be saved at its local
+            shape).
     """
 
     tp_size: int
@@ -65,6 +71,27 @@ class TPInfo(SharesProcessGroups):
     dp_source: str = "none"
     state: object = None
     mesh: object = None
+    foreign_shards: list = field(default_factory=list)
+
+    def __deepcopy__(self, memo):
+        new = super().__deepcopy__(memo)  # within a model's deepcopy: the copied model's parameters (memo)
+        for param, spec in new.foreign_shards:
+            param.tp_shard_spec = spec
+        return new
+
+
+def foreign_shards(model: nn.Module) -> list:
+    """``[(parameter, spec)]``: the split parameters held by modules that are not tpify's layers
+    (the ``experts`` style splits the parameters of transformers' own experts module in place)."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, KeepsShardSpecs):
+            continue
+        for param in module._parameters.values():
+            spec = shard_spec_of(param) if param is not None else None
+            if spec is not None:
+                out.append((param, spec))
+    return out
 
 
 def get_tp_info(model: nn.Module) -> TPInfo:

@@ -32,6 +32,9 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
     ``rowwise``: :class:`~tpify.layers.RowParallelLinear`, input already sharded.
     ``embedding_rowwise``: :class:`~tpify.layers.VocabParallelEmbedding`.
     ``embedding_colwise``: :class:`~tpify.layers.ColumnParallelEmbedding` (columns are heads).
+    ``experts``: the named parameters of a module (fused 3-D MoE experts) split along a dimension
+        (``params``); its output is a partial sum, all-reduced (or, with ``ep_size``, whole experts
+        per rank and the tokens exchanged).
     ``replicate``: left as it is, a full copy on every rank.
 
 Every key, with an example per feature, is in ``docs/recipes.md``.
@@ -50,7 +53,8 @@ from .styles import STYLES as _STYLE_OBJECTS
 __all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
-_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when"}
+_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when", "params"}
+_PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule"}
 _SP_KEYS = {"split", "gather", "exit"}
@@ -92,6 +96,7 @@ class Rule:
     when: tuple[tuple[str, object], ...] = ()
     replicated_parts: tuple[int, ...] = ()
     head_inputs: tuple[tuple[str, int, str], ...] = ()  # (argument name, head dimension, config head count)
+    params: tuple[tuple[str, int, int], ...] = ()  # (parameter name, split dimension, packed parts) of 'experts'
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
     def matches(self, fqn: str) -> bool:
@@ -173,8 +178,8 @@ class Recipe:
 
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
-        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs)
-                 for r in self.rules]
+        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
+                  r.params) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops)])
@@ -325,6 +330,7 @@ class Recipe:
                         or len(set(replicated_parts)) != len(replicated_parts) or len(replicated_parts) >= count):
                     fail(f"{where} (match={patterns}): 'replicated_parts' is for style 'packed_colwise': a list of "
                          f"distinct part indices (0-based, below {count}) naming some, not all, of the parts")
+            params = _rule_params(raw.get("params"), style, f"{where} (match={patterns})", fail)
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
@@ -333,10 +339,32 @@ class Recipe:
                 fail(f"{where} (match={patterns}): 'when' must be a table of config attribute = value "
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
-                              tuple(replicated_parts), tuple(head_inputs)))
+                              tuple(replicated_parts), tuple(head_inputs), params))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp)
+
+
+def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ...]:
+    """A rule's ``params`` table: ``{ name = { dim = d, parts = n } }`` -> ``((name, d, n), ...)``
+    sorted by name (``parts`` 1 when not given). Only the ``experts`` style takes it, and needs it."""
+    if raw is None:
+        if style == "experts":
+            fail(f"{where}: style 'experts' needs 'params', the parameters it splits and how: params = "
+                 f"{{ gate_up_proj = {{ dim = 1, parts = 2 }}, down_proj = {{ dim = 2 }} }}")
+        return ()
+    if style != "experts":
+        fail(f"{where}: 'params' is only for style 'experts'")
+    ok = isinstance(raw, dict) and raw and all(
+        isinstance(name, str) and name and "." not in name and isinstance(spec, dict) and spec
+        and set(spec) <= _PARAM_KEYS and "dim" in spec
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values())
+        and spec["dim"] >= 0 and spec.get("parts", 1) >= 1 for name, spec in raw.items())
+    if not ok:
+        fail(f"{where}: 'params' must be a table of parameter name = {{ dim = the dimension split over the ranks "
+             f"(an integer >= 0), parts = the number of equal packed parts along it, each split alike (optional, "
+             f"an integer >= 1) }}")
+    return tuple(sorted((name, spec["dim"], spec.get("parts", 1)) for name, spec in raw.items()))
 
 
 def loss_terms_of(config) -> list[dict]:

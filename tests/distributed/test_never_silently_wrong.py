@@ -1,7 +1,8 @@
 """What used to crash or train silently wrong now matches the dense model, or raises on every rank.
 
 Each test is named after the behaviour it guards and asserts one check of a spawned job: one job
-of 2 gloo ranks (tp = 2) and one of 4 (dp = 2 x tp = 2), each running every check of its table
+of 2 gloo ranks (tp = 2) and one of 4 (dp = 2 x tp = 2, expert parallelism ep = 2 included), each
+running every check of its table
 (``tputil.run_checks``), so a spawn is paid once per world size.
 
 Tolerances:
@@ -151,13 +152,17 @@ def _mixtral(aux: bool):
 
 
 def _mixtral_recipe(terms: bool) -> dict:
-    """Attention split by heads, experts and router replicated (their parameters are no Linear: no rule)."""
+    """The shipped recipe's rules as a mapping (attention by heads, tensor-parallel experts, router
+    replicated), with or without the ``[loss] terms`` declaring the aux loss."""
     recipe = {"model_type": "mixtral", "divisible": ["num_attention_heads", "num_key_value_heads"],
               "loss": {"causal": ["MixtralForCausalLM"]},
               "rule": [{"match": "embed_tokens", "style": "embedding_rowwise"},
                        {"match": ["layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj",
                                   "layers.*.self_attn.v_proj"], "style": "colwise"},
                        {"match": "layers.*.self_attn.o_proj", "style": "rowwise"},
+                       {"match": "layers.*.mlp.experts", "style": "experts",
+                        "params": {"gate_up_proj": {"dim": 1, "parts": 2}, "down_proj": {"dim": 2}}},
+                       {"match": "layers.*.mlp.gate", "style": "replicate"},
                        {"match": "lm_head", "style": "colwise_rep"}]}
     if terms:
         recipe["loss"]["terms"] = [{"output": "aux_loss", "coefficient": "router_aux_loss_coef"}]
@@ -166,26 +171,57 @@ def _mixtral_recipe(terms: bool) -> dict:
 
 @_tp2
 def moe_aux_loss_is_part_of_the_loss(c):
-    """Mixtral fine-tuned as HF does (output_router_logits=True): the loss is CE + 0.1 x the
-    load-balancing loss, and the router gradients include the aux loss's; float64, every
-    gradient. Without output_router_logits the loss is the CE alone, as in HF."""
+    """Mixtral fine-tuned as HF does (output_router_logits=True), its experts split by the shipped
+    recipe: tensor-parallel (every expert's intermediate dimension split) and expert-parallel
+    (ep_size = 2: whole experts per rank, tokens exchanged). The loss is CE + 0.1 x the
+    load-balancing loss, the router gradients include the aux loss's; float64, every gradient
+    gathered. Without output_router_logits the loss is the CE alone, as in HF.
+
+    Collectives counted per MoE layer against the same model with its experts replicated (the
+    count is the point: exactly once each way): tensor-parallel experts add one all-reduce
+    forward (the partial sums) and one backward (the inputs' gradients, hidden states and routing
+    weights together); expert parallelism adds none, but 5 all-to-alls (forward: the counts,
+    the tokens, the results; backward: the two exchanges reversed) and 3 all-gathers (forward:
+    the output rows; backward: the rows' gradients of the hidden states and of the weights)."""
     import tpify
     from tpify.authoring.reference import float64_loss_function
+    from tpify.comm import count_collectives
 
+    layers = 2
+    replicated = _mixtral_recipe(terms=True)
+    replicated["rule"][3] = {"match": "layers.*.mlp.experts", "style": "replicate"}
     for aux in (True, False):
-        ref = _seeded(lambda: _mixtral(aux))
-        ref.loss_function = float64_loss_function("ForCausalLM")
-        par = tpify.parallelize(copy.deepcopy(ref), tp_size=2, recipe=_mixtral_recipe(terms=True))
-        ids = _ids(shape=(2, 12))
-        out_ref, out_par = ref(ids, labels=ids), par(ids, labels=ids)
-        assert (out_ref.aux_loss is not None) == aux
-        torch.testing.assert_close(out_par.loss, out_ref.loss, **F64, msg=f"aux={aux}: loss")
-        out_ref.loss.backward()
-        out_par.loss.backward()
-        grads, dense = tputil.dense_named(par, "grad"), tputil.dense_named(ref, "grad")
-        assert any(".mlp.gate." in n for n in dense), "the router must be compared"
-        for name, g in dense.items():
-            torch.testing.assert_close(grads[name], g, **F64, msg=lambda m: f"aux={aux}: gradient of {name}: {m}")
+        counts = {}
+        for label, recipe, ep in (("replicated", replicated, 1), ("tp", "mixtral", 1), ("ep", "mixtral", 2)):
+            ref = _seeded(lambda: _mixtral(aux))
+            ref.loss_function = float64_loss_function("ForCausalLM")
+            par = tpify.parallelize(copy.deepcopy(ref), tp_size=2, recipe=recipe, ep_size=ep)
+            experts = par.model.layers[0].mlp.experts
+            assert (experts.gate_up_proj.shape, experts.num_experts) == (((2, 96, 32), 2) if ep == 2 else
+                                                                        ((4, 48, 32), 4) if label == "tp" else
+                                                                        ((4, 96, 32), 4))
+            ids = _ids(shape=(2, 12))
+            out_ref = ref(ids, labels=ids)
+            with count_collectives() as counted:
+                out_par = par(ids, labels=ids)
+                out_par.loss.backward()
+            counts[label] = counted
+            assert (out_ref.aux_loss is not None) == aux
+            torch.testing.assert_close(out_par.loss, out_ref.loss, **F64, msg=f"aux={aux} {label}: loss")
+            if aux:
+                torch.testing.assert_close(out_par.aux_loss, out_ref.aux_loss, **F64, msg=f"{label}: aux loss")
+            out_ref.loss.backward()
+            grads, dense = tputil.dense_named(par, "grad"), tputil.dense_named(ref, "grad")
+            assert any(".mlp.gate." in n for n in dense), "the router must be compared"
+            for name, g in dense.items():
+                torch.testing.assert_close(grads[name], g, **F64,
+                                           msg=lambda m: f"aux={aux} {label}: gradient of {name}: {m}")
+        base = counts["replicated"]
+        assert counts["tp"]["all_reduce"] - base["all_reduce"] == 2 * layers, (counts["tp"], base)
+        assert {k: v for k, v in counts["tp"].items() if not k.startswith("all_reduce")} == \
+            {k: v for k, v in base.items() if not k.startswith("all_reduce")}
+        assert counts["ep"]["all_reduce"] == base["all_reduce"], (counts["ep"], base)
+        assert (counts["ep"]["all_to_all"], counts["ep"]["all_gather"] - base["all_gather"]) == (5 * layers, 3 * layers)
 
 
 @_tp2
@@ -415,6 +451,33 @@ def dp_group_is_inferred_from_tp_group(c):
 
 
 @_dp2tp2
+def experts_at_dp2_tp2_ep2(c):
+    """Mixtral at world 4 = dp 2 x tp 2 with ep_size = 2: the expert-parallel group is the TP
+    group, so ranks 0 and 2 (TP rank 0 of each replica) hold experts 0-1 whole, ranks 1 and 3
+    experts 2-3, and the DP groups [0, 2], [1, 3] average the gradients of the same experts. Three
+    AdamW steps with each replica on its half of the batch equal the dense model's on the whole
+    batch (the clipped global norm at every step, every weight after). Aux loss off here: the
+    load-balancing loss of a batch is not the mean of its halves' (checked at tp = 2 above)."""
+    import tpify
+    from tpify.authoring.reference import float64_loss_function
+    from tpify.training import check_replicas
+
+    ref = _seeded(lambda: _mixtral(False))
+    ref.loss_function = float64_loss_function("ForCausalLM")
+    par = tpify.parallelize(copy.deepcopy(ref), tp_size=2, ep_size=2)
+    assert dist.get_process_group_ranks(par.tp_info.dp_group) == [c.rank % 2, c.rank % 2 + 2]
+    mine = slice(2 * (c.rank % 2), 2 * (c.rank % 2) + 2)
+    for layer, dense in zip(par.model.layers, ref.model.layers):
+        assert torch.equal(layer.mlp.experts.gate_up_proj, dense.mlp.experts.gate_up_proj[mine])
+        assert torch.equal(layer.mlp.experts.down_proj, dense.mlp.experts.down_proj[mine])
+    _train_dp_tp(c, par, ref)
+    check_replicas(par)
+    got = tputil.dense_named(par)
+    for name, w in tputil.dense_named(ref).items():
+        torch.testing.assert_close(got[name], w, **WEIGHTS, msg=lambda m: f"{name}: {m}")
+
+
+@_dp2tp2
 def dp_group_passed_as_an_argument_is_checked(c):
     import tpify
 
@@ -470,6 +533,11 @@ def dp2tp2():
 @pytest.mark.slow
 def test_the_dp_group_is_inferred_when_tp_group_is_smaller_than_the_world(dp2tp2):
     _ok(dp2tp2, "dp_group_is_inferred_from_tp_group")
+
+
+@pytest.mark.slow
+def test_expert_parallelism_at_dp2_tp2_ep2_trains_as_the_dense_model(dp2tp2):
+    _ok(dp2tp2, "experts_at_dp2_tp2_ep2")
 
 
 @pytest.mark.slow

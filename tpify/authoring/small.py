@@ -41,6 +41,7 @@ _INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "d_ff", "ffn_hidden_size"
                        "decoder_ffn_dim", "hidden_dim", "dff", "moe_intermediate_size",
                        "shared_expert_intermediate_size")  # hidden_dim: distilbert's FFN width, dff: ctrl's
 _POSITION_NAMES = ("max_position_embeddings", "n_ctx", "max_seq_len", "seq_length")
+_EXPERT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")  # a mixture of experts' expert count
 _HEAD_DIM = 8
 SMALL_LAYERS, SMALL_VOCAB, SMALL_POSITIONS = 2, 101, 64
 # The most parameter and buffer elements a model verify builds from a small config may have
@@ -107,6 +108,10 @@ def small_config(config, tp_sizes: Sequence[int] = (2,)):
     * MLP width (``intermediate_size``, ``n_inner``, ``d_ff``, ``ffn_hidden_size``, distilbert's
       ``hidden_dim``): the smallest
       multiple of lcm(tp sizes) that is at least 48;
+    * a mixture of experts (``num_experts``, ``num_local_experts``, ``n_routed_experts``): the
+      smallest multiple of lcm(tp sizes) that is at least 8 experts (whole experts on every rank
+      under expert parallelism), where the config has more, each token routed to at most half
+      of them (``num_experts_per_tok``);
     * vocabulary 101 (odd, so vocabulary padding is exercised at every tp size > 1); max
       positions 64; every dropout 0; special token ids below the vocabulary (pad/bos/eos 0/1/2
       unless the family's own are small already); ``layer_types`` cut to the 2 layers;
@@ -131,6 +136,7 @@ def small_config(config, tp_sizes: Sequence[int] = (2,)):
                           f"the head-count attributes {list(_HEAD_NAMES)} (nor an attribute_map onto them); pass a "
                           f"directory holding a small config.json instead")
     _set_sizes(d, amap, sizes)
+    _set_experts(d, amap, sizes.experts)
     _cut_per_layer_lists(d, config)
     _small_token_ids(d, SMALL_VOCAB)
     small = _from_small_dict(config, d)
@@ -146,11 +152,13 @@ class _SmallSizes:
     hidden: int
     kv_heads: int
     intermediate: int
+    experts: int
 
     @classmethod
     def for_tp(cls, tp: int) -> "_SmallSizes":
         heads = tp * math.ceil(4 / tp)
-        return cls(heads, heads * _HEAD_DIM, tp if tp < heads else heads, tp * math.ceil(48 / tp))
+        return cls(heads, heads * _HEAD_DIM, tp if tp < heads else heads, tp * math.ceil(48 / tp),
+                   tp * math.ceil(8 / tp))
 
 
 def _set_present(d: dict, amap: dict, names, value) -> list[str]:
@@ -180,6 +188,20 @@ def _set_sizes(d: dict, amap: dict, sizes: _SmallSizes) -> None:
     for k, v in list(d.items()):
         if _is_dropout(k) and isinstance(v, (int, float)) and not isinstance(v, bool):
             d[k] = 0.0
+
+
+def _set_experts(d: dict, amap: dict, experts: int) -> None:
+    """Fewer experts where the config has more than ``experts`` (a family's default has up to 256:
+    the eager loop over them dominates a small model's time), each token routed to at most half."""
+    keys = {amap.get(name, name) for name in _EXPERT_NAMES} & set(d)
+    counts = [d[k] for k in keys if isinstance(d[k], int) and not isinstance(d[k], bool)]
+    if not counts or max(counts) <= experts:
+        return
+    for k in keys:
+        d[k] = experts
+    top_k = d.get("num_experts_per_tok")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > experts // 2:
+        d["num_experts_per_tok"] = max(1, experts // 2)
 
 
 def _cut_per_layer_lists(d: dict, config) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from .. import comm
 from ..context import CallState
 from ..layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..sharding import shard_spec_of
 
 __all__ = ["ReplicatedInRegion", "install"]
 
@@ -73,11 +74,15 @@ class ReplicatedInRegion(comm.SharesProcessGroups):
 
 def install(model: nn.Module, tracker, tp_group, state: CallState, handles: list) -> ReplicatedInRegion:
     """A :class:`ReplicatedInRegion` pre-hook on every module that holds parameters and is not a
-    parallel layer; the gradient hooks it adds later go into ``handles`` too."""
+    parallel layer nor holds split ones (fused experts); the gradient hooks it adds later go into
+    ``handles`` too."""
     watcher = ReplicatedInRegion(tracker, tp_group, handles, state)
     parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
     for fqn, module in model.named_modules():
-        if not isinstance(module, parallel) and any(True for _ in module.parameters(recurse=False)):
+        own = list(module.parameters(recurse=False))
+        if any(shard_spec_of(p) is not None for p in own):  # split by a style (fused experts): not replicated
+            continue
+        if not isinstance(module, parallel) and own:
             watcher.names[id(module)] = fqn
             handles.append(module.register_forward_pre_hook(watcher))
     return watcher
