@@ -166,3 +166,10 @@ def build_wheel(tmp_path):
                           "-w", str(tmp_path), str(root)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return zipfile.ZipFile(next(Path(tmp_path).glob("tpify-*.whl")))
+
+
+def assert_checks_ok(results: list[dict], *names: str) -> None:
+    """Fail, with every failing rank's traceback, unless the checks ``names`` of a
+    :func:`run_checks` job passed on every rank (``results``: one dict per rank)."""
+    failures = {(rank, n): r[n] for n in names for rank, r in enumerate(results) if r[n] is not None}
+    assert not failures, "\n".join(f"--- rank {rank}, {n} ---\n{tb}" for (rank, n), tb in failures.items())

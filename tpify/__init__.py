@@ -10,16 +10,19 @@ What a user calls is here: the verbs, the errors, and (imported on first use, so
 ``import tpify`` imports neither transformers' Trainer nor accelerate nor peft) the
 integrations' entry points ``TPTrainer``, ``TPAccelerator`` and ``get_peft_model``. The layers are
 :mod:`tpify.layers`, the collectives and their counter :mod:`tpify.comm`, the training utilities
-(global-norm clipping, replica checks) :mod:`tpify.training`; the map of the package is
-docs/architecture.md.
+(global-norm clipping, replica checks) :mod:`tpify.training`; data parallelism on torch's engines
+(:func:`init_mesh`, :func:`replicate_data_parallel` for DDP, :func:`shard_data_parallel` for
+FSDP2/HSDP) :mod:`tpify.data_parallel`; the map of the package is docs/architecture.md.
 """
 
 from .agree import AgreementError
 from .api import from_pretrained, parallelize, remove_hooks, save_pretrained
+from .data_parallel import replicate_data_parallel, shard_data_parallel
 from .info import TPInfo, TPUsageError, get_tp_info
 from .io import CheckpointError
 from .layout import PlanError
 from .loss import vocab_parallel_cross_entropy
+from .mesh import init_mesh
 from .random import manual_seed
 from .recipe import RecipeError, load_recipe
 
@@ -28,6 +31,9 @@ __all__ = [
     "from_pretrained",
     "save_pretrained",
     "remove_hooks",
+    "init_mesh",
+    "replicate_data_parallel",
+    "shard_data_parallel",
     "get_tp_info",
     "TPInfo",
     "vocab_parallel_cross_entropy",

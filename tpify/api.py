@@ -34,14 +34,14 @@ from .agree import agree, agreement, digest
 from .context import CallState, TPContext
 from .hf_methods import check_before_parallelize
 from .hooks import guards
-from .info import TPInfo, TPUsageError, get_tp_info, param_specs
+from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
 from .io.save import gather_dense, plan_shards, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
-from .mesh import INFER, agreement_scope, check_dp_group, resolve_groups, resolve_tp_size
+from .mesh import INFER, agreement_scope, check_dp_group, check_mesh, resolve_groups, resolve_tp_size
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
@@ -132,7 +132,8 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
-            sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER) -> tuple[int, Layout]:
+            sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
+            lm_loss_chunk: int | None = None, mesh=None, ep_size: int = 1) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -141,22 +142,29 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     if getattr(model, "tp_info", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     check_before_parallelize(model)
-    size = resolve_tp_size(tp_size, tp_group)
-    check_dp_group(dp_group, tp_group)
+    if mesh is not None:
+        size = check_mesh(mesh, tp_size, tp_group, dp_group)
+    else:
+        size = resolve_tp_size(tp_size, tp_group)
+        check_dp_group(dp_group, tp_group)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     return size, build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, lm_loss_chunk=lm_loss_chunk,
+                              ep_size=ep_size)
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
-           dp_group: "dist.ProcessGroup | None | str" = INFER, tp_groups: list | None = None) -> nn.Module:
+           dp_group: "dist.ProcessGroup | None | str" = INFER, tp_groups: list | None = None,
+           mesh=None) -> nn.Module:
     """The collective half of the pipeline, after the agreement: groups, surgery, ``tp_info``, the
     parallel LM loss, the HF methods and the guards.
 
     ``tp_groups``: every rank's TP-group ranks, as the agreement shared them
-    (:func:`agreement_scope`), when the DP group must be inferred."""
-    tp_group, dp_group, dp_source = resolve_groups(size, tp_group, dp_group, tp_groups)
+    (:func:`agreement_scope`), when the DP group must be inferred; ``mesh``: the DeviceMesh
+    passed to :func:`parallelize` (else :func:`tpify.mesh.init_mesh` builds one when no group
+    was given)."""
+    tp_group, dp_group, dp_source, mesh = resolve_groups(size, tp_group, dp_group, tp_groups, mesh)
     if dp_source == "argument":  # the DP peers must hold the same shard of the same model
         agree("tpify.parallelize (the DP group passed as dp_group)",
               {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
@@ -164,10 +172,10 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState())
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
-    specs = {name: shard_spec_of(p) for name, p in model.named_parameters(remove_duplicate=False)}
-    info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, specs=specs, dp_source=dp_source,
-                  state=ctx.state)
+    info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
+                  mesh=mesh, foreign_shards=foreign_shards(model))
     model.tp_info = info
+    record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
     info.guards = guards.install(model, info)  # before every other hook: what would be silently wrong
     hf_methods.install(model, save_pretrained)  # TP-aware save_pretrained, gradient checkpointing; resize refused
@@ -204,6 +212,9 @@ def parallelize(
     recipe: "str | Path | dict | Recipe | None" = None,
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
+    lm_loss_chunk: int | None = None,
+    mesh=None,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -240,6 +251,23 @@ def parallelize(
             become reduce-scatter + all-gather pairs (same bytes), activation memory there
             ``1/tp_size``. Training batches need ``T`` divisible by ``tp_size``
             (:class:`tpify.hooks.sequence_parallel.SequenceParallel`).
+        lm_loss_chunk: compute the ``labels=`` loss from the LM head's input in chunks of this
+            many tokens (:func:`tpify.loss.vocab_parallel_linear_cross_entropy`): with labels the
+            head does not run, no ``(B, T, V/p)`` logits exist, and ``.logits`` is None; without
+            labels nothing changes (``generate`` works). Default None: the loss from the logits
+            shard (docs/loss.md).
+        mesh: a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh of the whole world
+            (:func:`tpify.init_mesh`), instead of ``tp_size``/``tp_group``: its ``"tp"`` axis is
+            the TP group, its data-parallel axes flattened the DP group, and
+            :func:`tpify.shard_data_parallel` shards over them (HSDP with ``dp_replicate > 1``).
+            Default: ``tpify.init_mesh(tp_size)`` when no ``tp_group`` is given.
+        ep_size: for the recipe's ``experts`` modules (fused MoE experts): 1 (default),
+            tensor-parallel experts (every expert's intermediate dimension split, the output
+            all-reduced); or ``tp_size``, expert parallelism over the TP group (rank ``r`` holds
+            experts ``[r E/p, (r+1) E/p)`` whole; each rank routes its share of the tokens to the
+            experts' ranks with all-to-all; :mod:`tpify.hooks.experts`). Attention and the rest
+            are tensor-parallel either way. With ``world = dp * tp``, the DP replicas hold the
+            same experts on the same TP rank.
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
@@ -270,12 +298,13 @@ def parallelize(
     error, layout, size, shared = None, None, None, {}
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
-        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group)
+        size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
+                               lm_loss_chunk, mesh, ep_size)
         shared = fingerprint(model, layout, size, group)
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
-    return finish(model, size, layout, tp_group, dp_group, tp_groups)
+    return finish(model, size, layout, tp_group, dp_group, tp_groups, mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +322,9 @@ def from_pretrained(
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
     disable_mmap: bool = False,
+    lm_loss_chunk: int | None = None,
+    mesh=None,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -322,7 +354,8 @@ def from_pretrained(
             plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
             several are present, the one transformers 5 loads is read (``transformers_weights``
             in config.json, then ``model.safetensors``, then the index), and only its files.
-        tp_size, tp_group, dp_group: as in :func:`tpify.parallelize` (default: the whole world).
+        tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk, mesh, ep_size:
+            as in :func:`tpify.parallelize` (default: the whole world).
         torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
             Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
         model_class: the ``transformers`` class to build; default ``config.architectures[0]``.
@@ -360,11 +393,11 @@ def from_pretrained(
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         load = _prepare_load(path, model_class, torch_dtype, recipe, tp_size, tp_group,
-                             (pad_vocab_multiple, sequence_parallel, dp_group), group)
+                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group)
         checked.fingerprint = load.fingerprint
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
-        finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared)  # groups, surgery, hooks
+        finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh)  # groups, surgery, hooks
         with agreement("reading the checkpoint in tpify.from_pretrained", group=tp_group) as read:
             materialize(model, load.snap, load.source, load.headers, load.dtype, copy=disable_mmap)
             init_missing(model, load.to_init, load.dtype)
@@ -394,7 +427,7 @@ class _Load:
 def _prepare_load(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options, agree_group) -> _Load:
     """The local part of :func:`from_pretrained`: config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
-    sequence_parallel and dp_group), the key map, and the fingerprint every rank must share (the
+    sequence_parallel, dp_group, lm_loss_chunk, mesh and ep_size), the key map, and the fingerprint every rank must share (the
     checkpoint's and :func:`tpify.api.fingerprint`). No collective; the files are closed again
     on an error.
 

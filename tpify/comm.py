@@ -15,6 +15,15 @@ whether every rank succeeded are in :mod:`tpify.agree`, over these collectives.
 | ``gather_from_tp_region``| all-gather the last dim, concat  | split the last dim, keep chunk r  |
 | ``sum_grad_ranges``      | identity                         | all-reduce (sum) of given slices  |
 
+Expert parallelism (whole experts per rank, Lepikhin et al., arXiv:2006.16668; Fedus et al.,
+arXiv:2101.03961) adds three along the token rows ``N`` of ``(N, H)`` (uneven splits allowed):
+
+| operator             | forward                                   | backward                          |
+| -------------------- | ----------------------------------------- | --------------------------------- |
+| ``scatter_rows``     | keep rows ``[r N/p, (r+1) N/p)``          | all-gather the rows               |
+| ``gather_rows``      | all-gather the rows, concat in rank order | keep this rank's rows             |
+| ``all_to_all_rows``  | rows ``j`` of given sizes to rank ``j``   | the reverse exchange              |
+
 Sequence parallelism (Korthikanti et al., arXiv:2205.05198) adds three along the tokens ``T``:
 
 | operator                             | forward                  | backward                         |
@@ -49,6 +58,11 @@ __all__ = [
     "scatter_to_tp_region",
     "gather_from_tp_region",
     "sum_grad_ranges",
+    "row_range",
+    "scatter_rows",
+    "gather_rows",
+    "all_to_all_rows",
+    "all_to_all_counts",
     "scatter_to_sequence_region",
     "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region",
@@ -81,7 +95,8 @@ def count_collectives() -> Iterator[Counter]:
     """Count the collectives tpify issues inside the ``with`` block.
 
     Yields a :class:`collections.Counter` with, per operation (``all_reduce``,
-    ``all_gather``, ``barrier``, ``all_gather_object``), the number of calls and, under ``"<op>_numel"``, the total
+    ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``barrier``, ``all_gather_object``), the
+    number of calls and, under ``"<op>_numel"``, the total
     number of elements communicated. Backward passes run inside the block are counted too.
     Operators on a one-rank group issue nothing and count nothing.
     """
@@ -245,8 +260,8 @@ class SharesProcessGroups:
     A ``ProcessGroup`` cannot be copied (nor pickled): it is a connection to the other ranks,
     and a copy of a tensor-parallel module must talk to the same ranks as the original. Every
     tpify object that holds a group (the parallel layers, ``TPInfo``, the model's hooks) copies
-    its attributes as ``copy.deepcopy`` would, with its groups entered in the copy's memo as
-    themselves; everything else is copied. So ``copy.deepcopy`` of a parallelized model (or of
+    its attributes as ``copy.deepcopy`` would, with its groups (and DeviceMeshes) entered in the
+    copy's memo as themselves; everything else is copied. So ``copy.deepcopy`` of a parallelized model (or of
     one parallel layer: PEFT's ``modules_to_save`` copies the LM head) works and shares the
     groups.
     """
@@ -254,8 +269,10 @@ class SharesProcessGroups:
     def __deepcopy__(self, memo):
         import copy
 
+        from torch.distributed.device_mesh import DeviceMesh
+
         for value in self.__dict__.values():
-            if isinstance(value, dist.ProcessGroup):
+            if isinstance(value, (dist.ProcessGroup, DeviceMesh)):  # a mesh holds groups too
                 memo[id(value)] = value
         new = type(self).__new__(type(self))
         memo[id(self)] = new
@@ -625,3 +642,116 @@ def gather_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> t
     if group_size(group) == 1:
         return x
     return _GatherFromTPRegion.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism: token rows moved between the ranks of a group (uneven sizes allowed).
+
+def row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of the rows rank ``rank`` of ``world`` takes of ``rows`` token rows:
+    ``[rank * rows // world, (rank + 1) * rows // world)`` (sizes differ by at most one; a rank may
+    get none)."""
+    return rank * rows // world, (rank + 1) * rows // world
+
+
+def _gather_uneven_rows(x: torch.Tensor, rows: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's :func:`row_range` slice ``x`` of ``rows`` rows, concatenated in rank order: one
+    all-gather of the slices padded to ``ceil(rows / p)`` rows."""
+    world = group_size(group)
+    chunk = -(-rows // world)
+    pad = chunk - x.shape[0]
+    padded = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))]) if pad else x
+    gathered = all_gather_dim(padded, 0, group).view((world, chunk) + tuple(x.shape[1:]))
+    sizes = [b - a for a, b in (row_range(rows, world, r) for r in range(world))]
+    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes)])
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.rows = group, x.shape[0]
+        a, b = row_range(x.shape[0], group_size(group), group_rank(group))
+        return x[a:b].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_uneven_rows(grad.contiguous(), ctx.rows, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows, group):
+        ctx.group, ctx.rows = group, rows
+        return _gather_uneven_rows(x.contiguous(), rows, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = row_range(ctx.rows, group_size(ctx.group), group_rank(ctx.group))
+        return grad[a:b].contiguous(), None, None
+
+
+def scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's token rows of a replicated ``(N, ...)`` tensor: rows ``row_range(N, p, r)``.
+
+    Forward: no communication. Backward: one all-gather of the row gradients (padded to
+    ``ceil(N/p)`` rows), so the replicated input gets the gradient of every rank's rows.
+    """
+    if group_size(group) == 1:
+        return x
+    return _ScatterRows.apply(x, group)
+
+
+def gather_rows(x: torch.Tensor, rows: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The ``rows`` token rows of every rank (:func:`row_range` slices), in rank order: ``(N_r, ...)``
+    -> ``(N, ...)``, replicated. Forward: one all-gather (slices padded to ``ceil(N/p)`` rows).
+    Backward: this rank's rows of the (replicated) gradient, no communication."""
+    if group_size(group) == 1:
+        return x
+    return _GatherRows.apply(x, rows, group)
+
+
+def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Exchange per-destination counts: ``counts`` ``(p, ...)`` integer, row ``j`` for rank ``j``;
+    returns ``(p, ...)``, row ``j`` received from rank ``j``. One all-to-all of ``counts.numel()``
+    values (counted as ``all_to_all``); no autograd."""
+    if group_size(group) == 1:
+        return counts.clone()
+    send = counts.contiguous()
+    out = torch.empty_like(send)
+    _record("all_to_all", send)
+    dist.all_to_all_single(out, send, group=group)
+    return out
+
+
+def _all_to_all(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_sizes),) + tuple(x.shape[1:]))
+    _record("all_to_all", x)
+    dist.all_to_all_single(out, x, recv_sizes, send_sizes, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_sizes, recv_sizes, group):
+        ctx.send_sizes, ctx.recv_sizes, ctx.group = send_sizes, recv_sizes, group
+        return _all_to_all(x, send_sizes, recv_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.recv_sizes, ctx.send_sizes, ctx.group), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send rows ``[sum(send_sizes[:j]), sum(send_sizes[:j+1]))`` of ``x`` ``(M, ...)`` to rank ``j``;
+    return the rows received, ``recv_sizes[j]`` from rank ``j``, in rank order ``(sum(recv_sizes), ...)``.
+
+    Forward: one all-to-all (``all_to_all_single`` with split sizes, counted as ``all_to_all``).
+    Backward: the reverse exchange of the gradient (one all-to-all): a permutation of rows
+    across ranks, whose adjoint is the inverse permutation. ``recv_sizes`` must be what the other
+    ranks send (:func:`all_to_all_counts`).
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllToAllRows.apply(x, list(send_sizes), list(recv_sizes), group)

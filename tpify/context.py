@@ -6,7 +6,7 @@ asked for per layer), the model's one :class:`~tpify.layers.ColumnParallelInput`
 one activation share its region entry), the dropout-stream tracker. :class:`CallState` is what
 one forward call decides and several hooks need: whether the tokens are split this call
 (sequence parallelism runs only when ``T`` divides), whether the LM head keeps its logits split
-over the vocabulary (the parallel loss). The hooks own it (``tpify.hooks``): they set it and
+over the vocabulary (the parallel loss) or does not run at all (the chunked loss). The hooks own it (``tpify.hooks``): they set it and
 pass it to the layers as forward arguments; the layers never read it. Activation
 recomputation (gradient checkpointing) restores it for the recomputed forward
 (:meth:`CallState.snapshot`).
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import comm
 
-__all__ = ["CallState", "TPContext", "ModeArgument", "mode_arguments"]
+__all__ = ["CallState", "TPContext", "ModeArgument", "mode_arguments", "OutputWatch", "output_watches"]
 
 
 class CallState:
@@ -30,29 +30,31 @@ class CallState:
             without it (``generate`` with other lengths, no gradients).
         logits_sharded: the call computes the parallel LM loss: the LM head (and any copy of it)
             keeps its output split over the vocabulary.
+        head_deferred: the call computes the chunked LM loss (``lm_loss_chunk``): the LM head
+            returns its input, and the loss hook computes the loss from it and the head's weight.
 
     A copy of the model (``copy.deepcopy``, PEFT's copy of a module) shares it: calls run one at
     a time, and every copy of a layer must follow the call that runs it.
     """
 
-    __slots__ = ("sequence_active", "logits_sharded")
+    __slots__ = ("sequence_active", "logits_sharded", "head_deferred")
 
     def __init__(self):
-        self.sequence_active = False
-        self.logits_sharded = False
+        self.reset()
 
     def reset(self) -> None:
         """Outside a call: nothing split, logits gathered."""
         self.sequence_active = False
         self.logits_sharded = False
+        self.head_deferred = False
 
-    def snapshot(self) -> tuple[bool, bool]:
+    def snapshot(self) -> tuple[bool, bool, bool]:
         """The state now (for activation recomputation to put back)."""
-        return self.sequence_active, self.logits_sharded
+        return self.sequence_active, self.logits_sharded, self.head_deferred
 
-    def restore(self, snapshot: tuple[bool, bool]) -> None:
+    def restore(self, snapshot: tuple[bool, bool, bool]) -> None:
         """Go back to a :meth:`snapshot`."""
-        self.sequence_active, self.logits_sharded = snapshot
+        self.sequence_active, self.logits_sharded, self.head_deferred = snapshot
 
     def __deepcopy__(self, memo):
         return self
@@ -113,3 +115,39 @@ class ModeArgument:
 def mode_arguments(module) -> list[ModeArgument]:
     """The :class:`ModeArgument` hooks registered on ``module`` (for an adapter that wraps it)."""
     return [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, ModeArgument)]
+
+
+class OutputWatch:
+    """A forward hook that keeps a layer's output for a model-level hook of the same call (the
+    parallel LM loss checks that the model's logits are its LM head's output, unchanged). It
+    keeps nothing outside the calls that :meth:`wanted` selects, and :meth:`take` hands it over
+    once. Shared by copies (``copy.deepcopy`` returns it); an adapter that wraps the layer takes
+    it over as it takes the :class:`ModeArgument` hooks (tpify's LoRA layers): the adapter's
+    output, the last one kept, is what the model receives.
+    """
+
+    def __init__(self, state: CallState):
+        self.state = state
+        self.output = None
+
+    def wanted(self) -> bool:
+        """Whether this call's output is kept (default: calls that compute the parallel LM loss)."""
+        return self.state.logits_sharded
+
+    def __call__(self, module, args, output):
+        if self.wanted():
+            self.output = output
+        return None
+
+    def take(self):
+        """The output kept in this call (None: the layer did not run), forgotten here."""
+        output, self.output = self.output, None
+        return output
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def output_watches(module) -> list[OutputWatch]:
+    """The :class:`OutputWatch` hooks registered on ``module`` (for an adapter that wraps it)."""
+    return [hook for hook in module._forward_hooks.values() if isinstance(hook, OutputWatch)]

@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .hf_modules import base_model_and_prefix, module_kind, overrides_forward, relative_name
-from .recipe import Recipe, RecipeError, _compile_glob, loss_terms_of
+from .recipe import Recipe, RecipeError, _compile_glob, logit_ops_of, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
            "recipe_for_unshipped", "HEAD_COUNT_ATTRS", "TASK_HEADS", "wildcard", "head_counts", "forward_reads"]
@@ -89,11 +89,15 @@ HEAD_COUNT_ATTRS = ("num_attention_heads", "num_key_value_heads")
 # Small task heads of the head classes, kept whole (optional: a head class may lack them).
 TASK_HEADS = ("score", "qa_outputs", "classifier")
 
+# What the import says of fused MoE experts: tpify splits them, by a recipe rule the plan does not give.
+_MOE = ("MoE experts (fused 3-D expert weights) are not imported from transformers' plan: write a recipe rule "
+        "with style 'experts' (docs/recipes.md, as the shipped mixtral, qwen2_moe, qwen3_moe and olmoe recipes do)")
+
 # HF styles tpify cannot express, and why (the message of the RecipeError).
 _UNSUPPORTED = {
     "sequence_parallel": "sequence parallelism (activations split along tokens) is not implemented in tpify",
-    "moe_tp_experts": "MoE experts (fused 3-D expert weights) are not supported by tpify",
-    "moe_identity_expert": "MoE experts are not supported by tpify",
+    "moe_tp_experts": _MOE,
+    "moe_identity_expert": _MOE,
     "packed_rowwise": "a row-parallel layer over packed input parts has no tpify style",
     "mla_kv_a_proj": "multi-head latent attention's split projection has no tpify style",
     "all_reduce": "an all-reduce of a module's partial output (shared MoE experts) has no tpify style",
@@ -304,7 +308,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                 if hf_style in ("replicate", "replicated_with_grad_allreduce"):
                     continue
                 pname, shape = param_keys[key]
-                what = ("MoE experts (fused 3-D expert parameters) are not supported by tpify" if len(shape) == 3
+                what = (_MOE if len(shape) == 3
                         else "tpify splits only whole nn.Linear / Conv1D / nn.Embedding modules")
                 raise _error(model, f"HF rule {key!r} = {hf_style!r} applies to the parameter {pname} of shape "
                                     f"{shape}, not to a module: {what}")
@@ -316,8 +320,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         if hf_style in _UNSUPPORTED:
             raise _error(model, f"{where}: {_UNSUPPORTED[hf_style]}")
         if hf_style == "packed_colwise" and kinds != {"linear"}:
-            raise _error(model, f"{where}: HF packs MoE expert weights here (fused 3-D parameters); MoE experts "
-                                f"are not supported by tpify")
+            raise _error(model, f"{where}: HF packs MoE expert weights here (fused 3-D parameters); {_MOE}")
         if hf_style == "replicated_with_grad_allreduce":
             if kinds == {None}:
                 by_construction.append(key)
@@ -412,6 +415,9 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         terms = loss_terms_of(config)
         if terms:
             data["loss"]["terms"] = terms
+        ops = logit_ops_of(config)  # what HF does to the head's output before its loss (Cohere, Granite, Gemma 2)
+        if ops:
+            data["loss"]["logits"] = ops
     data["rule"] = [r for r, _ in rules]
     if dropped:
         review.append(f"HF rules that match nothing in {type(model).__name__} were left out: {dropped}")

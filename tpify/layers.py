@@ -394,10 +394,15 @@ class ColumnParallelLinear(_ParallelLinear):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, runtime_gather_output: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, runtime_gather_output: bool | None = None,
+                return_input: bool = False) -> torch.Tensor:
         """``(B, T, in_features) -> (B, T, out_features_per_partition)``, or gathered to
         ``(B, T, out_features)`` when ``runtime_gather_output`` (default: ``gather_output``) is
-        true (Megatron's per-call argument: the parallel LM loss passes False through a hook)."""
+        true (Megatron's per-call argument: the parallel LM loss passes False through a hook).
+        ``return_input``: return ``x`` itself and compute nothing (the chunked LM loss passes it
+        through a hook and computes the loss from ``x`` and this layer's weight shard)."""
+        if return_input:
+            return x
         weight, bias = self.weight, self.bias
         if self._partial_grads:
             where = [(n, d, r) for n, d, r in self._partial_grads if getattr(self, n) is not None]

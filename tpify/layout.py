@@ -65,7 +65,8 @@ class Layout:
         recipe: the recipe it came from.
         model_class: the class name of the model it was built for.
         modules: module FQN -> :class:`ModuleLayout`, for every ``nn.Linear``/``Conv1D``/
-            ``nn.Embedding`` (``replicate`` included).
+            ``nn.Embedding`` (``replicate`` included) and every module a parameter style splits
+            (``experts``).
         divides: module FQN -> attribute names divided by ``tp_size`` on each rank (head counts).
         config_divides: config attribute -> its dense value; divided by ``tp_size`` on the
             parallel model's config (HF code reads some at forward time), written dense on save.
@@ -75,6 +76,11 @@ class Layout:
         loss_terms: ``(output field, coefficient)`` pairs HF adds to the LM loss (a mixture of
             experts' ``router_aux_loss_coef * aux_loss``); the coefficient is a config
             attribute name or a number (the recipe's ``[loss] terms``).
+        logit_ops: ``(op, value)`` pairs the model applies to its LM head's output before its
+            loss, in order (the recipe's ``[loss] logits``; op in :data:`tpify.loss.LOGIT_OPS`,
+            value a config attribute name, read at each call, or a number).
+        lm_loss_chunk: with ``parallelize(..., lm_loss_chunk=c)``, the tokens per chunk of the
+            chunked LM-head loss (the head does not run; :mod:`tpify.hooks.lm_loss`); else None.
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
         sequence_parallel: with ``sequence_parallel=True``, the FQNs ``{"split": ..., "gather":
             [...], "exit": ...}`` of the recipe's ``[sequence_parallel]`` table; else None.
@@ -85,6 +91,11 @@ class Layout:
             begins after each).
         region_ends: row-parallel layers (a sharded region ends before each).
         unmatched_rules: non-optional rules that matched nothing (warned about by surgery).
+        ep_size: ``tp_size`` when the ``experts`` modules hold whole experts (expert parallelism
+            over the TP group), else 1.
+        coverage_threshold: the parameter size (elements) from which a parameter of a module that
+            is no ``nn.Linear``/``Conv1D``/``nn.Embedding`` must be covered by a rule
+            (:func:`coverage_threshold`).
     """
 
     tp_size: int
@@ -98,12 +109,16 @@ class Layout:
     loss_kind: str | None = None
     honours_num_items: bool = True
     loss_terms: tuple[tuple[str, str | float], ...] = ()
+    logit_ops: tuple[tuple[str, str | float], ...] = ()
+    lm_loss_chunk: int | None = None
     renames: tuple[tuple[str, str], ...] = ()
     head_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     sequence_parallel: dict | None = None
     region_starts: tuple[str, ...] = ()
     region_ends: tuple[str, ...] = ()
     unmatched_rules: list[Rule] = field(default_factory=list)
+    ep_size: int = 1
+    coverage_threshold: int = 0
 
     def sharded(self) -> set[str]:
         """FQNs of the modules that are split (every style but ``replicate``)."""
@@ -117,11 +132,12 @@ class Layout:
     def digest(self) -> str:
         """A short digest of what decides the per-rank tensors besides ``tp_size`` (which the
         agreement compares on its own, so that a different size is reported as such)."""
-        return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.output_scale)
-                                   for f, m in self.modules.items()),
+        return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.output_scale,
+                               m.params, m.expert_parallel) for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),
-                            sorted(self.head_inputs.items()), self.sequence_parallel])
+                            sorted(self.head_inputs.items()), self.sequence_parallel, list(self.logit_ops),
+                            self.lm_loss_chunk, self.ep_size])
 
 
 def _outermost_container(fqn: str, containers: dict[str, Rule]) -> str | None:
@@ -170,36 +186,79 @@ def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None
 
 
 def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_multiple: int = 1,
-                 sequence_parallel: bool = False) -> Layout:
+                 sequence_parallel: bool = False, lm_loss_chunk: int | None = None, ep_size: int = 1) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
     a style (``replicate`` counts); each module's style checks it and gives its per-parameter
-    specs (:mod:`tpify.styles`). Rules that match nothing warn, unless ``optional``.
-    Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are padded to a multiple of
-    ``pad_vocab_multiple * tp_size`` rows.
+    specs (:mod:`tpify.styles`). So must every parameter of another module (a norm, a router,
+    fused experts) of at least :func:`coverage_threshold` elements: by a style that splits it
+    (``experts``) or by ``replicate`` on it or a container. Rules that match nothing warn,
+    unless ``optional``. Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are
+    padded to a multiple of ``pad_vocab_multiple * tp_size`` rows. ``lm_loss_chunk``: tokens per
+    chunk of the chunked LM-head loss (needs a vocab-parallel LM head with an LM loss).
+    ``ep_size``: 1, or ``tp_size`` for expert parallelism (the ``experts`` modules hold whole
+    experts).
 
     Raises:
-        PlanError: with every problem found, each naming the module and the numbers: modules no
-            rule covers (listed by FQN), modules two rules claim, a style on the wrong module
-            type, counts (config values, attributes to divide, features of sharded layers) that
-            ``tp_size`` does not divide, with the tp sizes that would work.
+        PlanError: with every problem found, each naming the module and the numbers: modules and
+            large parameters no rule covers (listed by FQN), modules two rules claim, a style on
+            the wrong module type, counts (config values, attributes to divide, features of
+            sharded layers) that ``tp_size`` does not divide, with the tp sizes that would work;
+            an ``ep_size`` other than 1 or ``tp_size``; ``lm_loss_chunk`` that is not a positive
+            integer, or set for a model without a vocab-parallel LM loss or whose head is inside
+            the sequence-parallel stretch; ``[loss] logits`` reading a config attribute the
+            config does not hold as a number (or None).
     """
-    _check_arguments(model, tp_size, pad_vocab_multiple)
-    planner = _Planner(model, recipe, tp_size, pad_vocab_multiple)
+    _check_arguments(model, tp_size, pad_vocab_multiple, lm_loss_chunk, ep_size)
+    planner = _Planner(model, recipe, tp_size, pad_vocab_multiple, ep_size)
     planner.config_counts()
     planner.match_modules()
-    planner.finish(sequence_parallel)
+    planner.large_parameters()
+    planner.finish(sequence_parallel, lm_loss_chunk)
     return planner.result()
 
 
-def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple) -> None:
+#: A parameter of a module no style knows (not nn.Linear / Conv1D / nn.Embedding) must be covered
+#: by a rule from this many elements on (or 1% of the model's parameters, if that is fewer).
+COVERAGE_ELEMENTS = 1_000_000
+
+
+def coverage_threshold(model: nn.Module) -> int:
+    """``min(1_000_000, 1% of the model's parameter elements)`` (tied parameters once), at least 1.
+
+    A parameter that large, held by a module that is no ``nn.Linear``/``Conv1D``/``nn.Embedding``
+    (fused MoE experts ``(E, 2I, H)``, a 3-D projection), would stay a full copy on every rank
+    unnoticed, so it must be covered by a rule like a layer (split by a parameter style, or kept
+    whole by ``replicate`` on purpose). Why these numbers: 1M elements (2 MB in bfloat16) is far
+    above every norm, bias or router of today's models (a 16k-wide norm, Mixtral's 8 x 4096
+    router) and far below one expert (Mixtral's ``gate_up_proj`` is 939M elements); 1% of a small
+    model (tpify verify's, ~50k elements) keeps the rule meaningful there, where fused experts
+    hold most of the parameters and the routers and norms stay far below (0.3%).
+    """
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return max(1, min(COVERAGE_ELEMENTS, total // 100))
+
+
+def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, lm_loss_chunk=None, ep_size=1) -> None:
     """The arguments and the model can be planned at all (before anything is matched)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size not in (1, tp_size):
+        raise PlanError(f"ep_size must be 1 (tensor-parallel experts) or tp_size = {tp_size} (expert parallelism over "
+                        f"the TP group: whole experts per rank, tokens exchanged with all-to-all), got {ep_size!r}; an "
+                        f"expert-parallel group inside or across the data-parallel groups is not supported yet")
     if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
         raise PlanError(f"pad_vocab_multiple must be a positive integer (the vocabulary is padded to a multiple of "
                         f"pad_vocab_multiple * tp_size), got {pad_vocab_multiple!r}")
+    if lm_loss_chunk is not None and (not isinstance(lm_loss_chunk, int) or isinstance(lm_loss_chunk, bool)
+                                      or lm_loss_chunk < 1):
+        raise PlanError(f"lm_loss_chunk must be a positive number of tokens per chunk (or None: the LM-head loss from "
+                        f"the whole logits shard), got {lm_loss_chunk!r}")
     peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
     if peft:
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
@@ -215,10 +274,11 @@ class _Planner:
     never compares Rule objects.
     """
 
-    def __init__(self, model: nn.Module, recipe: Recipe, tp_size: int, pad_vocab_multiple: int):
+    def __init__(self, model: nn.Module, recipe: Recipe, tp_size: int, pad_vocab_multiple: int, ep_size: int = 1):
         self.model, self.recipe, self.tp_size = model, recipe, tp_size
         self.config = getattr(model, "config", None)
-        self.layout = Layout(tp_size, recipe, type(model).__name__, pad_vocab_multiple, renames=recipe.renames)
+        self.layout = Layout(tp_size, recipe, type(model).__name__, pad_vocab_multiple, renames=recipe.renames,
+                             ep_size=ep_size, coverage_threshold=coverage_threshold(model))
         self.errors: list[str] = []
         self.constraints: list[int] = []  # every count tp_size must divide (for the sizes that would work)
         self.indivisible: list[str] = []
@@ -227,7 +287,8 @@ class _Planner:
         self.ctx = PlanContext(model, self.config, recipe, tp_size, pad_vocab_multiple, self.errors,
                                self.need_divisible,
                                lambda rule, out_f, owner, fqn: _packed_sizes(rule, out_f, self.config, owner, fqn,
-                                                                             self.errors))
+                                                                             self.errors), ep_size)
+        self.large_uncovered: list[str] = []
 
     def need_divisible(self, what: str, value: int) -> None:
         """Record a count ``tp_size`` must divide; an error when it does not."""
@@ -295,7 +356,7 @@ class _Planner:
     def _style_module(self, fqn: str, rel: str, module: nn.Module, styled: list[Rule]) -> None:
         """The one styled rule of a module (or its replicated container's) plans it."""
         container = _outermost_container(fqn, self.containers)
-        if module_kind(module) is None:
+        if module_kind(module) is None and not any(style_of(r.style).kind == "params" for r in styled):
             if styled and styled[0].style == "replicate" and len(styled) == 1:
                 self.containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
             elif styled:
@@ -317,7 +378,27 @@ class _Planner:
             if entry is not None:
                 self.layout.modules[fqn] = entry
 
-    def finish(self, sequence_parallel: bool) -> None:
+    def large_parameters(self) -> None:
+        """Every parameter of :func:`coverage_threshold` elements or more that no styled module holds
+        and no replicated container encloses is uncovered (a module no style knows, holding fused
+        experts or a 3-D projection, would otherwise stay a full copy on every rank unnoticed).
+        A tied parameter is covered when any of its holders is."""
+        threshold, containers = self.layout.coverage_threshold, self.containers
+        holders: dict[int, list[tuple[str, str, nn.Module, nn.Parameter]]] = {}
+        for mname, module in self.model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                if param.numel() >= threshold:
+                    holders.setdefault(id(param), []).append((mname, pname, module, param))
+        for places in holders.values():
+            if any(m in self.layout.modules or m in containers or _outermost_container(m, containers) is not None
+                   for m, _, _, _ in places):
+                continue
+            mname, pname, module, param = places[0]
+            rel = relative_fqn(self.model, mname)
+            self.large_uncovered.append(f"{rel + '.' if rel else ''}{pname} ({type(module).__name__}, shape "
+                                        f"{list(param.shape)}, {param.numel():,} elements)")
+
+    def finish(self, sequence_parallel: bool, lm_loss_chunk: int | None = None) -> None:
         """What follows from the modules' styles: ties, the LM head and its loss, the sharded
         regions, the sequence-parallel stretch."""
         layout, recipe = self.layout, self.recipe
@@ -336,14 +417,36 @@ class _Planner:
                     self.errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config."
                                        f"{coefficient}, which {type(self.model).__name__}'s config does not hold as a "
                                        f"number")
+            layout.logit_ops = recipe.logit_ops
+            for op, value in recipe.logit_ops:
+                if isinstance(value, str) and not (hasattr(self.config, value) and isinstance(
+                        getattr(self.config, value), (int, float, type(None)))):
+                    self.errors.append(f"recipe {recipe.source}: [loss] logits {op} reads config.{value}, which "
+                                       f"{type(self.model).__name__}'s config does not hold as a number (or None)")
+        if lm_loss_chunk is not None:
+            layout.lm_loss_chunk = lm_loss_chunk
+            if layout.loss_kind is None:
+                self.errors.append(f"lm_loss_chunk = {lm_loss_chunk}: {type(self.model).__name__} has no vocab-parallel "
+                                   f"LM loss (a 'colwise_rep' head and a causal, masked or seq2seq [loss]) to chunk; "
+                                   f"leave lm_loss_chunk unset")
         layout.region_starts = tuple(f for f, m in layout.modules.items() if m.styler.region == "start")
         layout.region_ends = tuple(f for f, m in layout.modules.items() if m.styler.region == "end")
         if sequence_parallel:
             layout.sequence_parallel = _sequence_layout(self.model, recipe, layout, self.errors)
+            if lm_loss_chunk is not None and layout.lm_head and layout.modules[layout.lm_head].sequence_parallel:
+                self.errors.append(f"lm_loss_chunk: the LM head {layout.lm_head} lies inside the sequence-parallel "
+                                   f"stretch ([sequence_parallel] gather); the chunked loss reads its input whole")
 
     def result(self) -> Layout:
         """The layout, or a :class:`PlanError` listing every problem (uncovered modules first)."""
         errors = list(self.errors)
+        if self.large_uncovered:
+            errors.insert(0, f"{len(self.large_uncovered)} parameter(s) of at least {self.layout.coverage_threshold:,} "
+                             f"elements (min(1M, 1% of the model's parameters)) held by modules no style knows are "
+                             f"covered by no rule of recipe {self.recipe.source}, so they would stay a full copy on every "
+                             f"rank unnoticed: {self.large_uncovered}. Add a rule for each module (a style that splits "
+                             f"its parameters, such as 'experts', or style 'replicate' to keep a full copy on every "
+                             f"rank on purpose).")
         if self.uncovered:
             errors.insert(0, f"{len(self.uncovered)} module(s) of types {SHARDABLE_TYPES} are covered by no rule of "
                              f"recipe {self.recipe.source} (names relative to the base model, as rules are written): "
@@ -391,8 +494,8 @@ def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: l
                       f"[sequence_parallel] gather = {sp['gather']}; their input would be split along the tokens")
     unsupported = sorted({m.style for m in layout.modules.values() if not m.styler.sequence_parallel})
     if unsupported:
-        errors.append(f"sequence parallelism is not supported with {', '.join(unsupported)} (relative attention "
-                      f"biases)")
+        errors.append("sequence parallelism is not supported with " + "; ".join(
+            f"{name} ({style_of(name).sequence_parallel_refusal})" for name in unsupported))
     if errors:
         return None
     for fqn, entry in layout.modules.items():  # a construction fact of these layers (tpify.styles)

@@ -1,116 +1,335 @@
-"""Vocab-parallel cross-entropy: the loss from logits split over the vocabulary.
+"""Vocab-parallel losses and per-token statistics: from logits (or hidden states) split over the vocabulary.
 
 Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3, "output embedding"): the LM head's
-logits stay split over the vocabulary, shape ``(B, T, V/p)`` per rank, and the softmax
-cross-entropy is computed from the shards with two all-reduces of ``B*T`` and ``2*B*T`` values
-instead of gathering ``B*T*V`` logits on every rank. The hook that makes
-``model(input_ids, labels=labels).loss`` of a parallelized model use it is
-:mod:`tpify.hooks.lm_loss`.
+logits stay split over the vocabulary, shape ``(B, T, V/p)`` per rank, and the softmax and what
+is computed from it come from the shards with two all-reduces of ``B*T``-sized vectors instead of
+gathering ``B*T*V`` logits on every rank. The hook that makes ``model(input_ids,
+labels=labels).loss`` of a parallelized model use it is :mod:`tpify.hooks.lm_loss`.
+
+Every function is built from the same named steps, each written once (as Megatron's
+``cross_entropy.py`` is cut into static steps shared by its fused and unfused paths):
+
+| step                    | what                                                            | collective          |
+| ----------------------- | --------------------------------------------------------------- | ------------------- |
+| ``_columns``            | this rank's columns of the vocabulary, how many are real        | none                |
+| ``_local_logits``       | the shard in the compute dtype, ``/ temperature``, padding -inf | none                |
+| ``_agreed_max``         | the row maxima ``m``; the input checks ride on it               | one all-reduce, max |
+| ``_target_logit``       | ``z[target] - m`` on the rank owning the target, 0 elsewhere    | none                |
+| ``_exp_sum_``           | ``exp(z - m)`` in place, and its row sums                       | none                |
+| ``_summed``             | sums over the group                                             | one all-reduce, sum |
+| ``_softmax_statistics`` | the four above for one block of rows                            | the two above       |
+| ``_cross_entropy``, ``_cross_entropy_grad_`` | the loss and its gradient from the statistics | none        |
+
+The public functions: :func:`vocab_parallel_cross_entropy`, :func:`vocab_parallel_log_probs`,
+:func:`vocab_parallel_entropy`, :func:`vocab_parallel_kl`, :func:`vocab_parallel_is_top1` (from a
+logits shard) and :func:`vocab_parallel_linear_cross_entropy` (from the hidden states and the
+head's weight shard, over token chunks, never holding the logits).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import comm
+from .layers import _autocast_inputs
 
-__all__ = ["vocab_parallel_cross_entropy", "mean_or_nan"]
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_log_probs", "vocab_parallel_entropy", "vocab_parallel_kl",
+           "vocab_parallel_is_top1", "vocab_parallel_linear_cross_entropy", "mean_or_nan", "LOGIT_OPS"]
 
 _REDUCTIONS = ("none", "sum", "mean")
+#: What a model may do to its LM head's output before the softmax, in the order it does it:
+#: ``("multiply", s)``: ``z * s``; ``("divide", d)``: ``z / d``; ``("softcap", c)``:
+#: ``c * tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``).
+LOGIT_OPS = ("multiply", "divide", "softcap")
+_NEG_INF = float("-inf")
 
+
+# ---------------------------------------------------------------------------------------------
+# The named steps.
+
+class _Columns(NamedTuple):
+    """This rank's columns of the padded vocabulary, ``[start, start + width)``; the first
+    ``real`` of them are below the true vocabulary ``vocab`` (the padding is the vocabulary's tail)."""
+
+    start: int
+    width: int
+    real: int
+    vocab: int
+
+
+def _columns(width: int, group: dist.ProcessGroup | None, vocab_size: int | None) -> _Columns:
+    """Step 0: which columns this rank holds (rank ``r``: ``[r*width, (r+1)*width)``)."""
+    start = comm.group_rank(group) * width
+    vocab = width * comm.group_size(group) if vocab_size is None else vocab_size
+    return _Columns(start, width, max(0, min(width, vocab - start)), vocab)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """Where the softmax is computed: float32 for half-precision inputs, float64 for float64."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def _local_logits(logits: torch.Tensor, cols: _Columns, inv_temperature: float = 1.0) -> tuple[torch.Tensor, bool]:
+    """Step 0: the shard in the compute dtype, times ``1/temperature``, its padded columns -inf.
+
+    Returns ``(z, own)``: ``own`` says ``z`` is a new buffer the caller may overwrite (a cast,
+    scaled or masked copy), not the caller's logits."""
+    dtype = _compute_dtype(logits.dtype)
+    own = dtype != logits.dtype
+    z = logits.to(dtype)
+    if inv_temperature != 1.0:
+        z = z.mul_(inv_temperature) if own else z * inv_temperature
+        own = True
+    if cols.real < cols.width:  # padded columns (global index >= V) never count
+        if not own:
+            z, own = z.clone(), True
+        z[..., cols.real:] = _NEG_INF
+    return z, own
+
+
+class _InputChecks:
+    """What every rank of the group must hold alike, checked on values that ride on the first
+    all-reduce (max) at no extra collective: shards of the same width (max and -min) and, with
+    targets, no target outside ``[0, V)`` on any rank and the same targets (max and -min of a
+    checksum). A rank alone with bad or different targets would otherwise raise alone, or train
+    on a mismatched batch; shards of different widths would place the vocabulary wrongly."""
+
+    def __init__(self, what: str, cols: _Columns, target: torch.Tensor | None = None,
+                 bad_targets: torch.Tensor | None = None, ignore_index: int | None = None):
+        self.what, self.cols, self.target, self.bad, self.ignore_index = what, cols, target, bad_targets, ignore_index
+
+    def values(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The values to all-reduce (max): 2, or 5 with targets."""
+        width = torch.tensor(float(self.cols.width), dtype=dtype, device=device)
+        values = [width, -width]
+        if self.target is not None:
+            checksum = comm.checksum(self.target).to(dtype)  # < 2**24: exact in float32
+            values += [self.bad.to(dtype), checksum, -checksum]
+        return torch.stack(values)
+
+    def raise_if_failed(self, got: torch.Tensor) -> None:
+        """Raise, on every rank alike, what the all-reduced values say."""
+        comm.raise_unless(got[0] == -got[1], ValueError,
+                          f"{self.what}: the ranks of the TP group hold logits shards of different widths (this "
+                          f"rank: {self.cols.width} columns); every rank must hold V_padded / tp_size columns of the "
+                          f"same padded vocabulary")
+        if self.target is None:
+            return
+        comm.raise_unless(got[2] <= 0, ValueError,
+                          f"{self.what}: a rank of the TP group holds targets outside [0, {self.cols.vocab}) that are "
+                          f"not ignore_index = {self.ignore_index}; fix the labels or set ignore_index",
+                          detail=lambda: "this rank holds them" if bool(self.bad) else "another rank holds them")
+        comm.raise_unless(got[3] == -got[4], ValueError,
+                          f"{self.what}: the ranks of the TP group hold different targets; every rank of a TP group "
+                          f"must see the same batch (split data over DP replicas only)")
+
+
+def _agreed_max(maxes: list[torch.Tensor], group: dist.ProcessGroup | None,
+                checks: _InputChecks | None = None) -> list[torch.Tensor]:
+    """Step 1: the maximum over the group of each tensor of ``maxes`` (row maxima ``(N...)``, one
+    dtype), in one all-reduce (max) that also carries ``checks`` (raised on every rank alike).
+    No gradient flows through a maximum subtracted from logits: it cancels in the softmax."""
+    if comm.group_size(group) == 1:  # the arguments were checked before (one rank: nothing to agree on)
+        return maxes
+    parts = [m.reshape(-1) for m in maxes]
+    if checks is not None:
+        parts.append(checks.values(maxes[0].dtype, maxes[0].device))
+    packed = torch.cat(parts)
+    comm.all_reduce(packed, group, op="max")
+    if checks is not None:
+        checks.raise_if_failed(packed[packed.numel() - parts[-1].numel():])
+    out, at = [], 0
+    for m in maxes:
+        out.append(packed[at:at + m.numel()].view_as(m))
+        at += m.numel()
+    return out
+
+
+def _local_targets(target: torch.Tensor, cols: _Columns, ignore_index: int):
+    """``(ignored, owned, local)``: targets equal to ``ignore_index``; targets in this rank's
+    columns; their index in the shard (0 where not owned)."""
+    ignored = target == ignore_index
+    owned = (target >= cols.start) & (target < cols.start + cols.width) & ~ignored
+    local = (target - cols.start).masked_fill(~owned, 0)
+    return ignored, owned, local
+
+
+def _target_logit(z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Step 2: ``z[target] - m`` on the rank that owns the target, 0 elsewhere (summed over the
+    ranks in step 4, which makes it the target logit on every rank)."""
+    return (z.gather(-1, local.unsqueeze(-1)).squeeze(-1) - m).masked_fill(~owned, 0.0)
+
+
+def _exp_sum_(shifted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: ``exp(z - m)`` in place of ``z - m`` (one buffer: every new buffer of that size
+    costs a pass over memory and, on a CPU, its page faults), and its row sums. ``exp(-inf) = 0``
+    on padded columns."""
+    exp_z = shifted.exp_()
+    return exp_z, exp_z.sum(dim=-1)
+
+
+def _summed(values: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+    """Step 4: the sums over the group of several ``(N...)`` tensors, in one all-reduce."""
+    packed = torch.stack(values)
+    comm.all_reduce(packed, group)
+    return packed.unbind(0)
+
+
+class _Stats(NamedTuple):
+    """The softmax statistics of a block of rows: ``m`` (row max), ``exp_z = exp(z - m)`` (this
+    rank's columns), ``sum_exp = S``, ``z_t = z[target] - m``, and with label smoothing ``sum_z =
+    sum_{v < V} (z_v - m)``, each summed over the group."""
+
+    m: torch.Tensor
+    exp_z: torch.Tensor
+    sum_exp: torch.Tensor
+    z_t: torch.Tensor
+    sum_z: torch.Tensor | None
+
+
+def _softmax_statistics(z: torch.Tensor, own: bool, cols: _Columns, local: torch.Tensor, owned: torch.Tensor,
+                        smoothing: bool, group: dist.ProcessGroup | None,
+                        checks: _InputChecks | None) -> _Stats:
+    """Steps 1-4 for one block of rows ``z (N..., V/p)``: two all-reduces, the max (with
+    ``checks``) of ``N`` values and the sums of ``2N`` (``3N`` with ``smoothing``). ``z`` is
+    overwritten when ``own``."""
+    (m,) = _agreed_max([z.amax(dim=-1)], group, checks)
+    z_t = _target_logit(z, local, owned, m)
+    shifted = z.sub_(m.unsqueeze(-1)) if own else z - m.unsqueeze(-1)
+    sums = [z_t]
+    if smoothing:
+        sums.append(shifted[..., :cols.real].sum(dim=-1))
+    exp_z, sum_exp = _exp_sum_(shifted)
+    sums.append(sum_exp)
+    sums = _summed(sums, group)
+    return _Stats(m, exp_z, sums[-1], sums[0], sums[1] if smoothing else None)
+
+
+def _cross_entropy(stats: _Stats, eps: float, cols: _Columns, ignored: torch.Tensor) -> torch.Tensor:
+    """``log S - z_t``; with label smoothing ``eps``: ``(1-eps)(log S - z_t) + eps(log S - mean_{v<V} z_v)``
+    (the mean over the true ``V``); 0 on ignored rows."""
+    log_s = stats.sum_exp.log()
+    loss = log_s - stats.z_t
+    if eps > 0:
+        loss = (1.0 - eps) * loss + eps * (log_s - stats.sum_z / cols.vocab)
+    return loss.masked_fill(ignored, 0.0)
+
+
+def _cross_entropy_grad_(exp_z: torch.Tensor, sum_exp: torch.Tensor, g: torch.Tensor, local: torch.Tensor,
+                         owned: torch.Tensor, eps: float, cols: _Columns) -> torch.Tensor:
+    """``dL/dz = (exp(z - m)/S - (1-eps) onehot_local(target) - eps/V) * g`` in place of ``exp_z``
+    (``g``: the loss's gradient per row, 0 on ignored rows); padded columns get 0."""
+    grad = exp_z.mul_((g / sum_exp).unsqueeze(-1))  # the 1/S and g scale the buffer in one pass
+    grad.scatter_add_(-1, local.unsqueeze(-1), (owned.to(grad.dtype) * g * -(1.0 - eps)).unsqueeze(-1))
+    if eps > 0:
+        grad.sub_((g * (eps / cols.vocab)).unsqueeze(-1))
+        if cols.real < cols.width:
+            grad[..., cols.real:] = 0.0  # padded columns are not in the vocabulary
+    return grad
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks, before any collective.
+
+def _check_vocab(what: str, width: int, group, vocab_size: int | None) -> int:
+    """The true vocabulary ``V``; raises when ``vocab_size`` does not fit the shards."""
+    tp_size = comm.group_size(group)
+    padded_vocab = width * tp_size
+    if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
+        raise ValueError(f"{what}: vocab_size = {vocab_size} does not fit shards of {width} columns over {tp_size} "
+                         f"ranks (padded vocabulary {padded_vocab}); pass the true vocabulary size, at most "
+                         f"{padded_vocab}")
+    return padded_vocab if vocab_size is None else vocab_size
+
+
+def _check_target(what: str, leading: torch.Size, target: torch.Tensor, vocab: int, ignore_index: int,
+                  group, input_name: str = "logits") -> torch.Tensor:
+    """Shapes and dtype of ``target``; returns the 0-dim bool "a target outside ``[0, V)`` that is
+    not ``ignore_index``" (raised here with one rank, else carried by the first all-reduce)."""
+    if leading != target.shape:
+        raise ValueError(f"{what}: {input_name} {tuple(leading)} + (...,) and target {tuple(target.shape)} disagree; "
+                         f"{input_name} must be target.shape + (last dim,)")
+    if target.is_floating_point():
+        raise ValueError(f"{what}: target must hold integer class ids, got {target.dtype} (probability targets are "
+                         f"not supported)")
+    outside = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    bad_targets = outside.any()  # 0-dim bool; at tp > 1 it rides on the first all-reduce
+    if comm.group_size(group) == 1:
+        comm.raise_unless(~bad_targets, ValueError,
+                          f"{what}: targets outside [0, {vocab}) that are not ignore_index = {ignore_index}; fix the "
+                          f"labels or set ignore_index", detail=lambda: f"targets {target[outside][:5].tolist()}")
+    return bad_targets
+
+
+def _check_loss_args(what: str, reduction: str, label_smoothing: float) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{what}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{what}: label_smoothing must be in [0, 1], got {label_smoothing}")
+
+
+def _inverse_temperature(what: str, temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"{what}: temperature must be positive, got {temperature}")
+    return 1.0 / float(temperature)
+
+
+def _reduce(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return mean_or_nan(loss.sum(), (target != ignore_index).sum())
+
+
+def mean_or_nan(total: torch.Tensor, count) -> torch.Tensor:
+    """``total / count``, NaN when ``count == 0`` (as ``F.cross_entropy``) but with a zero gradient.
+
+    ``0 / 0`` would also be NaN forward, but its gradient is NaN too, and one batch whose labels
+    are all ignored (or a one-token causal sequence) would then poison the weights at the next
+    optimizer step; HF's dense model gets zero gradients there.
+    """
+    count = torch.as_tensor(count, device=total.device)
+    mean = total / count.clamp(min=1).to(total.dtype)
+    return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
+
+
+# ---------------------------------------------------------------------------------------------
+# From a logits shard: cross-entropy and log-probabilities.
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from a vocab shard; see :func:`vocab_parallel_cross_entropy`."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, bad_targets):
-        tp_size, tp_rank = comm.group_size(group), comm.group_rank(group)
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 input
-        per_partition = logits.shape[-1]
-        start = tp_rank * per_partition
-        end = start + per_partition
-        true_vocab = per_partition * tp_size if vocab_size is None else vocab_size
-
-        z = logits.to(compute_dtype)  # (N..., V/p); a new tensor unless logits already are compute_dtype
-        padded = None
-        if end > true_vocab:  # this shard holds padded columns (global index >= V): never counted
-            padded = torch.arange(start, end, device=z.device) >= true_vocab  # (V/p,)
-            z = z.masked_fill(padded, float("-inf"))
-
-        # 1. m = allreduce_max(max_v z); no gradient flows through m (it cancels in the loss).
-        # Five more values ride on this all-reduce, so that every rank learns, at no extra
-        # collective, whether any rank holds targets outside [0, V), whether the ranks hold the
-        # same targets (max and -min of a checksum) and shards of the same width (max and -min):
-        # a rank alone with bad or different targets would otherwise raise alone, or train on a
-        # mismatched batch; shards of different widths would place the vocabulary wrongly.
-        m = z.amax(dim=-1)  # (N...,)
-        if tp_size > 1:  # one rank: vocab_parallel_cross_entropy has checked the targets already
-            checksum = comm.checksum(target).to(m.dtype)
-            width = torch.tensor(float(per_partition), dtype=m.dtype, device=m.device)
-            checks = torch.stack([bad_targets.to(m.dtype), checksum, -checksum, width, -width])
-            packed = torch.cat([m.reshape(-1), checks])
-            comm.all_reduce(packed, group, op="max")
-            m, checks = packed[:-5].view_as(m), packed[-5:]
-            comm.raise_unless(checks[3] == -checks[4], ValueError,
-                              f"vocab_parallel_cross_entropy: the ranks of the TP group hold logits shards of "
-                              f"different widths (this rank: {per_partition} columns); every rank must hold V_padded / "
-                              f"tp_size columns of the same padded vocabulary")
-            comm.raise_unless(checks[0] <= 0, ValueError,
-                              f"vocab_parallel_cross_entropy: a rank of the TP group holds targets outside [0, "
-                              f"{true_vocab}) that are not ignore_index = {ignore_index}; fix the labels or set ignore_index",
-                              detail=lambda: "this rank holds them" if bool(bad_targets) else "another rank holds them")
-            comm.raise_unless(checks[1] == -checks[2], ValueError,
-                              "vocab_parallel_cross_entropy: the ranks of the TP group hold different targets; every "
-                              "rank of a TP group must see the same batch (split data over DP replicas only)")
-        # 2. z_t = z[target] - m on the rank that owns the target, 0 elsewhere (summed over ranks in 3).
-        ignored = target == ignore_index
-        owned = (target >= start) & (target < end) & ~ignored
-        local_target = (target - start).masked_fill(~owned, 0)
-        z_t = (z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - m).masked_fill(~owned, 0.0)
-
-        # 3. S = sum_v exp(z - m), in one (N..., V/p) buffer (z's own when z is a cast or masked copy
-        # of the logits) that is kept for backward and becomes the gradient there: every new buffer
-        # of that size costs a pass over memory and, on a CPU, its page faults. S and z_t (and, with
-        # label smoothing, sum_v (z_v - m) over the true vocabulary) ride on one all-reduce.
-        own_copy = padded is not None or compute_dtype != logits.dtype  # z is not the caller's logits
-        shifted = z.sub_(m.unsqueeze(-1)) if own_copy else z - m.unsqueeze(-1)  # z - m
-        sums = [z_t]
-        if label_smoothing > 0:
-            sums.append((shifted if padded is None else shifted.masked_fill(padded, 0.0)).sum(dim=-1))
-        exp_z = shifted.exp_()  # the same buffer; exp(-inf) = 0 on the padded columns
-        sums.append(exp_z.sum(dim=-1))
-        packed = torch.stack(sums)
-        comm.all_reduce(packed, group)
-        z_t, sum_exp = packed[0], packed[-1]
-        log_s = sum_exp.log()
-        loss = log_s - z_t
-        if label_smoothing > 0:
-            # (1-eps)(log S - z_t) + eps(log S - mean_v z_v), the mean over the true V.
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_s - packed[1] / true_vocab)
-        loss = loss.masked_fill(ignored, 0.0)
-
-        ctx.save_for_backward(exp_z, sum_exp, local_target, owned, ignored, padded)
-        ctx.label_smoothing = label_smoothing
-        ctx.true_vocab = true_vocab
-        ctx.logits_dtype = logits.dtype
+    def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, bad_targets, inv_temperature,
+                what):
+        cols = _columns(logits.shape[-1], group, vocab_size)
+        z, own = _local_logits(logits, cols, inv_temperature)  # (N..., V/p)
+        ignored, owned, local = _local_targets(target, cols, ignore_index)
+        stats = _softmax_statistics(z, own, cols, local, owned, label_smoothing > 0, group,
+                                    _InputChecks(what, cols, target, bad_targets, ignore_index))
+        loss = _cross_entropy(stats, label_smoothing, cols, ignored)
+        ctx.save_for_backward(stats.exp_z, stats.sum_exp, local, owned, ignored)
+        ctx.cols, ctx.eps, ctx.inv_temperature, ctx.logits_dtype = cols, label_smoothing, inv_temperature, logits.dtype
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        exp_z, sum_exp, local_target, owned, ignored, padded = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        # dL/dz = (exp(z - m)/S - (1-eps) onehot_local(target) - eps/V) * grad_output; 0 on ignored
-        # rows. The 1/S and grad_output scale the buffer in one pass.
+        exp_z, sum_exp, local, owned, ignored = ctx.saved_tensors
         g = grad_loss.masked_fill(ignored, 0.0)  # (N...,)
-        grad = exp_z.mul_((g / sum_exp).unsqueeze(-1))  # reused in place: the Function is once-differentiable
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), (owned.to(grad.dtype) * g * -(1.0 - eps)).unsqueeze(-1))
-        if eps > 0:
-            grad.sub_((g * (eps / ctx.true_vocab)).unsqueeze(-1))
-            if padded is not None:
-                grad.masked_fill_(padded, 0.0)  # padded columns are not in the vocabulary
-        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
+        if ctx.inv_temperature != 1.0:  # z = logits / T
+            g = g * ctx.inv_temperature
+        # exp_z is reused in place: the Function is once-differentiable
+        grad = _cross_entropy_grad_(exp_z, sum_exp, g, local, owned, ctx.eps, ctx.cols)
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -174,46 +393,522 @@ def vocab_parallel_cross_entropy(
             rank raises, none waits. Under ``torch.compile`` these data checks raise
             ``RuntimeError`` with the same message (``torch._assert_async``).
     """
-    tp_size = comm.group_size(tp_group)
-    padded_vocab = logits.shape[-1] * tp_size
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
-        raise ValueError(f"vocab_parallel_cross_entropy: vocab_size = {vocab_size} does not fit shards of "
-                         f"{logits.shape[-1]} columns over {tp_size} ranks (padded vocabulary {padded_vocab}); "
-                         f"pass the true vocabulary size, at most {padded_vocab}")
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
-                         f"{tuple(target.shape)} disagree; logits must be target.shape + (V/p,)")
-    if target.is_floating_point():
-        raise ValueError("vocab_parallel_cross_entropy: target must hold integer class ids, got "
-                         f"{target.dtype} (probability targets are not supported)")
-    true_vocab = padded_vocab if vocab_size is None else vocab_size
-    outside = ((target < 0) | (target >= true_vocab)) & (target != ignore_index)
-    bad_targets = outside.any()  # 0-dim bool; at tp > 1 it rides on the first all-reduce
-    if tp_size == 1:
-        comm.raise_unless(~bad_targets, ValueError,
-                          f"vocab_parallel_cross_entropy: targets outside [0, {true_vocab}) that are not "
-                          f"ignore_index = {ignore_index}; fix the labels or set ignore_index",
-                          detail=lambda: f"targets {target[outside][:5].tolist()}")
+    what = "vocab_parallel_cross_entropy"
+    _check_loss_args(what, reduction, label_smoothing)
+    vocab = _check_vocab(what, logits.shape[-1], tp_group, vocab_size)
+    bad_targets = _check_target(what, logits.shape[:-1], target, vocab, ignore_index, tp_group)
     loss = _VocabParallelCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), tp_group,
-                                            vocab_size, bad_targets)
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    return mean_or_nan(loss.sum(), (target != ignore_index).sum())
+                                            vocab_size, bad_targets, 1.0, what)
+    return _reduce(loss, target, ignore_index, reduction)
 
 
-def mean_or_nan(total: torch.Tensor, count) -> torch.Tensor:
-    """``total / count``, NaN when ``count == 0`` (as ``F.cross_entropy``) but with a zero gradient.
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``log p(target)`` per token from logits split over the vocabulary, without gathering them.
 
-    ``0 / 0`` would also be NaN forward, but its gradient is NaN too, and one batch whose labels
-    are all ignored (or a one-token causal sequence) would then poison the weights at the next
-    optimizer step; HF's dense model gets zero gradients there.
+    Equals ``torch.gather(F.log_softmax(gathered[..., :V] / temperature, -1), -1, target[..., None])``
+    (TRL's ``selective_log_softmax``): ``log p_t = z_t - m - log S`` with the statistics of
+    :func:`vocab_parallel_cross_entropy` (it is minus its unreduced loss), on ``z = logits /
+    temperature``. Backward: ``d log p_t / dz = onehot(target) - softmax(z)``, times
+    ``1/temperature``; no communication.
+
+    Shapes:
+        logits: ``(..., V_padded / tp_size)``, e.g. ``(B, T, V/p)``, this rank's shard.
+        target: ``(...)``, e.g. ``(B, T)``, global ids in ``[0, V)`` or ``ignore_index``, the same on
+        every rank of the group.
+        returns: ``(...)``: ``log p(target)``, 0 where ``target == ignore_index`` (zero gradient).
+    Dtype: computed and returned in float32 (float64 for float64 logits); the temperature
+        divides the logits in that dtype (TRL divides in the logits' dtype); the gradient is
+        returned in the logits' dtype.
+    Communication: forward 2 all-reduces, ``numel(target) + 5`` values (max) and
+        ``2 * numel(target)`` (sums); backward none.
+
+    Args:
+        logits, target, tp_group, vocab_size: as :func:`vocab_parallel_cross_entropy`.
+        temperature: the logits are divided by it (positive).
+        ignore_index: targets equal to it give 0 and no gradient.
+
+    Raises:
+        ValueError: as :func:`vocab_parallel_cross_entropy` (arguments before any collective; bad
+            or differing targets and shard widths on every rank from the first all-reduce);
+            ``temperature <= 0``.
     """
-    count = torch.as_tensor(count, device=total.device)
-    mean = total / count.clamp(min=1).to(total.dtype)
-    return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
+    what = "vocab_parallel_log_probs"
+    inv_t = _inverse_temperature(what, temperature)
+    vocab = _check_vocab(what, logits.shape[-1], tp_group, vocab_size)
+    bad_targets = _check_target(what, logits.shape[:-1], target, vocab, ignore_index, tp_group)
+    return -_VocabParallelCrossEntropy.apply(logits, target, ignore_index, 0.0, tp_group, vocab_size, bad_targets,
+                                             inv_t, what)
+
+
+# ---------------------------------------------------------------------------------------------
+# From a logits shard: entropy, KL divergence, top-1.
+
+def _shifted(z: torch.Tensor, m: torch.Tensor, own: bool) -> torch.Tensor:
+    """``z - m`` (in place when ``own``)."""
+    return z.sub_(m.unsqueeze(-1)) if own else z - m.unsqueeze(-1)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_v a_v b_v`` per row, ``(N..., V/p) x2 -> (N...)``, as a batched matmul (no ``(N, V/p)``
+    temporary)."""
+    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Per-token entropy from a vocab shard; see :func:`vocab_parallel_entropy`."""
+
+    @staticmethod
+    def forward(ctx, logits, group, vocab_size, inv_temperature):
+        what = "vocab_parallel_entropy"
+        cols = _columns(logits.shape[-1], group, vocab_size)
+        z, own = _local_logits(logits, cols, inv_temperature)
+        (m,) = _agreed_max([z.amax(dim=-1)], group, _InputChecks(what, cols))
+        shifted = _shifted(z, m, own)  # z - m, kept for backward
+        exp_z = shifted.exp()
+        if cols.real < cols.width:
+            shifted[..., cols.real:] = 0.0  # p = 0 there; 0 * (-inf) would be NaN
+        sum_exp, dot = _summed([exp_z.sum(dim=-1), _row_dot(exp_z, shifted)], group)
+        del exp_z
+        log_s = sum_exp.log()
+        entropy = log_s - dot / sum_exp  # -sum p log p, log p = (z - m) - log S
+        ctx.save_for_backward(shifted, log_s, entropy)
+        ctx.cols, ctx.inv_temperature, ctx.logits_dtype = cols, inv_temperature, logits.dtype
+        return entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_entropy):
+        shifted, log_s, entropy = ctx.saved_tensors
+        cols = ctx.cols
+        # dH/dz_v = -p_v (log p_v + H), log p_v = (z_v - m) - log S
+        p = (shifted - log_s.unsqueeze(-1)).exp_()
+        if cols.real < cols.width:
+            p[..., cols.real:] = 0.0
+        grad = shifted.add_((entropy - log_s).unsqueeze(-1)).mul_(p)  # log p + H, times p (in place: once-differentiable)
+        grad.mul_((-grad_entropy * ctx.inv_temperature).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` per token, ``p = softmax(logits / temperature)`` over the
+    true vocabulary, from logits split over the vocabulary, without gathering them.
+
+    Equals TRL's ``entropy_from_logits(gathered[..., :V] / temperature)``. From this rank's shard
+    ``z``: ``m = allreduce_max(max_v z)``; ``S, A = allreduce_sum(sum_v exp(z - m), sum_v exp(z - m)
+    (z - m))``; ``H = log S - A / S``. Backward: ``dH/dz_v = -p_v (log p_v + H)``, times
+    ``1/temperature``; no communication.
+
+    Shapes:
+        logits: ``(..., V_padded / tp_size)``, e.g. ``(B, T, V/p)``.
+        returns: ``(...)``, e.g. ``(B, T)``, in nats.
+    Dtype: computed and returned in float32 (float64 for float64 logits); gradient in the logits' dtype.
+    Memory: keeps one ``(..., V/p)`` buffer in the compute dtype for backward.
+    Communication: forward 2 all-reduces, ``numel + 2`` values (max, with the shard-width check)
+        and ``2 * numel`` (sums); backward none.
+
+    Raises:
+        ValueError: ``vocab_size`` that does not fit, ``temperature <= 0`` (before any collective);
+            shards of different widths (every rank, from the first all-reduce).
+    """
+    what = "vocab_parallel_entropy"
+    inv_t = _inverse_temperature(what, temperature)
+    _check_vocab(what, logits.shape[-1], tp_group, vocab_size)
+    return _VocabParallelEntropy.apply(logits, tp_group, vocab_size, inv_t)
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    """Per-token KL(p || q) from two vocab shards; see :func:`vocab_parallel_kl`."""
+
+    @staticmethod
+    def forward(ctx, logits_p, logits_q, group, vocab_size, inv_temperature):
+        what = "vocab_parallel_kl"
+        cols = _columns(logits_p.shape[-1], group, vocab_size)
+        zp, own_p = _local_logits(logits_p, cols, inv_temperature)
+        zq, own_q = _local_logits(logits_q, cols, inv_temperature)
+        mp, mq = _agreed_max([zp.amax(dim=-1), zq.amax(dim=-1)], group, _InputChecks(what, cols))
+        sp, sq = _shifted(zp, mp, own_p), _shifted(zq, mq, own_q)  # kept for backward
+        exp_p = sp.exp()
+        sum_q = sq.exp().sum(dim=-1)
+        if cols.real < cols.width:
+            sp[..., cols.real:] = 0.0  # p = q = 0 there; 0 * (-inf + inf) would be NaN
+            sq[..., cols.real:] = 0.0
+        sum_p, sum_q, dot = _summed([exp_p.sum(dim=-1), sum_q, _row_dot(exp_p, sp - sq)], group)
+        del exp_p
+        log_sp, log_sq = sum_p.log(), sum_q.log()
+        kl = dot / sum_p - log_sp + log_sq  # sum_v p_v (log p_v - log q_v)
+        ctx.save_for_backward(sp, sq, log_sp, log_sq, kl)
+        ctx.cols, ctx.inv_temperature = cols, inv_temperature
+        ctx.dtypes = logits_p.dtype, logits_q.dtype
+        return kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_kl):
+        sp, sq, log_sp, log_sq, kl = ctx.saved_tensors
+        cols = ctx.cols
+        g = (grad_kl * ctx.inv_temperature).unsqueeze(-1)
+        p = (sp - log_sp.unsqueeze(-1)).exp_()
+        if cols.real < cols.width:
+            p[..., cols.real:] = 0.0
+        grad_p = grad_q = None
+        if ctx.needs_input_grad[1]:  # dKL/dzq_v = q_v - p_v
+            q = (sq - log_sq.unsqueeze(-1)).exp_()
+            if cols.real < cols.width:
+                q[..., cols.real:] = 0.0
+            grad_q = q.sub_(p).mul_(g).to(ctx.dtypes[1])
+        if ctx.needs_input_grad[0]:  # dKL/dzp_v = p_v (log p_v - log q_v - KL)
+            grad_p = sp.sub_(sq).sub_((log_sp - log_sq + kl).unsqueeze(-1)).mul_(p).mul_(g).to(ctx.dtypes[0])
+        return grad_p, grad_q, None, None, None
+
+
+def vocab_parallel_kl(
+    logits_p: torch.Tensor,
+    logits_q: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``KL(p || q) = sum_v p_v (log p_v - log q_v)`` per token, ``p = softmax(logits_p / T)``,
+    ``q = softmax(logits_q / T)`` over the true vocabulary, from two shards split alike over the
+    vocabulary, without gathering them.
+
+    The direction: ``p`` is the distribution the expectation is taken under. For a policy
+    ``pi`` kept near a reference ``pi_ref`` (the RLHF penalty ``KL(pi || pi_ref)``) pass the
+    policy's logits as ``logits_p``; for distillation toward a teacher with the forward KL
+    ``KL(teacher || student)`` pass the teacher's as ``logits_p``. Equals
+    ``F.kl_div(F.log_softmax(q_full, -1), F.log_softmax(p_full, -1), log_target=True,
+    reduction="none").sum(-1)`` on the gathered logits.
+
+    From the shards: ``mp, mq = allreduce_max(max_v zp, max_v zq)``; ``Sp, Sq, A =
+    allreduce_sum(sum_v e^(zp-mp), sum_v e^(zq-mq), sum_v e^(zp-mp) ((zp-mp) - (zq-mq)))``;
+    ``KL = A/Sp - log Sp + log Sq``. Backward (no communication): ``dKL/dzp_v = p_v (log p_v -
+    log q_v - KL)``, ``dKL/dzq_v = q_v - p_v``, each times ``1/T``; a side that does not require
+    a gradient (a frozen reference) costs nothing there.
+
+    Shapes:
+        logits_p, logits_q: ``(..., V_padded / tp_size)`` each, the same shape.
+        returns: ``(...)``, e.g. ``(B, T)``, in nats.
+    Dtype: computed and returned in float32 (float64 for float64 logits); gradients in each input's dtype.
+    Memory: keeps two ``(..., V/p)`` buffers in the compute dtype for backward.
+    Communication: forward 2 all-reduces, ``2 * numel + 2`` values (max, with the shard-width
+        check) and ``3 * numel`` (sums); backward none.
+
+    Raises:
+        ValueError: shapes that differ, a ``vocab_size`` that does not fit, ``temperature <= 0``
+            (before any collective); shards of different widths (every rank, from the first all-reduce).
+    """
+    what = "vocab_parallel_kl"
+    inv_t = _inverse_temperature(what, temperature)
+    if logits_p.shape != logits_q.shape:
+        raise ValueError(f"{what}: logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} differ; both "
+                         f"must be shards of the same tokens and vocabulary")
+    _check_vocab(what, logits_p.shape[-1], tp_group, vocab_size)
+    return _VocabParallelKL.apply(logits_p, logits_q, tp_group, vocab_size, inv_t)
+
+
+@torch.no_grad()
+def vocab_parallel_is_top1(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Whether the target is the most likely token, ``argmax(gathered[..., :V]) == target``, per
+    token, from logits split over the vocabulary, without gathering them (no gradient).
+
+    Ties count as ``torch.argmax`` breaks them (the first maximum): the target is top-1 when its
+    logit is the maximum ``m`` and every column before it is below ``m``. One all-reduce (max) of
+    each row's maximum, the target logit (``-inf`` off the owning rank) and the maximum of the
+    columns before the target. TRL's ``mean_token_accuracy`` is
+    ``is_top1.sum() / (target != ignore_index).sum()``.
+
+    Shapes:
+        logits: ``(..., V_padded / tp_size)``; target: ``(...)``, the same on every rank.
+        returns: ``(...)`` bool, False where ``target == ignore_index``.
+    Dtype: compared in float32 (exact for half-precision logits; float64 stays float64).
+    Communication: 1 all-reduce (max) of ``3 * numel(target) + 5`` values (the target and shard-width checks ride on it).
+
+    Raises:
+        ValueError: as :func:`vocab_parallel_cross_entropy`: arguments before any collective; bad or
+            differing targets and shard widths on every rank from the all-reduce.
+    """
+    what = "vocab_parallel_is_top1"
+    vocab = _check_vocab(what, logits.shape[-1], tp_group, vocab_size)
+    bad_targets = _check_target(what, logits.shape[:-1], target, vocab, ignore_index, tp_group)
+    cols = _columns(logits.shape[-1], tp_group, vocab_size)
+    z, _ = _local_logits(logits, cols)
+    ignored, owned, local = _local_targets(target, cols, ignore_index)
+    target_z = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, _NEG_INF)
+    # columns before the target: all of a rank below the owner, the owner's first `local`, none above
+    before = torch.where(owned, local, torch.where(target >= cols.start + cols.width, cols.width, 0))
+    columns = torch.arange(cols.width, device=z.device)
+    max_before = z.masked_fill(columns >= before.unsqueeze(-1), _NEG_INF).amax(dim=-1)
+    m, target_z, max_before = _agreed_max([z.amax(dim=-1), target_z, max_before], tp_group,
+                                          _InputChecks(what, cols, target, bad_targets, ignore_index))
+    return (target_z >= m) & (max_before < target_z) & ~ignored
+
+
+# ---------------------------------------------------------------------------------------------
+# From the hidden states and the head's weight shard, over token chunks.
+
+def _check_logit_ops(what: str, logit_ops) -> tuple[tuple[str, float], ...]:
+    ops = tuple((str(op), float(value)) for op, value in logit_ops)
+    for op, value in ops:
+        if op not in LOGIT_OPS or not value or value != value:
+            raise ValueError(f"{what}: logit_ops must be (op, value) pairs with op in {LOGIT_OPS} and a finite, "
+                             f"non-zero value; got {(op, value)}")
+    return ops
+
+
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ops, cols: _Columns,
+                  compute: torch.dtype, want_derivative: bool):
+    """One token chunk's logits ``(c, V/p)`` as the head and the model make them: ``x W^T + b`` in
+    the head's dtype, then ``ops`` in that dtype as HF applies them (``logits / cap``, ``tanh``,
+    ``* cap``), then the compute dtype with padded columns -inf (a buffer of its own).
+
+    Returns ``(z, derivative, scale)``: ``dz/dy = derivative * scale`` (``derivative`` a tensor in
+    the compute dtype, the product of the softcaps' ``1 - tanh^2``, or None; ``scale`` the product
+    of the multiplies and divides), with ``want_derivative``."""
+    y = F.linear(x, weight, bias)  # (c, V/p), a new buffer
+    derivative, scale = None, 1.0
+    for op, value in ops:
+        if op == "multiply":
+            y.mul_(value)
+            scale *= value
+        elif op == "divide":
+            y.div_(value)
+            scale /= value
+        else:  # softcap: value * tanh(y / value); d/dy = 1 - tanh^2
+            t = y.div_(value).tanh_()
+            if want_derivative:
+                factor = t.to(compute, copy=True).square_().neg_().add_(1.0)
+                derivative = factor if derivative is None else derivative.mul_(factor)
+            y = t.mul_(value)
+    z = y.to(compute)
+    if cols.real < cols.width:
+        z[..., cols.real:] = _NEG_INF
+    return z, derivative, scale
+
+
+class _Grads:
+    """The gradients of the hidden states, the weight shard and the bias shard, filled chunk by
+    chunk; the weight's and bias's accumulate in float32 or wider (a half-precision sum over many
+    chunks would drift)."""
+
+    def __init__(self, hidden, weight, bias, want: tuple[bool, bool, bool]):
+        acc = _compute_dtype(weight.dtype)
+        self.hidden = torch.empty_like(hidden) if want[0] else None
+        self.weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want[1] else None
+        self.bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if want[2] and bias is not None else None
+
+    def add_chunk_(self, grad_z: torch.Tensor, derivative, scale: float, x: torch.Tensor, weight: torch.Tensor,
+                   rows: slice) -> None:
+        """Add one chunk: ``grad_z = dL/dz (c, V/p)`` (overwritten) through the logit ops to
+        ``dL/dy``, cast to the head's dtype as autograd hands it to the head, then ``dX = dy W``,
+        ``dW += dy^T X``, ``db += sum dy``."""
+        if derivative is not None:
+            grad_z.mul_(derivative)
+        if scale != 1.0:
+            grad_z.mul_(scale)
+        dy = grad_z.to(weight.dtype)
+        if self.hidden is not None:
+            self.hidden[rows] = dy @ weight
+        if self.weight is not None:
+            self.weight.addmm_(dy.t().to(self.weight.dtype), x.to(self.weight.dtype))
+        if self.bias is not None:
+            self.bias += dy.sum(dim=0, dtype=self.bias.dtype)
+
+
+def _linear_cross_entropy_chunks(hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets,
+                                 chunk_size, ops, want: tuple[bool, bool, bool]):
+    """The per-token loss ``(N,)``, ``m`` and ``S`` ``(N,)``, and with any of ``want`` the gradients
+    of the loss's sum (:class:`_Grads`), chunk by chunk: each chunk's logits, its statistics (two
+    all-reduces), its loss, and its gradient while the chunk's ``exp(z - m)`` is at hand."""
+    what = "vocab_parallel_linear_cross_entropy"
+    n = hidden.shape[0]
+    cols = _columns(weight.shape[0], group, vocab_size)
+    compute = _compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+    ignored, owned, local = _local_targets(target, cols, ignore_index)
+    loss = torch.empty(n, dtype=compute, device=hidden.device)
+    m_all, s_all = torch.empty_like(loss), torch.empty_like(loss)
+    grads = _Grads(hidden, weight, bias, want) if any(want) else None
+    checks = _InputChecks(what, cols, target, bad_targets, ignore_index)
+    for start in range(0, n, chunk_size):
+        rows = slice(start, min(n, start + chunk_size))
+        z, derivative, scale = _chunk_logits(hidden[rows], weight, bias, ops, cols, compute, grads is not None)
+        stats = _softmax_statistics(z, True, cols, local[rows], owned[rows], eps > 0, group,
+                                    checks if start == 0 else None)
+        loss[rows] = _cross_entropy(stats, eps, cols, ignored[rows])
+        m_all[rows], s_all[rows] = stats.m, stats.sum_exp
+        if grads is not None:  # d(sum of losses)/dz: g = 1 on every counted token
+            g = (~ignored[rows]).to(compute)
+            grad_z = _cross_entropy_grad_(stats.exp_z, stats.sum_exp, g, local[rows], owned[rows], eps, cols)
+            grads.add_chunk_(grad_z, derivative, scale, hidden[rows], weight, rows)
+    return loss, m_all, s_all, (ignored, owned, local), grads, cols
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """The sum of the per-token losses; the gradients are made in forward, chunk by chunk, while
+    each chunk's softmax is at hand (no recomputation: three matmuls per chunk, as the unchunked
+    head and loss do), and backward scales them by the incoming scalar."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops):
+        want = tuple(ctx.needs_input_grad[:3])
+        loss, _, _, _, grads, _ = _linear_cross_entropy_chunks(hidden, weight, bias, target, ignore_index, eps, group,
+                                                               vocab_size, bad_targets, chunk_size, ops, want)
+        if grads is not None:
+            ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
+        ctx.dtypes = hidden.dtype, weight.dtype, None if bias is None else bias.dtype
+        return loss.sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total):
+        out = []
+        for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+            out.append(None if grad is None else grad.mul_(grad_total).to(dtype))  # in place: once-differentiable
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+class _LinearCrossEntropyTokens(torch.autograd.Function):
+    """The per-token losses; backward recomputes each chunk's logits from the saved hidden states
+    and the saved ``m`` and ``S`` (two more matmuls per chunk), for any per-token gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops):
+        loss, m, s, (ignored, owned, local), _, cols = _linear_cross_entropy_chunks(
+            hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops,
+            (False, False, False))
+        ctx.save_for_backward(hidden, weight, bias, m, s, ignored, owned, local)
+        ctx.eps, ctx.chunk_size, ctx.ops, ctx.cols = eps, chunk_size, ops, cols
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, m, s, ignored, owned, local = ctx.saved_tensors
+        grads = _Grads(hidden, weight, bias, tuple(ctx.needs_input_grad[:3]))
+        g_all = grad_loss.masked_fill(ignored, 0.0)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, min(hidden.shape[0], start + ctx.chunk_size))
+            z, derivative, scale = _chunk_logits(hidden[rows], weight, bias, ctx.ops, ctx.cols, m.dtype, True)
+            exp_z, _ = _exp_sum_(z.sub_(m[rows].unsqueeze(-1)))
+            grad_z = _cross_entropy_grad_(exp_z, s[rows], g_all[rows].to(m.dtype), local[rows], owned[rows], ctx.eps,
+                                          ctx.cols)
+            grads.add_chunk_(grad_z, derivative, scale, hidden[rows], weight, rows)
+        out = [grads.hidden, None if grads.weight is None else grads.weight.to(weight.dtype),
+               None if grads.bias is None else grads.bias.to(bias.dtype)]
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    logit_ops: Sequence[tuple[str, float]] = (),
+) -> torch.Tensor:
+    """Cross-entropy of the vocab-parallel LM head's logits from its input, over token chunks,
+    never holding the ``(N, V/p)`` logits.
+
+    Equals ``vocab_parallel_cross_entropy(ops(hidden @ weight.T + bias), target, ...)`` (with
+    ``softcap``: ``ops(y) = softcap * tanh(y / softcap)``), which equals ``F.cross_entropy`` of the
+    dense head's logits (Megatron-LM, arXiv:1909.08053, section 3, "output embedding"; the
+    chunking is the fused linear cross-entropy of Liger-Kernel, arXiv:2410.10989, section 3.3,
+    done over the vocabulary shards). For each chunk of ``chunk_size`` tokens: the chunk's logits
+    ``(c, V/p)`` in the weight's dtype, the logit ops as the model applies them, then the softmax
+    statistics of :func:`vocab_parallel_cross_entropy` (its steps, on the chunk) and the chunk's loss.
+
+    Gradients (hidden, weight, bias): with ``reduction="sum"``/``"mean"`` they are made in the
+    forward pass, chunk by chunk, while each chunk's ``exp(z - m)`` is at hand (``dL/dz``, through
+    the logit ops, cast to the head's dtype; ``dX = dz W``, ``dW += dz^T X``, ``db += sum dz``),
+    and backward scales them by the incoming gradient: three matmuls per chunk, the unchunked
+    head's and loss's count. With ``reduction="none"`` backward recomputes each chunk's logits
+    from the saved hidden states and the saved ``m`` and ``S`` (four matmuls per chunk). The
+    weight's and bias's gradients accumulate in float32 or wider.
+
+    Shapes:
+        hidden: ``(..., H)``, e.g. ``(B, T, H)``, replicated on every rank of the group.
+        weight: ``(V_padded / tp_size, H)``, this rank's rows of the head (``nn.Linear`` layout;
+        pass ``weight.t()`` for a ``Conv1D`` head); padded rows are zeros and never count.
+        bias: ``(V_padded / tp_size,)`` or None.
+        target: ``(...)`` global ids in ``[0, V)`` or ``ignore_index``, the same on every rank.
+        returns: ``(...)`` with ``reduction="none"``, else a scalar.
+    Dtype: logits in the dtype of ``hidden @ weight.T`` (autocast's under autocast, as the head),
+        the softmax in float32 (float64 for float64); the loss in that compute dtype.
+    Memory: per chunk one ``(c, V/p)`` buffer in the compute dtype (two with ``softcap`` while
+        the gradient is made), plus the gradients of hidden, weight and bias, which backward
+        returns (``reduction="sum"/"mean"``: made in forward and kept until backward).
+    Communication: per chunk 2 all-reduces, ``c`` values (max; the first chunk's carries the 5
+        target and shard-width checks) and ``2c`` (``3c`` with ``label_smoothing > 0``): in all
+        ``2 * ceil(N / chunk_size)`` all-reduces of ``N + 5`` and ``2N`` (``3N``) values, the
+        unchunked loss's values. Backward: one all-reduce of the hidden states' gradient ``N * H``
+        (Megatron's ``f``: ``hidden`` enters the column-parallel region here, as the head's input
+        does), none else. With the gradients made in forward, ``backward`` must follow (a forward
+        with gradients enabled whose loss is never backpropagated pays for them).
+
+    Args:
+        hidden, weight, target, bias: see Shapes.
+        ignore_index, label_smoothing, reduction, tp_group, vocab_size: as
+            :func:`vocab_parallel_cross_entropy`.
+        chunk_size: tokens per chunk (positive).
+        softcap: Gemma 2's ``final_logit_softcapping``: ``logits = softcap * tanh(logits /
+            softcap)`` before the softmax (appended to ``logit_ops``).
+        logit_ops: what the model does to the head's output before the softmax, in order:
+            ``("multiply", s)``, ``("divide", d)``, ``("softcap", c)`` (:data:`LOGIT_OPS`).
+
+    Raises:
+        ValueError: bad ``reduction``/``label_smoothing``/``vocab_size``/``chunk_size``/
+            ``logit_ops``, shapes that do not match (before any collective); bad or differing
+            targets and shard widths (every rank, from the first all-reduce), as
+            :func:`vocab_parallel_cross_entropy`.
+    """
+    what = "vocab_parallel_linear_cross_entropy"
+    _check_loss_args(what, reduction, label_smoothing)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"{what}: chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    ops = _check_logit_ops(what, tuple(logit_ops) + ((("softcap", softcap),) if softcap is not None else ()))
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{what}: weight {tuple(weight.shape)} must be (V_padded / tp_size, H) with H = "
+                         f"hidden.shape[-1] = {hidden.shape[-1]} (pass weight.t() for a Conv1D head)")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"{what}: bias {tuple(bias.shape)} must be (V_padded / tp_size,) = ({weight.shape[0]},)")
+    vocab = _check_vocab(what, weight.shape[0], tp_group, vocab_size)
+    bad_targets = _check_target(what, hidden.shape[:-1], target, vocab, ignore_index, tp_group, "hidden")
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    hidden = comm.copy_to_tp_region(hidden, tp_group)  # backward: the all-reduce of the partial dX
+    flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    args = (flat_hidden, weight, bias, flat_target, ignore_index, float(label_smoothing), tp_group, vocab_size,
+            bad_targets, chunk_size, ops)
+    if reduction == "none":
+        return _LinearCrossEntropyTokens.apply(*args).view(target.shape)
+    total = _LinearCrossEntropySum.apply(*args)
+    if reduction == "sum":
+        return total
+    return mean_or_nan(total, (target != ignore_index).sum())

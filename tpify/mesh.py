@@ -1,28 +1,41 @@
 """Process groups for tensor parallelism: the TP group and, beside it, the DP group.
 
 Given by the caller (``tp_group``, ``dp_group``), inferred (a ``tp_group`` smaller than the
-world: the DP group is the ranks holding the same TP rank), or made here on a mesh.
+world: the DP group is the ranks holding the same TP rank), or made here on a mesh: this module
+is the one place tpify builds a :class:`~torch.distributed.device_mesh.DeviceMesh`.
 
-``world = dp * tp`` ranks are laid out as a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh`
-with axes ``("dp", "tp")`` in row-major order, so the ranks of one TP group are contiguous
-(ranks ``0 .. tp-1`` form the first), which keeps TP inside a host when each host runs a
-multiple of ``tp`` processes (docs/mechanics.md, "Groups").
+``world = dp_replicate * dp_shard * tp`` ranks are laid out as a 3-D DeviceMesh with axes
+``("dp_replicate", "dp_shard", "tp")`` in row-major order (:func:`init_mesh`), so the ranks of one
+TP group are contiguous (ranks ``0 .. tp-1`` form the first), which keeps TP inside a host when
+each host runs a multiple of ``tp`` processes (docs/mechanics.md, "Groups"). The two data-parallel
+axes flattened are the axis ``"dp"`` (:func:`dp_mesh`): the DP group, over which DDP averages
+gradients; FSDP2 shards over ``"dp_shard"`` and, with ``dp_replicate > 1``, replicates over
+``"dp_replicate"`` (HSDP; :mod:`tpify.data_parallel`). The same names as accelerate's
+``ParallelismConfig`` and torchtitan's meshes.
 """
 
 from __future__ import annotations
+
+import os
+import socket
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-__all__ = ["init_tp_mesh", "resolve_tp_size", "INFER", "check_dp_group", "agreement_scope", "resolve_groups"]
+__all__ = ["init_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS", "resolve_tp_size", "INFER", "check_dp_group",
+           "check_mesh", "agreement_scope", "resolve_groups", "host_of_rank", "split_tp_groups"]
 
 #: The default of ``dp_group``: with a ``tp_group`` smaller than the world, find the DP group from
 #: every rank's TP group (``None`` says: no data parallelism).
 INFER = "infer"
 
-_meshes: dict[tuple[int, int], DeviceMesh] = {}
+#: The axes of the mesh :func:`init_mesh` builds, outermost first (TP innermost: contiguous ranks).
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+_meshes: dict[tuple[int, int, int], DeviceMesh] = {}
 
 
 def _device_type() -> str:
@@ -63,17 +76,146 @@ def resolve_tp_size(tp_size: int | None, tp_group: dist.ProcessGroup | None) -> 
     return tp_size
 
 
-def init_tp_mesh(tp_size: int) -> DeviceMesh:
-    """The ``("dp", "tp")`` DeviceMesh with ``dp = world // tp_size`` (created once, then cached).
+def host_of_rank() -> str:
+    """This process's host, as tpify tells hosts apart: the host name, and torchrun's node rank
+    (``GROUP_RANK``) when set, so that two ``torchrun --nnodes 2`` launches on one machine count as
+    two hosts, as they would on two machines. Local; no communication."""
+    node = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f"/node {node}" if node is not None else "")
 
-    Collective: every rank of the world must call it with the same ``tp_size``.
-    ``mesh["tp"].get_group()`` is this rank's TP group, ``mesh["dp"].get_group()`` its DP group.
+
+def split_tp_groups(hosts: list[str], tp_size: int) -> list[str]:
+    """The contiguous TP groups of ``tp_size`` ranks whose ranks are on more than one host, each
+    described (``hosts[r]``: rank ``r``'s :func:`host_of_rank`). Pure; no communication."""
+    out = []
+    for start in range(0, len(hosts), tp_size):
+        on = sorted(set(hosts[start: start + tp_size]))
+        if len(on) > 1:
+            out.append(f"ranks {start}..{start + tp_size - 1} on {len(on)} hosts ({', '.join(on)})")
+    return out
+
+
+def _check_sizes(tp_size, dp_replicate, world: int) -> None:
+    """Local checks of :func:`init_mesh`'s sizes. Raises ValueError naming the numbers and the fix."""
+    for name, value in (("tp_size", tp_size), ("dp_replicate", dp_replicate)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"init_mesh: {name} must be a positive integer, got {value!r}")
+    if world % (tp_size * dp_replicate):
+        raise ValueError(f"init_mesh: dp_replicate {dp_replicate} x tp_size {tp_size} = {dp_replicate * tp_size} does "
+                         f"not divide the world size {world}: the mesh dp_replicate x dp_shard x tp must be the "
+                         f"world; pass sizes whose product divides {world}")
+
+
+def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None = None) -> DeviceMesh:
+    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh (created once per shape, then cached).
+
+    ``dp_shard = world // (dp_replicate * tp_size)``. Row-major: TP groups are contiguous ranks,
+    then the FSDP shard groups, then the replicas. ``mesh["tp"]`` is this rank's TP group;
+    :func:`dp_mesh` the two DP axes flattened (the DP group: DDP); :func:`fsdp_mesh` the 1-D
+    ``"dp_shard"`` mesh (FSDP2) or the 2-D ``("dp_replicate", "dp_shard")`` mesh (HSDP). Pass it to
+    :func:`tpify.parallelize` / :func:`tpify.from_pretrained` as ``mesh=``.
+
+    Hosts: TP stays inside a host when every host runs a multiple of ``tp_size`` ranks with
+    contiguous global ranks (torchrun's ``--nproc-per-node``, ``LOCAL_WORLD_SIZE``). Every rank
+    shares its host (:func:`host_of_rank`) in the agreement; a TP group whose ranks are on several
+    hosts (its all-reduces would cross the network on every layer) raises with
+    ``host_local_tp=True``, warns with ``None`` (the default) and passes silently with ``False``.
+
+    Communication: one agreement (:func:`tpify.agree.agree`, the store: the same sizes on every
+    rank, every rank's host), then the mesh's process groups (collective over the world); none
+    when the mesh of this shape exists already.
+
+    Raises:
+        ValueError: on every rank: sizes that are not positive integers, ``dp_replicate * tp_size``
+            not dividing the world, a TP group split across hosts with ``host_local_tp=True``
+            (naming the ranks, the hosts, ``LOCAL_WORLD_SIZE`` and the fix).
+        AgreementError: another rank failed, or the ranks passed different sizes.
+    Warns:
+        UserWarning: a TP group split across hosts, with ``host_local_tp=None``.
     """
+    from .agree import agree
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("init_mesh needs torch.distributed: launch with torchrun and call "
+                         "torch.distributed.init_process_group() first")
     world = dist.get_world_size()
-    key = (world // tp_size, tp_size)
+    error = None
+    try:
+        _check_sizes(tp_size, dp_replicate, world)
+    except ValueError as e:
+        error = e
+    key = (dp_replicate, world // (tp_size * dp_replicate), tp_size) if error is None else None
+    if key in _meshes and not host_local_tp:  # host_local_tp=True checks the hosts again
+        return _meshes[key]
+    hosts = agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate}, error,
+                  share=host_of_rank())
+    split = split_tp_groups(hosts, tp_size) if hosts is not None and host_local_tp is not False else []
+    if split:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "unset")
+        message = (f"tensor-parallel groups span hosts: {'; '.join(split[:3])}"
+                   f"{f' and {len(split) - 3} more' if len(split) > 3 else ''} (tp_size {tp_size}, "
+                   f"LOCAL_WORLD_SIZE {local}): every layer's all-reduces would cross the network. Start a multiple "
+                   f"of {tp_size} ranks per host (torchrun --nproc-per-node) with contiguous ranks per host, or a "
+                   f"tp_size that divides the ranks per host")
+        if host_local_tp:
+            raise ValueError(message + " (refused: host_local_tp=True)")
+        warnings.warn(message + " (pass host_local_tp=True to refuse, False to silence)", UserWarning, stacklevel=2)
     if key not in _meshes:
-        _meshes[key] = init_device_mesh(_device_type(), key, mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(_device_type(), key, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        _meshes[key] = mesh
     return _meshes[key]
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel axes of a :func:`init_mesh` mesh flattened, a 1-D mesh named ``"dp"``
+    (this rank's DP group: the ranks that hold the same TP shard); a mesh with a ``"dp"`` axis of
+    its own gives that axis. Local after :func:`init_mesh` (the flattened groups exist)."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names and "dp_shard" in names:
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh["dp"]
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2's ``fully_shard`` takes: ``mesh["dp_shard"]`` (1-D: shard over it), or, when
+    the mesh replicates (``dp_replicate > 1``), ``mesh["dp_replicate", "dp_shard"]`` (2-D: HSDP,
+    replicate over the first axis, shard over the second). Local."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_shard" not in names:
+        return mesh["dp"]
+    if "dp_replicate" in names and mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def check_mesh(mesh, tp_size: int | None, tp_group, dp_group) -> int:
+    """Local checks of a ``mesh=`` argument to :func:`tpify.parallelize`; its tp size. No collective.
+
+    Raises:
+        ValueError: ``mesh`` is not a DeviceMesh with a ``"tp"`` axis and the data-parallel axes
+            (``"dp_replicate"`` and ``"dp_shard"``, or ``"dp"``); it does not cover the world
+            (``dp x tp`` must be the world size); ``tp_group`` or ``dp_group`` given too; a
+            ``tp_size`` other than the mesh's.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch DeviceMesh (tpify.init_mesh builds one), got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tp" not in names or not ("dp" in names or {"dp_replicate", "dp_shard"} <= set(names)):
+        raise ValueError(f"mesh has axes {names}; tpify needs a 'tp' axis and the data-parallel axes ('dp_replicate', "
+                         f"'dp_shard') or 'dp': build it with tpify.init_mesh(tp_size, dp_replicate)")
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        shape = " x ".join(f"{n} {mesh.size(i)}" for i, n in enumerate(names))
+        raise ValueError(f"mesh {shape} = {mesh.size()} ranks, but the world has {world}: the data-parallel and "
+                         f"tensor-parallel sizes must multiply to the world size; build it with "
+                         f"tpify.init_mesh(tp_size, dp_replicate) (dp_shard = world // (dp_replicate * tp_size))")
+    if tp_group is not None or dp_group != INFER:
+        raise ValueError("pass mesh= alone, or tp_group= (and dp_group=), not both: the mesh makes both groups")
+    size = mesh["tp"].size()
+    if tp_size is not None and tp_size != size:
+        raise ValueError(f"tp_size = {tp_size} but the mesh's 'tp' axis has {size} ranks; pass one of them")
+    return size
 
 
 def check_dp_group(dp_group, tp_group: dist.ProcessGroup | None) -> None:
@@ -135,18 +277,20 @@ def _infer_dp_group(tp_groups: list[tuple[int, ...]]):
     return mine
 
 
-def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group=INFER, tp_groups: list | None = None):
-    """``(tp_group, dp_group, dp_source)`` for a validated ``tp_size``; creates the mesh or the DP
-    groups when needed (collective). See :attr:`TPInfo.dp_source`."""
+def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group=INFER, tp_groups: list | None = None,
+                   mesh: DeviceMesh | None = None):
+    """``(tp_group, dp_group, dp_source, mesh)`` for a validated ``tp_size``; creates the mesh
+    (:func:`init_mesh`) or the DP groups when needed (collective). See :attr:`TPInfo.dp_source`;
+    ``mesh`` is the DeviceMesh the groups come from, or None."""
     if not (dist.is_available() and dist.is_initialized()):
-        return tp_group, None, "none"
+        return tp_group, None, "none", None
     if tp_group is None:
-        mesh = init_tp_mesh(tp_size)
-        return mesh["tp"].get_group(), mesh["dp"].get_group(), "mesh"
+        mesh = mesh if mesh is not None else init_mesh(tp_size)
+        return mesh["tp"].get_group(), dp_mesh(mesh).get_group(), "mesh", mesh
     if dp_group is None:  # the caller says: no data parallelism
-        return tp_group, None, "none"
+        return tp_group, None, "none", None
     if dp_group != INFER:
-        return tp_group, dp_group, "argument"
+        return tp_group, dp_group, "argument", None
     if tp_groups is None:  # the TP group is the whole world
-        return tp_group, None, "none"
-    return tp_group, _infer_dp_group(tp_groups), "inferred"
+        return tp_group, None, "none", None
+    return tp_group, _infer_dp_group(tp_groups), "inferred", None

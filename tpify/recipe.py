@@ -32,6 +32,9 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
     ``rowwise``: :class:`~tpify.layers.RowParallelLinear`, input already sharded.
     ``embedding_rowwise``: :class:`~tpify.layers.VocabParallelEmbedding`.
     ``embedding_colwise``: :class:`~tpify.layers.ColumnParallelEmbedding` (columns are heads).
+    ``experts``: the named parameters of a module (fused 3-D MoE experts) split along a dimension
+        (``params``); its output is a partial sum, all-reduced (or, with ``ep_size``, whole experts
+        per rank and the tokens exchanged).
     ``replicate``: left as it is, a full copy on every rank.
 
 Every key, with an example per feature, is in ``docs/recipes.md``.
@@ -44,19 +47,21 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .loss import LOGIT_OPS
 from .styles import STYLES as _STYLE_OBJECTS
 
 __all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
-_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when"}
+_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when", "params"}
+_PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule"}
 _SP_KEYS = {"split", "gather", "exit"}
 _HEAD_INPUT_KEYS = {"arg", "dim", "heads"}
 SUBCLASS_FORWARDS = ("plain", "scaled")
 LOSS_KINDS = ("causal", "masked", "seq2seq", "none")
-_LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items", "terms"}
+_LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items", "terms", "logits"}
 _TERM_KEYS = {"output", "coefficient"}
 _CHECKPOINT_KEYS = {"renames"}
 
@@ -91,6 +96,7 @@ class Rule:
     when: tuple[tuple[str, object], ...] = ()
     replicated_parts: tuple[int, ...] = ()
     head_inputs: tuple[tuple[str, int, str], ...] = ()  # (argument name, head dimension, config head count)
+    params: tuple[tuple[str, int, int], ...] = ()  # (parameter name, split dimension, packed parts) of 'experts'
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
     def matches(self, fqn: str) -> bool:
@@ -164,17 +170,19 @@ class Recipe:
     ignores_num_items: tuple[str, ...] = ()
     # (output field, coefficient: config attribute or number) HF adds to the LM loss (MoE aux losses)
     loss_terms: tuple[tuple[str, str | float], ...] = ()
+    # (op, value: config attribute or number) the model applies to its LM head's output, in order
+    logit_ops: tuple[tuple[str, str | float], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
     sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob}
 
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
-        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs)
-                 for r in self.rules]
+        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
+                  r.params) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
-                   self.sequence_parallel, list(self.loss_terms)])
+                   self.sequence_parallel, list(self.loss_terms), list(self.logit_ops)])
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -216,8 +224,18 @@ class Recipe:
                      "coefficient = the config attribute HF multiplies it by (\"router_aux_loss_coef\"), or a "
                      "number } tables")
             loss_terms.append((term["output"], coefficient))
+        logit_ops = []
+        raw_ops = loss_table.get("logits", [])
+        for item in raw_ops if isinstance(raw_ops, list) else [None]:
+            op, value = next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (None, None)
+            if (op not in LOGIT_OPS or isinstance(value, bool) or not isinstance(value, (str, int, float))
+                    or value in ("", 0)):
+                fail(f"[loss] logits must be a list of {{ op = value }} tables, op one of {list(LOGIT_OPS)} and value "
+                     f"the config attribute HF reads (\"final_logit_softcapping\") or a non-zero number, in the order "
+                     f"the model applies them to its LM head's output")
+            logit_ops.append((op, value))
         for kind, names in loss_table.items():
-            if kind == "terms":
+            if kind in ("terms", "logits"):
                 continue
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 fail(f"[loss] {kind} must be a list of head class names")
@@ -312,6 +330,7 @@ class Recipe:
                         or len(set(replicated_parts)) != len(replicated_parts) or len(replicated_parts) >= count):
                     fail(f"{where} (match={patterns}): 'replicated_parts' is for style 'packed_colwise': a list of "
                          f"distinct part indices (0-based, below {count}) naming some, not all, of the parts")
+            params = _rule_params(raw.get("params"), style, f"{where} (match={patterns})", fail)
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
@@ -320,10 +339,32 @@ class Recipe:
                 fail(f"{where} (match={patterns}): 'when' must be a table of config attribute = value "
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
-                              tuple(replicated_parts), tuple(head_inputs)))
+                              tuple(replicated_parts), tuple(head_inputs), params))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
-                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms),
+                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp)
+
+
+def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ...]:
+    """A rule's ``params`` table: ``{ name = { dim = d, parts = n } }`` -> ``((name, d, n), ...)``
+    sorted by name (``parts`` 1 when not given). Only the ``experts`` style takes it, and needs it."""
+    if raw is None:
+        if style == "experts":
+            fail(f"{where}: style 'experts' needs 'params', the parameters it splits and how: params = "
+                 f"{{ gate_up_proj = {{ dim = 1, parts = 2 }}, down_proj = {{ dim = 2 }} }}")
+        return ()
+    if style != "experts":
+        fail(f"{where}: 'params' is only for style 'experts'")
+    ok = isinstance(raw, dict) and raw and all(
+        isinstance(name, str) and name and "." not in name and isinstance(spec, dict) and spec
+        and set(spec) <= _PARAM_KEYS and "dim" in spec
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values())
+        and spec["dim"] >= 0 and spec.get("parts", 1) >= 1 for name, spec in raw.items())
+    if not ok:
+        fail(f"{where}: 'params' must be a table of parameter name = {{ dim = the dimension split over the ranks "
+             f"(an integer >= 0), parts = the number of equal packed parts along it, each split alike (optional, "
+             f"an integer >= 1) }}")
+    return tuple(sorted((name, spec["dim"], spec.get("parts", 1)) for name, spec in raw.items()))
 
 
 def loss_terms_of(config) -> list[dict]:
@@ -334,6 +375,17 @@ def loss_terms_of(config) -> list[dict]:
     if hasattr(config, "router_aux_loss_coef") and hasattr(config, "output_router_logits"):
         return [{"output": "aux_loss", "coefficient": "router_aux_loss_coef"}]
     return []
+
+
+def logit_ops_of(config) -> list[dict]:
+    """The ``[loss] logits`` a config's model applies to its LM head's output, for a recipe written
+    from the config (``tpify draft``, the imported HF plan), in the order transformers applies
+    them: ``logit_scale`` multiplies (Cohere), ``logits_scaling`` divides (Granite),
+    ``final_logit_softcapping`` caps (Gemma 2 and 3: ``cap * tanh(logits / cap)``). Local; reads
+    attribute names only. A declaration the model does not follow is refused when the chunked
+    loss checks it (:mod:`tpify.hooks.lm_loss`)."""
+    found = [("multiply", "logit_scale"), ("divide", "logits_scaling"), ("softcap", "final_logit_softcapping")]
+    return [{op: name} for op, name in found if hasattr(config, name)]
 
 
 def recipe_dirs() -> list[Path]:

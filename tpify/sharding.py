@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import comm
 
-__all__ = ["ShardSpec", "shard_spec_of", "is_dtensor", "KeepsShardSpecs", "divide", "pad_vocab_size",
+__all__ = ["ShardSpec", "shard_spec_of", "is_dtensor", "copy_local_", "KeepsShardSpecs", "divide", "pad_vocab_size",
            "valid_tp_sizes", "column_specs", "row_spec", "vocab_rows_spec", "embedding_columns_spec",
            "lora_factor_spec"]
 
@@ -289,6 +289,20 @@ def is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def copy_local_(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value``, this rank's whole TP shard of a tensor, into ``target`` in place: into a
+    plain tensor as it is; into a DTensor (a parameter FSDP2 shards over the data-parallel axes),
+    the slice of ``value`` this rank holds (``distribute_tensor`` with ``src_data_rank=None``:
+    each rank slices its own copy, no communication). Converted to ``target``'s dtype."""
+    if not is_dtensor(target):
+        target.copy_(value)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    mine = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    target.to_local().copy_(mine.to_local())
 
 
 def shard_spec_of(tensor: torch.Tensor) -> ShardSpec | None:

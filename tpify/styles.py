@@ -16,6 +16,7 @@ name to its object; adding a style is adding a class here.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +47,9 @@ class ModuleLayout:
             (``weight``, ``bias``), as :meth:`Style.param_specs` gives them.
         sequence_parallel: the module lies in a sequence-parallel stretch (inside a module whose
             input is gathered along ``T``): its layer is built with ``sequence_parallel=True``.
+        params: ``experts`` only: the rule's ``(parameter name, split dimension, packed parts)``.
+        expert_parallel: ``experts`` only: whole experts per rank (``parallelize(..., ep_size=)``),
+            every parameter split along dim 0 (the experts), the tokens exchanged between ranks.
     """
 
     fqn: str
@@ -58,6 +62,8 @@ class ModuleLayout:
     scale_attr: str | None = None
     specs: dict[str, ShardSpec | None] = field(default_factory=dict)
     sequence_parallel: bool = False
+    params: tuple[tuple[str, int, int], ...] = ()
+    expert_parallel: bool = False
 
     @property
     def styler(self) -> "Style":
@@ -69,7 +75,8 @@ class ModuleLayout:
 class PlanContext:
     """What a style's :meth:`Style.plan` checks a module against: the model, its config, the
     recipe, the tp size and padding, and where problems go (``errors``; ``need_divisible(what,
-    value)`` records a count ``tp_size`` must divide)."""
+    value)`` records a count ``tp_size`` must divide); ``ep_size``: ``tp_size`` when the experts
+    are split whole over the ranks (expert parallelism), else 1."""
 
     model: nn.Module
     config: object
@@ -79,6 +86,7 @@ class PlanContext:
     errors: list[str]
     need_divisible: Callable[[str, int], None]
     packed_sizes: Callable = None  # (rule, out_features, owner, fqn) -> global part widths or None
+    ep_size: int = 1
 
 
 class Style:
@@ -86,8 +94,9 @@ class Style:
 
     Attributes:
         name: the recipe's name for it.
-        kind: the module kind it splits (``"linear"``: ``nn.Linear``/``Conv1D``; ``"embedding"``),
-            or None (``replicate``: any module).
+        kind: the module kind it splits (``"linear"``: ``nn.Linear``/``Conv1D``; ``"embedding"``;
+            ``"params"``: named parameters of any other module, fused MoE experts), or None
+            (``replicate``: any module).
         region: ``"start"`` when the module's output stays sharded (a sharded region begins
             after it: column styles), ``"end"`` when its input is sharded (a region ends before
             it: ``rowwise``), else None. The dropout streams and the region-gradient hooks
@@ -104,11 +113,16 @@ class Style:
     lm_head = False
     vocab_rows = False
     sequence_parallel = True  # may lie in a sequence-parallel stretch (its maths does not depend on T)
+    sequence_parallel_refusal = ""  # why not, when sequence_parallel is False
 
     @property
     def shards(self) -> bool:
         """Whether the style splits the module at all (every style but ``replicate``)."""
         return self.kind is not None
+
+    def accepts(self, module: nn.Module) -> bool:
+        """Whether ``module`` is of the kind this style splits (any module for ``replicate``)."""
+        return self.kind is None or module_kind(module) == self.kind
 
     def plan(self, ctx: PlanContext, fqn: str, module: nn.Module, rule) -> ModuleLayout | None:
         """Check ``module`` for this style and return its :class:`ModuleLayout` (specs included),
@@ -128,7 +142,7 @@ class Style:
         """The module is of this style's kind and computes what the plain layer computes (or the
         recipe's ``[subclasses]`` says what its ``forward`` adds)."""
         kind = module_kind(module)
-        if kind != self.kind:
+        if not self.accepts(module):
             ctx.errors.append(f"{fqn} is a {type(module).__name__}; style {self.name!r} ({rule.describe()}) does not "
                               f"apply to it" if kind is not None else
                               f"{fqn} is a {qualname(module)}, not one of {SHARDABLE_TYPES}; {rule.describe()} gives "
@@ -223,7 +237,8 @@ class _EmbeddingColwise(_Embedding):
 
     name = "embedding_colwise"
     region = "start"
-    sequence_parallel = False  # relative attention biases are built for all (T, T) positions
+    sequence_parallel = False
+    sequence_parallel_refusal = "relative attention biases are built for all (T, T) positions"
 
     def _table_sizes(self, ctx, fqn, module, entry):
         ctx.need_divisible(f"{fqn}.embedding_dim ({type(module).__name__}, embedding_colwise)", module.embedding_dim)
@@ -319,8 +334,137 @@ class _Rowwise(Style):
                                             sequence_parallel=entry.sequence_parallel, context=ctx)
 
 
+class _Experts(Style):
+    """``experts``: a module holding fused expert weights (transformers' ``*Experts``:
+    ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), its named parameters split.
+
+    Tensor-parallel experts (Megatron-LM's TP experts; Shazeer et al., arXiv:1701.06538, for the
+    layer): each parameter of the rule's ``params`` is split along its ``dim`` (``gate_up_proj``
+    by each of its 2 packed parts ``[gate | up]``, ``down_proj`` by its input), so rank ``r``
+    holds every expert's intermediate columns ``[r I/p, (r+1) I/p)`` and the module's output is a
+    partial sum: the module keeps its own forward (``experts_implementation``), and
+    :mod:`tpify.hooks.experts` copies its inputs into the region (Megatron's ``f``: their
+    gradients all-reduced in backward) and all-reduces its output (``g``). With ``ep_size =
+    tp_size`` (expert parallelism): every parameter is split along dim 0 instead, rank ``r``
+    holds experts ``[r E/p, (r+1) E/p)`` whole (its ``num_experts`` becomes ``E/p``), and the
+    hooks exchange the tokens with all-to-all.
+
+    The module must compute a sum over the split dimension (what ``tpify verify`` proves). What
+    would count ``p`` times or see a partial sum is refused: a parameter the rule does not name
+    (a ``down_proj`` bias), a child with parameters (a norm after each expert), transformers'
+    ``has_bias``, ``has_post_expert_norm``, interleaved ``[gate, up]`` (``is_concatenated``
+    false).
+    """
+
+    name = "experts"
+    kind = "params"
+    sequence_parallel = False
+    sequence_parallel_refusal = ("the router would run on the gathered tokens inside the MoE block, whose input "
+                                 "gradient the gather sums over the ranks, or on T/p tokens, where its load-balancing "
+                                 "loss is not the dense one; not supported yet (docs/parallelize.md)")
+
+    def accepts(self, module):
+        return module_kind(module) is None
+
+    def _check_module(self, ctx, fqn, module, rule, entry):
+        cls = type(module).__name__
+        if not self.accepts(module):
+            ctx.errors.append(f"{fqn} is a {cls}; style 'experts' ({rule.describe()}) splits the named parameters of "
+                              f"a module holding fused expert weights, not an {SHARDABLE_TYPES} layer")
+            return False
+        own = dict(module.named_parameters(recurse=False))
+        names = [name for name, _, _ in rule.params]
+        problems = [f"it holds no parameter {name!r}" for name in names if name not in own]
+        problems += [f"{name} has {own[name].dim()} dimensions, so it has no dimension {dim}"
+                     for name, dim, _ in rule.params if name in own and own[name].dim() <= dim]
+        extra = sorted(set(own) - set(names))
+        if extra:
+            problems.append(f"it holds parameters {extra} that the rule does not split: the experts' output is "
+                            f"summed over the ranks, so a parameter each rank would apply whole (a bias added after "
+                            f"down_proj) would count tp_size times")
+        children = sorted(n for n, c in module.named_children() if any(True for _ in c.parameters()))
+        if children:
+            problems.append(f"its children {children} hold parameters (a norm after each expert would see a partial "
+                            f"sum)")
+        flags = {"has_bias": True, "has_post_expert_norm": True, "_is_expert_parallel": True}
+        if any(parts > 1 for _, _, parts in rule.params):
+            flags["is_concatenated"] = False  # [gate0, up0, gate1, up1, ...]: not two contiguous parts
+        problems += [f"{flag} = {value} (transformers' experts interface)" for flag, value in flags.items()
+                     if getattr(module, flag, not value) is value]
+        if ctx.ep_size > 1:
+            problems += self._expert_parallel_problems(module, own, names)
+        if problems:
+            ctx.errors.append(f"{fqn} ({cls}): style 'experts' ({rule.describe()}) cannot split it: "
+                              + "; ".join(problems) + ". tpify splits only what it understands: give the module "
+                              "style 'replicate' to keep it whole")
+            return False
+        entry.params, entry.expert_parallel = rule.params, ctx.ep_size > 1
+        return True
+
+    @staticmethod
+    def _expert_parallel_problems(module, own, names) -> list[str]:
+        """What expert parallelism needs of the module: ``num_experts`` = dim 0 of every split
+        parameter, and transformers' experts signature ``(hidden_states, top_k_index, top_k_weights)``."""
+        problems = []
+        experts = getattr(module, "num_experts", None)
+        sizes = {name: tuple(own[name].shape)[0] for name in names if name in own}
+        if not isinstance(experts, int) or isinstance(experts, bool) or any(s != experts for s in sizes.values()):
+            problems.append(f"expert parallelism splits dim 0 of {sorted(sizes)} (sizes {sorted(set(sizes.values()))}) "
+                            f"as the experts, but its num_experts is {experts!r}")
+        try:
+            signature = list(inspect.signature(type(module).forward).parameters)[1:4]
+        except (TypeError, ValueError):
+            signature = []
+        if signature != list(_EXPERTS_ARGUMENTS):
+            problems.append(f"expert parallelism exchanges the arguments {list(_EXPERTS_ARGUMENTS)} of its forward, "
+                            f"which takes {signature}")
+        return problems
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        if entry.expert_parallel:
+            ctx.need_divisible(f"{fqn}.num_experts ({type(module).__name__}, experts, ep_size)", module.num_experts)
+            return True
+        ok = True
+        for name, dim, parts in rule.params:
+            size = getattr(module, name).shape[dim]
+            if size % parts:
+                ctx.errors.append(f"{fqn}.{name}: dimension {dim} of size {size} cannot hold {parts} equal parts")
+                ok = False
+                continue
+            ctx.need_divisible(f"{fqn}.{name} dimension {dim}" + (f" (each of {parts} parts)" if parts > 1 else ""),
+                               size // parts)
+        return ok
+
+    def param_specs(self, module, entry, tp_size):
+        specs = {}
+        for name, dim, parts in entry.params:
+            shape = getattr(module, name).shape
+            if entry.expert_parallel:
+                specs[name] = ShardSpec(0, (shape[0],), tp_size)
+            else:
+                specs[name] = ShardSpec(dim, (shape[dim] // parts,) * parts, tp_size)
+        return specs
+
+    def build(self, module, entry, ctx):
+        """``module`` itself, each split parameter replaced by this rank's slice (carrying its spec);
+        with expert parallelism its ``num_experts`` divided. Works on the meta device."""
+        with torch.no_grad():
+            for name, spec in entry.specs.items():
+                dense = getattr(module, name)
+                shard = nn.Parameter(spec.slice_dense(dense, ctx.rank), requires_grad=dense.requires_grad)
+                shard.tp_shard_spec = spec
+                setattr(module, name, shard)
+        if entry.expert_parallel:
+            module.num_experts //= ctx.size
+        return module
+
+
+#: The arguments of transformers' experts forward (integrations/moe.py), in order.
+_EXPERTS_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
 STYLES: dict[str, Style] = {s.name: s for s in (_Colwise(), _PackedColwise(), _ColwiseRep(), _Rowwise(),
-                                                _EmbeddingRowwise(), _EmbeddingColwise(), _Replicate())}
+                                                _EmbeddingRowwise(), _EmbeddingColwise(), _Experts(), _Replicate())}
 
 
 def style_of(name: str) -> Style:

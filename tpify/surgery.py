@@ -52,9 +52,10 @@ def _swap(model: nn.Module, layout: Layout, ctx: TPContext) -> None:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         dense = getattr(parent, child)
+        before = dict(dense.named_parameters(recurse=False))  # a style may split the module's own parameters
         layer = entry.styler.build(dense, entry, ctx)
         for name, new in list(layer.named_parameters(recurse=False)):
-            old = getattr(dense, name)
+            old = before[name] if name in before else getattr(dense, name)
             tied = replaced.get(id(old), (None, None))[1]
             if tied is not None:
                 if tied.shape != new.shape:

@@ -1,12 +1,14 @@
-"""Training utilities for DP x TP: gradient averaging over the DP group, global-norm clipping.
+"""Training utilities for DP x TP: global-norm clipping, the replica check, a DP-average fallback.
 
 With ``world = dp * tp`` (see :mod:`tpify.mesh`), the ranks of one TP group hold the shards of
-one model replica and see the same batch; the ``dp`` replicas see different batches. After
-``loss.backward()`` each shard's gradient is averaged over its DP group
-(:func:`sync_gradients`), and the gradient norm used for clipping is that of the whole dense
-model: squares of sharded gradients summed over the TP group, replicated ones counted once
-(:func:`clip_grad_norm_`; docs/mechanics.md "Gradients, clipping, memory"). The Trainer and
-accelerate adapters (:mod:`tpify.integrations`) call these same functions.
+one model replica and see the same batch; the ``dp`` replicas see different batches. Data
+parallelism is torch's (:mod:`tpify.data_parallel`: DDP over the DP group, FSDP2/HSDP over the
+mesh's DP axes). The gradient norm used for clipping is that of the whole dense model: squares
+of sharded gradients summed over the TP group (under FSDP2 over its shard axis first),
+replicated ones counted once (:func:`clip_grad_norm_`; docs/mechanics.md "Gradients, clipping,
+memory"). The Trainer and accelerate adapters (:mod:`tpify.integrations`) call these same
+functions. :func:`sync_gradients` averages gradients over DP after the backward, in one flat
+all-reduce: a fallback for loops that cannot run the model inside DDP.
 """
 
 from __future__ import annotations
@@ -51,7 +53,14 @@ def _refuse_fsdp(model: nn.Module, what: str) -> None:
 
 
 def sync_gradients(model: nn.Module) -> None:
-    """Average every gradient over the model's DP group, in place (what DDP does, over DP only).
+    """Average every gradient over the model's DP group, in place, after the backward: a fallback.
+
+    Prefer torch's DDP over the DP group (:func:`tpify.data_parallel.replicate_data_parallel`,
+    what :class:`~tpify.integrations.TPTrainer`, :class:`~tpify.integrations.TPAccelerator` and
+    ``tpify finetune`` use): it reduces in buckets while the backward still runs, without a second
+    copy of the gradients. This function waits for the whole backward, and holds a flat copy of
+    every gradient of one dtype while it reduces it (benchmarks/bench_memory.py measures both);
+    use it where the model cannot run inside DDP.
 
     Gradients are flattened into one buffer per dtype, so a step issues one all-reduce per
     dtype (of all gradient elements this rank holds) instead of one per parameter. The trainable
@@ -215,22 +224,30 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(local.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
+def _replicated_groups(t: torch.Tensor) -> tuple:
+    """The process groups over which a DTensor ``t`` is replicated (HSDP's replicate axis)."""
+
+    return tuple(t.device_mesh.get_group(i) for i, placement in enumerate(t.placements) if placement.is_replicate())
+
+
 def check_replicas(model: nn.Module) -> None:
     """Check, bit for bit, that the copies of every parameter that should be equal are equal.
 
     A replicated parameter (no :class:`~tpify.sharding.ShardSpec`: LayerNorms, position
     embeddings, row-parallel biases, replicated heads) must be identical on the ranks of a TP
     group, and every parameter, shard or not, identical on the DP replicas of the same TP rank.
-    Under FSDP2 (``fully_shard`` over the DP dimension) each rank compares its local slice: a
-    replicated parameter's slices across the TP group; parameters FSDP2 splits over DP are not
-    copies across DP and are not compared there.
+    Under FSDP2 (:func:`tpify.data_parallel.shard_data_parallel`) each rank compares its local
+    slice: a replicated parameter's slices across the TP group, and across the DP dimension
+    only the replicas HSDP keeps (its ``dp_replicate`` axis); slices FSDP2 splits over
+    ``dp_shard`` are not copies and are not compared there.
     They drift apart silently when ranks apply different updates (a clip by a per-rank norm, a
     DDP over the wrong group, a different batch on one TP rank); this compares a SHA-1 of each
     parameter's bytes across the groups. ``tpify finetune`` calls it after loading and before
     every save.
 
     Communication: one ``all_gather_object`` of the digests over the TP group, one over the DP
-    group. Cost: hashing every parameter once on the host.
+    group (under HSDP: over the replicate group instead). Cost: hashing every parameter once on
+    the host.
 
     Raises:
         AgreementError: on every rank, naming the parameters that differ and the ranks.
@@ -239,11 +256,12 @@ def check_replicas(model: nn.Module) -> None:
 
     tp_group, dp_group = _groups(model)
     specs = param_specs(model)
-    digests, replicated, dp_copies = {}, set(), set()
+    digests, replicated = {}, set()
+    copies: dict = {}  # a DP-side group -> names whose local bytes must be equal across it
     for name, p in model.named_parameters():
         digests[name] = _digest(p)
-        if not _sharded_groups(p):  # FSDP2 splits the others over DP: those are not copies across DP
-            dp_copies.add(name)
+        dp_side = _replicated_groups(p) if is_dtensor(p) else (dp_group,)
+        keys = [name]
         spec = specs[id(p)]
         if spec is None:
             replicated.add(name)
@@ -253,9 +271,12 @@ def check_replicas(model: nn.Module) -> None:
             digests[key] = _digest(torch.cat([local.narrow(spec.dim, a, b - a)
                                               for a, b in spec.replicated_local_ranges()], dim=spec.dim))
             replicated.add(key)
-            dp_copies.add(key)
+            keys.append(key)
+        for group in dp_side:
+            copies.setdefault(group, set()).update(keys)
     problems = []
-    for group, names, what in ((tp_group, replicated, "TP ranks"), (dp_group, dp_copies, "DP replicas")):
+    checks = [(tp_group, replicated, "TP ranks")] + [(g, names, "DP replicas") for g, names in copies.items()]
+    for group, names, what in checks:
         if group is None or comm.group_size(group) == 1:  # None: no such group (not the world)
             continue
         everyone = comm.all_gather_objects({n: digests[n] for n in sorted(names)}, group)
@@ -269,4 +290,4 @@ def check_replicas(model: nn.Module) -> None:
                 problems.append(f"{n} differs between {what} ({', '.join(f'ranks {g}' for g in groups.values())})")
     if problems:
         raise AgreementError(f"replicated parameters differ across ranks: {problems[:10]}"
-                                  f"{' ...' if len(problems) > 10 else ''}; the replicas have drifted apart")
+                             f"{' ...' if len(problems) > 10 else ''}; the replicas have drifted apart")

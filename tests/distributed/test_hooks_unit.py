@@ -459,7 +459,8 @@ def _lm_pair(c, state, aux=False):
 
 
 def _lm_layout(terms=()):
-    return SimpleNamespace(lm_head="lm_head", loss_kind="causal", honours_num_items=True, loss_terms=terms)
+    return SimpleNamespace(lm_head="lm_head", loss_kind="causal", honours_num_items=True, loss_terms=terms,
+                           logit_ops=(), lm_loss_chunk=None)
 
 
 @_check

@@ -1,11 +1,12 @@
 """What used to crash or train silently wrong now matches the dense model, or raises on every rank.
 
 Each test is named after the behaviour it guards and asserts one check of a spawned job: one job
-of 2 gloo ranks (tp = 2) and one of 4 (dp = 2 x tp = 2), each running every check of its table
+of 2 gloo ranks (tp = 2) and one of 4 (dp = 2 x tp = 2, expert parallelism ep = 2 included), each
+running every check of its table
 (``tputil.run_checks``), so a spawn is paid once per world size.
 
 Tolerances:
-* float64 checks (the MoE auxiliary loss, DP-group inference, FSDP2): ``atol=1e-10, rtol=1e-9``,
+* float64 checks (the MoE auxiliary loss, DP-group inference): ``atol=1e-10, rtol=1e-9``,
   the order of floating-point sums only (as tests/distributed/test_core_equivalence.py);
   weights after AdamW steps ``atol=1e-8, rtol=1e-6`` (Adam turns ~1e-16 relative gradient noise
   near eps into a few 1e-9, see test_dp_tp_training.py).
@@ -23,7 +24,6 @@ Tolerances:
 
 import copy
 import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -152,13 +152,17 @@ def _mixtral(aux: bool):
 
 
 def _mixtral_recipe(terms: bool) -> dict:
-    """Attention split by heads, experts and router replicated (their parameters are no Linear: no rule)."""
+    """The shipped recipe's rules as a mapping (attention by heads, tensor-parallel experts, router
+    replicated), with or without the ``[loss] terms`` declaring the aux loss."""
     recipe = {"model_type": "mixtral", "divisible": ["num_attention_heads", "num_key_value_heads"],
               "loss": {"causal": ["MixtralForCausalLM"]},
               "rule": [{"match": "embed_tokens", "style": "embedding_rowwise"},
                        {"match": ["layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj",
                                   "layers.*.self_attn.v_proj"], "style": "colwise"},
                        {"match": "layers.*.self_attn.o_proj", "style": "rowwise"},
+                       {"match": "layers.*.mlp.experts", "style": "experts",
+                        "params": {"gate_up_proj": {"dim": 1, "parts": 2}, "down_proj": {"dim": 2}}},
+                       {"match": "layers.*.mlp.gate", "style": "replicate"},
                        {"match": "lm_head", "style": "colwise_rep"}]}
     if terms:
         recipe["loss"]["terms"] = [{"output": "aux_loss", "coefficient": "router_aux_loss_coef"}]
@@ -167,26 +171,57 @@ def _mixtral_recipe(terms: bool) -> dict:
 
 @_tp2
 def moe_aux_loss_is_part_of_the_loss(c):
-    """Mixtral fine-tuned as HF does (output_router_logits=True): the loss is CE + 0.1 x the
-    load-balancing loss, and the router gradients include the aux loss's; float64, every
-    gradient. Without output_router_logits the loss is the CE alone, as in HF."""
+    """Mixtral fine-tuned as HF does (output_router_logits=True), its experts split by the shipped
+    recipe: tensor-parallel (every expert's intermediate dimension split) and expert-parallel
+    (ep_size = 2: whole experts per rank, tokens exchanged). The loss is CE + 0.1 x the
+    load-balancing loss, the router gradients include the aux loss's; float64, every gradient
+    gathered. Without output_router_logits the loss is the CE alone, as in HF.
+
+    Collectives counted per MoE layer against the same model with its experts replicated (the
+    count is the point: exactly once each way): tensor-parallel experts add one all-reduce
+    forward (the partial sums) and one backward (the inputs' gradients, hidden states and routing
+    weights together); expert parallelism adds none, but 5 all-to-alls (forward: the counts,
+    the tokens, the results; backward: the two exchanges reversed) and 3 all-gathers (forward:
+    the output rows; backward: the rows' gradients of the hidden states and of the weights)."""
     import tpify
     from tpify.authoring.reference import float64_loss_function
+    from tpify.comm import count_collectives
 
+    layers = 2
+    replicated = _mixtral_recipe(terms=True)
+    replicated["rule"][3] = {"match": "layers.*.mlp.experts", "style": "replicate"}
     for aux in (True, False):
-        ref = _seeded(lambda: _mixtral(aux))
-        ref.loss_function = float64_loss_function("ForCausalLM")
-        par = tpify.parallelize(copy.deepcopy(ref), tp_size=2, recipe=_mixtral_recipe(terms=True))
-        ids = _ids(shape=(2, 12))
-        out_ref, out_par = ref(ids, labels=ids), par(ids, labels=ids)
-        assert (out_ref.aux_loss is not None) == aux
-        torch.testing.assert_close(out_par.loss, out_ref.loss, **F64, msg=f"aux={aux}: loss")
-        out_ref.loss.backward()
-        out_par.loss.backward()
-        grads, dense = tputil.dense_named(par, "grad"), tputil.dense_named(ref, "grad")
-        assert any(".mlp.gate." in n for n in dense), "the router must be compared"
-        for name, g in dense.items():
-            torch.testing.assert_close(grads[name], g, **F64, msg=lambda m: f"aux={aux}: gradient of {name}: {m}")
+        counts = {}
+        for label, recipe, ep in (("replicated", replicated, 1), ("tp", "mixtral", 1), ("ep", "mixtral", 2)):
+            ref = _seeded(lambda: _mixtral(aux))
+            ref.loss_function = float64_loss_function("ForCausalLM")
+            par = tpify.parallelize(copy.deepcopy(ref), tp_size=2, recipe=recipe, ep_size=ep)
+            experts = par.model.layers[0].mlp.experts
+            assert (experts.gate_up_proj.shape, experts.num_experts) == (((2, 96, 32), 2) if ep == 2 else
+                                                                        ((4, 48, 32), 4) if label == "tp" else
+                                                                        ((4, 96, 32), 4))
+            ids = _ids(shape=(2, 12))
+            out_ref = ref(ids, labels=ids)
+            with count_collectives() as counted:
+                out_par = par(ids, labels=ids)
+                out_par.loss.backward()
+            counts[label] = counted
+            assert (out_ref.aux_loss is not None) == aux
+            torch.testing.assert_close(out_par.loss, out_ref.loss, **F64, msg=f"aux={aux} {label}: loss")
+            if aux:
+                torch.testing.assert_close(out_par.aux_loss, out_ref.aux_loss, **F64, msg=f"{label}: aux loss")
+            out_ref.loss.backward()
+            grads, dense = tputil.dense_named(par, "grad"), tputil.dense_named(ref, "grad")
+            assert any(".mlp.gate." in n for n in dense), "the router must be compared"
+            for name, g in dense.items():
+                torch.testing.assert_close(grads[name], g, **F64,
+                                           msg=lambda m: f"aux={aux} {label}: gradient of {name}: {m}")
+        base = counts["replicated"]
+        assert counts["tp"]["all_reduce"] - base["all_reduce"] == 2 * layers, (counts["tp"], base)
+        assert {k: v for k, v in counts["tp"].items() if not k.startswith("all_reduce")} == \
+            {k: v for k, v in base.items() if not k.startswith("all_reduce")}
+        assert counts["ep"]["all_reduce"] == base["all_reduce"], (counts["ep"], base)
+        assert (counts["ep"]["all_to_all"], counts["ep"]["all_gather"] - base["all_gather"]) == (5 * layers, 3 * layers)
 
 
 @_tp2
@@ -416,6 +451,33 @@ def dp_group_is_inferred_from_tp_group(c):
 
 
 @_dp2tp2
+def experts_at_dp2_tp2_ep2(c):
+    """Mixtral at world 4 = dp 2 x tp 2 with ep_size = 2: the expert-parallel group is the TP
+    group, so ranks 0 and 2 (TP rank 0 of each replica) hold experts 0-1 whole, ranks 1 and 3
+    experts 2-3, and the DP groups [0, 2], [1, 3] average the gradients of the same experts. Three
+    AdamW steps with each replica on its half of the batch equal the dense model's on the whole
+    batch (the clipped global norm at every step, every weight after). Aux loss off here: the
+    load-balancing loss of a batch is not the mean of its halves' (checked at tp = 2 above)."""
+    import tpify
+    from tpify.authoring.reference import float64_loss_function
+    from tpify.training import check_replicas
+
+    ref = _seeded(lambda: _mixtral(False))
+    ref.loss_function = float64_loss_function("ForCausalLM")
+    par = tpify.parallelize(copy.deepcopy(ref), tp_size=2, ep_size=2)
+    assert dist.get_process_group_ranks(par.tp_info.dp_group) == [c.rank % 2, c.rank % 2 + 2]
+    mine = slice(2 * (c.rank % 2), 2 * (c.rank % 2) + 2)
+    for layer, dense in zip(par.model.layers, ref.model.layers):
+        assert torch.equal(layer.mlp.experts.gate_up_proj, dense.mlp.experts.gate_up_proj[mine])
+        assert torch.equal(layer.mlp.experts.down_proj, dense.mlp.experts.down_proj[mine])
+    _train_dp_tp(c, par, ref)
+    check_replicas(par)
+    got = tputil.dense_named(par)
+    for name, w in tputil.dense_named(ref).items():
+        torch.testing.assert_close(got[name], w, **WEIGHTS, msg=lambda m: f"{name}: {m}")
+
+
+@_dp2tp2
 def dp_group_passed_as_an_argument_is_checked(c):
     import tpify
 
@@ -425,64 +487,6 @@ def dp_group_passed_as_an_argument_is_checked(c):
     assert par.tp_info.dp_source == "argument" and par.tp_info.dp_group is dp_group
     with pytest.raises(ValueError, match=r"dp_group and tp_group share ranks"):
         tpify.parallelize(_seeded(_gpt2), tp_group=tp_group, dp_group=tp_group)
-
-
-def _fsdp2(par):
-    from torch.distributed.fsdp import fully_shard
-
-    from tpify.mesh import init_tp_mesh
-
-    mesh = init_tp_mesh(2)
-    for layer in par.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(par, mesh=mesh["dp"])
-    return par
-
-
-@_dp2tp2
-def fsdp2_over_dp_clips_checks_and_saves_as_the_dense_model(c):
-    """fully_shard over the DP dimension of a tpify model: tpify's clip_grad_norm_ uses the dense
-    norm (torch's would clip each TP rank by its own), check_replicas compares each rank's slices,
-    save_pretrained gathers over DP then TP; three AdamW steps equal the dense model's (float64).
-    What FSDP2 does itself or cannot be done on its DTensors is refused."""
-    from transformers import LlamaForCausalLM
-
-    import tpify
-    from tpify.integrations import TPUsageError, get_peft_model
-    from tpify.api import load_weights_
-    from tpify.training import check_replicas, sync_gradients
-    from tpify.authoring.reference import float64_loss_function
-
-    ref = _seeded(_llama).double()
-    ref.loss_function = float64_loss_function("ForCausalLM")
-    par = _fsdp2(tpify.parallelize(copy.deepcopy(ref), tp_size=2))
-    ids = _ids(shape=(4, 12))[2 * (c.rank // 2): 2 * (c.rank // 2) + 2]
-    par(ids, labels=ids).loss.backward()
-    per_rank = torch.nn.utils.get_total_norm([p.grad for p in par.parameters()]).full_tensor()
-    everyone = [None] * c.world
-    dist.all_gather_object(everyone, float(per_rank))
-    assert everyone[0] != everyone[1], "torch's norm is per TP rank: what tpify.training.clip_grad_norm_ corrects"
-    par.zero_grad()
-    _train_dp_tp(c, par, ref, sync=False)
-    check_replicas(par)
-    with tempfile.TemporaryDirectory() as out:
-        shared = [out]
-        dist.broadcast_object_list(shared, src=0)
-        tpify.save_pretrained(par, shared[0])
-        loaded = LlamaForCausalLM.from_pretrained(shared[0], dtype=torch.float64)
-        for name, w in ref.state_dict().items():
-            torch.testing.assert_close(loaded.state_dict()[name], w, **WEIGHTS, msg=lambda m: f"{name}: {m}")
-        with pytest.raises(TPUsageError, match="load_weights_: .* DTensors"):
-            load_weights_(par, shared[0])
-        dist.barrier()
-    with pytest.raises(TPUsageError, match="FSDP2 reduces the gradients over the data-parallel dimension itself"):
-        sync_gradients(par)
-    import peft
-
-    with pytest.raises(TPUsageError, match="add the adapters before sharding with fully_shard"):
-        get_peft_model(par, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(TPUsageError, match="DTensor parameters .* before tpify.parallelize"):
-        tpify.parallelize(_fsdp2(_seeded(_llama)), tp_size=2)
 
 
 @_dp2tp2
@@ -507,21 +511,18 @@ def bf16_autocast_at_dp2_tp2(c):
 
 
 @_dp2tp2
-def tp_accelerator_refuses_an_fsdp_plugin(c):
+def tp_accelerator_refuses_unsupported_fsdp_options(c):
+    """TPAccelerator applies FSDP2 over the DP group (tests/distributed/test_scaling_out.py); FSDP's own
+    activation checkpointing and size-based wrapping are refused at construction, naming the fix."""
     from accelerate import FullyShardedDataParallelPlugin
-    from accelerate.state import AcceleratorState
 
-    import tpify
     from tpify.integrations import TPAccelerator, TPUsageError
 
     tputil.torchrun_env(c.rank, c.world)
-    try:
-        accelerator = TPAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        with pytest.raises(TPUsageError, match="an FSDP plugin .* is not supported with a tpify model"):
-            accelerator.prepare(tpify.parallelize(_seeded(_gpt2), tp_size=2))
-    finally:
-        AcceleratorState._reset_state(True)
-        os.environ.pop("ACCELERATE_USE_FSDP", None)  # accelerate sets it for the plugin
+    with pytest.raises(TPUsageError, match="activation_checkpointing=True .*gradient_checkpointing_enable.*"
+                                           "auto_wrap_policy 'size_based_auto_wrap_policy'"):
+        TPAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
+            fsdp_version=2, activation_checkpointing=True, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10))
 
 
 @pytest.fixture(scope="module")
@@ -535,13 +536,13 @@ def test_the_dp_group_is_inferred_when_tp_group_is_smaller_than_the_world(dp2tp2
 
 
 @pytest.mark.slow
-def test_a_dp_group_argument_is_used_and_checked(dp2tp2):
-    _ok(dp2tp2, "dp_group_passed_as_an_argument_is_checked")
+def test_expert_parallelism_at_dp2_tp2_ep2_trains_as_the_dense_model(dp2tp2):
+    _ok(dp2tp2, "experts_at_dp2_tp2_ep2")
 
 
 @pytest.mark.slow
-def test_fsdp2_over_dp_clips_checks_and_saves_exactly_and_refuses_the_rest(dp2tp2):
-    _ok(dp2tp2, "fsdp2_over_dp_clips_checks_and_saves_as_the_dense_model")
+def test_a_dp_group_argument_is_used_and_checked(dp2tp2):
+    _ok(dp2tp2, "dp_group_passed_as_an_argument_is_checked")
 
 
 @pytest.mark.slow
@@ -550,8 +551,8 @@ def test_bf16_autocast_at_dp2_tp2_matches_the_dense_model(dp2tp2):
 
 
 @pytest.mark.slow
-def test_tp_accelerator_refuses_an_fsdp_plugin(dp2tp2):
-    _ok(dp2tp2, "tp_accelerator_refuses_an_fsdp_plugin")
+def test_tp_accelerator_refuses_unsupported_fsdp_options(dp2tp2):
+    _ok(dp2tp2, "tp_accelerator_refuses_unsupported_fsdp_options")
 
 
 @pytest.mark.slow

@@ -2,7 +2,11 @@
 
 * Every recipe of ``tpify.recipe.available_recipes()`` (read at test time, so recipes added
   later are picked up), every head class of its family, on the family's small random config
-  (:func:`tpify.authoring.small.small_config`), at tp = 2 in ONE spawned job (tp = 4: slow): outputs with
+  (:func:`tpify.authoring.small.small_config`), at tp = 2 in ONE spawned job (tp = 4: slow;
+  the mixture-of-experts recipes, those with an ``experts`` rule, in a slow job of their own at
+  tp = 2, every head class with tensor-parallel experts and the causal LM again with expert
+  parallelism, the router's load-balancing loss in the loss; at tp = 4 their causal LMs with expert
+  parallelism): outputs with
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
   save/load round trip, and for the recipes with a ``[sequence_parallel]`` table the outputs,
   loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10,
@@ -16,9 +20,9 @@
   (it raises in the forward; a failed row, not a crash). The CLI must exit 1 on the first.
 * The dense reference, in the same job: gemma2 (no shipped recipe: transformers' plan) verifies
   with its padded row on the right (its float64 model is NaN on a left-padded row), saying so in
-  a row; olmoe (a recipe that reaches verify: transformers' own plan splits the fused experts,
-  which tpify refuses) keeps float64 with transformers' eager experts (``grouped_mm`` refuses
-  float64); a Llama whose kernel refuses float64 as ``grouped_mm`` does (tests/verify_models.py)
+  a row; olmoe's causal LM (its shipped recipe: tensor-parallel experts) keeps float64 with
+  transformers' eager experts (``grouped_mm`` refuses float64), its load-balancing loss in the
+  ``labels=`` loss; a Llama whose kernel refuses float64 as ``grouped_mm`` does (tests/verify_models.py)
   is verified in float32 with the stated float32 tolerance, every compared row saying
   ``float32``, and gpt2's contiguous ``c_attn`` split still fails in float32 (measured 2.1,
   against 2.3e-5); a Llama with a NaN weight gives one ``dense reference not finite`` row, not a
@@ -127,27 +131,22 @@ def _timings(report, tp):
               f"({r.target} {r.head} {r.check})")
 
 
-def _olmoe_recipe() -> dict:
-    """An olmoe recipe that reaches verify (transformers' own plan splits the fused experts, which
-    tpify refuses; what ``tpify draft olmoe --method trace`` proposes): the vocabulary split,
-    the attention whole (its q_norm / k_norm normalise over all heads), router and fused experts
-    whole (no rule: they are not nn.Linear)."""
-    return {"model_type": "olmoe", "description": "test: vocabulary-parallel embedding and LM head only",
-            "loss": {"causal": ["OlmoeForCausalLM"]},
-            "rule": [{"match": "embed_tokens", "style": "embedding_rowwise"},
-                     {"match": "lm_head", "style": "colwise_rep", "optional": True},
-                     {"match": "layers.*.self_attn.*_proj", "style": "replicate"}]}
+def _is_moe(model_type: str) -> bool:
+    """A recipe with fused experts (style ``experts``): verified in the slow MoE job, with both
+    splits of the experts, except olmoe's causal LM, which the quick job keeps."""
+    return any(rule.get("style") == "experts" for rule in _recipe_toml(model_type)["rule"])
 
 
 @pytest.fixture(scope="module")
 def tp2_report(tmp_path_factory):
-    """ONE spawned job at tp = 2 for the quick tests of this file: every shipped recipe, the
-    directory target, the negative controls, and the dense-reference cases (gemma2, olmoe, the
-    float64-refusing and the NaN models of tests/verify_models.py)."""
+    """ONE spawned job at tp = 2 for the quick tests of this file: every shipped recipe (the MoE
+    ones: olmoe's causal LM only; the rest is slow), the directory target, the negative controls,
+    and the dense-reference cases (gemma2, olmoe, the float64-refusing and the NaN models of
+    tests/verify_models.py)."""
     import verify_models as vm
 
     tmp_path = tmp_path_factory.mktemp("verify")
-    families = available_recipes()
+    families = [m for m in available_recipes() if not _is_moe(m)]
     # A directory target: its config.json is used as it is (here a small Llama with tied embeddings).
     config = small_config(resolve_config("llama"), (2,))
     config.tie_word_embeddings = True
@@ -158,7 +157,7 @@ def tp2_report(tmp_path_factory):
         Target("gpt2", recipe=_wrong_gpt2_recipe(), head_classes=["causal-lm"], label="gpt2 (c_attn colwise)"),
         Target("llama", recipe=_wrong_llama_recipe(), head_classes=["causal-lm"], label="llama (o_proj replicate)"),
         Target("gemma2"),
-        Target("olmoe", recipe=_olmoe_recipe(), head_classes=["causal-lm"], label="olmoe (MoE)"),
+        Target("olmoe", head_classes=["causal-lm"], label="olmoe (MoE)"),
         Target("llama", head_classes=[vm.Float64RefusingLlamaModel], config=llama, shrink=False,
                label="llama refusing float64"),
         Target("gpt2", recipe=_wrong_gpt2_recipe(), head_classes=[vm.Float64RefusingGPT2Model], config=gpt2,
@@ -169,7 +168,7 @@ def tp2_report(tmp_path_factory):
 
 def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tp2_report):
     report = tp2_report
-    families = available_recipes()
+    families = [m for m in available_recipes() if not _is_moe(m)]
     assert {"gpt2", "bert", "llama"} <= set(families)
     _timings(report, 2)
     _check_families(report, families, 2)
@@ -228,8 +227,10 @@ def test_gemma2_verifies_with_the_padded_row_on_the_right(tp2_report):
 
 def test_moe_experts_run_eagerly_in_float64(tp2_report):
     """olmoe's fused experts (grouped_mm refuses float64) run with transformers' eager experts:
-    the reference stays float64 and the float64 tolerance holds."""
+    the reference stays float64 and the float64 tolerance holds; the shipped recipe splits them
+    (tensor-parallel experts), and the load-balancing loss is part of the labels= loss."""
     rows = _rows(tp2_report, "olmoe (MoE)")
+    assert any(r.check == "labels= loss (labels): aux_loss + loss" for r in rows), [r.check for r in rows]
     assert all(r.passed for r in rows), [f"{r.check}: {r.message}" for r in rows if not r.passed]
     note = next(r for r in rows if r.check.startswith("dense reference"))
     assert note.check == "dense reference: float64, left-padded batch, eager experts", note
@@ -266,8 +267,48 @@ def test_a_dense_reference_that_is_not_finite_is_reported_as_such(tp2_report):
     assert not any(r.target == "gpt2 (c_attn colwise)" for r in tp2_report.dense_failures())
 
 
+def _moe_targets(tensor_parallel: bool = True) -> list:
+    """Every MoE recipe with expert parallelism (``ep_size = tp``, the causal LM, labelled
+    ``<family> (ep)``), and with ``tensor_parallel`` also with tensor-parallel experts (every head
+    class). Their small configs have 8 experts, top-k at most 4 (:func:`small_config`)."""
+    moe = [m for m in available_recipes() if _is_moe(m)]
+    return (([Target(m) for m in moe] if tensor_parallel else [])
+            + [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True) for m in moe])
+
+
+def _check_moe(report, tp, tensor_parallel: bool = True):
+    """Every MoE family verified with expert parallelism (and, with ``tensor_parallel``, every head
+    class with tensor-parallel experts), the aux loss in the causal LM's loss."""
+    moe = [m for m in available_recipes() if _is_moe(m)]
+    assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"} <= set(moe), moe
+    if tensor_parallel:
+        _check_families(report, moe, tp)
+    problems = []
+    for label in (moe if tensor_parallel else []) + [f"{m} (ep)" for m in moe]:
+        rows = [r for r in report.rows if r.target == label and r.tp == tp]
+        problems += [f"{label} {r.head} {r.check}: {r.max_diff} {r.message}" for r in rows if not r.passed]
+        checks = {r.check for r in rows if r.head.endswith("ForCausalLM")}
+        if "labels= loss (labels): aux_loss + loss" not in checks or not any(c.startswith("gradients") for c in checks):
+            problems.append(f"{label}: no causal LM loss with the aux loss, or no gradients: {sorted(checks)}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_moe_recipes_are_exact_tp2_with_tensor_and_expert_parallel_experts():
+    """mixtral, qwen2_moe, qwen3_moe and olmoe, every head class, the experts tensor-parallel;
+    their causal LMs again with expert parallelism (ep_size = 2): ONE spawned job."""
+    report = verify_many(_moe_targets(), (2,), timeout_s=1500)
+    _timings(report, 2)
+    _check_moe(report, 2)
+
+
 @pytest.mark.slow
 def test_every_shipped_recipe_is_exact_tp4():
+    """Every shipped recipe at tp = 4 in ONE spawned job; the MoE ones with expert parallelism
+    (ep_size = 4, their causal LMs: 2 experts per rank, uneven row splits, a rank may receive no
+    token), which is what tp = 4 adds over tp = 2 for them (tensor-parallel experts split the
+    intermediate dimension as a dense MLP does, proved at tp = 2 above; left out here for the
+    suite's time: 20 s more on the 2-core machine)."""
     families = []
     for m in available_recipes():
         try:
@@ -275,9 +316,11 @@ def test_every_shipped_recipe_is_exact_tp4():
             families.append(m)
         except ShrinkError as e:
             print(f"{m} left out at tp = 4: {e}")
-    report = verify_many([Target(m) for m in families], (4,), timeout_s=2400)
+    dense = [m for m in families if not _is_moe(m)]
+    report = verify_many([Target(m) for m in dense] + _moe_targets(tensor_parallel=False), (4,), timeout_s=2400)
     _timings(report, 4)
-    _check_families(report, families, 4)
+    _check_families(report, dense, 4)
+    _check_moe(report, 4, tensor_parallel=False)
 
 
 # One family of each group verify could not build before (issue 24 item 6), all exact at tp = 2:
@@ -395,10 +438,10 @@ def test_small_configs_of_layer_lists_mrope_composite_and_mla_families_are_small
     assert (text.hidden_size, text.num_attention_heads, text.num_hidden_layers, text.vocab_size) == (32, 4, 2, 101)
     mla = small_config(resolve_config("deepseek_v2"), (2,))
     assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
-            mla.n_routed_experts, mla.num_experts_per_tok) == (16, 16, 8, 8, 8, 4, 2)
+            mla.n_routed_experts, mla.num_experts_per_tok) == (16, 16, 8, 8, 8, 8, 2)
     for config in (hybrid, hrm, glm, spark, mla):
         sizes = check_build_size(config, list(family_head_classes(config).values()))
-        assert sizes and max(sizes.values()) < 150_000, (config.model_type, sizes)
+        assert sizes and max(sizes.values()) < 250_000, (config.model_type, sizes)
 
 
 def test_a_family_that_cannot_be_shrunk_raises():

@@ -95,3 +95,62 @@ def test_positional_labels_and_shift_labels_tp1():
     shift = ids.roll(-2, dims=1)  # any target tensor: used as is, not shifted again
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), shift.reshape(-1))
     torch.testing.assert_close(model(ids, labels=ids, shift_labels=shift).loss, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_log_probs_entropy_kl_top1_and_the_chunked_linear_loss_equal_dense_tp1():
+    """The new functions' arithmetic in one process (every collective the identity), float64,
+    padded vocabulary, against dense torch: ``log_softmax`` + ``gather`` (temperature 0.5), the
+    entropy, ``KL(p || q)``, ``argmax == target``, and the chunked linear cross-entropy with
+    softcapping and label smoothing, values and every gradient (tolerance 1e-12: summation order
+    only). The tp = 2 proofs, with collectives counted, are tests/distributed/test_loss_functions.py."""
+    from tpify.loss import (vocab_parallel_entropy, vocab_parallel_is_top1, vocab_parallel_kl,
+                            vocab_parallel_linear_cross_entropy, vocab_parallel_log_probs)
+
+    g = torch.Generator().manual_seed(1)
+    V, Vp, H = 13, 16, 6
+    full = torch.randn(3, 5, Vp, generator=g, dtype=torch.float64) * 3
+    other = torch.randn(3, 5, Vp, generator=g, dtype=torch.float64) * 3
+    target = torch.randint(0, V, (3, 5), generator=g)
+    target[0, :2] = -100
+    w = torch.rand(3, 5, generator=g, dtype=torch.float64)
+
+    def grads(fn, *inputs):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        (out * w).sum().backward()
+        return out, [t.grad for t in leaves]
+
+    log_p = lambda z: F.log_softmax(z[..., :V] / 0.5, -1)  # noqa: E731
+    cases = {
+        "log_probs": (lambda z: vocab_parallel_log_probs(z, target, vocab_size=V, temperature=0.5),
+                      lambda z: log_p(z).gather(-1, target.clamp(min=0)[..., None])[..., 0].masked_fill(target < 0, 0),
+                      (full,)),
+        "entropy": (lambda z: vocab_parallel_entropy(z, vocab_size=V, temperature=0.5),
+                    lambda z: -(log_p(z).exp() * log_p(z)).sum(-1), (full,)),
+        "kl": (lambda p, q: vocab_parallel_kl(p, q, vocab_size=V, temperature=0.5),
+               lambda p, q: (log_p(p).exp() * (log_p(p) - log_p(q))).sum(-1), (full, other)),
+    }
+    for name, (ours, dense, inputs) in cases.items():
+        out, got = grads(ours, *inputs)
+        ref, want = grads(dense, *inputs)
+        torch.testing.assert_close(out, ref, **TOL, msg=lambda m: f"{name}: {m}")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a[..., :V], b[..., :V], **TOL, msg=lambda m: f"{name} grad: {m}")
+            assert torch.all(a[..., V:] == 0), f"{name}: padded columns get no gradient"
+    assert torch.equal(vocab_parallel_is_top1(full, target, vocab_size=V),
+                       (full[..., :V].argmax(-1) == target) & (target >= 0))
+
+    x = torch.randn(3, 5, H, generator=g, dtype=torch.float64)
+    weight = torch.cat([torch.randn(V, H, generator=g, dtype=torch.float64), torch.zeros(Vp - V, H,
+                                                                                          dtype=torch.float64)])
+    bias = torch.cat([torch.randn(V, generator=g, dtype=torch.float64), torch.zeros(Vp - V, dtype=torch.float64)])
+    for reduction in ("none", "mean"):
+        out, got = grads(lambda x_, w_, b_: vocab_parallel_linear_cross_entropy(
+            x_, w_, target, bias=b_, reduction=reduction, label_smoothing=0.1, vocab_size=V, chunk_size=4, softcap=2.0),
+            x, weight, bias)
+        ref, want = grads(lambda x_, w_, b_: F.cross_entropy(
+            (2.0 * torch.tanh(F.linear(x_, w_, b_) / 2.0))[..., :V].reshape(-1, V), target.reshape(-1),
+            reduction=reduction, label_smoothing=0.1).reshape(out.shape), x, weight, bias)
+        torch.testing.assert_close(out, ref, **TOL, msg=lambda m: f"linear {reduction}: {m}")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"linear {reduction} grad: {m}")

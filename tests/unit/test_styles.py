@@ -108,6 +108,7 @@ STYLE_FACTS = {  # name: (kind, region, lm_head, vocab_rows, sequence_parallel, 
     "rowwise": ("linear", "end", False, False, True, True),
     "embedding_rowwise": ("embedding", None, False, True, True, True),
     "embedding_colwise": ("embedding", "start", False, False, False, True),
+    "experts": ("params", None, False, False, False, True),
     "replicate": (None, None, False, False, True, False),
 }
 
@@ -123,6 +124,8 @@ def test_each_style_declares_its_kind_region_and_roles():
 # plan: what each style accepts and refuses
 
 def _accepted(style):
+    if style == "experts":  # tests/unit/test_experts.py: the fused experts modules it splits
+        return []
     if style == "replicate":
         return [nn.Linear(8, 12), Conv1D(12, 8), nn.Embedding(10, 8), nn.LayerNorm(8), nn.Sequential(nn.Linear(2, 2))]
     if style in EMBEDDING_STYLES:

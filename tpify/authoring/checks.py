@@ -29,7 +29,7 @@ import tpify
 from .. import comm
 from ..agree import step_outcome
 from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named, float32_tolerance
-from .inputs import TOKENS, case_config, case_loss, float_outputs, make_inputs
+from .inputs import TOKENS, case_config, case_loss, float_outputs, loss_of, make_inputs
 from .reference import DenseNotFinite, Reference, dense_reference, use_eager_experts
 from .small import RANK_MEMORY_LIMIT_GIB
 from .target import task_of
@@ -86,6 +86,7 @@ class _CaseRun:
     seed: int
     dtype: torch.dtype | None
     save_dir: Path
+    ep_size: int = 1
     group: object = None
     step: str = "setup"
     rows: list[Row] = field(default_factory=list)
@@ -191,7 +192,8 @@ def _adopt_reference(case: _CaseRun) -> None:
 
 
 def _parallelize(case: _CaseRun) -> None:
-    case.par = tpify.parallelize(copy.deepcopy(case.ref), tp_group=case.group, recipe=case.recipe)
+    case.par = tpify.parallelize(copy.deepcopy(case.ref), tp_group=case.group, recipe=case.recipe,
+                                 ep_size=case.ep_size)
 
 
 def _forward(case: _CaseRun) -> None:
@@ -201,11 +203,18 @@ def _forward(case: _CaseRun) -> None:
 
 
 def _loss(case: _CaseRun) -> None:
-    loss_ref = case_loss(case.ref, case.inputs, case.labels)
-    loss_par = case_loss(case.par, case.inputs, case.labels)
+    """The ``labels=`` loss (every scalar ``*loss`` field added: a mixture of experts' ``aux_loss``
+    too, named in the row), or a fixed projection of the outputs for a class without labels."""
+    if case.labels:
+        out_ref, out_par = case.ref(**case.inputs, **case.labels), case.par(**case.inputs, **case.labels)
+        loss_ref, loss_par = loss_of(out_ref), loss_of(out_par)
+        terms = sorted(k for k, v in float_outputs(out_ref).items() if k.endswith("loss") and v.dim() == 0)
+        check = f"labels= loss ({', '.join(case.labels)})" + ("" if terms == ["loss"] else f": {' + '.join(terms)}")
+    else:
+        loss_ref, loss_par = (case_loss(m, case.inputs, case.labels) for m in (case.ref, case.par))
+        check = "outputs x fixed weights (no labels)"
     diff, ok, why = case.compare(loss_par, loss_ref)
-    case.row(f"labels= loss ({', '.join(case.labels)})" if case.labels else "outputs x fixed weights (no labels)",
-             diff, ok, why)
+    case.row(check, diff, ok, why)
     case.losses = (loss_ref, loss_par)
 
 
@@ -281,7 +290,7 @@ def _sharded_load(case: _CaseRun, dense_back: torch.nn.Module) -> None:
     (buffers made at load time included, such as GPT-J's rotary table)."""
     chosen = case.reference
     back = tpify.from_pretrained(case.save_dir, tp_size=case.tp_size, tp_group=case.group, torch_dtype=chosen.dtype,
-                                 model_class=case.cls, recipe=case.recipe).eval()
+                                 model_class=case.cls, recipe=case.recipe, ep_size=case.ep_size).eval()
     if chosen.eager_experts:
         use_eager_experts(back)
     with torch.no_grad():
@@ -311,7 +320,7 @@ _STEPS = (("parallelize", _parallelize), ("forward", _forward), ("loss", _loss),
 
 def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | os.PathLike | None = None,
                target: str | None = None, task: str | None = None, seed: int = 0,
-               group_timeout_s: float = 120.0, dtype: torch.dtype | None = None) -> list[Row]:
+               group_timeout_s: float = 120.0, dtype: torch.dtype | None = None, ep_size: int = 1) -> list[Row]:
     """Check one head class at one tp size against the dense model; run on every rank.
 
     Must be called on every rank of an initialised process group of exactly ``tp_size`` ranks
@@ -326,14 +335,18 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
        a failed ``dense reference not finite`` row: nothing is compared, and it is not the
        parallel model's fault. A choice other than float64 with left padding is stated in a
        passing ``dense reference: ...`` row (its message says why).
-       ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe)`` on a process
-       group ``G`` made for this case. Where HF's loss would upcast to float32 only (causal /
+       ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe, ep_size=ep_size)``
+       on a process group ``G`` made for this case (``ep_size = tp_size``: the fused MoE experts
+       whole per rank, expert parallelism). A mixture of experts runs with its router logits
+       on, so its load-balancing loss is part of the ``labels=`` loss (the recipe's ``[loss]
+       terms``). Where HF's loss would upcast to float32 only (causal /
        masked LM, token classification), both models get it in float64
        (:func:`~tpify.authoring.reference.float64_loss_function`).
     2. ``forward <field>``: every floating output (``logits``, ``last_hidden_state``,
        ``start_logits``...) of a batch ``(B, T) = (2, 10)`` whose second row is padded
        (``attention_mask`` 0 on 3 tokens; on the left unless step 1 chose otherwise).
-    3. ``labels= loss``: the loss with the head's labels (``-100`` at some positions); classes
+    3. ``labels= loss``: the loss with the head's labels (``-100`` at some positions; a mixture of
+       experts' causal LM adds its ``aux_loss``, and the row names it); classes
        without labels (base models) take a fixed random projection of their outputs instead.
     4. ``gradients (N tensors)``: every parameter's gradient after ``backward``, sharded ones
        gathered (:func:`~tpify.authoring.compare.dense_named`); a gradient on one side only fails.
@@ -376,7 +389,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
         workdir = comm.all_gather_objects(tempfile.mkdtemp(prefix="tpify-verify-") if dist.get_rank() == 0
                                           else None)[0]
     save_dir = Path(workdir) / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{label}-{cls.__name__}-tp{tp_size}")
-    case = _CaseRun(cls, config, task, tp_size, label, recipe, seed, dtype, save_dir)
+    case = _CaseRun(cls, config, task, tp_size, label, recipe, seed, dtype, save_dir, ep_size)
     try:
         case.group = dist.new_group(list(range(tp_size)), timeout=datetime.timedelta(seconds=group_timeout_s))
         case.config = case_config(config, task, config.model_type)

@@ -56,17 +56,25 @@ def dense_named(model: torch.nn.Module, attr: str | None = None) -> dict[str, to
     A missing gradient is ``None``. The group is ``model.tp_info.tp_group``; a module without
     ``tp_info`` (a parallel layer built by hand) gathers over the default group.
 
+    Under FSDP2 (:func:`tpify.shard_data_parallel`) each DTensor is first gathered over the
+    data-parallel axes (``full_tensor``), then over TP.
+
     Communication: one all-gather over the TP group per sharded parameter (every rank of the TP
-    group must call it, in the same order); none on a dense model.
+    group must call it, in the same order); under FSDP2 one over DP per parameter before it;
+    none on a dense model.
     """
-    from ..sharding import shard_spec_of
+    from ..info import param_specs
+    from ..sharding import is_dtensor
 
     info = getattr(model, "tp_info", None)
     group = info.tp_group if info is not None else None
+    specs = param_specs(model)
     out: dict[str, torch.Tensor | None] = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
         value = param if attr is None else getattr(param, attr)
-        spec = shard_spec_of(param)
+        if value is not None and is_dtensor(value):
+            value = value.detach().full_tensor()
+        spec = specs[id(param)]
         if value is not None and spec is not None:
             value = spec.gather(value.detach(), group)
         out[fqn] = None if value is None else value.detach()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..recipe import Recipe, loss_terms_of
+from ..recipe import Recipe, logit_ops_of, loss_terms_of
 from .toml_writer import to_toml
 
 __all__ = ["Draft", "DraftError", "LM_TASKS", "build_head_class", "loss_table", "recipe_data"]
@@ -73,7 +73,8 @@ def build_head_class(cls: type, config, meta: bool) -> nn.Module:
 
 def loss_table(classes: dict[str, type], config=None) -> dict:
     """The recipe's ``[loss]`` table: ``{"causal" | "masked" | "seq2seq": [class names]}`` of the LM
-    head classes in ``classes`` (task -> class), with ``terms`` for a mixture of experts."""
+    head classes in ``classes`` (task -> class), with ``terms`` for a mixture of experts and
+    ``logits`` for what the model does to its head's output (:func:`tpify.recipe.logit_ops_of`)."""
     loss: dict = {}
     for task, cls in classes.items():
         kind = {"causal-lm": "causal", "masked-lm": "masked", "seq2seq-lm": "seq2seq"}.get(task)
@@ -82,6 +83,9 @@ def loss_table(classes: dict[str, type], config=None) -> dict:
     terms = loss_terms_of(config) if loss and config is not None else []
     if terms:  # a mixture of experts: HF adds router_aux_loss_coef * aux_loss to the LM loss
         loss["terms"] = terms
+    ops = logit_ops_of(config) if loss and config is not None else []
+    if ops:  # logit scaling or softcapping after the head (Cohere, Granite, Gemma 2)
+        loss["logits"] = ops
     return loss
 
 

@@ -1,7 +1,8 @@
 """What one verify case feeds its models, and the scalar it differentiates.
 
 * :func:`case_config`: the config a case builds its model from (a pad id, T5's decoder start,
-  2 labels for question answering, ``is_decoder`` for an encoder family's causal LM);
+  2 labels for question answering, ``is_decoder`` for an encoder family's causal LM, a mixture
+  of experts' router logits and load-balancing loss on);
 * :func:`make_inputs`: a batch ``(B, T) = (2, 10)`` whose second row is padded, the head's
   labels and greedy ``generate`` arguments, the same on every rank;
 * :func:`case_loss`: the model's loss with labels, else a fixed random projection of its
@@ -40,6 +41,8 @@ def case_config(config, task: str, model_type: str):
         config.decoder_start_token_id = config.pad_token_id  # T5's convention
     if task == "question-answering":
         config.num_labels = 2  # start and end logits
+    if getattr(config, "output_router_logits", None) is False and hasattr(config, "router_aux_loss_coef"):
+        config.output_router_logits = True  # a mixture of experts: its load-balancing loss in the loss, as in training
     if task == "causal-lm" and getattr(config, "is_decoder", None) is False:
         if "masked-lm" in head_classes(model_type):  # BertLMHeadModel, RobertaForCausalLM: HF says is_decoder=True
             config.is_decoder = True
@@ -109,6 +112,10 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
         gen = dict(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=pad)
         if "attention_mask" in inputs:
             gen["attention_mask"] = mask
+        if getattr(config, "output_router_logits", False) and accepts(cls, "output_router_logits"):
+            # transformers computes the load-balancing loss of each decoding step against the whole
+            # attention mask, which fails (dense or not): generate without it
+            gen["output_router_logits"] = False
     return inputs, labels, gen
 
 

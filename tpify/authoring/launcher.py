@@ -61,7 +61,8 @@ def _rank_entry(payload_path: str, rank: int) -> None:
         for i, case in enumerate(cases):
             start = time.perf_counter()
             rows = check_case(case.cls, case.config, world, recipe=case.recipe, workdir=job["workdir"],
-                              target=case.label, task=case.task, group_timeout_s=job["group_timeout_s"])
+                              target=case.label, task=case.task, group_timeout_s=job["group_timeout_s"],
+                              ep_size=world if getattr(case, "expert_parallel", False) else 1)
             if rank == 0:
                 store.set(f"case/{i}", pickle.dumps((rows, time.perf_counter() - start)))
         store.set(f"done/{rank}", "1")
@@ -153,8 +154,8 @@ def run_job(cases: list, tp: int, timeout_s: float, group_timeout_s: float, prog
             memory_limit_gib: float | None = None) -> tuple[list[list[Row] | None], list[float], str]:
     """Launch ``tp`` ranks that run ``cases``; ``(rows per case or None, seconds per case, error)``.
 
-    ``cases``: objects with ``cls``, ``config``, ``recipe``, ``label`` and ``task`` (pickled to
-    the ranks). The ranks are ``python -c`` subprocesses with this process's ``sys.path``,
+    ``cases``: objects with ``cls``, ``config``, ``recipe``, ``label``, ``task`` and
+    ``expert_parallel`` (pickled to the ranks). The ranks are ``python -c`` subprocesses with this process's ``sys.path``,
     ``GLOO_SOCKET_IFNAME=lo``, ``OMP_NUM_THREADS=1``, their address space limited to
     ``memory_limit_gib`` (None: unlimited); each rank's output goes to a log whose tail is
     reported if the rank fails. ``progress(case, rows, seconds)`` is called as each case reports;

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..api import resolve_recipe
-from ..hf_modules import module_kind, relative_fqn
+from ..hf_modules import relative_fqn
 from ..styles import STYLES
 from ..layout import build_layout
 from ..recipe import Rule, RuleIndex
@@ -92,8 +92,9 @@ def _meta_model(config, cls, dtype):
 def rank_shapes(module, entry, tp_size: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
     """Per parameter of one layout entry: ``(dense shape, per-rank shape, sharded)``.
 
-    ``module`` is the dense ``nn.Linear``, transformers ``Conv1D`` or ``nn.Embedding`` (real or
-    on meta); ``entry`` its :class:`tpify.styles.ModuleLayout`. The per-rank shape is
+    ``module`` is the dense ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding`` or module
+    whose parameters a style splits (fused experts), real or on meta; ``entry`` its
+    :class:`tpify.styles.ModuleLayout`. The per-rank shape is
     ``ShardSpec.local_shape`` of the spec the style gives that parameter (the layout's
     ``entry.specs``, the spec the layer attaches; :meth:`tpify.styles.Style.param_specs` when the
     entry was made by hand): padding rows of a vocabulary included.
@@ -111,7 +112,7 @@ def rank_shapes(module, entry, tp_size: int) -> dict[str, tuple[tuple[int, ...],
     style = STYLES[entry.style]
     if not style.shards:
         return {name: (shape, shape, False) for name, shape in dense.items()}
-    if module_kind(module) != style.kind:
+    if not style.accepts(module):
         raise PlanReportError(f"{entry.fqn} is a {type(module).__name__}; plan does not know style {entry.style!r} "
                               f"on it")
     specs = entry.specs or style.param_specs(module, entry, tp_size)
@@ -184,7 +185,7 @@ def _rule_uses(model, layout) -> list[dict]:
 
 
 
-def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None = None) -> dict:
+def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None = None, ep_size: int = 1) -> dict:
     """The coverage report of ``recipe`` on ``target`` at ``tp_size``, as JSON-able data.
 
     Args:
@@ -193,6 +194,7 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
         recipe: a recipe name, ``.toml`` path or mapping (default: ``config.model_type``'s).
         head_class: a task of :data:`tpify.authoring.target.HEAD_TASKS` or a transformers class
             name (default: the family's masked LM, else causal LM, else seq2seq LM, else base model).
+        ep_size: 1, or ``tp_size`` for expert parallelism (:func:`tpify.parallelize`).
 
     Returns:
         ``{"target", "model_type", "head_class", "tp_size", "recipe", "dtype", "modules",
@@ -211,7 +213,7 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
     cls = _head_class(config, head_class)
     dtype, dtype_source = _dtype_of(config)
     model = _meta_model(config, cls, dtype)
-    layout = build_layout(model, resolve_recipe(model, recipe), tp_size)  # shipped, given, or HF's plan imported
+    layout = build_layout(model, resolve_recipe(model, recipe), tp_size, ep_size=ep_size)  # shipped, given, or imported
     recipe_obj = layout.recipe
     params = _Params.of(model)
     module_rows = _module_rows(model, layout, tp_size, params)
@@ -220,7 +222,7 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
     head_inputs = getattr(layout, "head_inputs", None)  # module FQN -> ((argument, dim, dense heads), ...)
     return {
         "target": str(target), "model_type": config.model_type, "head_class": cls.__name__,
-        "tp_size": tp_size, "recipe": recipe_obj.source, "recipe_model_type": recipe_obj.model_type,
+        "tp_size": tp_size, "ep_size": ep_size, "recipe": recipe_obj.source, "recipe_model_type": recipe_obj.model_type,
         "dtype": str(dtype).removeprefix("torch."), "dtype_source": dtype_source,
         "modules": module_rows,
         "memory": memory,
@@ -285,7 +287,10 @@ def _module_rows(model, layout, tp_size: int, params: _Params) -> list[dict]:
                "style": entry.style, "partition_sizes": entry.partition_sizes, "padded_size": entry.padded_size,
                "vocab_size": getattr(module, rows_dim) if rows_dim else None,
                "replicated_parts": list(getattr(entry, "replicated_parts", None) or ()) or None,
-               "output_scale": getattr(entry, "output_scale", None), "params": []}
+               "output_scale": getattr(entry, "output_scale", None),
+               "split_params": [{"name": n, "dim": 0 if entry.expert_parallel else d, "parts": 1 if entry.expert_parallel
+                                 else p} for n, d, p in entry.params] or None,
+               "expert_parallel": entry.expert_parallel, "params": []}
         for pname, (dense_shape, rank_shape, sharded) in per_param.items():
             param = getattr(module, pname)
             seen = params.shapes.get(id(param))
@@ -324,7 +329,7 @@ def _memory(model, layout, params: _Params) -> tuple[dict, list[dict]]:
         mname, _, pname = name.rpartition(".")
         module = model.get_submodule(mname)
         replicated.append({"param": name, "module_type": type(module).__name__, "shape": list(dense_shape),
-                           "bytes": dn * size, "reason": _whole_reason(model, layout, module, mname, pname),
+                           "bytes": dn * size, "reason": _whole_reason(model, layout, module, mname, pname, dn),
                            "tied_to": sorted(f"{m}.{p}" for m, p in params.holders[pid] if f"{m}.{p}" != name)})
     memory = {"dense_bytes": dense_bytes, "rank_bytes": rank_bytes,
               "ratio": rank_bytes / dense_bytes if dense_bytes else 1.0,
@@ -334,16 +339,42 @@ def _memory(model, layout, params: _Params) -> tuple[dict, list[dict]]:
     return memory, replicated
 
 
-def _whole_reason(model, layout, module, mname: str, pname: str) -> str:
+def _whole_reason(model, layout, module, mname: str, pname: str, numel: int = 0) -> str:
     """Why parameter ``pname`` of module ``mname`` is a full copy on every rank."""
     if mname not in layout.modules:
-        return f"not a shardable layer ({type(module).__name__}): a full copy on every rank"
+        container = _container_of(model, layout, mname)
+        if container is not None:
+            return container
+        threshold = getattr(layout, "coverage_threshold", 0)
+        below = (f"; below the coverage threshold of {threshold:,} elements, so no rule is needed"
+                 if threshold and numel < threshold else "")
+        return f"not a shardable layer ({type(module).__name__}): a full copy on every rank{below}"
     entry = layout.modules[mname]
     if entry.style == "rowwise" and pname == "bias":
         return "bias of a rowwise layer: whole on every rank, added once after the all-reduce"
     if entry.style == "replicate":
         return _replicate_reason(model, layout, mname)
     return f"not split by style {entry.style!r}"
+
+
+def _container_of(model, layout, mname: str) -> str | None:
+    """``"replicated by rule #i (match ...)"`` when a ``replicate`` rule matches module ``mname`` (a
+    module no style splits: a router, a norm) or a module enclosing it; else None."""
+    config = getattr(model, "config", None)
+    rules = [r for r in layout.recipe.rules if r.style == "replicate" and r.applies(config)]
+    base = getattr(model, "base_model", model)
+    parts = mname.split(".") if mname else []
+    for i in range(len(parts), -1, -1):
+        holder = ".".join(parts[:i])
+        if not holder and base is not model:
+            continue  # the head class's root is never matched
+        rel = relative_fqn(model, holder)
+        for rule in rules:
+            pattern = _matching_pattern(rule, rel)
+            if pattern is not None:
+                where = "" if holder == mname else f" (inside {holder or '<base model>'})"
+                return f"style replicate from rule #{rule.index} (match {pattern!r}){where}"
+    return None
 
 
 def _tied(model, module_rows: list[dict], params: _Params) -> None:

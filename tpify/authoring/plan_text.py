@@ -40,8 +40,9 @@ def _shape(s) -> str:
 def render_text(report: dict) -> str:
     """The report of :func:`tpify.authoring.plan.plan_report` as plain-text tables (one line per parameter)."""
     r = report
+    ep = f", ep_size = {r['ep_size']} (whole experts per rank)" if r.get("ep_size", 1) > 1 else ""
     lines = [f"tpify plan: {r['head_class']} (model_type {r['model_type']!r}, target {r['target']}) at tp_size = "
-             f"{r['tp_size']}",
+             f"{r['tp_size']}{ep}",
              f"recipe: {r['recipe']}",
              f"dtype: {r['dtype']} ({r['dtype_source']})", ""]
     if r["recipe_model_type"] != r["model_type"]:
@@ -58,11 +59,11 @@ def render_text(report: dict) -> str:
         what = f"style {u['style']}" if u["style"] else f"divide {u['divide']}"
         lines.append(f"  rule #{u['index']} match={u['match']} ({what}): {u['reason']}")
     lines += ["", "Replicated (a full copy on every rank; layers alike grouped, * = layer index):"]
-    rep_rows = [[name, str(count), x["module_type"], _shape(x["shape"]), f"{x['bytes'] * count:,}",
+    rep_rows = [[name, str(count), x["module_type"], _shape(x["shape"]), f"{x['bytes']:,}", f"{x['bytes'] * count:,}",
                  x["reason"] + (f"; tied to {', '.join(x['tied_to'])}" if x["tied_to"] else "")]
                 for name, count, x in _grouped(r["replicated"], "param", ("module_type", "shape", "reason", "tied_to"))]
-    lines += (_table(rep_rows, ["parameter", "count", "module type", "shape", "bytes in all", "why"]) if rep_rows
-              else ["  (nothing)"])
+    lines += (_table(rep_rows, ["parameter", "count", "module type", "shape", "bytes each", "bytes in all", "why"])
+              if rep_rows else ["  (nothing)"])
     lines += [""]
     lines += _head_lines(r)
     return "\n".join(lines) + "\n"
@@ -83,6 +84,11 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
             notes.append(f"output scaled by {m['output_scale']:g}")
         if m["container"]:
             notes.append(f"inside replicated container {m['container']}")
+        if m.get("expert_parallel"):
+            notes.append("whole experts per rank (dim 0), tokens exchanged")
+        elif m.get("split_params"):
+            notes.append("; ".join(f"{q['name']} dim {q['dim']}" + (f" in {q['parts']} parts" if q["parts"] > 1 else "")
+                                   for q in m["split_params"]) + "; output all-reduced")
         for i, p in enumerate(m["params"]):
             pnotes = list(notes) if i == 0 else []
             if p["tied_to"]:

@@ -45,6 +45,10 @@ _INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "d_ff", "ffn_hidden_size"
 _POSITION_NAMES = ("max_position_embeddings", "n_ctx", "max_seq_len", "seq_length")
 # Every other MLP / expert width (MoE experts, shared experts, dense layers of a sparse model).
 _WIDTH_NAME = re.compile(r"intermediate|ffn_hidden|ffn_dim|expert_dim|moe_hidden|expert_ffn|share_expert_dim")
+# a mixture of experts' expert count, and the experts each token is routed to
+_EXPERT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
+                 "n_experts")
+_TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts")
 _HEAD_DIM = 8
 SMALL_LAYERS, SMALL_VOCAB, SMALL_POSITIONS = 2, 101, 64
 _RANK = 16  # the low ranks of multi-head latent attention (q_lora_rank, kv_lora_rank, o_lora_rank)
@@ -70,10 +74,7 @@ _FAMILY_SIZES = {
     **{k: _at_most(_RANK) for k in ("q_lora_rank", "kv_lora_rank", "o_lora_rank")},
     **{k: _positive(_HEAD_DIM) for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")},
     "qk_head_dim": _positive(2 * _HEAD_DIM),
-    # mixture of experts: 4 experts, 2 per token, groups of one, one shared expert
-    **{k: _at_most(4) for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts",
-                                "num_routed_experts", "n_experts")},
-    **{k: _at_most(2) for k in ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token")},
+    # mixture of experts (the counts: _set_experts): groups of one, one shared expert
     **{k: _at_most(1) for k in ("n_group", "topk_group", "num_expert_group", "n_shared_experts",
                                 "num_shared_experts", "moe_num_shared_experts")},
     "zero_expert_num": _at_most(2),
@@ -243,8 +244,12 @@ def small_config(config, tp_sizes: Sequence[int] = (2,)):
     * MLP width (``intermediate_size``, ``n_inner``, ``d_ff``, ``ffn_hidden_size``, distilbert's
       ``hidden_dim``, every MoE / shared-expert width): the smallest multiple of lcm(tp sizes)
       that is at least 48;
+    * a mixture of experts (``num_experts``, ``num_local_experts``, ``n_routed_experts`` and the
+      other names of :data:`_EXPERT_NAMES`): the smallest multiple of lcm(tp sizes) that is at
+      least 8 experts (whole experts on every rank under expert parallelism), where the config
+      has more, each token routed to at most half of them (``num_experts_per_tok``, ...);
     * the sizes of :data:`_FAMILY_SIZES`: multi-head latent attention's ranks and head dims
-      (16 and 8), 4 experts with 2 per token, linear-attention and state-space head sizes,
+      (16 and 8), expert groups of one, linear-attention and state-space head sizes,
       layer-structure intervals (a dense first layer, then sparse ones);
     * the multimodal rotary sections (``mrope_section``) rescaled to sum to half the small head
       dim (each section at least 1);
@@ -294,11 +299,13 @@ class _SmallSizes:
     hidden: int
     kv_heads: int
     intermediate: int
+    experts: int
 
     @classmethod
     def for_tp(cls, tp: int) -> "_SmallSizes":
         heads = tp * math.ceil(4 / tp)
-        return cls(heads, heads * _HEAD_DIM, tp if tp < heads else heads, tp * math.ceil(48 / tp))
+        return cls(heads, heads * _HEAD_DIM, tp if tp < heads else heads, tp * math.ceil(48 / tp),
+                   tp * math.ceil(8 / tp))
 
 
 def _set_present(d: dict, amap: dict, names, value) -> list[str]:
@@ -352,6 +359,7 @@ def _shrink_dict(d: dict, amap: dict, sizes: _SmallSizes, config) -> None:
     full = dict(d)
     _set_sizes(d, amap, sizes)
     _set_family_sizes(d, sizes)
+    _set_experts(d, amap, sizes.experts)
     _mla_head_dim(d, full, d, amap)
     if layers and layers > SMALL_LAYERS:
         keep = keep_layers(entries, layers, SMALL_LAYERS, d)
@@ -444,6 +452,21 @@ def _config_int(config, name: str) -> int | None:
     except Exception:  # noqa: BLE001 - per-layer configs raise on some global attributes
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _set_experts(d: dict, amap: dict, experts: int) -> None:
+    """Fewer experts where the config has more than ``experts`` (a family's default has up to 256:
+    the eager loop over them dominates a small model's time), each token routed to at most half."""
+    keys = {amap.get(name, name) for name in _EXPERT_NAMES} & set(d)
+    counts = [d[k] for k in keys if isinstance(d[k], int) and not isinstance(d[k], bool)]
+    if not counts or max(counts) <= experts:
+        return
+    for k in keys:
+        d[k] = experts
+    for name in _TOP_K_NAMES:
+        top_k = d.get(name)
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > experts // 2:
+            d[name] = max(1, experts // 2)
 
 
 def _cut_per_layer_lists(d: dict, config) -> None:

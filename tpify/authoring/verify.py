@@ -48,6 +48,8 @@ class Target:
         max_elements: the most parameter and buffer elements a head class built from the config
             may have (:func:`check_build_size`, on the meta device, before any rank starts);
             None: :data:`MAX_SMALL_ELEMENTS` when the config is made small, no bound otherwise.
+        expert_parallel: parallelize with ``ep_size = tp_size`` (fused MoE experts whole per
+            rank, tokens exchanged with all-to-all) instead of tensor-parallel experts.
     """
 
     target: str
@@ -57,6 +59,7 @@ class Target:
     shrink: bool | None = None
     config: object = None
     max_elements: int | None = None
+    expert_parallel: bool = False
 
 
 @dataclass
@@ -68,6 +71,7 @@ class _Case:
     task: str
     config: object
     recipe: object
+    expert_parallel: bool = False
 
 
 def _recipe_for(recipe, config):
@@ -124,7 +128,7 @@ def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
     if not fed and not unfed:
         failed.append(Row(label, "-", tp, "setup", None, "-", False,
                           f"not verified: no model class of transformers is built from a {type(config).__name__}"))
-    return [_Case(label, cls, task, config, recipe) for task, cls in fed], failed
+    return [_Case(label, cls, task, config, recipe, spec.expert_parallel) for task, cls in fed], failed
 
 
 def _fed_heads(heads: list[tuple[str, type]]) -> tuple[list[tuple[str, type]], list[tuple[str, type]]]:
@@ -215,7 +219,7 @@ def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,),
 
 def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classes: Sequence | None = None, *,
            shrink: bool | None = None, timeout_s: float = 1800.0, progress=None, max_elements: int | None = None,
-           memory_limit_gib: float | None = RANK_MEMORY_LIMIT_GIB) -> VerifyReport:
+           memory_limit_gib: float | None = RANK_MEMORY_LIMIT_GIB, expert_parallel: bool = False) -> VerifyReport:
     """Verify one recipe on one target: every head class (or ``head_classes``) at every tp size.
 
     ``target`` is a ``model_type`` (the family's default config, made small by
@@ -226,7 +230,8 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
     :class:`VerifyReport` (``report.ok``, ``report.format_table()``). ``max_elements`` bounds
     what is built (:func:`check_build_size`; default :data:`MAX_SMALL_ELEMENTS` for a config
     made small, none for one used as it is), ``memory_limit_gib`` each rank's address space
-    (:func:`verify_many`).
+    (:func:`verify_many`). ``expert_parallel``: the fused MoE experts whole per rank
+    (``parallelize(..., ep_size=tp)``) instead of split by their intermediate dimension.
 
     Raises:
         tpify.authoring.target.TargetError: the target is neither a model_type nor a config directory.
@@ -237,7 +242,8 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
         ValueError: a head class that is not the family's, or none that takes token ids; a tp
             size that is not a positive integer.
     """
-    spec = Target(str(target), recipe, head_classes, shrink=shrink, max_elements=max_elements)
+    spec = Target(str(target), recipe, head_classes, shrink=shrink, max_elements=max_elements,
+                  expert_parallel=expert_parallel)
     if spec.shrink is None:
         spec.shrink = not Path(str(target)).is_dir()
     _, _, fed, unfed = _prepare(spec, tp_sizes)  # errors about the target itself are raised, not reported

@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--tp", type=flag(LIMITS["tp"]), default=None,
                     help="tensor-parallel size (default 3 for SmolLM2: 9 heads, 3 KV heads; else 2)")
     ft.add_argument("--dp", type=flag(LIMITS["dp"]), default=1, help="data-parallel size (world = tp * dp)")
+    ft.add_argument("--dp-shard", type=flag(LIMITS["dp_shard"]), default=1,
+                    help="shard every TP shard further over this many DP ranks with FSDP2 (HSDP over dp / dp-shard "
+                         "replicas); default 1: DDP over the DP group, no sharding")
     ft.add_argument("--seq-len", type=flag(LIMITS["seq_len"]), default=64, help="tokens per packed sequence")
     ft.add_argument("--batch-size", type=flag(LIMITS["batch_size"]), default=2,
                     help="sequences per DP replica per step")
@@ -211,6 +214,7 @@ def _finetune_worker(args) -> int:
     hf_logging.disable_progress_bar()
     init_distributed()
     cfg = FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
+                         dp_shard=args.dp_shard,
                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                          steps=args.steps, clip=args.clip, save_every=args.save_every, resume=args.resume,
                          seed=args.seed, dtype=args.dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
@@ -249,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpify finetune: error: {problem}", file=sys.stderr)
             return 2
     if args.command == "finetune":
+        if args.dp % args.dp_shard:
+            parser.error(f"--dp-shard {args.dp_shard} does not divide --dp {args.dp}: FSDP2 shards over --dp-shard "
+                         f"ranks within each of dp / dp-shard replicas; pass a divisor of {args.dp}")
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
     dp = getattr(args, "dp", None)  # embed: any number of replicas of the tp ranks

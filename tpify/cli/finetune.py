@@ -3,8 +3,10 @@
 Each rank loads only its shard (:func:`tpify.from_pretrained`); the ``tp`` ranks of a TP group
 see the same micro-batch, the ``dp`` replicas different ones; a step is the usual Hugging Face
 ``model(input_ids, labels=input_ids).loss.backward()`` (the loss is vocab-parallel, see
-:mod:`tpify.loss`), then gradients are averaged over DP, clipped by the global norm, and AdamW
-steps with a linear warm-up and decay. Checkpoints (HF model directory + one optimizer file per
+:mod:`tpify.loss`) inside torch's DDP over the DP group (gradients averaged over DP while the
+backward runs), or, with ``dp_shard > 1``, with the model sharded by FSDP2 over ``dp_shard`` ranks
+(HSDP over ``dp / dp_shard`` replicas; :mod:`tpify.data_parallel`); then gradients are clipped
+by the global norm, and AdamW steps with a linear warm-up and decay. Checkpoints (HF model directory + one optimizer file per
 rank + the layout manifest, :mod:`tpify.integrations.resume`) are written atomically every
 ``save_every`` steps, and ``resume`` continues exactly: data order and learning rate depend
 only on the step number; a checkpoint written at another layout is refused on every rank. The
@@ -55,6 +57,7 @@ def default_text_files() -> list[Path]:
 LIMITS = {
     "tp": POSITIVE_INT,
     "dp": POSITIVE_INT,
+    "dp_shard": Limit(low=1, note="ranks FSDP2 shards each TP shard over; 1: DDP, no sharding"),
     "seq_len": Limit(low=2, note="a causal LM learns to predict each token from the ones before it, so a "
                                  "sequence needs two"),
     "batch_size": POSITIVE_INT,
@@ -86,6 +89,7 @@ class FinetuneConfig:
     data: list[str] = field(default_factory=list)
     tp: int = 1
     dp: int = 1
+    dp_shard: int = 1            # > 1: FSDP2 over dp_shard ranks (HSDP with dp / dp_shard replicas)
     seq_len: int = 128
     batch_size: int = 4          # sequences per DP replica per step
     lr: float = 5e-5
@@ -113,6 +117,10 @@ class FinetuneConfig:
                     if (problem := check(name, getattr(self, name), limit)) is not None]
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.dp_shard, int) and isinstance(self.dp, int) and self.dp_shard >= 1 and self.dp >= 1 \
+                and self.dp % self.dp_shard:
+            problems.append(f"dp_shard = {self.dp_shard} does not divide dp = {self.dp}: FSDP2 shards over "
+                            f"dp_shard ranks within each of dp / dp_shard replicas; pass a divisor of {self.dp}")
         if problems:
             raise ValueError("FinetuneConfig: " + "; ".join(problems))
 
@@ -168,7 +176,7 @@ def _latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 # Options that shape the run: a resume must use the values the checkpoint was written with.
-_RUN_FIELDS = ("model_dir", "data", "tp", "dp", "seq_len", "batch_size", "lr", "warmup", "steps", "clip",
+_RUN_FIELDS = ("model_dir", "data", "tp", "dp", "dp_shard", "seq_len", "batch_size", "lr", "warmup", "steps", "clip",
                "weight_decay", "seed", "dtype", "lora_r", "lora_alpha")
 
 
@@ -231,7 +239,8 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
 def _restore(trainer_dir: Path, model, optimizer, scheduler, lora: bool) -> None:
     """Continue from ``checkpoint-<k>/trainer``: refuse, on every rank, a checkpoint whose layout
     does not fit (:func:`tpify.integrations.resume.check_resume`, before anything is read), then
-    read the adapter (LoRA) and this rank's optimizer, scheduler and dropout streams.
+    read the adapter (LoRA; under FSDP2 each rank its slice) and this rank's optimizer (under
+    FSDP2 its slice), scheduler and dropout streams.
 
     Raises:
         ResumeError: the layout differs, the manifest or this rank's file is missing (every rank).
@@ -271,13 +280,18 @@ def lora_targets(model) -> list[str]:
     return sorted(names)
 
 
-def _dense_numel(p: torch.Tensor) -> int:
+def _dense_numel(p: torch.Tensor, spec) -> int:
     """Elements of ``p`` in the dense model: a sharded parameter counted whole (unpadded), a
-    replicated one as it is."""
-    from ..sharding import shard_spec_of
-
-    spec = shard_spec_of(p)
+    replicated one as it is (``spec``: its ShardSpec; ``p.shape`` is the TP shard's, also for
+    FSDP2's DTensors)."""
     return p.numel() // p.shape[spec.dim] * spec.global_size if spec is not None else p.numel()
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    """Elements this rank holds: under FSDP2 its slice of the TP shard."""
+    from ..sharding import is_dtensor
+
+    return p.to_local().numel() if is_dtensor(p) else p.numel()
 
 
 def add_lora(model, cfg: FinetuneConfig):
@@ -292,8 +306,11 @@ def add_lora(model, cfg: FinetuneConfig):
     with warnings.catch_warnings():  # peft 0.21 reads a property transformers 5 deprecates: not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = get_peft_model(model, config)
-    trainable = sum(_dense_numel(p) for p in model.parameters() if p.requires_grad)
-    total = sum(_dense_numel(p) for p in model.parameters())
+    from ..info import param_specs
+
+    specs = param_specs(model)
+    trainable = sum(_dense_numel(p, specs[id(p)]) for p in model.parameters() if p.requires_grad)
+    total = sum(_dense_numel(p, specs[id(p)]) for p in model.parameters())
     return model, trainable, total
 
 
@@ -304,11 +321,14 @@ def memory_report(model) -> list[str]:
     each sharded parameter whole, unpadded. The trainable parameters' gradients take their bytes
     again and AdamW's state (``exp_avg``, ``exp_avg_sq``, in the parameter dtype) twice.
     """
+    from ..info import param_specs
+
+    specs = param_specs(model)
     params = list(model.parameters())
-    local = sum(p.numel() * p.element_size() for p in params)
-    dense = sum(_dense_numel(p) * p.element_size() for p in params)
-    train = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    dense_train = sum(_dense_numel(p) * p.element_size() for p in params if p.requires_grad)
+    local = sum(_local_numel(p) * p.element_size() for p in params)
+    dense = sum(_dense_numel(p, specs[id(p)]) * p.element_size() for p in params)
+    train = sum(_local_numel(p) * p.element_size() for p in params if p.requires_grad)
+    dense_train = sum(_dense_numel(p, specs[id(p)]) * p.element_size() for p in params if p.requires_grad)
     per_rank = comm.all_gather_objects((dist.get_rank(), local, train))
 
     def mib(n: int) -> str:
@@ -418,7 +438,10 @@ def _plot(losses: list[float], path: Path) -> None:
 def finetune(cfg: FinetuneConfig) -> list[float]:
     """Run the fine-tune described by ``cfg`` on the already initialised process group.
 
-    ``world = cfg.tp * cfg.dp``. Returns the loss of every step (mean over DP) on every rank.
+    ``world = cfg.tp * cfg.dp``; ``cfg.dp_shard > 1`` shards the model with FSDP2 over that many
+    ranks of the DP group (:func:`tpify.shard_data_parallel`), else DDP averages the gradients over
+    it (:func:`tpify.replicate_data_parallel`). Returns the loss of every step (mean over DP) on
+    every rank.
     Rank 0 prints (``cfg.progress``) the memory of each rank against the dense model
     (:func:`memory_report`), the greedy continuation of ``cfg.prompt`` before training and from
     the final model (``cfg.sample_tokens`` tokens; 0: none), and a line per step. Writes
@@ -431,7 +454,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     Raises:
         ImportError: matplotlib (the ``cli`` extra) is not installed, or peft (the ``peft``
             extra) with ``lora_r > 0``; raised before training.
-        ValueError: an option outside its limits (:meth:`FinetuneConfig.check`, again here: the
+        ValueError: an option outside its limits or a ``dp_shard`` that does not divide ``dp``
+            (:meth:`FinetuneConfig.check`, again here: the
             config may have changed since it was made), ``tp * dp`` differs from the world
             size, ``out_dir`` cannot be a directory (a file, or under one:
             :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
@@ -445,7 +469,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     from transformers import AutoTokenizer
 
     import tpify
-    from tpify.training import check_replicas, clip_grad_norm_, sync_gradients
+    from tpify.data_parallel import replicate_data_parallel, shard_data_parallel
+    from tpify.training import check_replicas, clip_grad_norm_
 
     cfg.check()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -482,6 +507,11 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         if rank == 0:
             print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / total:.2f}%)", flush=True)
+    if cfg.dp_shard > 1:  # FSDP2 (HSDP) over the DP group; the optimizer is built on its shards
+        shard_data_parallel(model, dp_replicate=cfg.dp // cfg.dp_shard)
+        step_model = model
+    else:  # DDP over the DP group (the model itself at dp 1)
+        step_model = replicate_data_parallel(model)
     info = tpify.get_tp_info(model)
     dp_rank = comm.group_rank(info.dp_group)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -506,9 +536,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         lr = scheduler.get_last_lr()[0]
         rows = batch_indices(step, data.shape[0], cfg.batch_size * cfg.dp, cfg.seed)
         ids = data[rows[dp_rank * cfg.batch_size: (dp_rank + 1) * cfg.batch_size]].to(device)  # (B, T)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        sync_gradients(model)
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()  # DDP or FSDP2 reduces the gradients over DP as the backward runs
         norm = clip_grad_norm_(model, cfg.clip) if cfg.clip > 0 else None
         optimizer.step()
         scheduler.step()

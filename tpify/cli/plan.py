@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     plan.add_argument("--head-class", default=None,
                       help="head class name or task (causal-lm, masked-lm, base, ...; default: the masked LM, "
                            "else the causal LM, else the seq2seq LM, else the base model)")
+    plan.add_argument("--ep-size", type=flag(POSITIVE_INT), default=1,
+                      help="expert parallelism: 1 (default, tensor-parallel experts) or the tp size (whole experts "
+                           "per rank)")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
     plan.set_defaults(worker=run, in_process=True)
 
@@ -42,7 +45,7 @@ def run(args) -> int:
     from ..recipe import RecipeError
 
     try:
-        report = plan_report(args.target, args.tp, args.recipe, args.head_class)
+        report = plan_report(args.target, args.tp, args.recipe, args.head_class, args.ep_size)
     except (PlanError, RecipeError, TargetError, PlanReportError) as e:
         print(f"tpify plan: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

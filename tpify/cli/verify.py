@@ -1,4 +1,4 @@
-"""``tpify verify MODEL_TYPE_OR_DIR [--recipe FILE] [--tp 2,4] [--head-class ...]``: prove a recipe exact.
+"""``tpify verify MODEL_TYPE_OR_DIR [--recipe FILE] [--tp 2,4] [--head-class ...] [--ep]``: prove a recipe exact.
 
 Runs :func:`tpify.authoring.verify.verify` on this machine's CPU: for every head class of the family (or
 those named) and every tp size, a small random float64 model against ``tpify.parallelize`` of a
@@ -47,6 +47,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "for one used as it is)")
     p.add_argument("--memory-limit", type=flag(Limit(integer=False, low=0)), default=None, metavar="GIB",
                    help="address-space limit of each rank in GiB, 0 for none (default 4; none with --full)")
+    p.add_argument("--ep", action="store_true", dest="expert_parallel",
+                   help="expert parallelism: the fused MoE experts whole per rank (ep_size = tp), the tokens "
+                        "exchanged with all-to-all (default: every expert's intermediate dimension split)")
     p.add_argument("--failures-only", action="store_true", help="print only the rows that failed")
     p.set_defaults(worker=run, in_process=True)
     return p
@@ -78,7 +81,7 @@ def run(args) -> int:
     try:
         report = verify(args.target, recipe=args.recipe, tp_sizes=args.tp, head_classes=heads, shrink=args.shrink,
                            timeout_s=args.timeout, progress=progress, max_elements=args.max_elements,
-                           memory_limit_gib=memory or None)
+                           memory_limit_gib=memory or None, expert_parallel=args.expert_parallel)
     except (TargetError, RecipeError, ShrinkError, ValueError) as e:
         print(f"tpify verify: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

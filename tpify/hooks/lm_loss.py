@@ -7,6 +7,18 @@ HF computes no loss) and records in the model's :class:`~tpify.context.CallState
 stay split; a forward pre-hook on the LM head (:class:`KeepLogitsSharded`, shared by every copy of
 the head) passes that to it as ``runtime_gather_output=False``; a forward hook on the model
 computes the loss from the shards. Megatron-LM, arXiv:1909.08053, section 3 ("output embedding").
+
+With ``parallelize(..., lm_loss_chunk=c)`` the head does not run at all in such a call: its
+pre-hook (:class:`HeadInputForLoss`) passes it ``return_input=True`` and keeps its input, and the
+model's hook computes the loss from that input and the head's weight shard, ``c`` tokens at a
+time (:func:`tpify.loss.vocab_parallel_linear_cross_entropy`), never holding the ``(B, T, V/p)``
+logits.
+
+What the model does to its head's output before its loss must be declared (the recipe's
+``[loss] logits``: Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's
+``logits_scaling``): the loss from the shards sees the logits HF's loss would see, the chunked
+loss applies the declared ops itself, and a model whose logits are not its head's output, by
+what the recipe does not declare, is refused (:class:`~tpify.info.TPUsageError`, on every rank).
 """
 
 from __future__ import annotations
@@ -17,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..context import CallState, ModeArgument
+from ..context import CallState, ModeArgument, OutputWatch
 from ..info import TPUsageError
-from ..loss import mean_or_nan, vocab_parallel_cross_entropy
+from ..layers import ColumnParallelLinear
+from ..loss import mean_or_nan, vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 
-__all__ = ["ParallelLMLoss", "KeepLogitsSharded", "install"]
+__all__ = ["ParallelLMLoss", "KeepLogitsSharded", "HeadInputForLoss", "install"]
 
 
 class KeepLogitsSharded(ModeArgument):
@@ -32,6 +45,44 @@ class KeepLogitsSharded(ModeArgument):
 
     def value(self):
         return False if self.state.logits_sharded else None
+
+
+class HeadInputForLoss(ModeArgument):
+    """Forward pre-hook of the LM head with ``lm_loss_chunk``: while the model's call computes the
+    chunked loss (:attr:`CallState.head_deferred`) it passes ``return_input=True`` (the head
+    returns its input and computes nothing) and keeps the head that ran and its input for the
+    loss hook (:meth:`take`); nothing otherwise. Shared by copies of the head (PEFT's
+    ``modules_to_save``: the copy's weight is the one used).
+
+    Raises:
+        TPUsageError: the head is wrapped by an adapter (LoRA on the LM head): the chunked loss
+            reads the head's weight shard, which would leave the adapter out.
+    """
+
+    argument = "return_input"
+
+    def __init__(self, state: CallState):
+        super().__init__(state)
+        self.kept = None
+
+    def value(self):
+        return True if self.state.head_deferred else None
+
+    def __call__(self, module, args, kwargs):
+        if not self.state.head_deferred:
+            return None
+        if not isinstance(module, ColumnParallelLinear):
+            raise TPUsageError(f"lm_loss_chunk: the LM head is wrapped by {type(module).__name__} (an adapter on the "
+                               f"head); the chunked loss computes the logits from the head's own weight shard and "
+                               f"would leave the adapter out. Leave the LM head out of the adapter's target modules, "
+                               f"or parallelize without lm_loss_chunk")
+        self.kept = (module, args[0] if args else kwargs["x"])
+        return super().__call__(module, args, kwargs)
+
+    def take(self):
+        """``(head, input)`` of this call's head (None: the head did not run), forgotten here."""
+        kept, self.kept = self.kept, None
+        return kept
 
 
 def _labels_from_call(model: nn.Module, args: tuple, kwargs: dict):
@@ -46,19 +97,37 @@ def _labels_from_call(model: nn.Module, args: tuple, kwargs: dict):
     return args, kwargs, None
 
 
+def _apply_logit_ops(x: torch.Tensor, ops) -> torch.Tensor:
+    """``ops`` applied to ``x`` as HF applies them (``logits / cap``, ``tanh``, ``* cap``), out of place."""
+    for op, value in ops:
+        if op == "multiply":
+            x = x * value
+        elif op == "divide":
+            x = x / value
+        else:
+            x = torch.tanh(x / value) * value
+    return x
+
+
 class ParallelLMLoss:
     """The pre-hook/hook pair on the model that computes ``output.loss`` from the vocab-sharded
-    logits (see :func:`install`). Shared by copies of the model (``copy.deepcopy`` returns it):
-    it holds only the head's sizes and group and the call in flight."""
+    logits, or with ``chunk`` from the head's input (see :func:`install`). Shared by copies of the
+    model (``copy.deepcopy`` returns it): it holds only the head's sizes and group and the call
+    in flight."""
 
     def __init__(self, head: nn.Module, kind: str | None, honours_num_items: bool, terms=(),
-                 state: CallState | None = None):
+                 state: CallState | None = None, logit_ops=(), chunk: int | None = None):
         self.head = head
         self.kind = kind
         self.honours_num_items = honours_num_items
         self.terms = tuple(terms)
+        self.logit_ops = tuple(logit_ops)
+        self.chunk = chunk
         self.state = state if state is not None else CallState()
         self.pending: dict | None = None
+        # what the model did with its head (the head's output; or its input, with chunk)
+        self.watch = OutputWatch(self.state) if chunk is None and not self.logit_ops else None
+        self.head_input = HeadInputForLoss(self.state) if chunk is not None else None
 
     def __deepcopy__(self, memo):
         return self
@@ -90,10 +159,32 @@ class ParallelLMLoss:
             loss = loss + scale * value.to(loss.device)
         return loss
 
+    def _ops(self, model: nn.Module) -> tuple[tuple[str, float], ...]:
+        """The declared logit ops with this call's values (a config attribute read now; None: off)."""
+        ops = []
+        for op, value in self.logit_ops:
+            value = getattr(model.config, value, None) if isinstance(value, str) else value
+            if value is not None:
+                ops.append((op, float(value)))
+        return tuple(ops)
+
+    def _undeclared(self, model: nn.Module, ops) -> TPUsageError:
+        return TPUsageError(
+            f"{type(model).__name__} returns logits that are not its LM head's output, by what its recipe does not "
+            f"declare (declared: {list(self.logit_ops) or 'nothing'}; in effect: {list(ops) or 'nothing'}): the "
+            f"vocab-parallel loss would not be the loss HF computes. Declare what the model does to the head's "
+            f"output in the recipe's [loss] table, in order: logits = [{{ softcap = \"final_logit_softcapping\" }}] "
+            f"(or multiply / divide = the config attribute it reads; docs/recipes.md), or run without labels= and "
+            f"compute the loss from the gathered logits. Nothing was computed")
+
     def pre_hook(self, model, args, kwargs):
         # Every call decides afresh, so a call that raised cannot leave the logits sharded.
-        self.state.logits_sharded = False
+        self.state.logits_sharded = self.state.head_deferred = False
         self.pending = None
+        if self.watch is not None:
+            self.watch.take()
+        if self.head_input is not None:
+            self.head_input.take()
         if self.kind is None:
             # Not a plain LM loss (GPT2DoubleHeadsModel, BertForPreTraining): leave the call as it
             # is; HF computes its own loss from the gathered, full-vocabulary logits.
@@ -108,47 +199,86 @@ class ParallelLMLoss:
         self.pending = {"labels": labels, "num_items_in_batch": kwargs.get("num_items_in_batch"),
                         "shift_labels": kwargs.get("shift_labels"), "ignore_index": kwargs.get("ignore_index", -100)}
         self.state.logits_sharded = True
+        self.state.head_deferred = self.chunk is not None
         return args, kwargs
 
-    def hook(self, model, args, kwargs, output):
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return output
-        self.state.logits_sharded = False
-        logits = output.logits if hasattr(output, "logits") else output[0]  # (B, T, V_padded/p)
+    def _target(self, pending: dict, device) -> torch.Tensor:
+        """The target of every position, with HF's semantics: causal LMs shift the labels by one
+        (``shift_labels`` honoured), masked and seq2seq ones do not."""
+        labels = pending["labels"].to(device)
+        if self.kind != "causal":
+            return labels
+        target = pending["shift_labels"]
+        if target is None:  # HF ForCausalLMLoss: tokens < n predict n, the last one predicts nothing
+            target = F.pad(labels, (0, 1), value=pending["ignore_index"])[..., 1:]
+        return target.to(device)
+
+    def _sharded_logits_loss(self, model, logits, pending, reduction):
+        """The loss from the vocab-sharded logits the model returned (HF's post-processing, which
+        the recipe declares, applied by the model itself on the shard)."""
         if logits.shape[-1] != self.head.out_features_per_partition:
             raise ValueError(f"tpify's parallel LM loss expected the logits of {type(model).__name__} split over the "
                              f"vocabulary, {self.head.out_features_per_partition} columns per rank, but they have "
                              f"{logits.shape[-1]}: the logits did not come from the vocab-parallel head (a wrapper "
                              f"that replaces it, or code that gathers them). Nothing was computed")
+        if self.watch is not None and self.watch.take() is not logits:
+            raise self._undeclared(model, ())
+        return vocab_parallel_cross_entropy(logits, self._target(pending, logits.device),
+                                            ignore_index=pending["ignore_index"], reduction=reduction,
+                                            tp_group=self.head.tp_group, vocab_size=self.head.out_features)
+
+    def _chunked_loss(self, model, returned, pending, reduction):
+        """The loss from the head's input and weight shard, in chunks, with the declared logit ops
+        (checked against what the model did to the input the head returned)."""
+        kept = self.head_input.take()
+        if kept is None:
+            raise TPUsageError(f"lm_loss_chunk: {type(model).__name__}'s LM head did not run in this call, so there "
+                               f"are no hidden states to compute the chunked loss from. Nothing was computed")
+        head, hidden = kept
+        ops = self._ops(model)
+        if returned is not hidden:
+            # HF applied something to what the head returned; on the hidden states it must be the
+            # declared ops, exactly (checked eagerly: a few element-wise ops on (B, T, H) values)
+            if not ops or (not torch.compiler.is_compiling()
+                           and not torch.equal(_apply_logit_ops(hidden.detach(), ops), returned.detach())):
+                raise self._undeclared(model, ops)
+        elif ops:
+            raise self._undeclared(model, ops)
+        weight = head.weight if head.weight_layout == "linear" else head.weight.t()
+        return vocab_parallel_linear_cross_entropy(
+            hidden, weight, self._target(pending, hidden.device), bias=head.bias, ignore_index=pending["ignore_index"],
+            reduction=reduction, tp_group=head.tp_group, vocab_size=head.out_features, chunk_size=self.chunk,
+            logit_ops=ops)
+
+    def hook(self, model, args, kwargs, output):
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return output
+        chunked = self.state.head_deferred
+        self.state.logits_sharded = self.state.head_deferred = False
+        returned = output.logits if hasattr(output, "logits") else output[0]  # (B, T, V_padded/p); chunked: (B, T, H)
         if isinstance(output, tuple) and self.terms:
             raise ValueError(f"tpify's parallel LM loss adds the recipe's [loss] terms "
                              f"{[name for name, _ in self.terms]} from the model's output fields; call "
                              f"{type(model).__name__} with return_dict=True")
-        labels = pending["labels"].to(logits.device)
-        ignore_index = pending["ignore_index"]
-        if self.kind == "causal":
-            target = pending["shift_labels"]
-            if target is None:  # HF ForCausalLMLoss: tokens < n predict n, the last one predicts nothing
-                target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-            target = target.to(logits.device)
-        else:  # "masked" and "seq2seq": each position predicts its own label
-            target = labels
         num_items = pending["num_items_in_batch"] if self.honours_num_items else None
         reduction = "mean" if num_items is None else "sum"
-        loss = vocab_parallel_cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
-                                            tp_group=self.head.tp_group, vocab_size=self.head.out_features)
+        if chunked:
+            loss = self._chunked_loss(model, returned, pending, reduction)
+        else:
+            loss = self._sharded_logits_loss(model, returned, pending, reduction)
         if num_items is not None:
             loss = mean_or_nan(loss, num_items)
         loss = self._add_terms(model, output, loss)
         if isinstance(output, tuple):
-            return (loss,) + output
-        values = {k: v for k, v in output.items() if k != "loss"}
+            return (loss, None) + output[1:] if chunked else (loss,) + output
+        values = {k: v for k, v in output.items() if k != "loss" and not (chunked and k == "logits")}
         return type(output)(loss=loss, **values)
 
 
 def install(model: nn.Module, layout, state: CallState) -> list:
-    """Make ``model(..., labels=labels).loss`` use :func:`~tpify.loss.vocab_parallel_cross_entropy`.
+    """Make ``model(..., labels=labels).loss`` use :func:`~tpify.loss.vocab_parallel_cross_entropy`
+    (or, with ``layout.lm_loss_chunk``, :func:`~tpify.loss.vocab_parallel_linear_cross_entropy`).
 
     Installed by :func:`tpify.parallelize` when the layout has an LM head (``layout.lm_head``, a
     ``colwise_rep`` ``ColumnParallelLinear``) and ``model`` is the top-level HF model. The layout's
@@ -163,24 +293,43 @@ def install(model: nn.Module, layout, state: CallState) -> list:
     The recipe's ``[loss] terms`` are added as HF adds them (a mixture of experts'
     ``router_aux_loss_coef * aux_loss``); an output that holds another loss term raises.
     ``output.logits`` is then this rank's shard ``(B, T, V_padded/tp_size)`` (columns
-    ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns hold 0). Without ``labels`` nothing
-    changes: logits are gathered (``generate`` works).
+    ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns hold 0), as the model post-processed it
+    (the recipe's ``[loss] logits``: Gemma 2's softcapping is applied by the model to the shard,
+    and the loss sees it). Without ``labels`` nothing changes: logits are gathered (``generate``
+    works).
+
+    With ``layout.lm_loss_chunk = c``: with ``labels`` the head returns its input
+    (:class:`HeadInputForLoss`), the loss is computed from it and the head's weight and bias
+    shards ``c`` tokens at a time with the declared logit ops, and ``output.logits`` is None
+    (``(loss, None, ...)`` for a tuple output): no ``(B, T, V/p)`` logits exist.
 
     Communication: with labels, the loss's 2 all-reduces (``B*T`` and ``2*B*T`` values) replace the
-    all-gather of ``B*T*V/p`` logits per rank.
+    all-gather of ``B*T*V/p`` logits per rank; chunked, 2 per chunk of the same values in all, and
+    in backward the all-reduce of the head input's gradient that the head would issue.
+
+    Refused (:class:`~tpify.info.TPUsageError`, raised alike on every rank before the loss's
+    collectives): logits that are not the head's output by what the recipe does not declare
+    (compared by identity, and chunked the declared ops by value on the head's input); with
+    ``lm_loss_chunk`` an adapter (LoRA) on the head.
 
     Head classes whose loss kind is None (``GPT2DoubleHeadsModel``, ``BertForPreTraining``: a
     loss that is not a plain LM loss) keep HF's own loss, computed from the gathered logits:
     correct, but not vocab-parallel (one all-gather of ``B*T*V/p`` logits per rank).
 
     Returns:
-        the three hook handles (the model's pre-hook and hook, the head's pre-hook), or ``[]``
-        when the layout has no LM head.
+        the hook handles (the model's pre-hook and hook, the head's pre-hooks and the forward hook
+        watching its output), or ``[]`` when the layout has no LM head.
     """
     if layout.lm_head is None:
         return []
     head = model.get_submodule(layout.lm_head)
-    owner = ParallelLMLoss(head, layout.loss_kind, layout.honours_num_items, layout.loss_terms, state)
-    return [model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True),
-            model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False),
-            head.register_forward_pre_hook(KeepLogitsSharded(state), with_kwargs=True)]
+    owner = ParallelLMLoss(head, layout.loss_kind, layout.honours_num_items, layout.loss_terms, state,
+                           layout.logit_ops, layout.lm_loss_chunk)
+    handles = [model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True),
+               model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False),
+               head.register_forward_pre_hook(KeepLogitsSharded(state), with_kwargs=True)]
+    if owner.head_input is not None:
+        handles.append(head.register_forward_pre_hook(owner.head_input, with_kwargs=True))
+    if owner.watch is not None:
+        handles.append(head.register_forward_hook(owner.watch))
+    return handles

@@ -8,12 +8,15 @@ arXiv:1909.08053 section 3; Korthikanti et al., arXiv:2205.05198 section 4.2.2).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from .. import comm
 from ..context import CallState
 from ..layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..sharding import shard_spec_of
 
 __all__ = ["ReplicatedInRegion", "install"]
 
@@ -34,6 +37,13 @@ class ReplicatedInRegion(comm.SharesProcessGroups):
     module's parameters gets a gradient hook that all-reduces (sums) its gradient over the TP
     group. ``found`` lists those modules' FQNs.
 
+    The hooks are kept per parameter object, not per module: a wrapper that replaces a module's
+    parameters after a forward (FSDP2's ``fully_shard``, whose unsharded parameters the forward
+    sees) gets its new parameters hooked at their first call. A tensor hook on a leaf runs before
+    the gradient is accumulated into ``.grad`` (torch's ``AccumulateGrad`` tensor pre-hook), so the
+    sum is complete before DDP's reducer (a post-hook of the same node) or FSDP2's post-backward
+    reads the gradient.
+
     Communication: backward, one all-reduce per such parameter (none for a model without them).
     """
 
@@ -41,29 +51,38 @@ class ReplicatedInRegion(comm.SharesProcessGroups):
         self.tracker, self.tp_group, self.handles, self.state = tracker, tp_group, handles, state
         self.names: dict[int, str] = {}
         self.found: list[str] = []
-        self._done: set[int] = set()
+        self._done: dict[int, weakref.ref] = {}  # id -> the parameter already hooked (ids of dead ones are reused)
 
     def _reduce(self, grad):
         return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), self.tp_group)
 
     def __call__(self, module, args):
-        if not (self.tracker.in_region or self.state.sequence_active) or id(module) in self._done:
+        if not (self.tracker.in_region or self.state.sequence_active):
             return None
-        self._done.add(id(module))
-        self.found.append(self.names.get(id(module), type(module).__name__))
-        for param in module.parameters(recurse=False):
-            if param.requires_grad:
-                self.handles.append(param.register_hook(self._reduce))
+        new = [p for p in module.parameters(recurse=False)
+               if p.requires_grad and (id(p) not in self._done or self._done[id(p)]() is not p)]
+        if not new:
+            return None
+        name = self.names.get(id(module), type(module).__name__)
+        if name not in self.found:
+            self.found.append(name)
+        for param in new:
+            self._done[id(param)] = weakref.ref(param)
+            self.handles.append(param.register_hook(self._reduce))
         return None
 
 
 def install(model: nn.Module, tracker, tp_group, state: CallState, handles: list) -> ReplicatedInRegion:
     """A :class:`ReplicatedInRegion` pre-hook on every module that holds parameters and is not a
-    parallel layer; the gradient hooks it adds later go into ``handles`` too."""
+    parallel layer nor holds split ones (fused experts); the gradient hooks it adds later go into
+    ``handles`` too."""
     watcher = ReplicatedInRegion(tracker, tp_group, handles, state)
     parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
     for fqn, module in model.named_modules():
-        if not isinstance(module, parallel) and any(True for _ in module.parameters(recurse=False)):
+        own = list(module.parameters(recurse=False))
+        if any(shard_spec_of(p) is not None for p in own):  # split by a style (fused experts): not replicated
+            continue
+        if not isinstance(module, parallel) and own:
             watcher.names[id(module)] = fqn
             handles.append(module.register_forward_pre_hook(watcher))
     return watcher

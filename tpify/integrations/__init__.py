@@ -2,7 +2,8 @@
 
 * :class:`TPTrainer` (``tpify.integrations.trainer``): ``transformers.Trainer`` for a tpify model.
 * :class:`TPAccelerator` (``tpify.integrations.accelerate``): ``accelerate.Accelerator`` for one.
-* :func:`get_peft_model` (``tpify.integrations.peft``): PEFT LoRA on tensor-parallel layers.
+* :func:`get_peft_model`, :func:`load_peft_adapter` (``tpify.integrations.peft``): PEFT LoRA and
+  DoRA on tensor-parallel layers, new or from a dense adapter directory.
 * :mod:`tpify.integrations.model`: HF's own methods on a parallelized model (installed by
   :func:`tpify.parallelize`).
 * :mod:`tpify.integrations.resume`: the layout manifest every training checkpoint carries
@@ -14,7 +15,7 @@ Imported lazily, so ``import tpify`` does not import Trainer, accelerate or peft
 
 from __future__ import annotations
 
-__all__ = ["TPTrainer", "TPAccelerator", "get_peft_model", "save_adapter", "TPUsageError"]
+__all__ = ["TPTrainer", "TPAccelerator", "get_peft_model", "load_peft_adapter", "save_adapter", "TPUsageError"]
 
 
 def __getattr__(name: str):
@@ -24,7 +25,7 @@ def __getattr__(name: str):
     if name == "TPAccelerator":
         from .accelerate import TPAccelerator
         return TPAccelerator
-    if name in ("get_peft_model", "save_adapter"):
+    if name in ("get_peft_model", "load_peft_adapter", "save_adapter"):
         from . import peft
         return getattr(peft, name)
     if name == "TPUsageError":

@@ -4,20 +4,26 @@ accelerate knows tensor parallelism only as DTensor parameters (``ParallelismCon
 and otherwise wraps every model in a ``DistributedDataParallel`` over the whole world, which
 for a tpify model overwrites the other TP ranks' shards with rank 0's, hands the TP ranks of one
 model replica different batches, averages gradients of different shards, and clips by each
-rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with five methods changed, so that
+rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with a few methods changed, so that
 ``prepare(model, optimizer, dataloader)``, ``backward`` and ``clip_grad_norm_`` are exact
 (docs/mechanics.md "Groups"; Megatron-LM, arXiv:1909.08053, section 3):
 
-* ``prepare_model``: no DDP wrap (device placement, autocast and compile as accelerate does
-  them); the model's TP/DP groups are recorded.
+* data parallelism is torch's, over the model's DP group only, chosen with accelerate's own
+  switches (:func:`data_parallel_plan`): by default ``prepare_model`` wraps the model in a
+  ``DistributedDataParallel`` over the DP group (:func:`tpify.data_parallel.replicate_data_parallel`,
+  with the ``DistributedDataParallelKwargs`` handler's options); with an FSDP plugin of version 2
+  (``fsdp_plugin=`` or ``ACCELERATE_USE_FSDP``) or a ``ParallelismConfig`` whose ``dp_shard_size``
+  is above 1, ``prepare`` shards the model with FSDP2 (HSDP when ``dp_replicate_size > 1``;
+  :func:`tpify.data_parallel.shard_data_parallel`) and points the optimizer passed with it at the
+  sharded parameters. accelerate itself never sees the plugin or the config (it would shard or
+  wrap the model over the whole world); ``no_sync``/``accumulate`` skip the DP reduction (DDP's
+  ``no_sync``, FSDP2's ``set_requires_gradient_sync``).
 * ``prepare_data_loader``: the data is split over the DP replicas only (``num_processes = dp``,
   ``process_index = dp_rank``), with accelerate's own sharding, so every rank of a TP group gets
   the same batches and the DP replicas different ones.
-* ``backward``: when gradients are synchronised (``accelerator.sync_gradients``, False inside
-  ``accumulate`` before the last micro-batch, as with DDP's ``no_sync``), every gradient is
-  averaged over the DP group (:func:`tpify.training.sync_gradients`).
 * ``clip_grad_norm_``: the norm of the dense model (:func:`tpify.training.params_grad_norm`:
-  sharded gradients' squares summed over TP, replicated ones counted once).
+  sharded gradients' squares summed over TP, replicated ones counted once; under FSDP2 summed
+  over the shard axis first).
 * ``save_model``: the dense Hugging Face checkpoint (or a PEFT model's dense adapter), a
   collective every rank calls; ``save_state``/``load_state``: that checkpoint plus one state file
   per rank (optimizer shards, scheduler, generators, tpify's dropout streams) and the layout
@@ -35,17 +41,134 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import accelerate
 from accelerate.data_loader import prepare_data_loader
 
 from ..info import get_tp_info, param_specs
-from ..training import clip_params_grad_norm_, sync_gradients
+from ..sharding import is_dtensor
+from ..training import clip_params_grad_norm_
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 from .resume import PER_RANK, check_resume, training_layout, write_manifest
 
-__all__ = ["TPAccelerator"]
+__all__ = ["TPAccelerator", "DataParallelPlan", "data_parallel_plan"]
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """How a tpify model's data parallelism is applied, read from accelerate's switches.
+
+    ``shard``: FSDP2 (HSDP with ``dp_replicate > 1``) through
+    :func:`tpify.data_parallel.shard_data_parallel`, else DDP over the DP group.
+    ``dp_replicate``/``dp_shard``/``tp_size``: the sizes a ``ParallelismConfig`` asked for
+    (``None``: the model's); checked against the model when it is prepared. The rest is passed
+    to ``fully_shard``. ``source`` names where the plan came from, for messages.
+    """
+
+    shard: bool = False
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp_size: int | None = None
+    reshard_after_forward: bool | None = None
+    mp_policy: object = None
+    offload_policy: object = None
+    blocks: tuple | None = None
+    source: str = "default (DDP over the DP group)"
+
+
+def _plugin_options(plugin) -> dict:
+    """``fully_shard`` options from an accelerate ``FullyShardedDataParallelPlugin``.
+
+    Raises:
+        TPUsageError: FSDP version 1, FSDP's own activation checkpointing, a size-based or custom
+            wrap policy, ignored modules, a mixed precision policy that is not FSDP2's.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    version = getattr(plugin, "fsdp_version", 1)
+    problems = []
+    if version != 2:
+        problems.append(f"fsdp_version={version} (FSDP1): use fsdp_version=2 (FSDP2's fully_shard)")
+    if getattr(plugin, "activation_checkpointing", False):
+        problems.append("activation_checkpointing=True (FSDP's own): use model.gradient_checkpointing_enable() "
+                        "(Trainer: gradient_checkpointing=True), which keeps tpify's dropout streams")
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    if policy is not None and getattr(policy, "__name__", "") != "transformer_auto_wrap_policy":
+        problems.append(f"auto_wrap_policy {getattr(policy, '__name__', policy)!r}: tpify shards per transformer "
+                        f"block (TRANSFORMER_BASED_WRAP, optionally transformer_cls_names_to_wrap)")
+    if getattr(plugin, "ignored_modules", None):
+        problems.append("ignored_modules: not supported with a tpify model")
+    mp = getattr(plugin, "mixed_precision_policy", None)
+    if mp is not None and not isinstance(mp, MixedPrecisionPolicy):
+        problems.append(f"mixed_precision_policy {type(mp).__name__}: pass FSDP2's MixedPrecisionPolicy")
+    if problems:
+        raise TPUsageError("TPAccelerator: the FSDP plugin asks for what tpify does not support with a "
+                           "tensor-parallel model: " + "; ".join(problems))
+    offload = getattr(plugin, "cpu_offload", None)
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    if isinstance(names, str):
+        names = names.split(",")
+    return {"reshard_after_forward": getattr(plugin, "reshard_after_forward", None), "mp_policy": mp,
+            "offload_policy": offload if isinstance(offload, OffloadPolicy) and type(offload) is not OffloadPolicy
+            else None, "blocks": tuple(names) if names else None}
+
+
+def data_parallel_plan(fsdp_plugin=None, parallelism_config=None) -> DataParallelPlan:
+    """The :class:`DataParallelPlan` accelerate's switches ask for (local; no communication).
+
+    ``fsdp_plugin``: an accelerate ``FullyShardedDataParallelPlugin`` (FSDP2 over the whole DP
+    group, or as ``parallelism_config`` splits it); ``parallelism_config``: an accelerate
+    ``ParallelismConfig`` (``dp_shard_size > 1``: FSDP2, HSDP with ``dp_replicate_size > 1``;
+    else DDP). Neither: DDP over the DP group.
+
+    Raises:
+        TPUsageError: what :func:`_plugin_options` refuses; a ``ParallelismConfig`` with context
+            or sequence parallelism (``cp_size``/``sp_size`` above 1).
+    """
+    options = _plugin_options(fsdp_plugin) if fsdp_plugin is not None else {}
+    if parallelism_config is None:
+        return DataParallelPlan(shard=fsdp_plugin is not None, source="an FSDP plugin" if fsdp_plugin else
+                                DataParallelPlan.source, **options)
+    pc = parallelism_config
+    other = [f"{name}={getattr(pc, name)}" for name in ("cp_size", "sp_size") if (getattr(pc, name, 1) or 1) > 1]
+    if other:
+        raise TPUsageError(f"TPAccelerator: ParallelismConfig({', '.join(other)}) is not supported with a tpify "
+                           f"model: tpify parallelizes tensors itself; only dp_replicate_size, dp_shard_size and "
+                           f"tp_size are read")
+    shard = (pc.dp_shard_size or 1) > 1 or fsdp_plugin is not None
+    return DataParallelPlan(shard=shard, dp_replicate=pc.dp_replicate_size or 1, dp_shard=pc.dp_shard_size or 1,
+                            tp_size=pc.tp_size or 1, source=f"ParallelismConfig(dp_replicate_size="
+                            f"{pc.dp_replicate_size}, dp_shard_size={pc.dp_shard_size}, tp_size={pc.tp_size})",
+                            **options)
+
+
+@contextlib.contextmanager
+def _hidden_from_accelerate():
+    """accelerate builds an FSDP plugin or a ParallelismConfig from the environment
+    (``accelerate launch --use_fsdp``): hide those switches while the accelerator is made (they are
+    read into the tpify plan instead), then restore them."""
+    keys = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _env_switches():
+    """The FSDP plugin and ParallelismConfig that accelerate would build from the environment."""
+    plugin = config = None
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        from accelerate import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin()
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        from accelerate import ParallelismConfig
+
+        config = ParallelismConfig()
+    return plugin, config
 
 
 class TPAccelerator(accelerate.Accelerator):
@@ -55,17 +178,35 @@ class TPAccelerator(accelerate.Accelerator):
     ``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_(model.parameters(), 1.0)``,
     ``opt.step()``. Under torchrun with ``world = dp * tp``.
 
-    Communication: that of the model; ``backward`` adds the DP all-reduces of
-    :func:`~tpify.training.sync_gradients` on synchronising steps; ``clip_grad_norm_`` one
-    all-reduce of one value over TP.
+    Communication: that of the model and of torch's engine (DDP's bucketed all-reduces over DP,
+    or FSDP2's all-gathers and reduce-scatters); ``clip_grad_norm_`` one all-reduce of one value
+    over TP (under FSDP2 one of two values over the shard axis before it).
 
     Raises:
-        TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge), an
-            FSDP plugin, DeepSpeed or a ``ParallelismConfig`` (they would re-wrap the shards),
-            ``dispatch_batches``, a data loader prepared before any tpify model, two models
-            with different groups, ``get_state_dict``.
+        TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
+            DeepSpeed, an FSDP plugin of version 1 or with options tpify does not support
+            (:func:`data_parallel_plan`), a ``ParallelismConfig`` whose sizes are not the
+            model's, ``dispatch_batches``, a data loader prepared before any tpify model, two
+            models with different groups, an FSDP model prepared without its optimizer in the
+            same call while an optimizer holds state, ``get_state_dict``, ``load_state`` under FSDP2.
         ResumeError: (a TPUsageError) ``load_state`` of a state saved at another layout.
     """
+
+    def __init__(self, *args, fsdp_plugin=None, parallelism_config=None, **kwargs):
+        env_plugin, env_config = _env_switches()
+        plan = data_parallel_plan(fsdp_plugin if fsdp_plugin is not None else env_plugin,
+                                  parallelism_config if parallelism_config is not None else env_config)
+        with _hidden_from_accelerate():
+            super().__init__(*args, **kwargs)
+        self.set_data_parallel_plan(plan)
+
+    def set_data_parallel_plan(self, plan: DataParallelPlan) -> None:
+        """Use ``plan`` for the tpify models prepared from now on (:class:`~tpify.integrations.TPTrainer`
+        sets the one Trainer's ``fsdp``/``fsdp_config``/``parallelism_config`` ask for)."""
+        self.__dict__["_tpify_plan"] = plan
+
+    def _plan(self) -> DataParallelPlan:
+        return self.__dict__.get("_tpify_plan") or DataParallelPlan()
 
     # -- what tpify models were prepared --------------------------------------------------------
     def _tp_models(self) -> list:
@@ -93,18 +234,31 @@ class TPAccelerator(accelerate.Accelerator):
                                "mixed_precision='bf16' or 'no'")
         from accelerate.utils import DistributedType
 
-        engines = [name for name, on in (
-            ("an FSDP plugin (fsdp_plugin / ACCELERATE_USE_FSDP)", self.distributed_type == DistributedType.FSDP
-             or getattr(self.state, "fsdp_plugin", None) is not None
-             or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"),
-            ("DeepSpeed", self.distributed_type == DistributedType.DEEPSPEED),
-            ("a ParallelismConfig (accelerate's own DTensor tensor/context parallelism)",
-             getattr(self, "parallelism_config", None) is not None)) if on]
-        if engines:
-            raise TPUsageError(f"TPAccelerator: {engines[0]} is not supported with a tpify model: its data or tensor "
-                               f"parallelism would wrap or re-shard the tensor-parallel shards. Use TPAccelerator "
-                               f"without it (the model's DP group averages the gradients)")
+        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) \
+                or getattr(self, "parallelism_config", None) is not None:
+            what = "DeepSpeed" if self.distributed_type == DistributedType.DEEPSPEED else "accelerate's own FSDP"
+            raise TPUsageError(f"TPAccelerator: {what} is not supported with a tpify model: it would wrap or re-shard "
+                               f"the tensor-parallel shards. Pass the FSDP plugin (version 2) or ParallelismConfig to "
+                               f"TPAccelerator itself, which applies FSDP2 over the model's DP group")
+        self._check_plan(info)
         models.append(tp_model)
+
+    def _check_plan(self, info) -> None:
+        """Refuse a plan whose sizes are not the model's (local; the same outcome on every rank)."""
+        import torch.distributed as dist
+
+        plan = self._plan()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        dp = world // info.tp_size
+        wanted = [(name, value, actual) for name, value, actual in (
+            ("tp_size", plan.tp_size, info.tp_size),
+            ("dp_replicate_size x dp_shard_size", None if plan.dp_replicate is None else plan.dp_replicate *
+             plan.dp_shard, dp)) if value is not None and value != actual]
+        if wanted:
+            raise TPUsageError(f"TPAccelerator: {plan.source} does not fit the tpify model: "
+                               + "; ".join(f"{n} {v} asked, the model has {a}" for n, v, a in wanted)
+                               + f" (world {world} = dp {dp} x tp {info.tp_size}). Ask for the model's sizes, or "
+                                 f"parallelize the model with tp_size={plan.tp_size or info.tp_size}")
 
     def _layout(self):
         models = self._tp_models()
@@ -119,14 +273,57 @@ class TPAccelerator(accelerate.Accelerator):
     def prepare(self, *args, device_placement=None):
         for obj in args:  # learn the layout first, whatever the argument order
             self.register_tp_model(obj)
+        if self._plan().shard:
+            self._shard(args)
         return super().prepare(*args, device_placement=device_placement)
+
+    def _shard(self, args) -> None:
+        """FSDP2 on each tpify model among ``args`` not sharded yet, then the optimizers among
+        ``args`` pointed at the sharded parameters (by name), as accelerate does for FSDP2."""
+        import torch
+
+        from ..data_parallel import shard_data_parallel
+
+        plan = self._plan()
+        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)
+                      or isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
+        for model in [m for m in args if isinstance(m, torch.nn.Module) and tp_model_of(m) is not None]:
+            if any(is_dtensor(p) for p in model.parameters()):
+                continue
+            before = dict(model.named_parameters())
+            stale = [o for o in optimizers if o.state_dict()["state"]]
+            if stale:
+                raise TPUsageError("TPAccelerator: an optimizer passed with the model already holds state; FSDP2 "
+                                   "replaces the parameters: prepare the model and a fresh optimizer together")
+            shard_data_parallel(model, dp_replicate=plan.dp_replicate, reshard_after_forward=plan.reshard_after_forward,
+                                mp_policy=plan.mp_policy, offload_policy=plan.offload_policy, blocks=plan.blocks)
+            after = dict(model.named_parameters())
+            new = {id(p): after[name] for name, p in before.items()}
+            for opt in optimizers:
+                inner = opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer
+                for group in inner.param_groups:
+                    group["params"] = [new.get(id(p), p) for p in group["params"]]
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         self.register_tp_model(model)
         if tp_model_of(model) is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        # evaluation_mode=True: accelerate's placement, autocast and compile, without its DDP wrap.
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        sharded = any(is_dtensor(p) for p in model.parameters())
+        if sharded:
+            device_placement = False  # FSDP2 placed the shards
+        # evaluation_mode=True: accelerate's placement, autocast and compile, without its DDP over the world.
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        if evaluation_mode or sharded or not any(p.requires_grad for p in model.parameters()):
+            return prepared
+        from ..data_parallel import replicate_data_parallel
+
+        kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+        wrapped = replicate_data_parallel(prepared, **kwargs)  # DDP over the model's DP group (dp 1: unwrapped)
+        if wrapped is not prepared:
+            if self.ddp_handler is not None:
+                self.ddp_handler.register_comm_hook(wrapped)
+            self._models[:] = [wrapped if m is prepared or m is model else m for m in self._models]
+        return wrapped
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         layout = self._layout()
@@ -148,12 +345,6 @@ class TPAccelerator(accelerate.Accelerator):
             non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
         self._dataloaders.append(prepared)
         return prepared
-
-    def backward(self, loss, **kwargs):
-        super().backward(loss, **kwargs)
-        if self.sync_gradients:
-            for model in self._tp_models():
-                sync_gradients(model)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         parameters = list(parameters)
@@ -243,6 +434,10 @@ class TPAccelerator(accelerate.Accelerator):
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if input_dir is None:
             raise TPUsageError("TPAccelerator.load_state needs input_dir for tpify models")
+        if any(is_dtensor(p) for m in self._tp_models() for p in m.parameters()):
+            raise TPUsageError("TPAccelerator.load_state: the model is sharded by FSDP2; reading the dense weights "
+                               "back into its DTensor shards is not supported yet. Resume without FSDP2 (DDP), or "
+                               "load the saved model with tpify.from_pretrained and prepare it again")
         import random
 
         import numpy as np
@@ -300,11 +495,16 @@ class TPAccelerator(accelerate.Accelerator):
 
     @contextlib.contextmanager
     def no_sync(self, model):
-        """As accelerate's: gradients are not averaged over DP by ``backward`` inside the block."""
-        previous = self.gradient_state.sync_gradients
-        self.gradient_state._set_sync_gradients(False)
-        try:
-            with super().no_sync(model):
+        """As accelerate's: no DP reduction of the gradients in the block (DDP's ``no_sync``; for a
+        model FSDP2 shards, ``set_requires_gradient_sync(False)``: the unsharded gradients
+        accumulate until a backward outside the block reduce-scatters them)."""
+        tp_model = tp_model_of(model)
+        if tp_model is not None and hasattr(tp_model, "set_requires_gradient_sync"):
+            tp_model.set_requires_gradient_sync(False)
+            try:
                 yield
-        finally:
-            self.gradient_state._set_sync_gradients(previous)
+            finally:
+                tp_model.set_requires_gradient_sync(True)
+            return
+        with super().no_sync(model):
+            yield

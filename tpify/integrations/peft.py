@@ -1,285 +1,300 @@
-"""PEFT LoRA on tensor-parallel layers, with no collective beyond the base layer's.
+"""PEFT models on a tpify model: adapters added, trained, loaded and saved as PEFT's own.
 
-LoRA adds ``scaling * B A x`` to a linear layer ``W x`` (Hu et al., arXiv:2106.09685), with
-``A: (r, in)`` and ``B: (out, r)``. On tpify's layers the factors follow Megatron's rule
-(Megatron-LM, arXiv:1909.08053, section 3; what PEFT's ``LoraParallelLinear`` does for
-Megatron's layers):
+The adapter layer is :class:`~tpify.integrations.lora.LoraTPLinear` (LoRA and DoRA on
+``ColumnParallelLinear`` / ``RowParallelLinear``, the maths in :mod:`tpify.integrations.lora`).
+This module connects it to PEFT through PEFT's own extension points, without patching PEFT:
 
-* **column-parallel base** (``W_r``: this rank's output rows): ``A`` replicated, ``B_r`` split
-  by output features (the same rows as ``W_r``, packed ``[Q|K|V]`` parts and vocabulary padding
-  included). ``y_r = W_r x + b_r + s B_r (A x)``. Backward: the partial gradients of ``x`` (from
-  ``W_r``) and of ``h = A x`` (from ``B_r``) are summed over the TP group in **one** all-reduce
-  (:func:`tpify.comm.copy_many_to_tp_region`), the one the base layer issues anyway, ``r``
-  values wider per token; ``A``'s gradient is then complete and identical on every rank.
-* **row-parallel base** (``W_r``: this rank's input columns): ``A_r`` split by input features,
-  ``B`` replicated. The partial sums ``W_r x_r`` and ``h_r = A_r x_r`` are summed in **one**
-  all-reduce forward (the base layer's, ``r`` values wider per token); then
-  ``y = (sum W_r x_r) + b + s B (sum h_r)``, so ``B``'s gradient is complete on every rank and
-  the backward communicates nothing.
-* **under sequence parallelism** (Korthikanti et al., arXiv:2205.05198): a column base reads the
-  tokens all-gathered by a region entry whose backward reduce-scatters every reader's input
-  gradient; the adapter reads the same tensor, its ``A^T dh`` goes there as a partial sum, and
-  ``A``'s gradient (from the partial ``dh``) is summed over the group (``r x H`` values). A row
-  base reduce-scatters along ``T`` (``r`` values wider); ``B`` then meets ``T/p`` tokens and its
-  gradient is summed over the group. The per-call modes the model's hooks pass the base layer
-  (:class:`tpify.context.ModeArgument`) are passed to the adapter layer instead.
+* **which layer**: ``LoraConfig._register_custom_module`` maps the parallel layers to
+  ``LoraTPLinear`` for every config tpify hands PEFT (:func:`get_peft_model`,
+  :func:`load_peft_adapter`, and the returned model's ``add_adapter``, through which PEFT's own
+  ``load_adapter`` adds a second adapter); other targets (replicated ``nn.Linear`` heads) get
+  PEFT's own layers;
+* **which modules**: ``target_modules="all-linear"`` is resolved to module names before PEFT
+  sees it, by PEFT's rule (``tuners_utils._maybe_include_all_linear_layers``: every linear layer
+  but the output embedding, or a classifier head for sequence classification) with the parallel
+  layers counted as linear, so the same names are adapted as on the dense model; names and
+  regular expressions need nothing (the parallel model keeps the dense model's module names);
+* **dense adapter files**: a ``load_state_dict`` pre-hook on the tpify model (torch's extension
+  point, which PEFT's ``set_peft_model_state_dict`` goes through) replaces each dense adapter
+  tensor by this rank's slice (its :class:`~tpify.sharding.ShardSpec`), so PEFT's ``load_adapter``
+  and ``from_pretrained`` read standard adapter directories; :func:`save_adapter` gathers each
+  sharded tensor back to its dense shape and writes with PEFT's ``save_pretrained``;
+* **modules_to_save**: PEFT deep-copies the module, and a copy of a parallel layer stays parallel
+  (its ShardSpecs kept, :class:`~tpify.sharding.KeepsShardSpecs`; its per-call modes shared,
+  :class:`~tpify.context.ModeArgument`); it is saved gathered and unpadded and loaded sliced.
 
-:func:`get_peft_model` registers :class:`LoraTPLinear` for ``ColumnParallelLinear`` and
-``RowParallelLinear`` through PEFT's custom-module extension point
-(``LoraConfig._register_custom_module``) and returns PEFT's ``PeftModel``; other targets
-(replicated ``nn.Linear`` heads) get PEFT's own layers. Adapters are initialised dense, exactly
-as PEFT initialises them on the dense model from the same random state, then sliced, so a run
-is comparable with dense PEFT step by step. The model's ``save_pretrained`` writes a standard
-adapter directory with the dense factors (:func:`save_adapter`, a collective);
-``merge_and_unload()`` merges each rank's slice into its shard, and :func:`tpify.save_pretrained`
-of the result is the dense merged model.
+Plain ``peft.PeftModel.from_pretrained(tp_model, dir)`` cannot choose tpify's layer (the config
+it reads from ``dir`` names none) and fails with PEFT's "Target module ColumnParallelLinear(...)
+is not supported": :func:`load_peft_adapter` is that call for a tpify model.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import types
-import warnings
 
-import torch
-import torch.nn.functional as F
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig, PeftConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
-from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from .. import comm
-from ..context import mode_arguments
-from ..info import get_tp_info
-from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
-from ..random import DEFAULT, TP
-from ..sharding import KeepsShardSpecs, ShardSpec, lora_factor_spec, shard_spec_of
-from ..info import TPUsageError
+from ..hf_modules import is_conv1d
+from ..info import TPUsageError, find_tp_model, get_tp_info, param_specs, record_specs
+from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..sharding import is_dtensor, shard_spec_of
+from .lora import LoraTPLinear
 
-__all__ = ["LoraTPLinear", "get_peft_model", "save_adapter", "load_adapter_"]
+__all__ = ["LoraTPLinear", "get_peft_model", "load_peft_adapter", "save_adapter", "load_adapter_",
+           "resolve_target_modules"]
+
+# the parts of a PEFT parameter name that mark an adapter's tensors (LoRA factors, DoRA magnitudes,
+# modules_to_save copies): what is saved, and what a dense adapter file may hold
+_ADAPTER_MARKS = ("lora_", "modules_to_save.")
 
 
-class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
-    """A LoRA adapter on a :class:`ColumnParallelLinear` or :class:`RowParallelLinear` (module doc).
+def _is_adapter_key(name: str) -> bool:
+    return any(mark in name for mark in _ADAPTER_MARKS)
 
-    Shapes: as the base layer (input ``(B, T, in)`` replicated for a column base,
-    ``(B, T, in/p)`` for a row base; output ``(B, T, out/p)``, ``(B, T, out)`` or gathered).
-    Parameters: column base: ``lora_A.weight (r, in)`` replicated, ``lora_B.weight (out/p, r)``
-    sharded (carries a ShardSpec); row base: ``lora_A.weight (r, in/p)`` sharded,
-    ``lora_B.weight (out, r)`` replicated.
-    Communication: exactly the base layer's collectives (forward all-reduce of a row base,
-    backward all-reduce of a column base, all-gather of a gathering head), ``B*T*r`` values wider
-    per adapter; no other.
-    Dtype: the adapter's (PEFT keeps adapters in float32 for half-precision models); the
-    collective runs in the wider of the two dtypes.
-    Dropout: on the replicated input of a column base from the default stream (same mask on
-    every TP rank); on the sharded input of a row base from the TP stream (tpify.random).
+
+# -- configs --------------------------------------------------------------------------------------
+def _all_linear_names(model: nn.Module, config: LoraConfig) -> set[str]:
+    """PEFT's ``"all-linear"`` on a tpify model: the names PEFT gives on the dense model.
+
+    PEFT's rule: every ``nn.Linear`` and ``Conv1D`` (and adapter layer whose class name says
+    ``Linear``), except, on a transformers model, the output embedding (``get_output_embeddings()``)
+    or, when it has none and the task is sequence classification, the first of PEFT's classifier
+    head names; never a module inside an adapter layer. tpify's parallel linear layers count as
+    linear (they stand for the dense ``nn.Linear`` / ``Conv1D``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.constants import SEQ_CLS_HEAD_NAMES
+    from peft.utils.peft_types import TaskType
+    from transformers import PreTrainedModel
+
+    linear = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    names = {name for name, m in model.named_modules()
+             if isinstance(m, linear) or is_conv1d(m)
+             or (isinstance(m, BaseTunerLayer) and "Linear" in type(m).__name__)}
+    heads = []
+    if isinstance(model, PreTrainedModel):
+        output = model.get_output_embeddings()
+        if output is not None:
+            heads = [output]
+        elif config.task_type == TaskType.SEQ_CLS:
+            heads = [getattr(model, n) for n in SEQ_CLS_HEAD_NAMES if getattr(model, n, None) is not None][:1]
+    for head in heads:
+        names.discard(next(name for name, m in model.named_modules() if m is head))
+    for prefix, m in model.named_modules():
+        if isinstance(m, BaseTunerLayer):  # no adapter on an adapter's own parts
+            names -= {f"{prefix}.{suffix}" for suffix, _ in m.named_modules() if suffix}
+    return names
+
+
+def resolve_target_modules(model: nn.Module, config: LoraConfig) -> None:
+    """Resolve ``target_modules="all-linear"`` (any case) of ``config`` in place to the module names
+    PEFT adapts on the dense model (:func:`_all_linear_names`); other values are left as they are
+    (PEFT matches names and regular expressions by module name, which surgery keeps)."""
+    from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, str) and targets.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND:
+        config.target_modules = _all_linear_names(model, config)
+
+
+# LoraConfig options that would read or copy whole tensors of sharded layers: refused by name
+_REFUSED_CONFIG = {
+    "trainable_token_indices": "PEFT's trainable tokens index the embedding table by token id, and each rank "
+                               "holds only its vocabulary rows: train the embedding with modules_to_save instead",
+    "layer_replication": "PEFT's layer replication copies decoder layers, with their parallel layers and hooks",
+    "target_parameters": "LoRA on nn.Parameter targets reads the whole parameter; target the modules instead",
+}
+
+
+def _prepare_config(model: nn.Module, config, what: str) -> None:
+    """Make ``config`` adapt ``model``'s parallel layers with :class:`LoraTPLinear` (PEFT's custom
+    module mapping) and resolve ``"all-linear"``.
 
     Raises:
-        ValueError: DoRA, ``lora_bias``, LoRA variants or initialisations that need the whole
-            base weight (PiSSA, CorDA, OLoRA, LoftQ, MiCA): not supported on a sharded base.
+        TPUsageError: a PEFT method other than LoRA; ``trainable_token_indices``,
+            ``layer_replication`` or ``target_parameters`` (:data:`_REFUSED_CONFIG`).
+    """
+    if not isinstance(config, LoraConfig):
+        raise TPUsageError(f"{what}: tpify supports LoRA (and DoRA) adapters on tensor-parallel models, not "
+                           f"{type(config).__name__}")
+    refused = [f"{name} ({why})" for name, why in _REFUSED_CONFIG.items() if getattr(config, name, None)]
+    if refused:
+        raise TPUsageError(f"{what}: {'; '.join(refused)}: not supported on a tensor-parallel model")
+    resolve_target_modules(model, config)
+    config._register_custom_module({ColumnParallelLinear: LoraTPLinear, RowParallelLinear: LoraTPLinear})
+
+
+def _check_model(model: nn.Module, what: str, low_cpu_mem_usage: bool) -> None:
+    """Refuse, before PEFT touches it, a model tpify cannot put adapters on.
+
+    Raises:
+        ValueError: ``model`` was not parallelized by tpify.
+        TPUsageError: FSDP2-sharded parameters; ``low_cpu_mem_usage=True``.
+    """
+    get_tp_info(model)
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise TPUsageError(f"{what}: the model's parameters are DTensors (FSDP2's fully_shard); add the adapters "
+                           f"before sharding: {what} first, then tpify.shard_data_parallel (LoRA under FSDP2 x TP)")
+    if low_cpu_mem_usage:
+        raise TPUsageError(f"{what}: low_cpu_mem_usage=True loads with load_state_dict(assign=True), which drops "
+                           f"the tensor-parallel split of each adapter parameter; call it without")
+
+
+# -- loading dense adapter tensors ----------------------------------------------------------------
+class _DenseAdapterSlices:
+    """``load_state_dict`` pre-hook of a tpify model under PEFT: each dense adapter tensor (as in a
+    standard adapter file, which PEFT's ``set_peft_model_state_dict`` passes on) is replaced by
+    this rank's slice, read through its parameter's ShardSpec (vocabulary padding added). A tensor
+    already of the parameter's local shape is left as it is. No communication.
+
+    Raises:
+        TPUsageError: (every rank alike: the same file) an adapter tensor of neither the dense nor
+            the local shape, naming both; ``assign=True`` (``low_cpu_mem_usage``), which would
+            replace the parameters by tensors without their split.
     """
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, r: int = 0,
-                 lora_alpha: int = 1, **kwargs):
-        unsupported = [name for name, on in (("use_dora", config.use_dora), ("lora_bias", config.lora_bias),
-                                             ("init_lora_weights=" + str(config.init_lora_weights),
-                                              isinstance(config.init_lora_weights, str)
-                                              and config.init_lora_weights not in ("gaussian",)))
-                       if on]
-        for attr in ("velora_config", "arrow_config", "monteclora_config", "kasa_config", "alora_invocation_tokens"):
-            if getattr(config, attr, None):
-                unsupported.append(attr)
-        if getattr(config, "use_bdlora", False):
-            unsupported.append("use_bdlora")
-        if unsupported:
-            raise ValueError(f"tpify LoRA on tensor-parallel layers does not support {unsupported}; use plain LoRA "
-                             f"(init_lora_weights=True or 'gaussian')")
-        super().__init__()
-        kwargs.pop("fan_in_fan_out", None)
-        kwargs.pop("is_target_conv_1d_layer", None)
-        with warnings.catch_warnings():  # PEFT warns that it cannot read in/out features of unknown layer types
-            warnings.filterwarnings("ignore", message="Unsupported layer type")
-            LoraLayer.__init__(self, base_layer, **kwargs)
-        base = self.get_base_layer()
-        self.is_row = isinstance(base, RowParallelLinear)
-        self.in_features, self.out_features = base.in_features, base.out_features  # dense: init, then slice
-        self.fan_in_fan_out = base.weight_layout == "conv1d"
-        self._active_adapter = adapter_name
-        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-        # The dropout streams: as on the base layer, which this layer now stands for (tpify.random).
-        self._rng = base.ctx.rng  # the model's tracker (None for a layer built alone)
-        if self._rng is not None and self.is_row:
-            self.register_forward_pre_hook(self._rng.leave_region)
-        elif self._rng is not None and not base.gather_output:
-            self.register_forward_hook(self._rng.enter_region)
-        # The per-call modes the model's hooks pass the base layer (scatter_output under sequence
-        # parallelism, runtime_gather_output for the parallel loss): this layer is called instead.
-        for hook in mode_arguments(base):
-            self.register_forward_pre_hook(hook, with_kwargs=True)
-
-    def _factor_spec(self) -> tuple[str, ShardSpec]:
-        """Which factor is sharded and how (:func:`tpify.sharding.lora_factor_spec`)."""
-        base = self.get_base_layer()
-        spec = shard_spec_of(base.weight)
-        if not self.is_row and spec.replicated:
-            raise NotImplementedError(
-                f"tpify LoRA: {type(base).__name__} keeps packed parts {list(spec.replicated)} whole on every rank "
-                f"(multi-query K/V); an adapter on it is not supported. Leave this module out of target_modules "
-                f"(adapt the other projections)")
-        return lora_factor_spec(spec, self.is_row, base.in_features)
-
-    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
-        """PEFT's dense adapter (same init as on the dense model), then this rank's slice of one factor."""
-        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-        base = self.get_base_layer()
-        which, spec = self._factor_spec()
-        linear = getattr(self, which)[adapter_name]
-        dense = linear.weight
-        local = nn.Parameter(spec.slice_dense(dense.detach(), base.tp_rank), requires_grad=dense.requires_grad)
-        local.tp_shard_spec = spec
-        linear.weight = local
-        if which == "lora_A":
-            linear.in_features = local.shape[1]
-        else:
-            linear.out_features = local.shape[0]
-
-    # -- forward ----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """Base output plus the active adapters' ``s B A x``, with the base layer's collectives only.
-
-        ``runtime_gather_output`` / ``scatter_output``: the base layer's per-call modes (passed by
-        the model's hooks), honoured as the base layer honours them."""
-        modes = {k: kwargs.pop(k) for k in ("runtime_gather_output", "scatter_output") if k in kwargs}
-        self._check_forward_args(x, *args, **kwargs)
-        if kwargs.pop("adapter_names", None) is not None:
-            raise ValueError("tpify LoraTPLinear does not support mixed-adapter batches (adapter_names=)")
-        base = self.get_base_layer()
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return base(x, *args, **kwargs, **modes)
-        adapters = [a for a in self.active_adapters if a in self.lora_A]
-        if self.merged or not adapters:
-            return base(x, *args, **kwargs, **modes)
-        if self.is_row:
-            return self._row(base, x, adapters, modes.get("scatter_output", base.sequence_parallel))
-        return self._column(base, x, adapters, modes.get("runtime_gather_output", base.gather_output))
-
-    def _adapter_inputs(self, x: torch.Tensor, adapters: list[str], stream: str) -> list[torch.Tensor]:
-        """``A_a dropout(x)`` per adapter ``(B, T, r)``, the dropout drawn from ``stream``."""
-        hs = []
-        for a in adapters:
-            lora_a = self.lora_A[a]
-            with self._rng.on(stream) if self._rng is not None else contextlib.nullcontext():
-                xd = self.lora_dropout[a](self._cast_input_dtype(x, lora_a.weight.dtype))
-            hs.append(lora_a(xd))
-        return hs
-
-    def _column(self, base: ColumnParallelLinear, x: torch.Tensor, adapters: list[str], gather: bool) -> torch.Tensor:
-        # x is replicated on every rank: the same dropout mask everywhere (the shared stream)
-        if base.sequence_parallel:
-            return self._column_sequence_parallel(base, x, adapters, gather)
-        hs = self._adapter_inputs(x, adapters, DEFAULT)  # (B, T, r) each
-        # one all-reduce of dX and dh backward (the layer keeps its own, not the entry it would share
-        # with the other layers reading x: dh needs an all-reduce anyway, and dX rides on it)
-        x, *hs = comm.copy_many_to_tp_region([x, *hs], base.tp_group)
-        y = _matmul(x, base.weight, base.bias, base.weight_layout)  # (B, T, out/p)
-        dtype = y.dtype
-        for a, h in zip(adapters, hs):
-            y = y + self.lora_B[a](h).to(dtype) * self.scaling[a]
-        return base.gather(y) if gather else y
-
-    def _column_sequence_parallel(self, base: ColumnParallelLinear, x: torch.Tensor, adapters: list[str],
-                                  gather: bool) -> torch.Tensor:
-        """Under sequence parallelism ``x`` is the all-gathered input ``(B, T, H)``, whose region entry
-        reduce-scatters the summed input gradient of every reader: the base layer shares it, and the
-        adapter's ``A^T dh`` reaches it through autograd (a partial sum per rank, summed there). ``dh``
-        itself is a partial sum (each rank's rows of ``B``), so ``A``'s gradient is summed over the
-        group (one all-reduce of ``r x H`` values in backward) instead of ``dh``."""
-        hs = []
-        for a in adapters:
-            lora_a = self.lora_A[a]
-            with self._rng.on(DEFAULT) if self._rng is not None else contextlib.nullcontext():
-                xd = self.lora_dropout[a](self._cast_input_dtype(x, lora_a.weight.dtype))
-            weight, = comm.sum_grad_ranges([lora_a.weight], [(0, [(0, lora_a.weight.shape[0])])], base.tp_group)
-            hs.append(F.linear(xd, weight))  # (B, T, r)
-        y = base(x, runtime_gather_output=False)  # (B, T, out/p)
-        dtype = y.dtype
-        for a, h in zip(adapters, hs):
-            y = y + self.lora_B[a](h).to(dtype) * self.scaling[a]
-        return base.gather(y) if gather else y
-
-    def _row(self, base: RowParallelLinear, x: torch.Tensor, adapters: list[str], scatter: bool) -> torch.Tensor:
-        if not base.input_is_parallel:
-            x = comm.scatter_to_tp_region(x, base.tp_group)
-        partial = _matmul(x, base.weight, None, base.weight_layout)  # (B, T, out), partial sum
-        hs = self._adapter_inputs(x, adapters, TP)  # sharded input: TP-distinct masks; (B, T, r) partial sums
-        wide = partial.dtype
-        for h in hs:
-            wide = torch.promote_types(wide, h.dtype)
-        # the base layer's one collective, r wider: all-reduce, or reduce-scatter along T (sequence parallelism)
-        summed = base.collect(torch.cat([partial.to(wide), *(h.to(wide) for h in hs)], dim=-1), scatter)
-        y, *hs = summed.split([base.out_features] + [h.shape[-1] for h in hs], dim=-1)
-        y = base.add_bias(y.to(partial.dtype), scatter)
-        for a, h in zip(adapters, hs):
-            weight = self.lora_B[a].weight
-            if scatter:  # B meets this rank's T/p tokens only: its gradient is a partial sum
-                weight, = comm.sum_grad_ranges([weight], [(0, [(0, weight.shape[0])])], base.tp_group)
-            y = y + F.linear(h.to(weight.dtype), weight).to(y.dtype) * self.scaling[a]
-        return y
-
-    # -- merging ----------------------------------------------------------------------------
-    def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        """``s B A`` for this rank's shard of the base weight, in the base weight's layout and dtype."""
-        base = self.get_base_layer()
-        delta = (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
-        if base.weight_layout == "conv1d":
-            delta = delta.T
-        return delta.to(base.weight.dtype)
-
-    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """Add the adapters' ``s B A`` slices to this rank's base shard (no communication)."""
-        from peft.tuners.tuners_utils import check_adapters_to_merge
-
-        base = self.get_base_layer()
-        for a in check_adapters_to_merge(self, adapter_names):
-            if a not in self.lora_A:
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs):
+        _attach_specs(module)  # PeftModel.from_pretrained upcasts half-precision adapters before it loads
+        rank = get_tp_info(module).tp_rank
+        problems = []
+        for name, param in module.named_parameters(remove_duplicate=False):
+            key, spec = prefix + name, shard_spec_of(param)
+            if spec is None or key not in state_dict or not _is_adapter_key(name):
                 continue
-            delta = self.get_delta_weight(a)
-            if safe_merge and not torch.isfinite(base.weight.data + delta).all():
-                raise ValueError(f"NaNs detected in the merged weights; adapter {a} seems to be broken")
-            base.weight.data += delta
-            self.merged_adapters.append(a)
-
-    def unmerge(self) -> None:
-        """Subtract the merged adapters' slices again."""
-        base = self.get_base_layer()
-        while self.merged_adapters:
-            a = self.merged_adapters.pop()
-            if a in self.lora_A:
-                base.weight.data -= self.get_delta_weight(a)
-
-    def __repr__(self) -> str:
-        return "lora." + super().__repr__()
-
-
-def _adapter_tensors(peft_model: nn.Module):
-    """``(name, tensor)`` of what PEFT saves (LoRA factors, modules_to_save), in a fixed order."""
-    return [(n, p) for n, p in peft_model.named_parameters() if "lora_" in n or "modules_to_save" in n]
+            if local_metadata.get("assign_to_params_buffers"):
+                raise TPUsageError("loading an adapter with assign=True (PEFT's low_cpu_mem_usage=True) would drop "
+                                   f"the tensor-parallel split of {key}; load without low_cpu_mem_usage")
+            value = state_dict[key]
+            dense = list(param.shape)
+            dense[spec.dim] = spec.global_size
+            if list(value.shape) == list(param.shape):
+                continue
+            if list(value.shape) != dense:
+                problems.append(f"{key}: shape {list(value.shape)}, expected the dense {dense} or this rank's "
+                                f"{list(param.shape)}")
+                continue
+            state_dict[key] = spec.slice_dense(value, rank)
+        if problems:
+            raise TPUsageError(f"the adapter does not fit the tensor-parallel model's adapters ({len(problems)} "
+                               f"tensors): {problems[:10]}")
 
 
+def _attach_specs(model: nn.Module) -> None:
+    """:meth:`LoraTPLinear.attach_specs` on every adapter layer of ``model`` (PEFT replaces the
+    adapter parameters of half-precision models when it upcasts them)."""
+    for m in model.modules():
+        if isinstance(m, LoraTPLinear):
+            m.attach_specs()
+
+
+def _slice_dense_adapters_on_load(tp_model: nn.Module) -> None:
+    """Register :class:`_DenseAdapterSlices` on ``tp_model`` (once)."""
+    if not any(isinstance(getattr(h, "hook", h), _DenseAdapterSlices)
+               for h in tp_model._load_state_dict_pre_hooks.values()):
+        tp_model.register_load_state_dict_pre_hook(_DenseAdapterSlices())
+
+
+# -- the PEFT model ----------------------------------------------------------------------------------
+def _add_adapter(self: PeftModel, adapter_name: str, peft_config, low_cpu_mem_usage: bool = False,
+                 autocast_adapter_dtype: bool = True) -> None:
+    """``PeftModel.add_adapter`` on a tpify model (installed on the PEFT models tpify returns; PEFT's
+    ``load_adapter`` calls it for a new adapter): the config is prepared first (:func:`_prepare_config`).
+
+    Communication: DoRA on row-parallel layers: one all-reduce of ``out`` values per layer.
+
+    Raises:
+        TPUsageError: a method other than LoRA; ``low_cpu_mem_usage=True``.
+    """
+    _check_model(self.get_base_model(), "add_adapter", low_cpu_mem_usage)
+    _prepare_config(self.get_base_model(), peft_config, "add_adapter")
+    type(self).add_adapter(self, adapter_name, peft_config, low_cpu_mem_usage=low_cpu_mem_usage,
+                           autocast_adapter_dtype=autocast_adapter_dtype)
+    _attach_specs(self)
+
+
+def _as_tpify_peft_model(peft_model: PeftModel) -> PeftModel:
+    """Give a PEFT model on a tpify model its dense ``save_pretrained`` and its ``add_adapter``; its
+    adapters' ShardSpecs (again: PEFT upcasts half-precision adapters by new parameters)."""
+    _attach_specs(peft_model)
+    record_specs(find_tp_model(peft_model))  # the adapters' specs by name, read back once FSDP2 shards them
+    peft_model.save_pretrained = types.MethodType(save_adapter, peft_model)
+    peft_model.add_adapter = types.MethodType(_add_adapter, peft_model)
+    return peft_model
+
+
+def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default", **kwargs) -> PeftModel:
+    """``peft.get_peft_model`` for a tpify-parallelized model: LoRA or DoRA on tensor-parallel layers.
+
+    Prepares ``peft_config`` (:class:`LoraTPLinear` registered for the parallel layers, PEFT's
+    custom-module extension point; ``"all-linear"`` resolved to the names PEFT adapts on the dense
+    model), calls ``peft.get_peft_model``, and gives the returned model a ``save_pretrained`` that
+    writes the dense adapter (:func:`save_adapter`) and an ``add_adapter`` (hence ``load_adapter``)
+    that prepares new configs alike; dense adapter files load sliced (``load_adapter``,
+    ``set_peft_model_state_dict``). Only the adapters (and ``modules_to_save``, each copy of a
+    parallel layer sharded as its original) train, as in PEFT. Call it with the same random state
+    on every rank (the adapters are initialised like PEFT's, identically on every rank).
+
+    Communication: none; DoRA on row-parallel layers: one all-reduce of ``out`` values per layer
+    (the magnitude is the dense weight's norm).
+
+    Raises:
+        ValueError: ``model`` was not parallelized by tpify; an option :class:`LoraTPLinear`
+            refuses (LoRA variants other than DoRA, whole-weight initialisations).
+        TPUsageError: a PEFT method other than LoRA; FSDP2-sharded parameters;
+            ``low_cpu_mem_usage=True``; ``trainable_token_indices``, ``layer_replication``,
+            ``target_parameters``.
+    """
+    _check_model(model, "get_peft_model", kwargs.get("low_cpu_mem_usage", False))
+    _prepare_config(model, peft_config, "get_peft_model")
+    _slice_dense_adapters_on_load(model)
+    return _as_tpify_peft_model(_peft_get_peft_model(model, peft_config, adapter_name=adapter_name, **kwargs))
+
+
+def load_peft_adapter(model: nn.Module, model_id, adapter_name: str = "default", is_trainable: bool = False,
+                      **kwargs) -> PeftModel:
+    """``peft.PeftModel.from_pretrained(model, model_id)`` for a tpify-parallelized model.
+
+    Reads the adapter's config from ``model_id`` (a standard adapter directory, as dense PEFT or
+    :func:`save_adapter` writes it), prepares it as :func:`get_peft_model` does, and calls PEFT's
+    ``PeftModel.from_pretrained`` with it: each rank keeps its slice of every dense tensor
+    (LoRA factors, DoRA magnitudes, ``modules_to_save`` copies). The returned model is a PEFT model
+    as :func:`get_peft_model` returns one (``load_adapter`` / ``set_adapter`` for more adapters,
+    ``save_pretrained`` dense). ``kwargs`` go to ``PeftModel.from_pretrained``.
+
+    Communication: none; DoRA on row-parallel layers: one all-reduce of ``out`` values per layer.
+
+    Raises:
+        ValueError: ``model`` was not parallelized by tpify; an option :class:`LoraTPLinear` refuses.
+        TPUsageError: not a LoRA adapter; an adapter tensor of neither the dense nor the local shape
+            (every rank); ``low_cpu_mem_usage=True``.
+    """
+    _check_model(model, "load_peft_adapter", kwargs.get("low_cpu_mem_usage", False))
+    config = kwargs.pop("config", None)
+    if config is None:
+        hub = {k: kwargs[k] for k in ("subfolder", "revision", "cache_dir", "token") if k in kwargs}
+        config = PeftConfig.from_pretrained(str(model_id), **hub)
+    _prepare_config(model, config, "load_peft_adapter")
+    _slice_dense_adapters_on_load(model)
+    peft_model = PeftModel.from_pretrained(model, str(model_id), adapter_name=adapter_name, is_trainable=is_trainable,
+                                           config=config, **kwargs)
+    return _as_tpify_peft_model(peft_model)
+
+
+# -- saving ------------------------------------------------------------------------------------------
 def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
     """Write the dense adapter directory of a PEFT model on a tpify model (a collective).
 
-    Every sharded factor is all-gathered to its dense shape, then global rank 0 writes with
-    PEFT's own ``save_pretrained`` (``adapter_model.safetensors`` + ``adapter_config.json``), so
-    plain ``peft.PeftModel.from_pretrained(dense_model, dir)`` loads it. Installed as the PEFT
-    model's ``save_pretrained`` by :func:`get_peft_model`; every rank must call it.
+    Every sharded adapter tensor (LoRA factors, DoRA magnitudes, ``modules_to_save`` copies of
+    parallel layers) is all-gathered to its dense, unpadded shape, then global rank 0 writes with
+    PEFT's own ``save_pretrained`` (``adapter_model.safetensors`` + ``adapter_config.json``; more
+    adapters in subdirectories, as PEFT), so plain ``peft.PeftModel.from_pretrained(dense_model,
+    dir)`` loads it. Installed as the PEFT model's ``save_pretrained`` by :func:`get_peft_model`;
+    every rank must call it.
 
-    Communication: one all-gather over TP per sharded factor; one all-reduce of one int over
-    the world (:func:`tpify.agree.on_writing_rank`: a failed write raises on every rank).
+    Communication: one all-gather over TP per sharded adapter tensor (under FSDP2, before it, one
+    all-gather over DP per adapter tensor); one all-reduce of one int over the world (:func:`tpify.agree.on_writing_rank`: a failed write raises on every rank).
 
     Raises:
         TPUsageError: ``state_dict=`` given (local shards cannot be the dense adapter).
@@ -290,12 +305,15 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
         raise TPUsageError("save_pretrained of a tensor-parallel PEFT model takes no state_dict=; every rank calls "
                            "it and the dense adapter is gathered")
     kwargs.pop("is_main_process", None)
-    group = get_tp_info(peft_model).tp_group
+    group = get_tp_info(find_tp_model(peft_model)).tp_group
+    params = dict(peft_model.named_parameters(remove_duplicate=False))
+    specs = param_specs(peft_model)  # also for DTensor adapters (FSDP2), by the names recorded
     full = {}
-    for name, t in _adapter_tensors(peft_model):
-        spec = shard_spec_of(t)
-        value = spec.gather(t.detach(), group) if spec is not None else t.detach()
-        full[name] = value.cpu()
+    for name, value in peft_model.state_dict().items():  # the same order on every rank
+        if _is_adapter_key(name):
+            spec = specs.get(id(params[name])) if name in params else None
+            value = value.full_tensor() if is_dtensor(value) else value  # FSDP2: gathered over DP first
+            full[name] = (spec.gather(value, group) if spec is not None else value).cpu()
     with on_writing_rank(f"writing the adapter to {save_directory}", next(peft_model.parameters()).device) as writing:
         if writing:
             kwargs.setdefault("save_embedding_layers", False)
@@ -304,63 +322,24 @@ def save_adapter(peft_model: PeftModel, save_directory, **kwargs) -> None:
 
 
 def load_adapter_(peft_model: PeftModel, path, adapter_name: str = "default") -> None:
-    """Read a dense adapter directory (as :func:`save_adapter` writes) into the adapters in place.
-
-    Each rank copies its slice of each sharded factor; no communication.
-
-    Raises:
-        TPUsageError: a tensor the adapters need is missing, or has another shape.
-    """
-    from peft.utils import load_peft_weights
-
-    info = get_tp_info(peft_model)
-    saved = load_peft_weights(str(path), device="cpu")
-    problems = []
-    with torch.no_grad():
-        for name, t in _adapter_tensors(peft_model):
-            key = name.replace(f".{adapter_name}", "")
-            value = saved.get(key)
-            spec = shard_spec_of(t)
-            if value is None:
-                problems.append(f"missing {key}")
-                continue
-            try:
-                local = spec.slice_dense(value, info.tp_rank) if spec is not None else value
-            except ValueError as e:
-                problems.append(f"{key}: {e}")
-                continue
-            if local.shape != t.shape:
-                problems.append(f"{key} has shape {list(value.shape)}")
-                continue
-            t.copy_(local)
-    if problems:
-        raise TPUsageError(f"adapter {path} does not fit the model's adapters: {problems[:10]}")
-
-
-def get_peft_model(model: nn.Module, peft_config: LoraConfig, adapter_name: str = "default", **kwargs) -> PeftModel:
-    """``peft.get_peft_model`` for a tpify-parallelized model: LoRA on tensor-parallel layers.
-
-    Registers :class:`LoraTPLinear` for ``ColumnParallelLinear`` and ``RowParallelLinear`` in
-    ``peft_config`` (PEFT's custom-module extension point), calls ``peft.get_peft_model``, and
-    makes the returned model's ``save_pretrained`` write the dense adapter (:func:`save_adapter`).
-    Only the adapters (and ``modules_to_save``) train, as in PEFT. Call it with the same random
-    state on every rank (the adapters are initialised like PEFT's, identically on every rank).
+    """Read a dense adapter directory (as :func:`save_adapter` writes it) into the existing adapter
+    ``adapter_name`` in place, each rank its slices (PEFT's ``set_peft_model_state_dict``).
 
     Communication: none.
 
     Raises:
-        ValueError: ``model`` was not parallelized by tpify.
-        TPUsageError: a PEFT method other than LoRA.
+        TPUsageError: a tensor the adapter needs is missing from the file, or the file holds one the
+            adapter does not have, or one of another shape.
     """
-    get_tp_info(model)
-    from ..sharding import is_dtensor
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-    if any(is_dtensor(p) for p in model.parameters()):
-        raise TPUsageError("get_peft_model: the model's parameters are DTensors (FSDP2's fully_shard); add the "
-                           "adapters before sharding with fully_shard (LoRA under FSDP2 is not supported yet)")
-    if not isinstance(peft_config, LoraConfig):
-        raise TPUsageError(f"tpify supports LoRA adapters on tensor-parallel models, not {type(peft_config).__name__}")
-    peft_config._register_custom_module({ColumnParallelLinear: LoraTPLinear, RowParallelLinear: LoraTPLinear})
-    peft_model = _peft_get_peft_model(model, peft_config, adapter_name=adapter_name, **kwargs)
-    peft_model.save_pretrained = types.MethodType(save_adapter, peft_model)
-    return peft_model
+    if any(is_dtensor(p) for p in peft_model.parameters()):
+        raise TPUsageError(f"load_adapter_: the model's parameters are DTensors (FSDP2's fully_shard); load the "
+                           f"adapter {path} before sharding with tpify.shard_data_parallel")
+    _slice_dense_adapters_on_load(find_tp_model(peft_model))
+    result = set_peft_model_state_dict(peft_model, load_peft_weights(str(path), device="cpu"),
+                                       adapter_name=adapter_name)
+    missing = [k for k in result.missing_keys if _is_adapter_key(k) and f".{adapter_name}" in k]
+    if missing or result.unexpected_keys:
+        raise TPUsageError(f"adapter {path} does not fit the model's adapter {adapter_name!r}: missing "
+                           f"{missing[:10]}, unexpected {list(result.unexpected_keys)[:10]}")

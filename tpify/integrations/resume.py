@@ -14,10 +14,12 @@ it with its own before it reads anything.
 The manifest (:func:`training_layout`, JSON) holds what decides the per-rank optimizer tensors:
 
 * ``tp_size`` and ``dp_size`` (``world_size // tp_size``), and ``optimizer_files``: ``"per TP
-  rank"`` (TPTrainer: DP replicas average their gradients before every step, so they hold the
-  same optimizer state and one file per TP rank serves any ``dp_size``) or ``"per rank"``
-  (TPAccelerator, ``tpify finetune``: one file per global rank, which also holds that rank's
-  generators, so ``dp_size`` must match too);
+  rank"`` (TPTrainer under DDP: DP replicas average their gradients before every step, so they
+  hold the same optimizer state and one file per TP rank serves any ``dp_size``) or ``"per rank"``
+  (TPAccelerator, ``tpify finetune``, TPTrainer under FSDP2: one file per global rank, which also
+  holds that rank's generators or FSDP2's slice of the state, so ``dp_size`` must match too);
+* ``dp_shard``: how many ranks FSDP2 splits each TP shard over (1 without FSDP2): the optimizer
+  state of a rank is that slice;
 * the model class, ``pad_vocab_multiple`` and the PEFT adapters present (names);
 * every optimized parameter: its name, this rank's shape and its
   :class:`~tpify.sharding.ShardSpec` (split dimension, packed parts, padded vocabulary size,
@@ -55,12 +57,14 @@ class ResumeError(TPUsageError):
     missing or unreadable. Raised on every rank (on the others as an ``AgreementError``)."""
 
 
-def _spec(param, vocabulary: set[int]) -> dict | None:
+def _spec(param, vocabulary: set[int], specs: dict) -> dict | None:
     """A parameter's split, as JSON; for a vocabulary table (``vocabulary``: ids of the embedding's
-    and LM head's parameters) also its padded rows, which decide which Adam moments go where."""
+    and LM head's parameters) also its padded rows, which decide which Adam moments go where.
+    ``specs``: ``{id(param): ShardSpec}`` (:func:`tpify.info.param_specs`, also for FSDP2's
+    DTensors)."""
     from ..sharding import shard_spec_of
 
-    spec = shard_spec_of(param)
+    spec = specs[id(param)] if id(param) in specs else shard_spec_of(param)
     if spec is None:
         return None
     out = {"dim": spec.dim, "parts": list(spec.parts), "padded_size": spec.padded_size,
@@ -88,7 +92,8 @@ def _unwrap_optimizer(optimizer):
     return inner if inner is not None and hasattr(inner, "param_groups") else optimizer
 
 
-def training_layout(models, optimizers=None, *, optimizer_files: str, written_by: str) -> dict:
+def training_layout(models, optimizers=None, *, optimizer_files: str, written_by: str,
+                    dp_shard: int | None = None) -> dict:
     """The manifest of this rank's training layout (JSON-able; the same on every rank).
 
     Args:
@@ -100,6 +105,8 @@ def training_layout(models, optimizers=None, *, optimizer_files: str, written_by
             both sides have).
         optimizer_files: ``PER_TP_RANK`` or ``PER_RANK`` (see the module docstring).
         written_by: the tool, for a reader of the file.
+        dp_shard: FSDP2's shard count, for a model not sharded yet (a resume checks before
+            ``prepare`` shards it); default: read from the parameters (1 without FSDP2).
 
     Raises:
         ResumeError: no tpify model among ``models``.
@@ -131,17 +138,25 @@ def training_layout(models, optimizers=None, *, optimizer_files: str, written_by
         groups = [{"class": type(opt).__name__,
                    "param_groups": [[name(p) for p in g["params"]] for g in opt.param_groups]} for opt in optimizers]
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    from ..info import param_specs
+    from ..sharding import is_dtensor
+
     parameters = {}
     vocabulary = _vocabulary_params(tp_models)
+    specs = {k: v for m in models for k, v in param_specs(m).items()} if tp_models else {}
+    found = 1
     for p in params:
-        parameters.setdefault(name(p), {"shape": list(p.shape), "shard": _spec(p, vocabulary)})
+        parameters.setdefault(name(p), {"shape": list(p.shape), "shard": _spec(p, vocabulary, specs)})
+        if is_dtensor(p):  # FSDP2: the slice of each TP shard this rank holds
+            found = max(found, p.device_mesh.size(len(p.placements) - 1))
+    dp_shard = dp_shard if dp_shard is not None else found
     adapters = sorted({a for m in models if is_peft(m) for a in getattr(m, "peft_config", {})})
     if optimizer_files not in (PER_TP_RANK, PER_RANK):
         raise ValueError(f"optimizer_files must be {PER_TP_RANK!r} or {PER_RANK!r}, got {optimizer_files!r}")
     out = {"format": FORMAT, "written_by": written_by, "note": _NOTE.format(files=optimizer_files),
            "optimizer_files": optimizer_files, "tp_size": info.tp_size, "dp_size": world // info.tp_size,
-           "model_class": info.layout.model_class, "pad_vocab_multiple": info.layout.pad_vocab_multiple,
-           "adapters": adapters, "parameters": parameters}
+           "dp_shard": dp_shard, "model_class": info.layout.model_class,
+           "pad_vocab_multiple": info.layout.pad_vocab_multiple, "adapters": adapters, "parameters": parameters}
     if groups is not None:
         out["optimizers"] = groups
     return out
@@ -184,7 +199,9 @@ def _vocab(m: dict) -> str:
 
 
 def _describe(m: dict) -> str:
-    return (f"tp_size {m['tp_size']}, dp_size {m['dp_size']}, pad_vocab_multiple {m['pad_vocab_multiple']}"
+    return (f"tp_size {m['tp_size']}, dp_size {m['dp_size']}"
+            + (f" (FSDP2 over {m['dp_shard']})" if m.get("dp_shard", 1) > 1 else "")
+            + f", pad_vocab_multiple {m['pad_vocab_multiple']}"
             f"{_vocab(m)}, {m['model_class']}"
             + (f" with adapters {m['adapters']}" if m["adapters"] else ""))
 
@@ -199,11 +216,12 @@ def differences(saved: dict, mine: dict) -> list[str]:
     the saved optimizer state fits. ``dp_size`` counts only for files written per rank; param
     groups only when both manifests have them."""
     out = []
-    for key in ("tp_size", "dp_size", "pad_vocab_multiple", "model_class", "adapters"):
+    for key in ("tp_size", "dp_size", "dp_shard", "pad_vocab_multiple", "model_class", "adapters"):
         if key == "dp_size" and saved.get("optimizer_files") == PER_TP_RANK:
             continue
-        if saved.get(key) != mine.get(key):
-            out.append(f"{key} {saved.get(key)!r} then, {mine.get(key)!r} now")
+        default = 1 if key == "dp_shard" else None  # manifests written before FSDP2 had no dp_shard
+        if saved.get(key, default) != mine.get(key, default):
+            out.append(f"{key} {saved.get(key, default)!r} then, {mine.get(key, default)!r} now")
     a, b = saved.get("parameters", {}), mine.get("parameters", {})
     both = "optimizers" in saved and "optimizers" in mine
     if both:

@@ -7,10 +7,14 @@ the first forward, see :mod:`tpify.integrations.model`), save rank 0's shards an
 0's optimizer state on every rank. :class:`TPTrainer` is ``Trainer`` with what must change and
 nothing else:
 
-* its accelerator is :class:`~tpify.integrations.accelerate.TPAccelerator` (no DDP; batches split
-  over the DP replicas only, every TP rank of a replica gets the same ones; gradients averaged
-  over DP on synchronising steps; clipping by the dense model's norm; evaluation gathers count
-  each sample once);
+* its accelerator is :class:`~tpify.integrations.accelerate.TPAccelerator` (DDP over the DP group
+  only, or FSDP2/HSDP over it; batches split over the DP replicas only, every TP rank of a
+  replica gets the same ones; clipping by the dense model's norm; evaluation gathers count each
+  sample once);
+* ``fsdp=...``/``fsdp_config`` (FSDP version 2) and ``parallelism_config`` are read into the
+  accelerator's :class:`~tpify.integrations.accelerate.DataParallelPlan` and applied by
+  :func:`tpify.data_parallel.shard_data_parallel` over the model's DP group; Trainer's own FSDP
+  code paths (accelerate's ``fully_shard`` over the world, FSDP checkpoints) stay off;
 * in evaluation and prediction, the vocab-sharded logits of an LM head are gathered to the full
   vocabulary before metrics see them;
 * ``get_tp_size`` is the model's ``tp_size``, so Trainer's ``num_items_in_batch`` counts each
@@ -29,6 +33,7 @@ A checkpoint ``checkpoint-<step>/`` holds::
     tpify_optimizer/
       tpify_layout.json                the layout manifest (tpify.integrations.resume)
       optimizer-tp<r>-of-<p>.pt        TP rank r's optimizer state (its shards), written by DP rank 0
+      optimizer-rank<k>-of-<n>.pt      under FSDP2 instead: global rank k's slice of the state
 
 Resuming (``train(resume_from_checkpoint=...)``) first compares the manifest with this run's
 layout on every rank (tp_size, pad_vocab_multiple, model class, adapters, every optimized
@@ -55,9 +60,11 @@ is for. To continue in one process today, load the dense weights and train with 
 optimizer (without ``resume_from_checkpoint``); resuming with ``TPTrainer`` at ``tp_size=1``
 needs resharding, which is not supported yet.
 
-Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP, fp16 (per-rank loss
-scaler), ``load_best_model_at_end``, a model tpify did not parallelize, a subclass that also
-derives from a TRL trainer (``class X(TPTrainer, SFTTrainer)``: TRL is not supported yet).
+Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP version 1 and the FSDP
+options :func:`~tpify.integrations.accelerate.data_parallel_plan` refuses (FSDP's own activation
+checkpointing, size-based wrapping), fp16 (per-rank loss scaler), ``load_best_model_at_end``, a
+model tpify did not parallelize, a subclass that also derives from a TRL trainer
+(``class X(TPTrainer, SFTTrainer)``: TRL is not supported yet).
 """
 
 from __future__ import annotations
@@ -71,9 +78,10 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..info import get_tp_info
 from ..random import get_rng_tracker
-from .accelerate import TPAccelerator
+from ..sharding import is_dtensor
+from .accelerate import TPAccelerator, data_parallel_plan
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
-from .resume import PER_TP_RANK, check_resume, training_layout, write_manifest
+from .resume import PER_RANK, PER_TP_RANK, check_resume, training_layout, write_manifest
 
 __all__ = ["TPTrainer", "OPTIMIZER_DIR"]
 
@@ -92,9 +100,16 @@ class TPTrainer(transformers.Trainer):
     Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
     tensor over TP.
 
+    ``fsdp="full_shard"`` (or ``True``) with ``fsdp_config={"version": 2, ...}`` shards every TP
+    shard further over the DP group with FSDP2 (``reshard_after_forward``, ``cpu_offload``,
+    ``transformer_layer_cls_to_wrap`` are honoured); ``parallelism_config=ParallelismConfig(
+    dp_replicate_size=r, dp_shard_size=s, tp_size=t)`` asks for HSDP (``r > 1``) and checks the
+    sizes against the model. Without either, DDP over the DP group.
+
     Raises:
-        TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP,
-            fp16, ``load_best_model_at_end``; a subclass of a TRL trainer.
+        TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP
+            version 1 or unsupported FSDP options, fp16, ``load_best_model_at_end``; a subclass of
+            a TRL trainer.
         ResumeError: (a TPUsageError) resuming a checkpoint written at another layout, without
             a layout manifest, or without this TP rank's optimizer file; on every rank.
     """
@@ -111,25 +126,48 @@ class TPTrainer(transformers.Trainer):
             raise TPUsageError("TPTrainer trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
+        plan = None
         if args is not None:
-            bad = [name for name, on in (("deepspeed", bool(args.deepspeed)), ("fsdp", bool(args.fsdp)),
-                                         ("fp16", bool(args.fp16)),
+            bad = [name for name, on in (("deepspeed", bool(args.deepspeed)), ("fp16", bool(args.fp16)),
                                          ("load_best_model_at_end", bool(args.load_best_model_at_end))) if on]
+            if args.fsdp and args.fsdp_plugin_args is None:  # XLA FSDP
+                bad.append("fsdp_config xla")
             if bad:
                 raise TPUsageError(f"TPTrainer does not support {bad} with a tensor-parallel model")
+            plugin = None
+            version = (args.fsdp_plugin_args or {}).get("fsdp_version", 2)
+            if version != 2:  # refused before accelerate builds an FSDP1 plugin (which needs a GPU)
+                raise TPUsageError(f"TPTrainer: fsdp_config version {version} (FSDP1) is not supported with a "
+                                   f"tensor-parallel model: fsdp_version=1 (FSDP1): use fsdp_config={{'version': 2}} "
+                                   f"(FSDP2's fully_shard over the model's DP group)")
+            if args.fsdp_plugin_args is not None:
+                from accelerate.utils import FullyShardedDataParallelPlugin
+
+                plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+            plan = data_parallel_plan(plugin, args.parallelism_config)
         self._tp_model = tp_model
+        self._tp_plan = plan
         super().__init__(model, args, *pos, **kwargs)
         self.accelerator.register_tp_model(model)
 
     # -- distributed setup -----------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
+        # Trainer's own FSDP and ParallelismConfig paths stay off (they would shard over the world);
+        # the accelerator applies them over the model's DP group from the plan instead.
+        saved = self.args.fsdp_plugin_args, self.args.parallelism_config
+        self.args.fsdp_plugin_args, self.args.parallelism_config = None, None
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            self.args.fsdp_plugin_args, self.args.parallelism_config = saved
         if type(self.accelerator) is not TPAccelerator:
             # Same object and state; only the methods of TPAccelerator change.
             self.accelerator.__class__ = TPAccelerator
             # Trainer bound its gather function to the instance before: bind it again.
             self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                      use_gather_object=self.args.eval_use_gather_object)
+        if getattr(self, "_tp_plan", None) is not None:
+            self.accelerator.set_data_parallel_plan(self._tp_plan)
 
     def get_tp_size(self) -> int:
         return get_tp_info(self._tp_model).tp_size
@@ -166,13 +204,30 @@ class TPTrainer(transformers.Trainer):
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
+    def _sharded(self) -> bool:
+        """Whether FSDP2 shards the model (its optimizer state then differs on every rank)."""
+        return any(is_dtensor(p) for p in self._tp_model.parameters())
+
     def _optimizer_file(self, directory: str) -> str:
         info = get_tp_info(self._tp_model)
-        return os.path.join(directory, OPTIMIZER_DIR, f"optimizer-tp{info.tp_rank:02d}-of-{info.tp_size:02d}.pt")
+        if self._sharded():
+            import torch.distributed as dist
+
+            name = f"optimizer-rank{dist.get_rank():03d}-of-{dist.get_world_size():03d}.pt"
+        else:
+            name = f"optimizer-tp{info.tp_rank:02d}-of-{info.tp_size:02d}.pt"
+        return os.path.join(directory, OPTIMIZER_DIR, name)
 
     def _training_layout(self, with_optimizer: bool) -> dict:
+        plan = getattr(self, "_tp_plan", None)
+        planned = plan is not None and plan.shard and not self._sharded()  # a resume checks before sharding
+        if planned:
+            from ..data_parallel import planned_dp_shard
+
+            dp_shard = planned_dp_shard(self._tp_model, plan.dp_replicate)
         return training_layout(self.model, [self.optimizer] if with_optimizer else None,
-                               optimizer_files=PER_TP_RANK, written_by="TPTrainer")
+                               optimizer_files=PER_RANK if planned or self._sharded() else PER_TP_RANK,
+                               written_by="TPTrainer", dp_shard=dp_shard if planned else None)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         import torch.distributed as dist
@@ -182,7 +237,7 @@ class TPTrainer(transformers.Trainer):
         info = get_tp_info(self._tp_model)
         if self.args.should_save:
             write_manifest(os.path.join(output_dir, OPTIMIZER_DIR), self._training_layout(True))
-        if comm.group_rank(info.dp_group) == 0:  # DP replicas hold the same optimizer state
+        if self._sharded() or comm.group_rank(info.dp_group) == 0:  # DDP: DP replicas hold the same state
             os.makedirs(os.path.join(output_dir, OPTIMIZER_DIR), exist_ok=True)
             torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
         if self.args.should_save:

@@ -1,0 +1,199 @@
+"""Fused MoE experts split over the TP group: the hooks around their own forward.
+
+A mixture-of-experts layer (Shazeer et al., arXiv:1701.06538) computes, per token ``x`` routed to
+experts ``e`` with weights ``w_e`` (the router's top-k), ``y = sum_e w_e down_e(act(gate_e x) *
+up_e x)``. transformers 5 holds the experts of a layer in one module (``*Experts``: fused
+``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``) whose ``forward(hidden_states,
+top_k_index, top_k_weights)`` runs them (eagerly, or with a grouped GEMM: its
+``experts_implementation``). The ``experts`` style (:mod:`tpify.styles`) splits its parameters;
+these hooks make the module, with its own forward untouched, compute the dense output:
+
+* :class:`TensorParallelExperts` (tensor-parallel experts, ``ep_size = 1``): every rank holds
+  every expert's intermediate slice ``[r I/p, (r+1) I/p)``, so its output is a partial sum, as a
+  row-parallel layer's is. Megatron's ``f`` on the inputs (identity forward; the gradients of
+  ``hidden_states`` and ``top_k_weights``, partial per rank, summed in one all-reduce in
+  backward) and ``g`` on the output (one all-reduce forward): one all-reduce each way per layer,
+  the cost of a dense MLP (Megatron-LM, arXiv:1909.08053, section 3).
+* :class:`ExpertParallelDispatch` (expert parallelism, ``ep_size = tp_size``): rank ``r`` holds
+  experts ``[r E/p, (r+1) E/p)`` whole. The ranks hold the same tokens (one TP group, one
+  batch); each takes its own rows ``[r N/p, (r+1) N/p)``, sends each (token, expert) pair to the
+  expert's rank (all-to-all), the experts run top-1 with unit weights on what they received,
+  the results come back (all-to-all), are weighted and summed per token on the sender, and the
+  rows are all-gathered (GShard, Lepikhin et al., arXiv:2006.16668; what transformers'
+  ``AllToAllEP`` does). Each (token, expert) pair is computed once, by its expert's owner, so
+  every gradient is complete where it lands: the experts' on their owner, the tokens' and the
+  routing weights' on their sender (the all-to-alls' backward is the reverse exchange), and the
+  row split's backward all-gathers the rows' gradients.
+
+The router and everything outside the experts module stay replicated: the routing (top-k
+indices and weights) and the router's load-balancing loss (``aux_loss``, added by the recipe's
+``[loss] terms``) are computed from the full, replicated hidden states exactly as in the dense
+model, and the router's gradient is complete on every rank (the routing weights' gradient is
+summed by ``f`` or returned whole by the exchange).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..context import TPContext
+
+__all__ = ["TensorParallelExperts", "ExpertParallelDispatch", "install"]
+
+_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+class TensorParallelExperts(comm.SharesProcessGroups):
+    """The pre-hook / hook pair of one tensor-parallel experts module (see the module docstring).
+
+    Shapes: inputs ``hidden_states (N, H)``, ``top_k_index (N, k)``, ``top_k_weights (N, k)``,
+    replicated; output ``(N, H)``, the module's partial sum in, the total out (every rank).
+    Communication: forward one all-reduce of ``N * H`` values; backward one all-reduce of the
+    floating inputs' gradients together (``N * (H + k)`` values), none when no input needs one.
+    Raises:
+        TypeError: the module returned something other than one tensor (it could not be summed).
+    """
+
+    def __init__(self, group):
+        self.group = group
+
+    def enter(self, module, args, kwargs):
+        """Megatron's ``f`` on every floating input that needs a gradient (one all-reduce in backward).
+
+        The routing weights enter in the hidden states' dtype when it is wider (Mixtral's router
+        gives float32 weights to a float64 model): the products ``w * expert(x)`` have that dtype
+        anyway, so the forward is unchanged, and each rank's partial gradient of the weights is
+        summed before it is rounded to their own dtype, as the dense model rounds the whole one
+        (rounded per rank, the float32 gradient of the router would differ by its rounding)."""
+        if not torch.is_grad_enabled():
+            return None
+        args, kwargs = _widen_weights(module, args, kwargs)
+        places = [("a", i, t) for i, t in enumerate(args)] + [("k", n, t) for n, t in kwargs.items()]
+        places = [(where, key, t) for where, key, t in places
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+        if not places:
+            return None
+        copied = comm.copy_many_to_tp_region([t for _, _, t in places], self.group)
+        args = list(args)
+        for (where, key, _), new in zip(places, copied):
+            if where == "a":
+                args[key] = new
+            else:
+                kwargs[key] = new
+        return tuple(args), kwargs
+
+    def leave(self, module, args, kwargs, output):
+        """Megatron's ``g``: the partial sums of every rank added up (one all-reduce forward)."""
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} (style 'experts') returned a {type(output).__name__}; tpify sums "
+                            f"one output tensor over the TP group")
+        return comm.reduce_from_tp_region(output, self.group)
+
+
+def _widen_weights(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``top_k_weights`` cast to ``promote_types(its dtype, hidden_states' dtype)``, for a call with
+    transformers' experts arguments; other calls unchanged."""
+    bound = dict(zip(_ARGUMENTS, args))
+    bound.update({k: v for k, v in kwargs.items() if k in _ARGUMENTS})
+    hidden, weights = bound.get("hidden_states"), bound.get("top_k_weights")
+    if not (isinstance(hidden, torch.Tensor) and isinstance(weights, torch.Tensor) and hidden.is_floating_point()
+            and weights.is_floating_point()):
+        return args, kwargs
+    wide = torch.promote_types(weights.dtype, hidden.dtype)
+    if wide == weights.dtype:
+        return args, kwargs
+    if "top_k_weights" in kwargs:
+        return args, {**kwargs, "top_k_weights": weights.to(wide)}
+    position = _ARGUMENTS.index("top_k_weights")
+    return args[:position] + (weights.to(wide),) + args[position + 1:], kwargs
+
+
+class ExpertParallelDispatch(comm.SharesProcessGroups):
+    """The pre-hook / hook pair of one expert-parallel experts module (see the module docstring).
+
+    The pre-hook replaces the call's arguments by this rank's received tokens ``(M, H)``, their
+    local expert ids ``(M, 1)`` and unit weights ``(M, 1)``; the module's own forward runs its
+    ``E/p`` experts on them (its ``num_experts`` is ``E/p``); the hook sends the results back and
+    returns the layer's output ``(N, H)``, replicated. A rank that receives no token runs its
+    experts on one zero row (dropped after), so that its experts' gradients exist (zero) and its
+    ranks' exchanges stay paired in backward.
+
+    Communication, per call: forward one all-to-all of the ``p x E/p`` counts, two all-to-alls of
+    the routed rows (``N k / p`` rows of ``H`` values per rank on average) and one all-gather of
+    the output rows; backward two all-to-alls and one all-gather (the rows' gradients). One host
+    sync for the split sizes.
+    Raises:
+        TypeError: the module returned something other than one tensor.
+    """
+
+    def __init__(self, group, local_experts: int):
+        self.group = group
+        self.local_experts = local_experts
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.pending = None  # what the pre-hook of the call in flight leaves its hook
+
+    def __deepcopy__(self, memo):  # a copy of the module runs its own calls
+        new = super().__deepcopy__(memo)
+        new.pending = None
+        return new
+
+    def dispatch(self, module, args, kwargs):
+        bound = dict(zip(_ARGUMENTS, args))
+        bound.update({k: v for k, v in kwargs.items() if k in _ARGUMENTS})
+        rest = {k: v for k, v in kwargs.items() if k not in _ARGUMENTS}
+        hidden, index, weights = (bound[name] for name in _ARGUMENTS)  # (N, H), (N, k), (N, k)
+        rows, top_k = index.shape
+        a, b = comm.row_range(rows, self.size, self.rank)
+        mine = comm.scatter_rows(hidden, self.group)  # (N_r, H)
+        my_weights = comm.scatter_rows(weights, self.group)  # (N_r, k)
+        experts = index[a:b].reshape(-1)  # (N_r k,) global expert ids
+        order = torch.argsort(experts, stable=True)  # by expert, so by owner rank
+        send = mine[order // top_k]
+        counts = torch.bincount(experts, minlength=self.local_experts * self.size)
+        counts = counts.view(self.size, self.local_experts)
+        received = comm.all_to_all_counts(counts, self.group)  # (p, E/p): row s from rank s
+        send_sizes, recv_sizes = (c.sum(dim=1).tolist() for c in (counts, received))
+        tokens = comm.all_to_all_rows(send, send_sizes, recv_sizes, self.group)  # (M, H)
+        local_ids = torch.arange(self.local_experts, device=index.device).repeat(self.size)
+        local_ids = local_ids.repeat_interleave(received.reshape(-1))
+        count = tokens.shape[0]
+        if count == 0:  # one zero row, connected to the exchange
+            tokens, local_ids = tokens.sum(dim=0, keepdim=True), local_ids.new_zeros(1)
+        self.pending = (order, send_sizes, recv_sizes, my_weights, rows, top_k, count, hidden.dtype)
+        unit = torch.ones((tokens.shape[0], 1), dtype=weights.dtype, device=weights.device)
+        return (tokens, local_ids.unsqueeze(-1), unit), rest
+
+    def combine(self, module, args, kwargs, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} (style 'experts') returned a {type(output).__name__}; tpify "
+                            f"exchanges one output tensor")
+        (order, send_sizes, recv_sizes, my_weights, rows, top_k, count, dtype), self.pending = self.pending, None
+        back = comm.all_to_all_rows(output[:count], recv_sizes, send_sizes, self.group)  # (N_r k, H), by expert
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = back[inverse].view(-1, top_k, back.shape[-1])  # (N_r, k, H), the call's order
+        mine = (per_slot * my_weights.unsqueeze(-1)).sum(dim=1)  # (N_r, H)
+        return comm.gather_rows(mine.to(dtype), rows, self.group)
+
+
+def install(model: nn.Module, layout, ctx: TPContext) -> list:
+    """The hooks of every ``experts`` module of ``layout`` (after surgery): returns their handles.
+    Communication: none (the hooks communicate when the model runs)."""
+    handles = []
+    if layout.tp_size == 1:
+        return handles
+    for fqn, entry in layout.modules.items():
+        if entry.style != "experts":
+            continue
+        module = model.get_submodule(fqn)
+        if entry.expert_parallel:
+            hooks = ExpertParallelDispatch(ctx.group, module.num_experts)
+            pre, post = hooks.dispatch, hooks.combine
+        else:
+            hooks = TensorParallelExperts(ctx.group)
+            pre, post = hooks.enter, hooks.leave
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    return handles
