@@ -72,8 +72,11 @@ def _first_line(text: str, limit: int = 300) -> str:
     """The most telling line of an error message, at most ``limit`` characters: the first line
     naming an exception, without the words every refusal of an imported plan repeats."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    telling = [ln for ln in lines if re.search(r"\w(Error|Exception): ", ln)]
-    line = (telling or lines or [""])[0].removeprefix("every rank: ")
+    telling = [i for i, ln in enumerate(lines) if re.search(r"\w(Error|Exception): ", ln)]
+    at = telling[0] if telling else 0
+    line = (lines or [""])[at].removeprefix("every rank: ")
+    if line.endswith(":") and at + 1 < len(lines):  # a PlanError: its first problem on the next line
+        line += " " + lines[at + 1]
     line = re.sub(r"cannot import transformers' tensor-parallel plan of \w+ \(model_type '[^']*'\): ", "", line)
     line = re.sub(r"\. Write a tpify recipe for it .*$", "", line)
     return line[:limit]
