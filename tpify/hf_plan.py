@@ -479,7 +479,7 @@ def _check_per_head_params(model, modules, styles):
                 continue
             for pname, param in module.named_parameters(recurse=False):
                 shape = tuple(param.shape)
-                if isinstance(own, int) and shape == (own,):
+                if isinstance(own, int) and shape == (own,) and own not in heads.values():
                     continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
                 per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
                 if per_head or any(s in widths for s in shape):
