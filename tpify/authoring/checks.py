@@ -180,7 +180,7 @@ def _reference(case: _CaseRun) -> None:
     """The dense reference (:func:`dense_reference`) and the batch it is finite on."""
     case.reference = dense_reference(case.cls, case.config, case.task, case.seed, case.dtype)
     case.inputs, case.labels, case.gen = make_inputs(case.task, case.cls, case.config,
-                                                     padding=case.reference.padding)
+                                                     padding=case.reference.padding, dtype=case.reference.dtype)
 
 
 def _adopt_reference(case: _CaseRun) -> None:
@@ -231,7 +231,8 @@ def _sequence_parallel(case: _CaseRun) -> None:
     if case.par.tp_info.layout.recipe.sequence_parallel is None:
         return
     tokens = case.tp_size * -(-TOKENS // case.tp_size)
-    inputs, labels, _ = make_inputs(case.task, case.cls, case.config, tokens, case.reference.padding)
+    inputs, labels, _ = make_inputs(case.task, case.cls, case.config, tokens, case.reference.padding,
+                                    case.reference.dtype)
     dense = copy.deepcopy(case.ref)
     dense.zero_grad(set_to_none=True)
     sp = tpify.parallelize(copy.deepcopy(dense), tp_group=case.group, recipe=case.recipe, sequence_parallel=True)

@@ -60,8 +60,14 @@ def accepts(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
 
 
-def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str = "left"
-                ) -> tuple[dict, dict, dict | None]:
+# Parts of a composite model whose layers read a conditioning vector the composite computes and
+# passes down through **kwargs: class name -> keyword (Voxtral-Realtime's text model: its decoder
+# layers scale by ada_rms_norm(t_cond), t_cond the composite's time embedding, (1, hidden)).
+_PART_CONDITIONS = {"VoxtralRealtimeTextModel": "t_cond"}
+
+
+def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str = "left",
+                dtype: torch.dtype = torch.float64) -> tuple[dict, dict, dict | None]:
     """``(inputs, labels, generate kwargs or None)`` for one case, the same on every rank.
 
     ``inputs`` (no labels): ``input_ids`` ``(B, T)`` = (2, ``tokens``; 10 by default) of ordinary
@@ -69,8 +75,11 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     ``"left"``, ``"right"``, or ``"none"``: no pad token, the mask all ones; see
     :func:`tpify.authoring.reference.dense_reference` for why the side can change); ``(B, C, T)``
     for multiple choice; ``decoder_input_ids`` ``(B, 6)`` for the base and LM classes of
-    encoder-decoders. ``labels``: what the head's loss takes, ``-100`` at some positions (and at
-    padding).
+    encoder-decoders; for a decoder that is part of a composite model (task ``part:...``, such as
+    ``T5Gemma2Decoder``) whose ``forward`` takes ``encoder_hidden_states``: ``(B, tokens, hidden)``
+    of ``dtype`` (the reference's), the encoder's output it cross-attends to, and its mask; for a
+    part whose layers read a conditioning vector (:data:`_PART_CONDITIONS`): ``(1, hidden)``.
+    ``labels``: what the head's loss takes, ``-100`` at some positions (and at padding).
     """
     g = torch.Generator().manual_seed(1)
     text = text_config(config)
@@ -106,6 +115,14 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     labels = _task_labels(task, token_labels, dec_labels, mask, getattr(config, "num_labels", 2), tokens, g)
     if task == "double-heads":
         inputs["mc_token_ids"] = torch.full((BATCH, CHOICES), tokens - 1)
+    if task.startswith("part:") and cls.__name__ in _PART_CONDITIONS:  # (1, hidden), broadcast over the batch
+        inputs[_PART_CONDITIONS[cls.__name__]] = torch.randn(1, text.hidden_size, generator=g,
+                                                            dtype=torch.float64).to(dtype)
+    if task.startswith("part:") and accepts(cls, "encoder_hidden_states"):
+        hidden = text.hidden_size
+        inputs["encoder_hidden_states"] = torch.randn(BATCH, tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
+        if accepts(cls, "encoder_attention_mask"):
+            inputs["encoder_attention_mask"] = torch.ones(BATCH, tokens, dtype=torch.long)
     labels = {k: v for k, v in labels.items() if accepts(cls, k)}
     gen = None
     if task in GENERATIVE_TASKS:

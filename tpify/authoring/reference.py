@@ -296,7 +296,7 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
         tried = []
         try:
             for padding in _PADDINGS:
-                inputs, labels, _ = make_inputs(task, cls, config, padding=padding)
+                inputs, labels, _ = make_inputs(task, cls, config, padding=padding, dtype=dt)
                 problems, in_float32 = _not_finite(model, inputs, labels)
                 if not problems:
                     if tried:
