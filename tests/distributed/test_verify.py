@@ -327,12 +327,13 @@ def test_every_shipped_recipe_is_exact_tp4():
 # rotary parameters per layer kind (and the modeling code's mrope default), per-layer overrides
 # of the head dim, mrope sections, a composite config (whose float32 attention takes a rounding
 # tie differently), layer cycles, multi-head latent attention sizes (youtu: attention whole, MLP
-# split). (The linear-attention families build too; at this size their conv1d is above the
+# split), a composite's decoder fed what the composite passes it. (The linear-attention families build too; at this size their conv1d is above the
 # coverage threshold of imported plans, 1% of the model: refused, see docs/families.md.)
 NEWLY_BUILDABLE = {"cohere_compass_text": "layer_types with rope_parameters per layer kind",
                    "gemma4_text": "per_layer_config (head dim 16 on full-attention layers)",
                    "glm4v_text": "mrope_section rescaled", "muse_glimmer": "composite (text + vision configs)",
-                   "hrm_text": "H/L cycles", "youtu": "MLA ranks and head dims"}
+                   "hrm_text": "H/L cycles", "youtu": "MLA ranks and head dims",
+                   "t5gemma2_decoder": "a composite's part, fed the encoder's hidden states"}
 
 
 @pytest.mark.slow
