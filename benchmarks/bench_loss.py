@@ -179,11 +179,12 @@ def _chunked_body(rank, world, cfg):
     def timed():  # timed inside the profiler (its start and the event walk are not counted)
         if world > 1:
             dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         fn()
-        seconds.append(time.perf_counter() - start)
+        seconds.append((time.perf_counter() - start, time.process_time() - cpu))
 
-    return {"peak": _peak_bytes(timed), "seconds": seconds[0]}
+    peak = _peak_bytes(timed)
+    return {"peak": peak, "seconds": seconds[0][0], "cpu_seconds": seconds[0][1]}
 
 
 def _run_one(cfg: dict) -> dict:
@@ -201,7 +202,8 @@ def _run_one(cfg: dict) -> dict:
 
 def _one(cfg: dict) -> None:
     per_rank = tputil.spawn(_chunked_body, cfg["tp"], cfg, timeout=3600.0)
-    print(json.dumps({**cfg, "peak": max(r["peak"] for r in per_rank), "seconds": max(r["seconds"] for r in per_rank)}))
+    print(json.dumps({**cfg, "peak": max(r["peak"] for r in per_rank), "seconds": max(r["seconds"] for r in per_rank),
+                      "cpu_seconds": sum(r["cpu_seconds"] for r in per_rank)}))
 
 
 def _available_bytes() -> int:
@@ -231,7 +233,7 @@ def _configs(args) -> list[dict]:
 def chunked_main(args) -> None:
     """(c): every configuration once per round, rounds interleaved; the table of peaks, times, ratios."""
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / f"loss_chunked_s{args.scale}"
+    stem = OUT / f"loss_chunked_s{args.scale}{args.tag}"
     configs = _configs(args)
     results: dict[str, list[dict]] = {}
     with open(f"{stem}.jsonl", "w") as log:
@@ -251,7 +253,9 @@ def _summary(runs: list[dict]) -> dict | None:
     ok = [r for r in runs if "skipped" not in r]
     if not ok:
         return None
-    return {"peak": max(r["peak"] for r in ok), "seconds": statistics.median(r["seconds"] for r in ok), "rounds": len(ok)}
+    cpu = [r["cpu_seconds"] for r in ok if "cpu_seconds" in r]
+    return {"peak": max(r["peak"] for r in ok), "seconds": statistics.median(r["seconds"] for r in ok),
+            "cpu_seconds": statistics.median(cpu) if cpu else float("nan"), "rounds": len(ok)}
 
 
 def _chunked_table(args, configs, results) -> str:
@@ -263,7 +267,7 @@ def _chunked_table(args, configs, results) -> str:
              f"H={LLAMA3_HIDDEN // s}, chunk={chunk}, float32, scale 1/{s}; median of {args.rounds} rounds)", "",
              "| N | tp | chunked MiB | today MiB | HF dense MiB | chunked / today (goal <= 0.15) | "
              "chunked / HF dense (goal <= 0.05) | chunked s | today s | HF dense s | time chunked / today "
-             "(goal <= 1.25) |", "| --- " * 11 + "|"]
+             "(goal <= 1.25) | CPU time chunked / today |", "| --- " * 12 + "|"]
     for n in args.tokens:
         dense = get.get((n // s, 1, "hf_dense", chunk, False))
         for tp in args.tp:
@@ -273,7 +277,8 @@ def _chunked_table(args, configs, results) -> str:
             lines.append(f"| {n // s} | {tp} | {f(ch, 'peak', mib)} | {f(to, 'peak', mib)} | "
                          f"{f(dense, 'peak', mib) if tp == 1 else ''} | {ratio(ch, to, 'peak')} | "
                          f"{ratio(ch, dense, 'peak')} | {f(ch, 'seconds')} | {f(to, 'seconds')} | "
-                         f"{f(dense, 'seconds') if tp == 1 else ''} | {ratio(ch, to, 'seconds')} |")
+                         f"{f(dense, 'seconds') if tp == 1 else ''} | {ratio(ch, to, 'seconds')} | "
+                         f"{ratio(ch, to, 'cpu_seconds')} |")
     skipped = [r for runs in results.values() for r in runs if "skipped" in r]
     for r in {json.dumps({k: r[k] for k in ("tokens", "tp", "method", "skipped")}) for r in skipped}:
         lines.append(f"\nSkipped: {r}")
@@ -281,14 +286,16 @@ def _chunked_table(args, configs, results) -> str:
         n = max(args.tokens) // s
         today = get.get((n, 1, "today", chunk, False))
         lines += ["", f"Chunk-size sweep at N={n}, tp=1 (chunk sizes scaled by 1/{s}):", "",
-                  "| chunk | peak MiB | s | peak / today | time / today |", "| --- | --- | --- | --- | --- |"]
+                  "| chunk | peak MiB | s | peak / today | time / today | CPU time / today |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for c in args.chunks:
             d = get.get((n, 1, "chunked", c // s, True))
             if d is None:
                 continue
             lines.append(f"| {c // s} | {d['peak'] / mib:.1f} | {d['seconds']:.2f} | "
                          f"{d['peak'] / today['peak'] if today else float('nan'):.3f} | "
-                         f"{d['seconds'] / today['seconds'] if today else float('nan'):.3f} |")
+                         f"{d['seconds'] / today['seconds'] if today else float('nan'):.3f} | "
+                         f"{d['cpu_seconds'] / today['cpu_seconds'] if today else float('nan'):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -350,6 +357,7 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunks", type=int, nargs="*", default=[], help="(c): chunk sizes to sweep (unscaled)")
+    parser.add_argument("--tag", default="", help="(c): appended to the output files' names")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a configuration of (c), in this subprocess
     cli = parser.parse_args()
     if cli.one:
