@@ -14,7 +14,7 @@ data-parallel engine at dp 1), 2x1 and 2x2, each with
 * ``sync``: the older path, :func:`tpify.training.sync_gradients` after the backward.
 
 Every layout and engine runs in its own spawned gloo world of ``dp * tp`` ranks (a fresh process
-per rank, so nothing of another run stays resident). Per rank, after two steps (the optimizer
+per rank, 1x1 too, so nothing of another run stays resident). Per rank, after two steps (the optimizer
 state exists):
 
 * **state bytes**, measured from the tensors: the bytes of the distinct storages of the
@@ -26,14 +26,15 @@ state exists):
 * **step peak**: the process's peak resident set during the third step: the kernel's high-water
   mark (``VmHWM``) reset just before the step (``/proc/self/clear_refs``, value 5), read after
   it, minus the resident set before it (``VmRSS``). It covers activations, the gradients, FSDP2's
-  all-gathered blocks, DDP's buckets, sync_gradients' flat copy. ``MALLOC_MMAP_THRESHOLD_`` is set
+  all-gathered blocks, sync_gradients' flat copy; DDP's buckets live for the whole run and are in
+  the resident set before the step. ``MALLOC_MMAP_THRESHOLD_`` is set
   to 128 KiB in the ranks so that glibc returns large freed blocks at once (otherwise a freed
   block stays resident and hides the next peak).
 
 Step time (``--rounds``, default 5): dp 2 x tp 1, DDP against ``sync_gradients``, two models in
 one world of 2 ranks, each round ``--steps`` timed steps of one then of the other (the order
 alternating every round, after one untimed warm-up step each); a step's time is the slower
-rank's (a barrier before, untimed). Reported: medians and the ratio DDP / sync.
+rank's (a barrier before, untimed). Reported: medians and minima, and the ratios DDP / sync.
 
 The machine is shared (2 cores, other jobs): ranks run at ``nice 19`` if the caller does
 (``nice -n 19 python benchmarks/bench_scaling.py``); timings are noisy, byte counts are not.
@@ -238,10 +239,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as res:
         for dp, tp, engine in LAYOUTS:
             world = dp * tp
-            if world == 1:
-                _memory_worker(0, 1, "", engine, tp, shape, res)
-            else:
-                _spawn(_memory_worker, world, engine, tp, shape, res)
+            _spawn(_memory_worker, world, engine, tp, shape, res)  # world 1 too: a fresh process
             ranks = [json.loads(Path(res, f"{engine}-{dp}x{tp}-rank{r}.json").read_text()) for r in range(world)]
             rows.append((dp, tp, engine, ranks))
             print(f"{dp}x{tp} {engine}: done", flush=True)
@@ -257,7 +255,8 @@ def main() -> int:
              f"{dense['n_local'] / 1e6:.2f} M parameters; batch {shape['batch']} x {shape['seq']} per DP replica.",
              "", "Per rank (the largest over the ranks), MiB; bytes/param = state bytes / dense parameter count.", "",
              "| dp x tp | engine | params | grads | optimizer | state total | bytes/param | x dense/(dp*tp) "
-             "| replicated params | step peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| replicated params | resident before the step | step peak above it |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     n_dense = dense["n_local"]
     for dp, tp, engine, ranks in rows:
         worst = max(ranks, key=lambda r: r["total"])
@@ -265,7 +264,8 @@ def main() -> int:
         peak = max(r["step_peak"] for r in ranks)
         lines.append(f"| {dp}x{tp} | {engine} | {worst['params'] / MIB:.1f} | {worst['grads'] / MIB:.1f} | "
                      f"{worst['optimizer'] / MIB:.1f} | {worst['total'] / MIB:.1f} | {worst['total'] / n_dense:.2f} | "
-                     f"{worst['total'] / ideal:.2f} | {worst['replicated'] / 1024:.1f} KiB | {peak / MIB:.1f} |")
+                     f"{worst['total'] / ideal:.2f} | {worst['replicated'] / 1024:.1f} KiB | "
+                     f"{max(r['rss'] for r in ranks) / MIB:.0f} | {peak / MIB:.1f} |")
     fsdp22 = next(r for r in rows if r[:3] == (2, 2, "FSDP2"))[3]
     worst = max(r["total"] for r in fsdp22)
     goal = 1.1 * dense["total"] / 4 + 4 * dense["replicated"]
@@ -277,7 +277,7 @@ def main() -> int:
         lines += ["", f"Step time at dp 2 x tp 1, {rounds} interleaved rounds x {args.steps} steps (slowest rank, "
                   f"seconds; the machine is shared, figures are noisy): DDP median {med['DDP']:.3f} "
                   f"(min {min(times['DDP']):.3f}), sync_gradients median {med['sync']:.3f} (min {min(times['sync']):.3f}); "
-                  f"DDP / sync = {med['DDP'] / med['sync']:.2f}."]
+                  f"DDP / sync = {med['DDP'] / med['sync']:.2f} (medians), {min(times['DDP']) / min(times['sync']):.2f} (minima)."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
