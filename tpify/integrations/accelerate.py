@@ -313,6 +313,7 @@ class TPAccelerator(accelerate.Accelerator):
             device_placement = False  # FSDP2 placed the shards
         # evaluation_mode=True: accelerate's placement, autocast and compile, without its DDP over the world.
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        self._outputs_to_fp32_after_hooks(prepared)
         if evaluation_mode or sharded or not any(p.requires_grad for p in model.parameters()):
             return prepared
         from ..data_parallel import replicate_data_parallel
@@ -324,6 +325,26 @@ class TPAccelerator(accelerate.Accelerator):
                 self.ddp_handler.register_comm_hook(wrapped)
             self._models[:] = [wrapped if m is prepared or m is model else m for m in self._models]
         return wrapped
+
+    def _outputs_to_fp32_after_hooks(self, model) -> None:
+        """Mixed precision: accelerate wraps ``model.forward`` in autocast and a conversion of the
+        outputs to float32; inside ``forward`` that conversion runs before the model's forward hooks,
+        so tpify's parallel LM loss would see converted logits, not its LM head's output, and refuse
+        them. Here ``forward`` keeps only the autocast, and the same conversion
+        (``accelerate.utils.convert_to_fp32``) is a forward hook registered after tpify's: the loss
+        is computed from the head's own output, the caller gets float32 outputs as with accelerate."""
+        from types import MethodType
+
+        from accelerate.utils import convert_to_fp32, get_mixed_precision_context_manager
+
+        original = getattr(model, "_original_forward", None)
+        if not self.native_amp or original is None or not hasattr(original, "__func__"):
+            return
+        autocast = get_mixed_precision_context_manager(self.native_amp, self.autocast_handler)
+        model.forward = MethodType(autocast(original.__func__), model)
+        if not getattr(model, "_tpify_fp32_outputs", False):  # prepared again: the hook is there
+            model.register_forward_hook(lambda module, args, output: convert_to_fp32(output))
+            model._tpify_fp32_outputs = True
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         layout = self._layout()
