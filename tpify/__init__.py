@@ -17,6 +17,7 @@ FSDP2/HSDP) :mod:`tpify.data_parallel`; the map of the package is docs/architect
 
 from .agree import AgreementError
 from .api import from_pretrained, parallelize, remove_hooks, save_pretrained
+from .checkpoint import dense_state_dict, sharded_state_dict
 from .data_parallel import replicate_data_parallel, shard_data_parallel
 from .info import TPInfo, TPUsageError, get_tp_info
 from .io import CheckpointError
@@ -31,6 +32,8 @@ __all__ = [
     "from_pretrained",
     "save_pretrained",
     "remove_hooks",
+    "dense_state_dict",
+    "sharded_state_dict",
     "init_mesh",
     "replicate_data_parallel",
     "shard_data_parallel",

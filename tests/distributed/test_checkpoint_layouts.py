@@ -1,0 +1,191 @@
+"""Training checkpoints at any layout (tpify/checkpoint.py, torch.distributed.checkpoint).
+
+A tiny float64 GPT-2 (fused ``c_attn``: a packed Conv1D parameter; a 61-token vocabulary, padded
+on every tp > 1) trains with AdamW (weight decay), a learning-rate schedule and global-norm
+clipping (max norm 0.5, below the measured norms: clipping acts at every step). It is saved
+after 2 steps at dp 2 x tp 2 with ``pad_vocab_multiple=8`` (the vocabulary padded to 64 rows, 32
+per rank, which is not DTensor's ``ceil(61 / 2) = 31``: the dense-order fallback), then resumed
+at tp 4 (padded to 64 rows, 16 per rank: DTensor's chunks), at dp 4 x tp 1, at tp 1 in one
+process (the parent) and at the saved layout, each into a model initialised from another seed,
+and trained 2 more steps. The weights then equal those of the uninterrupted dense run (4 steps
+on one process): ``atol=1e-8, rtol=1e-6``, for the reason tests/distributed/test_dp_tp_training.py
+gives (Adam's ``m / (sqrt(v) + eps)`` turns ~1e-16 relative gradient noise of rows with tiny
+gradients into up to ~1e-9; a wrong shard, a lost moment or a step counter restarted moves
+weights by ~1e-3). At the saved layout the resumed run is bitwise the uninterrupted tensor-parallel run.
+
+All checks share two spawned jobs of 4 ranks (:func:`tputil.run_checks`); one test per check.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import tputil
+
+pytestmark = pytest.mark.slow
+
+VOCAB, BATCH, SEQ = 61, 4, 8
+BEFORE, AFTER = 2, 2
+TOL = dict(atol=1e-8, rtol=1e-6)
+
+
+def _config(n_embd=16):
+    return GPT2Config(n_layer=1, n_embd=n_embd, n_head=4, n_positions=16, vocab_size=VOCAB, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _dense(seed=0, n_embd=16):
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(_config(n_embd)).double()
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :2] = -100  # the same count of labelled tokens in every row: the mean of DP means is the mean
+    return ids, labels
+
+
+def _optim(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.25, total_iters=BEFORE + AFTER)
+
+
+def _dense_steps(model, opt, sched, steps):
+    for step in steps:
+        ids, labels = _batch(step)
+        loss = tputil.ref_lm_loss(model(ids).logits, labels, causal=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        assert norm > 0.5, "the test must exercise clipping"
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _tp_steps(model, opt, sched, steps):
+    import torch.distributed as dist
+
+    import tpify
+    from tpify.training import clip_grad_norm_, sync_gradients
+
+    info = tpify.get_tp_info(model)
+    dp = dist.get_world_size(info.dp_group) if info.dp_group is not None else 1
+    dp_rank = dist.get_rank(info.dp_group) if info.dp_group is not None else 0
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    for step in steps:
+        ids, labels = _batch(step)
+        model(ids[rows], labels=labels[rows]).loss.backward()
+        sync_gradients(model)
+        clip_grad_norm_(model, 0.5)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _reference():
+    """The uninterrupted dense run: 4 steps on one process."""
+    ref = _dense()
+    opt, sched = _optim(ref)
+    _dense_steps(ref, opt, sched, range(BEFORE + AFTER))
+    return {k: v.detach() for k, v in ref.state_dict().items()}
+
+
+def _assert_dense_equal(got: dict, ref: dict, what: str, **tol):
+    for key, value in got.items():
+        torch.testing.assert_close(value, ref[key], **(tol or TOL), msg=lambda m: f"{what}: {key}: {m}")
+
+
+def _resume(path, tp, pad=1):
+    """A model from another seed, parallelized at ``tp``, resumed from ``path``, trained on."""
+    import tpify
+    from tpify.checkpoint import load_checkpoint
+
+    model = tpify.parallelize(_dense(seed=7), tp_size=tp, pad_vocab_multiple=pad)
+    opt, sched = _optim(model)
+    load_checkpoint(path, model, [opt], [sched])
+    _tp_steps(model, opt, sched, range(BEFORE, BEFORE + AFTER))
+    return tpify.dense_state_dict(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# The checks, run in one spawned job of 4 ranks.
+
+class _Run:
+    def __init__(self, out):
+        self.out = out
+        self.ckpt = f"{out}/ckpt"
+        self.ref = _reference()
+        self.straight = None
+
+
+def saved_at_dp2_tp2(c):
+    """Save after 2 steps at dp 2 x tp 2 (padded vocabulary, fallback), continue uninterrupted."""
+    import tpify
+    from tpify.checkpoint import save_checkpoint
+
+    model = tpify.parallelize(copy.deepcopy(_dense()), tp_size=2, pad_vocab_multiple=8)
+    assert model.transformer.wte.weight.shape[0] == 32, "61 rows padded to 64, 32 per rank"
+    opt, sched = _optim(model)
+    _tp_steps(model, opt, sched, range(BEFORE))
+    save_checkpoint(c.ckpt, model, [opt], [sched], extra={"step": BEFORE})
+    _tp_steps(model, opt, sched, range(BEFORE, BEFORE + AFTER))
+    c.straight = tpify.dense_state_dict(model)
+    _assert_dense_equal(c.straight, c.ref, "uninterrupted dp 2 x tp 2")
+
+
+def resumes_at_tp4(c):
+    _assert_dense_equal(_resume(c.ckpt, 4), c.ref, "resumed at tp 4")
+
+
+def resumes_at_dp4_tp1(c):
+    _assert_dense_equal(_resume(c.ckpt, 1), c.ref, "resumed at dp 4 x tp 1")
+
+
+def resumes_at_the_saved_layout_bitwise(c):
+    got = _resume(c.ckpt, 2, pad=8)
+    for key, value in got.items():
+        assert torch.equal(value, c.straight[key]), f"resumed at dp 2 x tp 2: {key} differs from the uninterrupted run"
+
+
+def other_model_is_refused_on_every_rank(c):
+    import tpify
+    from tpify.checkpoint import load_checkpoint
+
+    model = tpify.parallelize(_dense(n_embd=24), tp_size=2)
+    opt, sched = _optim(model)
+    with pytest.raises(tpify.CheckpointError, match=r"transformer.wte.weight.*\(61, 16\).*\(61, 24\)"):
+        load_checkpoint(c.ckpt, model, [opt], [sched])
+
+
+CHECKS = {f.__name__: f for f in (saved_at_dp2_tp2, resumes_at_tp4, resumes_at_dp4_tp1,
+                                   resumes_at_the_saved_layout_bitwise, other_model_is_refused_on_every_rank)}
+
+
+def _body(rank, world, out):
+    torch.manual_seed(0)
+    return tputil.run_checks(CHECKS, _Run(out))
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    return out, tputil.spawn(_body, 4, str(out), timeout=300)
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_checkpoint_layouts(layouts, name):
+    _, results = layouts
+    problems = {rank: r[name] for rank, r in enumerate(results) if r[name] is not None}
+    assert not problems, "\n".join(f"--- rank {k} ---\n{v}" for k, v in problems.items())
+
+
+def test_resumes_at_tp1_in_one_process(layouts):
+    """The checkpoint of 4 ranks, resumed by one process without torch.distributed."""
+    out, _ = layouts
+    _assert_dense_equal(_resume(f"{out}/ckpt", 1), _reference(), "resumed at tp 1, one process")
