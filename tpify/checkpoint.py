@@ -358,6 +358,10 @@ def _rng_state(models) -> dict:
                       if find_tp_model(_unwrap(m)) is not None]}
 
 
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -425,7 +429,7 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
     state["layout"] = _blob({"tp_size": ctx.tp_size, **checkpoint_layout()})
     state[f"rng.rank{_rank()}"] = _blob(_rng_state(models))
     Path(path).mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
 
 
 def _blob(value) -> io.BytesIO:
@@ -442,7 +446,7 @@ def _load_objects(path, keys: list[str]) -> dict:
     import torch.distributed.checkpoint as dcp
 
     out = {k: None for k in keys}
-    dcp.load(out, checkpoint_id=str(path))
+    dcp.load(out, checkpoint_id=str(path), no_dist=_no_dist())
     for k, v in out.items():
         if isinstance(v, io.BytesIO):  # what _blob wrote
             v.seek(0)
@@ -538,7 +542,7 @@ def load_checkpoint(path, models, optimizers=(), schedulers=()) -> dict:
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
         optim_states.append((opt, built, groups))
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
     with torch.no_grad():
         for p, assemble in finish:
             copy_local_(p, assemble()) if is_dtensor(p) else p.copy_(assemble())

@@ -19,6 +19,8 @@ All checks share two spawned jobs of 4 ranks (:func:`tputil.run_checks`); one te
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,8 +165,69 @@ def other_model_is_refused_on_every_rank(c):
         load_checkpoint(c.ckpt, model, [opt], [sched])
 
 
+def _recording_writes(fail: bool = False):
+    """Patch the save's ``save_file`` on this rank: record the names written (or raise)."""
+    import tpify.io.save as save
+
+    written, real = [], save.save_file
+
+    def record(tensors, filename, metadata=None):
+        if fail:
+            raise OSError(f"disk full (simulated) writing {Path(filename).name}")
+        written.append(Path(filename).name)
+        return real(tensors, filename, metadata=metadata)
+
+    save.save_file = record
+    return written, lambda: setattr(save, "save_file", real)
+
+
+def dense_save_by_several_ranks(c):
+    """save_pretrained at dp 2 x tp 2: the files are written by several ranks (the parent
+    compares them with a one-process save)."""
+    import torch.distributed as dist
+
+    import tpify
+
+    model = tpify.parallelize(copy.deepcopy(_dense()), tp_size=2, pad_vocab_multiple=8)
+    written, restore = _recording_writes()
+    try:
+        tpify.save_pretrained(model, f"{c.out}/dense", max_shard_size="4KB")
+    finally:
+        restore()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, written)
+    assert sum(1 for w in everyone if w) == 4, f"every rank writes some of the files: {everyone}"
+    assert sorted(n for w in everyone for n in w) == sorted({n for w in everyone for n in w}), "a file written twice"
+
+
+def failed_write_on_one_rank_leaves_the_target_untouched(c):
+    """Rank 1 fails writing its file: every rank raises (rank 1 its own error, the others naming
+    rank 1), the previous checkpoint in the target is byte for byte intact, no temporary
+    directory is left."""
+    import torch.distributed as dist
+
+    import tpify
+
+    target = Path(f"{c.out}/dense_kept")
+    model = tpify.parallelize(copy.deepcopy(_dense()), tp_size=2, pad_vocab_multiple=8)
+    tpify.save_pretrained(model, target, max_shard_size="4KB")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    other = tpify.parallelize(_dense(seed=3), tp_size=2, pad_vocab_multiple=8)
+    _, restore = _recording_writes(fail=dist.get_rank() == 1)
+    try:
+        pattern = r"disk full \(simulated\)" if dist.get_rank() == 1 else r"saving failed on rank\(s\) \[1\]"
+        with pytest.raises((OSError, RuntimeError), match=pattern):
+            tpify.save_pretrained(other, target, max_shard_size="4KB")
+    finally:
+        restore()
+    dist.barrier()
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before, "the target changed"
+    assert not list(target.parent.glob(".dense_kept.tmp-*")), "a temporary directory was left"
+
+
 CHECKS = {f.__name__: f for f in (saved_at_dp2_tp2, resumes_at_tp4, resumes_at_dp4_tp1,
-                                   resumes_at_the_saved_layout_bitwise, other_model_is_refused_on_every_rank)}
+                                   resumes_at_the_saved_layout_bitwise, other_model_is_refused_on_every_rank,
+                                   dense_save_by_several_ranks, failed_write_on_one_rank_leaves_the_target_untouched)}
 
 
 def _body(rank, world, out):
@@ -189,3 +252,25 @@ def test_resumes_at_tp1_in_one_process(layouts):
     """The checkpoint of 4 ranks, resumed by one process without torch.distributed."""
     out, _ = layouts
     _assert_dense_equal(_resume(f"{out}/ckpt", 1), _reference(), "resumed at tp 1, one process")
+
+
+def test_dense_save_by_several_ranks_equals_the_one_process_save(layouts, tmp_path):
+    """The files the 4 ranks wrote hold exactly (``torch.equal``) the tensors of a one-process
+    save of the same weights, under the same file names and index; transformers loads them."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import tpify
+
+    out, _ = layouts
+    several, one = out / "dense", tmp_path / "one"
+    tpify.save_pretrained(tpify.parallelize(_dense(), tp_size=1), one, max_shard_size="4KB")
+    index = json.loads((several / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == json.loads((one / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index["weight_map"].values())) >= 5, "several rounds of files"
+    for name in sorted(set(index["weight_map"].values())):
+        a, b = load_file(several / name), load_file(one / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    loaded = AutoModelForCausalLM.from_pretrained(several, dtype=torch.float64).state_dict()
+    for key, value in _dense().state_dict().items():
+        assert torch.equal(loaded[key], value), key
