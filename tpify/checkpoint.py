@@ -366,7 +366,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | None = None) -> None:
+def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | None = None, *,
+                    model_state: bool = True, generators: bool = True) -> None:
     """Write a training checkpoint that :func:`load_checkpoint` reads back at any layout.
 
     ``path`` (a directory) receives DCP's files: ``__<rank>_0.distcp`` written by every rank in
@@ -383,6 +384,9 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
         models: a model or a list (tpify models, PEFT models on them, other models).
         optimizers, schedulers: lists (may be empty), whose parameters are the models'.
         extra: small picklable values to store (the same on every rank).
+        model_state: store the models' parameters (False: a caller that saves the weights
+            itself, densely, as TPTrainer does; the models still name the optimizers' parameters).
+        generators: store every rank's generators (False: a caller that saves them itself).
 
     Communication: :func:`sharded_state_dict`'s; then DCP's: a gather of the save plans to
     the coordinator and a scatter back, one more gather of the write results. Every rank of
@@ -396,7 +400,7 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
     models = _models(models)
     names, specs, ctx = _param_index(models)
     state: dict = {}
-    for i, model in enumerate(models):
+    for i, model in enumerate(models if model_state else ()):
         for name, p in _named_params(model):
             state.update(_save_entries(_prefix(i, "model") + name, _tp_shard(p), specs.get(id(p)), ctx))
     for i, opt in enumerate(_optimizer(o) for o in optimizers):
@@ -427,7 +431,8 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
     state["sched"] = _blob([s.state_dict() for s in schedulers])
     state["extra"] = _blob(dict(extra or {}))
     state["layout"] = _blob({"tp_size": ctx.tp_size, **checkpoint_layout()})
-    state[f"rng.rank{_rank()}"] = _blob(_rng_state(models))
+    if generators:
+        state[f"rng.rank{_rank()}"] = _blob(_rng_state(models))
     Path(path).mkdir(parents=True, exist_ok=True)
     dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
 
@@ -454,7 +459,8 @@ def _load_objects(path, keys: list[str]) -> dict:
     return out
 
 
-def load_checkpoint(path, models, optimizers=(), schedulers=()) -> dict:
+def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: bool = True,
+                    generators: bool = True) -> dict:
     """Read what :func:`save_checkpoint` wrote into ``models``, ``optimizers`` and ``schedulers``
     (in place), at this run's layout, which may differ from the saved one; return its ``extra``.
 
@@ -463,7 +469,8 @@ def load_checkpoint(path, models, optimizers=(), schedulers=()) -> dict:
     with ``load_state_dict`` (so a fresh optimizer, with no state yet, is fine), its param
     groups' hyperparameters restored; schedulers get their saved ``state_dict``. Generators: see
     the module docstring (restored exactly at the saved layout, else rank 0's default stream on
-    every rank and tpify's TP stream restarted).
+    every rank and tpify's TP stream restarted). ``model_state``/``generators``: as given to
+    :func:`save_checkpoint` (False: the parameters, or the generators, are left as they are).
 
     Communication: first one agreement (:func:`tpify.agree.agree`, the store) on the local
     checks; then DCP's (a gather and a scatter of the load plans per load; three loads: the
@@ -491,6 +498,8 @@ def load_checkpoint(path, models, optimizers=(), schedulers=()) -> dict:
             for name, p in _named_params(model):
                 key = _prefix(i, "model") + name
                 by_name[key] = p
+                if not model_state:
+                    continue
                 entries, assemble = _load_targets(key, _shard_shape(p), p.dtype, p.device, specs.get(id(p)), ctx)
                 for k, t in entries.items():
                     saved = getattr(metadata.get(k), "size", None)
@@ -561,7 +570,8 @@ def load_checkpoint(path, models, optimizers=(), schedulers=()) -> dict:
         opt.load_state_dict({"state": built, "param_groups": groups})
     for sched, saved in zip(schedulers, objects["sched"]):
         sched.load_state_dict(saved)
-    _restore_rng(path, models, objects["layout"], ctx)
+    if generators:
+        _restore_rng(path, models, objects["layout"], ctx)
     return objects["extra"]
 
 
