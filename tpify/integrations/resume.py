@@ -185,21 +185,21 @@ def _listed(items: list[str]) -> str:
 
 def differences(saved: dict, mine: dict) -> list[str]:
     """What differs between a saved manifest and this run's in what must match (the model class,
-    adapters, the optimized parameters' names and dense shapes, the optimizers' classes and param
-    groups), each with both values; empty when the saved state fits. The layout (tp_size,
-    dp_size, FSDP2, padding) may differ. Param groups only when both manifests have them."""
+    adapters, the optimized (without optimizers: trainable) parameters' names and dense shapes,
+    the optimizers' classes and param groups), each with both values; empty when the saved state
+    fits. The layout (tp_size, dp_size, FSDP2, padding) may differ. Param groups only when both
+    manifests have them."""
     out = []
     for key in ("model_class", "adapters"):
         if saved.get(key) != mine.get(key):
             out.append(f"{key} {saved.get(key)!r} then, {mine.get(key)!r} now")
     a, b = saved.get("parameters", {}), mine.get("parameters", {})
     both = "optimizers" in saved and "optimizers" in mine
-    if both:
-        gone, new = [n for n in a if n not in b], [n for n in b if n not in a]
-        if gone:
-            out.append(f"optimized parameters missing now: {_listed(gone)}")
-        if new:
-            out.append(f"optimized parameters new now: {_listed(new)}")
+    gone, new = [n for n in a if n not in b], [n for n in b if n not in a]
+    if gone:
+        out.append(f"optimized parameters missing now: {_listed(gone)}")
+    if new:
+        out.append(f"optimized parameters new now: {_listed(new)}")
     changed = [f"{n} dense shape {a[n]['shape']} then, {b[n]['shape']} now"
                for n in a if n in b and a[n]["shape"] != b[n]["shape"]]
     if changed:
