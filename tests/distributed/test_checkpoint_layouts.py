@@ -7,7 +7,8 @@ after 2 steps at dp 2 x tp 2 with ``pad_vocab_multiple=8`` (the vocabulary padde
 per rank, which is not DTensor's ``ceil(61 / 2) = 31``: the dense-order fallback), then resumed
 at tp 4 (padded to 64 rows, 16 per rank: DTensor's chunks), at dp 4 x tp 1, at tp 1 in one
 process (the parent) and at the saved layout, each into a model initialised from another seed,
-and trained 2 more steps. The weights then equal those of the uninterrupted dense run (4 steps
+and trained 2 more steps; the same checkpoint is resumed into FSDP2 (dp 2 x tp 2), and one
+saved under FSDP2 is resumed at tp 4. The weights then equal those of the uninterrupted dense run (4 steps
 on one process): ``atol=1e-8, rtol=1e-6``, for the reason tests/distributed/test_dp_tp_training.py
 gives (Adam's ``m / (sqrt(v) + eps)`` turns ~1e-16 relative gradient noise of rows with tiny
 gradients into up to ~1e-9; a wrong shard, a lost moment or a step counter restarted moves
@@ -74,6 +75,7 @@ def _tp_steps(model, opt, sched, steps):
     import torch.distributed as dist
 
     import tpify
+    from tpify.sharding import is_dtensor
     from tpify.training import clip_grad_norm_, sync_gradients
 
     info = tpify.get_tp_info(model)
@@ -83,7 +85,8 @@ def _tp_steps(model, opt, sched, steps):
     for step in steps:
         ids, labels = _batch(step)
         model(ids[rows], labels=labels[rows]).loss.backward()
-        sync_gradients(model)
+        if not any(is_dtensor(p) for p in model.parameters()):  # FSDP2 reduces over DP itself
+            sync_gradients(model)
         clip_grad_norm_(model, 0.5)
         opt.step()
         sched.step()
@@ -103,12 +106,15 @@ def _assert_dense_equal(got: dict, ref: dict, what: str, **tol):
         torch.testing.assert_close(value, ref[key], **(tol or TOL), msg=lambda m: f"{what}: {key}: {m}")
 
 
-def _resume(path, tp, pad=1):
-    """A model from another seed, parallelized at ``tp``, resumed from ``path``, trained on."""
+def _resume(path, tp, pad=1, fsdp=False):
+    """A model from another seed, parallelized at ``tp`` (``fsdp``: then sharded by FSDP2 over
+    DP), resumed from ``path``, trained on."""
     import tpify
     from tpify.checkpoint import load_checkpoint
 
     model = tpify.parallelize(_dense(seed=7), tp_size=tp, pad_vocab_multiple=pad)
+    if fsdp:
+        tpify.shard_data_parallel(model)
     opt, sched = _optim(model)
     load_checkpoint(path, model, [opt], [sched])
     _tp_steps(model, opt, sched, range(BEFORE, BEFORE + AFTER))
@@ -153,6 +159,21 @@ def resumes_at_the_saved_layout_bitwise(c):
     got = _resume(c.ckpt, 2, pad=8)
     for key, value in got.items():
         assert torch.equal(value, c.straight[key]), f"resumed at dp 2 x tp 2: {key} differs from the uninterrupted run"
+
+
+def fsdp2_resumes_and_saves_at_other_layouts(c):
+    """The dp 2 x tp 2 checkpoint resumed into FSDP2 over dp 2 x tp 2 (each rank slices its rows
+    of every TP shard and of its Adam moments); a checkpoint saved under FSDP2 (each TP shard
+    gathered over DP) resumed at tp 4. Both continue as the uninterrupted dense run."""
+    import tpify
+    from tpify.checkpoint import save_checkpoint
+
+    _assert_dense_equal(_resume(c.ckpt, 2, fsdp=True), c.ref, "resumed into FSDP2 at dp 2 x tp 2")
+    model = tpify.shard_data_parallel(tpify.parallelize(copy.deepcopy(_dense()), tp_size=2))
+    opt, sched = _optim(model)
+    _tp_steps(model, opt, sched, range(BEFORE))
+    save_checkpoint(f"{c.out}/ckpt_fsdp", model, [opt], [sched])
+    _assert_dense_equal(_resume(f"{c.out}/ckpt_fsdp", 4), c.ref, "saved under FSDP2, resumed at tp 4")
 
 
 def other_model_is_refused_on_every_rank(c):
@@ -226,7 +247,8 @@ def failed_write_on_one_rank_leaves_the_target_untouched(c):
 
 
 CHECKS = {f.__name__: f for f in (saved_at_dp2_tp2, resumes_at_tp4, resumes_at_dp4_tp1,
-                                   resumes_at_the_saved_layout_bitwise, other_model_is_refused_on_every_rank,
+                                   resumes_at_the_saved_layout_bitwise, fsdp2_resumes_and_saves_at_other_layouts,
+                                   other_model_is_refused_on_every_rank,
                                    dense_save_by_several_ranks, failed_write_on_one_rank_leaves_the_target_untouched)}
 
 
