@@ -122,9 +122,7 @@ class _Part:
     stop: int
     local_offset: int
     replicated: bool  # the same whole tensor on every TP rank (no spec, tp 1, a replicated part)
-
-    def even(self, ctx: _Context) -> bool:
-        return (self.start, self.stop) == _canonical(self.shape[self.dim], ctx.tp_size, ctx.tp_rank)
+    even: bool = True  # every TP rank's rows are DTensor's Shard chunk (else: the dense-order fallback)
 
 
 def _parts(key: str, shard_shape: tuple[int, ...], spec: ShardSpec | None, ctx: _Context) -> list[_Part]:
@@ -132,19 +130,21 @@ def _parts(key: str, shard_shape: tuple[int, ...], spec: ShardSpec | None, ctx: 
     if spec is None:
         return [_Part(key, tuple(shard_shape), 0, 0, shard_shape[0] if shard_shape else 0, 0, True)]
     dense = list(shard_shape)
-    ranges = spec.ranges(ctx.tp_rank)
     if spec.padded_size is not None or len(spec.parts) == 1:
         dense[spec.dim] = spec.global_size
-        start, stop = ranges[0] if ranges else (spec.global_size, spec.global_size)
-        return [_Part(key, tuple(dense), spec.dim, start, stop, 0, ctx.tp_size == 1)]
+        # Decided from every rank's rows, so that every rank takes the same path (the fallback's collectives).
+        every = [(spec.ranges(r) or [(spec.global_size, spec.global_size)])[0] for r in range(ctx.tp_size)]
+        even = all(rows == _canonical(spec.global_size, ctx.tp_size, r) for r, rows in enumerate(every))
+        start, stop = every[ctx.tp_rank]
+        return [_Part(key, tuple(dense), spec.dim, start, stop, 0, ctx.tp_size == 1, even)]
     out, offset, local = [], 0, 0
-    for i, (size, (a, b)) in enumerate(zip(spec.parts, ranges)):
+    for i, (size, (a, b)) in enumerate(zip(spec.parts, spec.ranges(ctx.tp_rank))):
         dense[spec.dim] = size
         replicated = ctx.tp_size == 1 or i in spec.replicated
         out.append(_Part(f"{key}{_PART}{i}", tuple(dense), spec.dim, a - offset, b - offset, local, replicated))
         offset += size
         local += b - a
-    return out
+    return out  # packed parts are unpadded: each split evenly by ShardSpec's own check
 
 
 def _dtensor(local: torch.Tensor, part: _Part, ctx: _Context):
@@ -161,7 +161,7 @@ def _save_entries(key: str, shard: torch.Tensor, spec: ShardSpec | None, ctx: _C
         piece = shard.narrow(part.dim, part.local_offset, part.stop - part.start) if spec is not None else shard
         if part.replicated:
             out[part.key] = piece
-        elif part.even(ctx):
+        elif part.even:
             out[part.key] = _dtensor(piece, part, ctx)
         else:  # dense-order fallback: the dense rows, DTensor's canonical chunk of them
             if full is None:
@@ -194,7 +194,7 @@ def _load_targets(key: str, shard_shape, dtype, device, spec: ShardSpec | None,
         local[part.dim] = b - a
         target = _dtensor(torch.empty(local, dtype=dtype, device=device), part, ctx)
         entries[part.key] = target
-        if part.even(ctx):
+        if part.even:
             pieces.append(lambda target=target: target.to_local())
         else:  # dense-order fallback: all-gather the canonical chunks, take this rank's rows
             pieces.append(lambda part=part, target=target: target.full_tensor().narrow(
@@ -227,11 +227,8 @@ def _shard_shape(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _named_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return list(model.named_parameters())
+    """The parameters by the names the model gives them (a DDP's ``module.`` prefix left out)."""
+    return list(_unwrap(model).named_parameters())
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
