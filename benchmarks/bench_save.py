@@ -1,9 +1,9 @@
 """Saving a tensor-parallel model: the dense save by one writer vs by every rank, and the DCP
-training checkpoint (model + AdamW state) saved and loaded, at the same and at another layout.
+training checkpoint (model + AdamW state) saved and loaded at the same layout.
 
 Configurations, each in the same spawned job of ``--world`` gloo ranks (``tp = --tp``,
 ``dp = world / tp``; ``GLOO_SOCKET_IFNAME=lo``, ``OMP_NUM_THREADS=1``), on a GPT-2 of random
-float32 weights (``--layers`` x ``--hidden``, vocabulary 50257, untied... tied as GPT-2):
+float32 weights (``--layers`` x ``--hidden``, vocabulary 50257, the head tied as GPT-2's):
 
 * ``dense, rank 0 writes``: ``tpify.save_pretrained`` with global rank 0 writing every file (as
   tpify did before: the baseline every ratio is taken to);
