@@ -276,7 +276,8 @@ class TPTrainer(transformers.Trainer):
         import json
 
         file = os.path.join(checkpoint, f"tpify_rng_{self.args.process_index}.pt")
-        saved = json.loads(open(os.path.join(checkpoint, OPTIMIZER_DIR, MANIFEST_NAME)).read())
+        with open(os.path.join(checkpoint, OPTIMIZER_DIR, MANIFEST_NAME)) as f:  # checked by the resume before
+            saved = json.load(f)
         tracker = get_rng_tracker(self._tp_model)
         if same_layout(saved, self._training_layout(False)) and os.path.isfile(file):
             tracker.load_state_dict(torch.load(file, weights_only=True))
