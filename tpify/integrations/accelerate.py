@@ -52,7 +52,7 @@ from ..info import get_tp_info, param_specs
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
 from .model import TPUsageError, save_dense, tp_model_of
-from .resume import check_resume, training_layout, write_manifest
+from .resume import MANIFEST_NAME, check_resume, training_layout, write_manifest
 
 #: The subdirectory of ``save_state``'s directory holding the training state (DCP) and its manifest.
 STATE_DIR = "tpify_state"
@@ -437,6 +437,8 @@ class TPAccelerator(accelerate.Accelerator):
         from ..checkpoint import load_checkpoint
 
         src = Path(input_dir) / STATE_DIR
+        if not src.is_dir() and (Path(input_dir) / MANIFEST_NAME).is_file():
+            src = Path(input_dir)  # the earlier per-rank format: check_resume refuses it, saying how to continue
         check_resume(src, self._training_layout(), "TPAccelerator.load_state", checkpoint=Path(input_dir),
                      files=[src / ".metadata"])
         models = [self.unwrap_model(m) for m in self._models]
