@@ -6,9 +6,9 @@
   DoRA on tensor-parallel layers, new or from a dense adapter directory.
 * :mod:`tpify.integrations.model`: HF's own methods on a parallelized model (installed by
   :func:`tpify.parallelize`).
-* :mod:`tpify.integrations.resume`: the layout manifest every training checkpoint carries
-  (TPTrainer, TPAccelerator, ``tpify finetune``); a resume at another layout is refused on
-  every rank.
+* :mod:`tpify.integrations.resume`: the manifest every training checkpoint carries
+  (TPTrainer, TPAccelerator, ``tpify finetune``): the model and optimizer it fits; a resume into
+  another is refused on every rank (another layout is fine: :mod:`tpify.checkpoint` reshards).
 
 Imported lazily, so ``import tpify`` does not import Trainer, accelerate or peft.
 """
