@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import accelerate
 from accelerate.data_loader import prepare_data_loader
 
-from ..info import get_tp_info, param_specs
+from ..info import find_tp_model, get_tp_info, param_specs
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
@@ -169,6 +170,31 @@ def _env_switches():
 
         config = ParallelismConfig()
     return plugin, config
+
+
+def _convert_outputs_hook(module, args, output):
+    from accelerate.utils.operations import convert_to_fp32
+
+    return convert_to_fp32(output)
+
+
+def _outputs_to_fp32_after_hooks(model) -> None:
+    """Mixed precision: accelerate wraps ``model.forward`` in autocast and converts its bf16/fp16
+    outputs to float32 *inside* ``forward`` (``ConvertOutputsToFp32``), so the model's forward hooks
+    see a float32 copy of the logits instead of the LM head's output, and tpify's LM-loss hook
+    (which checks that the logits are the head's output, :class:`tpify.context.OutputWatch`)
+    refuses the call. On a tpify model the conversion moves to a forward hook registered after
+    tpify's: the same outputs, converted after the loss hooks ran."""
+    if "forward" not in model.__dict__ or getattr(model, "_tpify_fp32_hook", None) is not None \
+            or find_tp_model(model) is not model:
+        return
+    bound = hasattr(model.forward, "__func__")  # accelerate wrapped forward.__func__ (else the bound method)
+    converter = getattr(model.forward.__func__ if bound else model.forward, "__wrapped__", None)
+    inner = getattr(converter, "model_forward", None)
+    if inner is None or type(converter).__name__ != "ConvertOutputsToFp32":
+        return
+    model.forward = types.MethodType(inner, model) if bound else inner
+    model.__dict__["_tpify_fp32_hook"] = model.register_forward_hook(_convert_outputs_hook)
 
 
 class TPAccelerator(accelerate.Accelerator):
@@ -313,6 +339,7 @@ class TPAccelerator(accelerate.Accelerator):
             device_placement = False  # FSDP2 placed the shards
         # evaluation_mode=True: accelerate's placement, autocast and compile, without its DDP over the world.
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        _outputs_to_fp32_after_hooks(prepared)
         if evaluation_mode or sharded or not any(p.requires_grad for p in model.parameters()):
             return prepared
         from ..data_parallel import replicate_data_parallel

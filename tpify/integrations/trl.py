@@ -314,7 +314,7 @@ def _reference_loader(policy: nn.Module, original):
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         return from_pretrained(path, tp_group=info.tp_group, dp_group=info.dp_group, torch_dtype=dtype,
                                model_class=type(policy), pad_vocab_multiple=info.layout.pad_vocab_multiple,
-                               sequence_parallel=info.layout.sequence_parallel)
+                               sequence_parallel=info.layout.sequence_parallel is not None)
 
     return create
 
