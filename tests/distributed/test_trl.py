@@ -38,7 +38,7 @@ STEPS = 3
 F64 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)
 WEIGHTS_F64 = dict(atol=5e-6, rtol=1e-5)
-WEIGHTS_BF16 = dict(atol=2e-3, rtol=2e-2)
+WEIGHTS_BF16 = dict(atol=6e-3, rtol=2e-2)  # 2 * lr * STEPS: Adam moves a weight by ~lr a step whatever its gradient
 _SKIP = re.compile(r"runtime|per_second|flos|epoch|step_time|mfu|tokens_per|clipped_ratio")
 
 
@@ -73,9 +73,9 @@ def _sft_data(kind):
         return Dataset.from_list([{"text": t} for t in texts])
     if kind == "completion":
         return Dataset.from_list([{"prompt": t[:9], "completion": t[9:]} for t in texts])
-    if kind == "chat":
-        return Dataset.from_list([{"messages": [{"role": "user", "content": t[:9]},
-                                                {"role": "assistant", "content": t[9:]}]} for t in texts])
+    if kind == "chat":  # conversational prompt-completion: the chat template, loss on the completion only
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": t[:9]}],
+                                   "completion": [{"role": "assistant", "content": t[9:]}]} for t in texts])
     raise ValueError(kind)
 
 
@@ -172,12 +172,11 @@ def _run(kind, out, tp, dp=1, model_dir=None):
     if kind.startswith("sft"):
         variant = kind.split("-")[1]
         extra = {"bf16": bf16}
-        data = _sft_data({"plain": "text", "bf16": "text", "completion": "completion", "chat": "chat",
-                          "packing": "text", "peft": "text"}[variant])
-        if variant == "packing":
+        data = _sft_data({"plain": "text", "bf16": "text", "chat": "chat", "packing": "text"}[variant])
+        if variant == "packing":  # packed with position_ids, and LoRA through peft_config=
             extra.update(packing=True, max_length=24)
         trainer = wrap(SFTTrainer)(model=par(_llama(dtype)), args=_sft_args(out, batch, **extra), train_dataset=data,
-                                   processing_class=tok, peft_config=_lora() if variant == "peft" else None)
+                                   processing_class=tok, peft_config=_lora() if variant == "packing" else None)
     elif kind.startswith("dpo"):
         trainer = wrap(DPOTrainer)(model=par(_llama(dtype)), ref_model=par(_llama(dtype)),
                                    args=_dpo_args(out, batch, bf16=bf16), train_dataset=_dpo_data(),
@@ -211,8 +210,12 @@ def _save_initial(directory):
     _llama().save_pretrained(directory)
 
 
-KINDS = ["sft-plain", "sft-completion", "sft-chat", "sft-packing", "sft-peft", "sft-bf16", "dpo", "dpo-bf16",
-         "grpo", "grpo-bf16"]
+KINDS = ["sft-chat", "sft-packing", "sft-bf16", "dpo", "dpo-bf16", "grpo", "grpo-bf16"]
+#: GRPO metrics computed from every process's copy (``accelerator.gather``), the TP ranks' included:
+#: ``num_tokens`` counts each token tp times; the batch-wide reward std is the unbiased std of the
+#: duplicated rewards. Training does not read them (the advantages use per-group statistics of one
+#: process's copy); see docs/trl.md.
+GRPO_DUPLICATED = {"num_tokens", "reward_std", "rewards/_reward_len/std"}
 
 
 def _tp_body(rank, world, tp, out, kinds, model_dir):
@@ -271,30 +274,35 @@ def tp_job(tmp_path_factory, model_dir):
     return run
 
 
-def _compare(got, want, tol, wtol, what):
+def _compare(got, want, tol, wtol, what, skip=()):
     assert len(got["logs"]) == len(want["logs"]) == STEPS, what
     for step, (g, w) in enumerate(zip(got["logs"], want["logs"])):
         assert set(g) == set(w), f"{what} step {step + 1}: logged keys {sorted(set(g) ^ set(w))} differ"
-        for key in w:
+        for key in set(w) - set(skip):
             torch.testing.assert_close(g[key], w[key], **tol, msg=lambda m: f"{what} step {step + 1} {key}: {m}")
     assert set(got["weights"]) == set(want["weights"]), what
     for name, w in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], w, **wtol, msg=lambda m: f"{what} {name}: {m}")
 
 
-def _check(kind, tp_job, dense):
-    out, errors = tp_job(2, 2, KINDS)
+def _check(kind, tp_job, dense, world=2, tp=2, skip=()):
+    out, errors = tp_job(world, tp, KINDS if world == tp else ["sft-plain"])
     failed = {r: e[kind] for r, e in enumerate(errors) if kind in e}
     assert not failed, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failed.items())
     got = torch.load(out / "rank0.pt")[kind]
     bf16 = kind.endswith("bf16")
-    _compare(got, dense(kind), BF16 if bf16 else F64, WEIGHTS_BF16 if bf16 else WEIGHTS_F64, f"{kind} tp 2")
+    _compare(got, dense(kind, world // tp), BF16 if bf16 else F64, WEIGHTS_BF16 if bf16 else WEIGHTS_F64,
+             f"{kind} world {world} tp {tp}", skip)
     return out, got
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k.startswith("sft")])
 def test_sft_trainer_matches_dense_at_tp2(kind, tp_job, dense):
     _check(kind, tp_job, dense)
+
+
+def test_sft_trainer_matches_dense_at_dp2_tp2(tp_job, dense):
+    _check("sft-plain", tp_job, dense, world=4, tp=2)
 
 
 @pytest.mark.parametrize("kind", ["dpo", "dpo-bf16"])
@@ -304,7 +312,9 @@ def test_dpo_trainer_with_tp_reference_matches_dense_at_tp2(kind, tp_job, dense)
 
 @pytest.mark.parametrize("kind", ["grpo", "grpo-bf16"])
 def test_grpo_trainer_generates_identical_completions_on_tp_ranks_and_matches_dense(kind, tp_job, dense):
-    out, got = _check(kind, tp_job, dense)
+    out, got = _check(kind, tp_job, dense, skip=GRPO_DUPLICATED)
+    for step, (g, w) in enumerate(zip(got["logs"], dense(kind)["logs"])):
+        assert g["num_tokens"] == 2 * w["num_tokens"], f"step {step + 1}: num_tokens is counted once per TP rank"
     other = torch.load(out / "rank1.pt")[kind]
     assert got["completions"] and got["completions"] == other["completions"], "completions differ across TP ranks"
     if not kind.endswith("bf16"):
