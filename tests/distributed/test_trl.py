@@ -2,7 +2,7 @@
 
 The dense references run in this (pytest) process with TRL's own trainers, one process; the
 tensor-parallel runs use ``tpify.integrations.tp_trainer_class(<TRL trainer>)`` on gloo ranks at
-tp = 2 (one spawned job for every check) and SFT at dp = 2 x tp = 2 (a second job), with the same
+dp = 2 x tp = 2 (one spawned job of 4 ranks for every check), with the same
 seed, data and arguments (``per_device_train_batch_size`` is per DP replica, so the dense run's
 batch is ``dp`` times it). The model is a tiny Llama (2 layers, hidden 32) with SmolLM2's
 49,152-token vocabulary and tokenizer (its chat template), built from a config: no download.
@@ -11,15 +11,21 @@ What is compared: every numeric value TRL logs at every step (loss, grad_norm, S
 mean_token_accuracy and num_tokens, DPO's rewards/*, logps/*, logits/*, GRPO's reward, kl,
 entropy, completion lengths...) and the final weights (dense, gathered; the adapters for PEFT).
 Tolerances:
-* float64 runs (SFT, DPO, GRPO): rtol 1e-6 on logged values (Trainer accumulates the logged loss in
-  float32, ~6e-8 relative; the metrics pass through ``.item()`` of float32 sums), weights atol 1e-8
-  rtol 1e-6 (Adam's ``m / (sqrt(v) + eps)`` amplifies 1e-16 gradient noise near eps to a few
-  1e-9, as in test_trainer_accelerate.py);
+* float64 models (SFT, DPO, GRPO): rtol 1e-5, atol 1e-5 on logged values: TRL's fused LM head
+  computes in float32 even for a float64 model (its chunked kernel), so the dense reference is
+  float32-exact only (measured: losses within 2e-7 relative; DPO's rewards ``beta * (logp -
+  logp_ref)`` with ``logp`` ~ -50 carry ~2e-7 absolute of float32 rounding). Weights atol 1e-4,
+  rtol 1e-5: Adam's step ``m / (sqrt(v) + eps)`` divides by the gradient's own size, so an element
+  whose gradient is 1e-3 of its tensor's largest carries that float32 noise amplified 1e3 times
+  into its update (measured: 4e-5 on one LayerNorm weight after 3 steps of lr 1e-3); a wrong
+  log-prob (a vocabulary shard taken for the whole head) moves the loss by 50% and weights by ~lr;
 * bf16 runs (``bf16=True``, TRL's default: autocast to bfloat16 over float32 weights): rtol 2e-2
   on losses and metrics, weights atol 2e-3. bfloat16 keeps 8 bits of mantissa (relative rounding
   4e-3); the TP run rounds partial sums of its row-parallel matmuls before the all-reduce while
   the dense run rounds the whole sum once, so activations differ by a few bf16 ulps and the
-  difference grows through 2 layers and 3 Adam steps (measured: see docs/trl.md).
+  difference grows through 2 layers and 3 Adam steps; weights atol 6e-3 = 2 * lr * steps (Adam
+  moves a weight by ~lr a step whatever its gradient, so a gradient at bf16 noise level can flip
+  an update; measured 2.9e-3 on one embedding element of 1.5 M).
 GRPO also checks that the completions are identical on both TP ranks (token ids compared) and
 equal to the dense run's.
 """
@@ -37,7 +43,7 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 F64 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2e-2, atol=2e-2)
-WEIGHTS_F64 = dict(atol=5e-6, rtol=1e-5)
+WEIGHTS_F64 = dict(atol=1e-4, rtol=1e-5)
 WEIGHTS_BF16 = dict(atol=6e-3, rtol=2e-2)  # 2 * lr * STEPS: Adam moves a weight by ~lr a step whatever its gradient
 _SKIP = re.compile(r"runtime|per_second|flos|epoch|step_time|mfu|tokens_per|clipped_ratio")
 
@@ -173,6 +179,8 @@ def _run(kind, out, tp, dp=1, model_dir=None):
         variant = kind.split("-")[1]
         extra = {"bf16": bf16}
         data = _sft_data({"plain": "text", "bf16": "text", "chat": "chat", "packing": "text"}[variant])
+        if variant == "chat":  # SmolLM2's template adds a system prompt of ~30 tokens
+            extra.update(max_length=96)
         if variant == "packing":  # packed with position_ids, and LoRA through peft_config=
             extra.update(packing=True, max_length=24)
         trainer = wrap(SFTTrainer)(model=par(_llama(dtype)), args=_sft_args(out, batch, **extra), train_dataset=data,
@@ -198,6 +206,8 @@ def _run(kind, out, tp, dp=1, model_dir=None):
 
         trainer._generate = recording
         result["completions"] = completions
+    elif kind == "refusals":
+        return _refusals(out, tp, tok)
     else:
         raise ValueError(kind)
     trainer.train()
@@ -205,12 +215,39 @@ def _run(kind, out, tp, dp=1, model_dir=None):
     return result
 
 
+def _refusals(out, tp, tok):
+    """TRL options tpify refuses, each by name, at construction (before any collective): the
+    messages, in order."""
+    from trl import GRPOTrainer, SFTTrainer
+
+    import tpify
+    from tpify.integrations import TPUsageError, tp_trainer_class
+
+    cases = [
+        (GRPOTrainer, _grpo_args(out, 2, use_vllm=True), {"reward_funcs": _reward_len}, {}),
+        (GRPOTrainer, _grpo_args(out, 2, scale_rewards="batch"), {"reward_funcs": _reward_len}, {}),
+        (GRPOTrainer, _grpo_args(out, 2, num_generations=4), {"reward_funcs": _reward_len}, {}),
+        (SFTTrainer, _sft_args(out, 2), {}, {"lm_loss_chunk": 16}),
+        (SFTTrainer, None, {}, {}),
+    ]
+    messages = []
+    for trainer, args, extra, options in cases:
+        model = tpify.parallelize(_llama(), tp_size=tp, **options)
+        try:
+            tp_trainer_class(trainer)(model=model, args=args, train_dataset=_grpo_data(), processing_class=tok, **extra)
+        except TPUsageError as e:
+            messages.append(str(e))
+        else:
+            messages.append(None)
+    return {"messages": messages}
+
+
 def _save_initial(directory):
     """The GRPO policy's starting point (and TRL's reference model's path), float64."""
     _llama().save_pretrained(directory)
 
 
-KINDS = ["sft-chat", "sft-packing", "sft-bf16", "dpo", "dpo-bf16", "grpo", "grpo-bf16"]
+KINDS = ["refusals", "sft-chat", "sft-packing", "sft-bf16", "dpo", "dpo-bf16", "grpo", "grpo-bf16"]
 #: GRPO metrics computed from every process's copy (``accelerator.gather``), the TP ranks' included:
 #: ``num_tokens`` counts each token tp times; the batch-wide reward std is the unbiased std of the
 #: duplicated rewards. Training does not read them (the advantages use per-group statistics of one
@@ -231,7 +268,7 @@ def _tp_body(rank, world, tp, out, kinds, model_dir):
 
             errors[kind] = traceback.format_exc()
         AcceleratorState._reset_state(True)
-    if rank == 0 or tp == world:
+    if rank < tp:  # the TP ranks of DP replica 0
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     return errors
 
@@ -285,8 +322,8 @@ def _compare(got, want, tol, wtol, what, skip=()):
         torch.testing.assert_close(got["weights"][name], w, **wtol, msg=lambda m: f"{what} {name}: {m}")
 
 
-def _check(kind, tp_job, dense, world=2, tp=2, skip=()):
-    out, errors = tp_job(world, tp, KINDS if world == tp else ["sft-plain"])
+def _check(kind, tp_job, dense, world=4, tp=2, skip=()):
+    out, errors = tp_job(world, tp, KINDS)
     failed = {r: e[kind] for r, e in enumerate(errors) if kind in e}
     assert not failed, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failed.items())
     got = torch.load(out / "rank0.pt")[kind]
@@ -297,16 +334,12 @@ def _check(kind, tp_job, dense, world=2, tp=2, skip=()):
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k.startswith("sft")])
-def test_sft_trainer_matches_dense_at_tp2(kind, tp_job, dense):
+def test_sft_trainer_matches_dense_at_dp2_tp2(kind, tp_job, dense):
     _check(kind, tp_job, dense)
 
 
-def test_sft_trainer_matches_dense_at_dp2_tp2(tp_job, dense):
-    _check("sft-plain", tp_job, dense, world=4, tp=2)
-
-
 @pytest.mark.parametrize("kind", ["dpo", "dpo-bf16"])
-def test_dpo_trainer_with_tp_reference_matches_dense_at_tp2(kind, tp_job, dense):
+def test_dpo_trainer_with_tp_reference_matches_dense_at_dp2_tp2(kind, tp_job, dense):
     _check(kind, tp_job, dense)
 
 
@@ -319,3 +352,16 @@ def test_grpo_trainer_generates_identical_completions_on_tp_ranks_and_matches_de
     assert got["completions"] and got["completions"] == other["completions"], "completions differ across TP ranks"
     if not kind.endswith("bf16"):
         assert got["completions"] == dense(kind)["completions"], "completions differ from the dense run's"
+
+
+def test_trl_options_tpify_cannot_run_exactly_are_refused_by_name(tp_job):
+    out, errors = tp_job(4, 2, KINDS)
+    failed = {r: e["refusals"] for r, e in enumerate(errors) if "refusals" in e}
+    assert not failed, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failed.items())
+    messages = torch.load(out / "rank0.pt")["refusals"]["messages"]
+    expected = ["use_vllm=True", "scale_rewards='batch' at tp > 1",
+                "per_device_train_batch_size \\* steps_per_generation = 2 not a multiple of num_generations = 4",
+                "parallelized with lm_loss_chunk=16", "pass args="]
+    assert len(messages) == len(expected)
+    for message, pattern in zip(messages, expected):
+        assert message is not None and re.search(pattern, message), (pattern, message)

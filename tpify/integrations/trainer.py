@@ -135,12 +135,16 @@ class TPTrainerMixin:
         bound = inspect.signature(super().__init__).bind_partial(*pos, **kwargs).arguments
         model, args = bound.get("model"), bound.get("args")
         name = type(self).__name__
+        on_trl = is_trl_trainer(type(self))
+        if on_trl:
+            from .trl import check_trainer_class
+
+            check_trainer_class(type(self))
         tp_model = tp_model_of(model) if model is not None and not isinstance(model, str) else None
         if tp_model is None:
             raise TPUsageError(f"{name} trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
-        on_trl = is_trl_trainer(type(self))
         if on_trl:
             from .trl import check_trainer, prepare_args
 

@@ -54,7 +54,7 @@ from ..info import TPUsageError, get_tp_info
 from ..loss import vocab_parallel_entropy, vocab_parallel_is_top1, vocab_parallel_log_probs
 from .model import tp_model_of
 
-__all__ = ["CHECKED_TRAINERS", "is_trl_trainer", "check_trainer", "trl_construction", "VocabParallelFusedHead",
+__all__ = ["CHECKED_TRAINERS", "is_trl_trainer", "check_trainer_class", "check_trainer", "prepare_args", "trl_construction", "VocabParallelFusedHead",
            "add_fused_lm_head", "after_init"]
 
 #: TRL trainer classes checked against the same trainer on the dense model (tests/distributed/test_trl.py).
@@ -104,14 +104,11 @@ def _refused_options(trainer_name: str, args, tp_size: int, dp_size: int) -> lis
     return bad
 
 
-def check_trainer(cls: type, args, model: nn.Module) -> None:
-    """Refuse, before anything is built, a TRL trainer class or option that is not supported on a
-    tpify model (local checks of the class and the arguments: the same outcome on every rank).
+def check_trainer_class(cls: type) -> None:
+    """Refuse a TRL trainer class tpify has not checked (a local check: the same on every rank).
 
     Raises:
-        TPUsageError: a TRL trainer not in :data:`CHECKED_TRAINERS` (named); a refused option
-            (:mod:`tpify.integrations.trl`'s docstring lists them); a model parallelized with
-            ``lm_loss_chunk``.
+        TPUsageError: ``cls`` derives from a TRL trainer not in :data:`CHECKED_TRAINERS`, named.
     """
     names = [c.__name__ for c in _trl_classes(cls)]
     unchecked = [n for n in names if n not in CHECKED_TRAINERS + _TRL_BASES]
@@ -120,6 +117,16 @@ def check_trainer(cls: type, args, model: nn.Module) -> None:
                            f"parallel models (checked: {', '.join(CHECKED_TRAINERS)}); it may compute from "
                            f"lm_head.weight or full-vocabulary logits, which are vocabulary shards here, and train "
                            f"silently wrong. Use one of the checked trainers, or tpify.integrations.TPTrainer")
+
+
+def check_trainer(cls: type, args, model: nn.Module) -> None:
+    """Refuse, before anything is built, a TRL option that is not supported on a tpify model, or
+    a model TRL's trainers cannot use (local checks: the same outcome on every rank).
+
+    Raises:
+        TPUsageError: a refused option (:mod:`tpify.integrations.trl`'s docstring lists them); a
+            model parallelized with ``lm_loss_chunk``.
+    """
     info = get_tp_info(tp_model_of(model))
     if info.layout.lm_loss_chunk is not None and info.layout.lm_head is not None:
         raise TPUsageError(f"{cls.__name__}: the model was parallelized with lm_loss_chunk={info.layout.lm_loss_chunk}"
