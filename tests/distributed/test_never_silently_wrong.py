@@ -342,14 +342,14 @@ def test_every_tp2_check_ran_on_every_rank(tp2):
 
 
 def test_a_trl_trainer_tpify_has_not_checked_is_refused_by_name():
-    """TRL trainers other than SFT, DPO and GRPO may read lm_head.weight or full-vocabulary logits
+    """TRL trainers other than SFT, DPO, GRPO and Reward may read lm_head.weight or full-vocabulary logits
     (vocabulary shards here): refused by name before anything is built (no model needed), however
     the mixin is applied; the checked ones get past the class check."""
-    from trl import KTOTrainer, RewardTrainer, SFTTrainer
+    from trl import KTOTrainer, RLOOTrainer, SFTTrainer
 
     from tpify.integrations import TPTrainer, TPUsageError, tp_trainer_class
 
-    for trainer in (KTOTrainer, RewardTrainer):
+    for trainer in (KTOTrainer, RLOOTrainer):
         with pytest.raises(TPUsageError, match=f"derives from TRL's {trainer.__name__}, which tpify has not checked"):
             tp_trainer_class(trainer)(model=None)
 

@@ -1,9 +1,9 @@
-"""TRL's SFTTrainer, DPOTrainer and GRPOTrainer on a tpify model equal the same trainer on the dense model.
+"""TRL's SFT, DPO, GRPO and Reward trainers on a tpify model equal the same trainer on the dense model.
 
 The dense references run in this (pytest) process with TRL's own trainers, one process; the
 tensor-parallel runs use ``tpify.integrations.tp_trainer_class(<TRL trainer>)`` on gloo ranks at
-tp = 2 (one spawned job for every check) and plain SFT at dp = 2 x tp = 2 (a second job), with the same
-seed, data and arguments (``per_device_train_batch_size`` is per DP replica, so the dense run's
+tp = 2 (one spawned job for every check) and plain SFT at dp = 2 x tp = 2 (a second job), with
+the same seed, data and arguments (``per_device_train_batch_size`` is per DP replica, so the dense run's
 batch is ``dp`` times it). The model is a tiny Llama (2 layers, hidden 32) with SmolLM2's
 49,152-token vocabulary and tokenizer (its chat template), built from a config: no download.
 
@@ -163,6 +163,7 @@ def _grpo_data():
 def _run(kind, out, tp, dp=1, model_dir=None):
     """Train ``kind`` for STEPS steps: ``{"logs", "weights", ...}``. tp == 0: TRL's trainer on the
     dense model in this process; else tp_trainer_class(trainer) on a tpify model."""
+    from datasets import Dataset
     from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
     import tpify
@@ -206,6 +207,18 @@ def _run(kind, out, tp, dp=1, model_dir=None):
 
         trainer._generate = recording
         result["completions"] = completions
+    elif kind == "reward":
+        from transformers import LlamaForSequenceClassification
+        from trl import RewardConfig, RewardTrainer
+
+        cfg = _llama().config
+        cfg.num_labels = 1
+        torch.manual_seed(0)
+        model = par(LlamaForSequenceClassification(cfg).to(torch.float64))
+        t = _texts()
+        data = Dataset.from_list([{"chosen": t[i], "rejected": t[(i + 3) % 8]} for i in range(8)])
+        trainer = wrap(RewardTrainer)(model=model, args=RewardConfig(**_common(out, batch, max_length=32)),
+                                      train_dataset=data, processing_class=tok)
     elif kind == "refusals":
         return _refusals(out, tp, tok)
     else:
@@ -247,7 +260,7 @@ def _save_initial(directory):
     _llama().save_pretrained(directory)
 
 
-KINDS = ["refusals", "sft-chat", "sft-packing", "sft-bf16", "dpo", "dpo-bf16", "grpo", "grpo-bf16"]
+KINDS = ["refusals", "reward", "sft-chat", "sft-packing", "sft-bf16", "dpo", "dpo-bf16", "grpo", "grpo-bf16"]
 #: GRPO metrics computed from every process's copy (``accelerator.gather``), the TP ranks' included:
 #: ``num_tokens`` counts each token tp times; the batch-wide reward std is the unbiased std of the
 #: duplicated rewards. Training does not read them (the advantages use per-group statistics of one
@@ -373,3 +386,9 @@ def test_trl_options_tpify_cannot_run_exactly_are_refused_by_name(tp_job):
     assert len(messages) == len(expected)
     for message, pattern in zip(messages, expected):
         assert message is not None and re.search(pattern, message), (pattern, message)
+
+
+def test_reward_trainer_matches_dense_at_tp2(tp_job, dense):
+    """Sequence classification (the score head replicated): no vocabulary involved; the TPTrainer
+    mechanism is all it needs."""
+    _check("reward", tp_job, dense)

@@ -68,7 +68,8 @@ model tpify did not parallelize.
 
 The same mechanism serves any ``Trainer`` subclass: :class:`TPTrainerMixin` holds all of the
 above, :class:`TPTrainer` is it on ``transformers.Trainer``, and :func:`tp_trainer_class` puts it
-on another trainer class, TRL's ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer`` included
+on another trainer class, TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and ``RewardTrainer``
+included
 (what TRL needs besides is in :mod:`tpify.integrations.trl`; TRL trainers tpify has not checked
 are refused by name).
 """
@@ -108,7 +109,7 @@ class TPTrainerMixin:
     ``per_device_train_batch_size * gradient_accumulation_steps * dp``.
 
     On a TRL trainer (:data:`tpify.integrations.trl.CHECKED_TRAINERS`: ``SFTTrainer``,
-    ``DPOTrainer``, ``GRPOTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
+    ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
     goes through :func:`tpify.integrations.get_peft_model`, GRPO's seeds are the same on the
     ranks of a TP group and reference models are tensor-parallel
     (:mod:`tpify.integrations.trl`).
@@ -318,7 +319,7 @@ class TPTrainerMixin:
 
 def tp_trainer_class(base: type) -> type:
     """``base`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``, ``DPOTrainer``,
-    ``GRPOTrainer``, your own) made to train tpify models: ``class TP<base>(TPTrainerMixin, base)``.
+    ``GRPOTrainer``, ``RewardTrainer``, your own) made to train tpify models: ``class TP<base>(TPTrainerMixin, base)``.
 
     ``tp_trainer_class(transformers.Trainer)`` is :class:`TPTrainer`. Construction raises what
     :class:`TPTrainerMixin` raises (a TRL trainer tpify has not checked, by name).

@@ -54,11 +54,11 @@ from ..info import TPUsageError, get_tp_info
 from ..loss import vocab_parallel_entropy, vocab_parallel_is_top1, vocab_parallel_log_probs
 from .model import tp_model_of
 
-__all__ = ["CHECKED_TRAINERS", "is_trl_trainer", "check_trainer_class", "check_trainer", "prepare_args", "trl_construction", "VocabParallelFusedHead",
-           "add_fused_lm_head", "after_init"]
+__all__ = ["CHECKED_TRAINERS", "is_trl_trainer", "check_trainer_class", "check_trainer", "prepare_args",
+           "trl_construction", "VocabParallelFusedHead", "add_fused_lm_head", "after_init"]
 
 #: TRL trainer classes checked against the same trainer on the dense model (tests/distributed/test_trl.py).
-CHECKED_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer")
+CHECKED_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RewardTrainer")
 _TRL_BASES = ("BaseTrainer", "_BaseTrainer")
 _FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits")
 
