@@ -1,4 +1,5 @@
-"""``TPTrainer``: ``transformers.Trainer`` for tpify's tensor-parallel models.
+"""``TPTrainer`` and ``tp_trainer_class``: ``transformers.Trainer`` (and its subclasses, TRL's
+trainers included) for tpify's tensor-parallel models.
 
 ``transformers.Trainer`` treats a model as tensor-parallel only when its parameters are DTensors
 (transformers' own ``distributed_config``); a tpify model holds plain tensors, one shard per
@@ -62,13 +63,20 @@ is for. To continue in one process, resume with ``TPTrainer`` on a model paralle
 Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP version 1 and the FSDP
 options :func:`~tpify.integrations.accelerate.data_parallel_plan` refuses (FSDP's own activation
 checkpointing, size-based wrapping), fp16 (per-rank loss scaler), ``load_best_model_at_end``, a
-model tpify did not parallelize, a subclass that also derives from a TRL trainer
-(``class X(TPTrainer, SFTTrainer)``: TRL is not supported yet).
+model tpify did not parallelize.
+
+The same mechanism serves any ``Trainer`` subclass: :class:`TPTrainerMixin` holds all of the
+above, :class:`TPTrainer` is it on ``transformers.Trainer``, and :func:`tp_trainer_class` puts it
+on another trainer class, TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and ``RewardTrainer``
+included
+(what TRL needs besides is in :mod:`tpify.integrations.trl`; TRL trainers tpify has not checked
+are refused by name).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -81,20 +89,29 @@ from ..sharding import is_dtensor
 from .accelerate import TPAccelerator, data_parallel_plan
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 from .resume import MANIFEST_NAME, check_resume, same_layout, training_layout, write_manifest
+from .trl import is_trl_trainer
 
-__all__ = ["TPTrainer", "OPTIMIZER_DIR"]
+__all__ = ["TPTrainer", "TPTrainerMixin", "tp_trainer_class", "OPTIMIZER_DIR"]
 
 #: The subdirectory of a checkpoint holding the optimizer state (torch.distributed.checkpoint) and its manifest.
 OPTIMIZER_DIR = "tpify_optimizer"
 
 
-class TPTrainer(transformers.Trainer):
-    """``transformers.Trainer`` that trains a tpify model exactly (see the module docstring).
+class TPTrainerMixin:
+    """What a ``transformers.Trainer`` subclass needs to train a tpify model exactly (see the
+    module docstring); put it first among the bases: ``class X(TPTrainerMixin, SFTTrainer)``, or
+    :func:`tp_trainer_class`. :class:`TPTrainer` is this mixin on ``transformers.Trainer``.
 
-    Same arguments as ``Trainer``; launch with ``torchrun --nproc-per-node N`` where
-    ``N = dp * tp`` and the model was parallelized (or loaded by :func:`tpify.from_pretrained`)
+    Same arguments as the trainer it is mixed into; launch with ``torchrun --nproc-per-node N``
+    where ``N = dp * tp`` and the model was parallelized (or loaded by :func:`tpify.from_pretrained`)
     with ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica: the global batch is
     ``per_device_train_batch_size * gradient_accumulation_steps * dp``.
+
+    On a TRL trainer (:data:`tpify.integrations.trl.CHECKED_TRAINERS`: ``SFTTrainer``,
+    ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
+    goes through :func:`tpify.integrations.get_peft_model`, GRPO's seeds are the same on the
+    ranks of a TP group and reference models are tensor-parallel
+    (:mod:`tpify.integrations.trl`).
 
     Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
     tensor over TP.
@@ -107,36 +124,47 @@ class TPTrainer(transformers.Trainer):
 
     Raises:
         TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP
-            version 1 or unsupported FSDP options, fp16, ``load_best_model_at_end``; a subclass of
-            a TRL trainer.
+            version 1 or unsupported FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer
+            tpify has not checked, or a TRL option it refuses
+            (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
         ResumeError: (a TPUsageError) resuming a checkpoint written for another model or param
             groups, without a manifest (or with the old per-rank one), or incomplete; on every rank.
     """
 
-    def __init__(self, model=None, args=None, *pos, **kwargs):
-        trl = [c.__qualname__ for c in type(self).__mro__ if c.__module__.split(".")[0] == "trl"]
-        if trl:
-            raise TPUsageError(f"{type(self).__name__} derives from TRL's {trl[0]}: TRL trainers on tpify models are not "
-                               f"supported yet (TRL computes log-probs and losses from lm_head.weight and from "
-                               f"full-vocabulary logits, which are vocabulary shards here, so it would train silently "
-                               f"wrong); train with tpify.integrations.TPTrainer")
-        tp_model = tp_model_of(model) if model is not None else None
+    def __init__(self, *pos, **kwargs):
+        bound = inspect.signature(super().__init__).bind_partial(*pos, **kwargs).arguments
+        model, args = bound.get("model"), bound.get("args")
+        name = type(self).__name__
+        on_trl = is_trl_trainer(type(self))
+        if on_trl:
+            from .trl import check_trainer_class
+
+            check_trainer_class(type(self))
+        tp_model = tp_model_of(model) if model is not None and not isinstance(model, str) else None
         if tp_model is None:
-            raise TPUsageError("TPTrainer trains models parallelized by tpify (tpify.parallelize or "
+            raise TPUsageError(f"{name} trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
+        if on_trl:
+            from .trl import check_trainer, prepare_args
+
+            if args is None:
+                raise TPUsageError(f"{name}: pass args= (TRL's config for the trainer): its defaults count "
+                                   f"batches over the whole world, the TP ranks included")
+            check_trainer(type(self), args, model)
+            prepare_args(args, model)
         plan = None
         if args is not None:
-            bad = [name for name, on in (("deepspeed", bool(args.deepspeed)), ("fp16", bool(args.fp16)),
-                                         ("load_best_model_at_end", bool(args.load_best_model_at_end))) if on]
+            bad = [opt for opt, on in (("deepspeed", bool(args.deepspeed)), ("fp16", bool(args.fp16)),
+                                       ("load_best_model_at_end", bool(args.load_best_model_at_end))) if on]
             if args.fsdp and args.fsdp_plugin_args is None:  # XLA FSDP
                 bad.append("fsdp_config xla")
             if bad:
-                raise TPUsageError(f"TPTrainer does not support {bad} with a tensor-parallel model")
+                raise TPUsageError(f"{name} does not support {bad} with a tensor-parallel model")
             plugin = None
             version = (args.fsdp_plugin_args or {}).get("fsdp_version", 2)
             if version != 2:  # refused before accelerate builds an FSDP1 plugin (which needs a GPU)
-                raise TPUsageError(f"TPTrainer: fsdp_config version {version} (FSDP1) is not supported with a "
+                raise TPUsageError(f"{name}: fsdp_config version {version} (FSDP1) is not supported with a "
                                    f"tensor-parallel model: fsdp_version=1 (FSDP1): use fsdp_config={{'version': 2}} "
                                    f"(FSDP2's fully_shard over the model's DP group)")
             if args.fsdp_plugin_args is not None:
@@ -146,8 +174,16 @@ class TPTrainer(transformers.Trainer):
             plan = data_parallel_plan(plugin, args.parallelism_config)
         self._tp_model = tp_model
         self._tp_plan = plan
-        super().__init__(model, args, *pos, **kwargs)
-        self.accelerator.register_tp_model(model)
+        if on_trl:
+            from .trl import after_init, trl_construction
+
+            with trl_construction(type(self), model):
+                super().__init__(*pos, **kwargs)
+            self.accelerator.register_tp_model(self.model)
+            after_init(self)
+        else:
+            super().__init__(*pos, **kwargs)
+            self.accelerator.register_tp_model(self.model)
 
     # -- distributed setup -----------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -283,3 +319,26 @@ class TPTrainer(transformers.Trainer):
             tracker.load_state_dict(torch.load(file, weights_only=True))
         else:
             tracker.reset(tracker.seed)
+
+
+def tp_trainer_class(base: type) -> type:
+    """``base`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``GRPOTrainer``, ``RewardTrainer``, your own) made to train tpify models: ``class TP<base>(TPTrainerMixin, base)``.
+
+    ``tp_trainer_class(transformers.Trainer)`` is :class:`TPTrainer`. Construction raises what
+    :class:`TPTrainerMixin` raises (a TRL trainer tpify has not checked, by name).
+    """
+    if not (isinstance(base, type) and issubclass(base, transformers.Trainer)):
+        raise TypeError(f"tp_trainer_class: {base!r} is not a transformers.Trainer subclass")
+    if issubclass(base, TPTrainerMixin):
+        return base
+    if base is transformers.Trainer:
+        return TPTrainer
+    return type(f"TP{base.__name__}", (TPTrainerMixin, base), {"__module__": __name__,
+                                                                "__doc__": f"{base.__name__} for tpify models "
+                                                                           f"(tpify.integrations.tp_trainer_class)."})
+
+
+class TPTrainer(TPTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` that trains a tpify model exactly: :class:`TPTrainerMixin` on
+    ``Trainer`` (see the module docstring and the mixin's)."""
