@@ -94,6 +94,11 @@ def _refused_options(trainer_name: str, args, tp_size: int, dp_size: int) -> lis
     if tp_size > 1 and getattr(args, "multi_objective_aggregation", None) == "normalize_then_sum":
         bad.append("multi_objective_aggregation='normalize_then_sum' at tp > 1 (a batch-wide std over the gathered "
                    "rewards, which hold each TP rank's copy; use 'sum_then_normalize')")
+    quantile = getattr(args, "top_entropy_quantile", None)
+    if tp_size > 1 and quantile is not None and quantile < 1.0:
+        bad.append(f"top_entropy_quantile={quantile} at tp > 1 (GRPO's entropy threshold is a quantile of the "
+                   f"entropies gathered from every process, which hold each TP rank's copy: torch.quantile "
+                   f"interpolates between other positions than in the dense run; use 1.0)")
     generations = getattr(args, "num_generations", None)
     if tp_size > 1 and generations and getattr(args, "generation_batch_size", None) is not None:
         per_replica = args.per_device_train_batch_size * args.steps_per_generation
@@ -138,6 +143,13 @@ def check_trainer(cls: type, args, model: nn.Module) -> None:
     if bad:
         raise TPUsageError(f"{cls.__name__} on a tensor-parallel model (tp_size = {info.tp_size}) does not support: "
                            + "; ".join(bad))
+    if info.tp_size > 1 and hasattr(args, "num_generations"):
+        import warnings
+
+        warnings.warn(f"{cls.__name__} at tp_size = {info.tp_size}: TRL gathers its logged metrics from every "
+                      f"process, the TP ranks' copies included, so 'num_tokens' is {info.tp_size}x the tokens "
+                      f"seen and 'reward_std' / 'rewards/*/std' are the sample std of the copies (the "
+                      f"training itself is exact; docs/trl.md)", stacklevel=3)
 
 
 def prepare_args(args, model: nn.Module) -> None:
