@@ -97,3 +97,17 @@ def test_missing_unreadable_or_old_manifest_is_refused(tmp_path):
     (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": 1, "tp_size": 2, "dp_size": 1}))
     with pytest.raises(ResumeError, match=r"earlier tpify in the per-rank format .*tp_size 2.*tpify.from_pretrained"):
         check_resume(tmp_path, mine, "resume")
+
+
+def test_resuming_grpo_with_adaptive_entropy_is_refused_before_anything_is_read():
+    """TRL's GRPOTrainer restores its entropy controller in its own ``_load_optimizer_and_scheduler``,
+    which TPTrainerMixin replaces to reshard the optimizer: resuming with ``use_adaptive_entropy``
+    would silently restart the controller, so it is refused (a config check, the same on every rank)."""
+    import types
+
+    from tpify.integrations import TPTrainerMixin, TPUsageError
+
+    trainer = types.SimpleNamespace(use_adaptive_entropy=True)
+    with pytest.raises(TPUsageError, match="use_adaptive_entropy"):
+        TPTrainerMixin._load_optimizer_and_scheduler(trainer, "checkpoint-that-is-not-read")
+    TPTrainerMixin._load_optimizer_and_scheduler(trainer, None)  # no resume: nothing to refuse

@@ -290,9 +290,19 @@ class TPTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Every rank: the full check (param groups included, the files present), then the
         optimizer state resharded to this run's layout (:func:`tpify.checkpoint.load_checkpoint`)
-        and the scheduler."""
+        and the scheduler.
+
+        Raises:
+            TPUsageError: resuming GRPO with ``use_adaptive_entropy`` (TRL restores its entropy
+                controller in its own ``_load_optimizer_and_scheduler``, which this one replaces).
+        """
         if checkpoint is None:
             return
+        if getattr(self, "use_adaptive_entropy", False):  # a config check: the same on every rank
+            raise TPUsageError(f"{type(self).__name__}: resuming with use_adaptive_entropy=True is not supported on a "
+                               f"tensor-parallel model (TRL restores its entropy controller in the method tpify "
+                               f"replaces to reshard the optimizer); resume with use_adaptive_entropy=False, or "
+                               f"start a new run from the checkpoint's dense weights")
         from ..checkpoint import load_checkpoint
 
         directory = os.path.join(checkpoint, OPTIMIZER_DIR)
