@@ -4,7 +4,10 @@
 row- and vocab-parallel equivalents following a per-architecture recipe (``recipes/``), so a
 pretrained model runs across ranks without rewriting it (Shoeybi et al., arXiv:1909.08053).
 ``tpify.from_pretrained(path)`` loads a local safetensors checkpoint with each rank reading only
-its slices; ``tpify.save_pretrained(model, path)`` writes it back in the Hugging Face layout.
+its slices; ``tpify.save_pretrained(model, path)`` writes it back in the Hugging Face layout
+(its files written by several ranks); ``tpify.dense_state_dict(model)`` gathers the dense tensors
+and ``tpify.sharded_state_dict(model)`` describes the shards for torch.distributed.checkpoint
+(training checkpoints that resume at any layout: :mod:`tpify.checkpoint`).
 
 What a user calls is here: the verbs, the errors, and (imported on first use, so that
 ``import tpify`` imports neither transformers' Trainer nor accelerate nor peft) the
@@ -17,6 +20,7 @@ FSDP2/HSDP) :mod:`tpify.data_parallel`; the map of the package is docs/architect
 
 from .agree import AgreementError
 from .api import from_pretrained, parallelize, remove_hooks, save_pretrained
+from .checkpoint import dense_state_dict, sharded_state_dict
 from .data_parallel import replicate_data_parallel, shard_data_parallel
 from .info import TPInfo, TPUsageError, get_tp_info
 from .io import CheckpointError
@@ -31,6 +35,8 @@ __all__ = [
     "from_pretrained",
     "save_pretrained",
     "remove_hooks",
+    "dense_state_dict",
+    "sharded_state_dict",
     "init_mesh",
     "replicate_data_parallel",
     "shard_data_parallel",

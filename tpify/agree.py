@@ -9,6 +9,7 @@ one per kind of step:
 | ----------------------- | ------------------------------------------- | ------------------------------------ |
 | :func:`agree`           | the first step of every entry point         | the rendezvous store (no collective) |
 | :func:`on_writing_rank` | each write of a save (global rank 0 writes) | one all-reduce of one int (world)    |
+| :func:`on_every_rank`   | the save's files, each rank writing its own | one all-gather of a small object     |
 | :func:`step_outcome`    | each step of ``tpify verify``'s cases       | one all-gather of a small object     |
 
 :func:`agree` compares fingerprints too (the ranks must bring the same model, checkpoint,
@@ -48,6 +49,7 @@ __all__ = [
     "AGREEMENT_TIMEOUT_ENV",
     "AGREEMENT_NOTICE_ENV",
     "on_writing_rank",
+    "on_every_rank",
     "StepOutcome",
     "step_outcome",
 ]
@@ -324,6 +326,37 @@ def on_writing_rank(where: str, device: torch.device | str | None = None) -> Ite
         raise RuntimeError(f"tpify: saving failed on the writing rank (global rank 0) while {where}; "
                            f"see that rank's error. The target directory holds one whole checkpoint (the previous "
                            f"one unless the failure came after the switch to the new one).")
+
+
+@contextlib.contextmanager
+def on_every_rank(where: str) -> Iterator[int]:
+    """A block every rank runs, each doing its own part (writing its own files of a save);
+    every rank learns whether every rank's part succeeded.
+
+    Yields this process's global rank (0 without torch.distributed). The block issues no
+    collective itself. On exit every rank takes part in one ``all_gather_object`` over the world
+    of its outcome (``None`` or its error's message), so the block's end is a barrier at which
+    every rank's part is complete. Every rank must enter the block, each time.
+
+    Raises:
+        The block's own exception (any, ``KeyboardInterrupt`` included), on the rank that raised
+        it (after the gather).
+        RuntimeError: on every other rank when the block raised somewhere, naming ``where``,
+            the ranks and the first one's error.
+    """
+    error = None
+    try:
+        yield group_rank(None)
+    except BaseException as e:  # noqa: BLE001 - reported to every rank below
+        error = e
+    outcomes = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(outcomes) if m is not None]
+    if failed:
+        raise RuntimeError(f"tpify: saving failed on rank(s) {[r for r, _ in failed]} while {where} (rank "
+                           f"{failed[0][0]}: {failed[0][1]}); this rank stops too. The target directory holds one whole "
+                           f"checkpoint (the previous one: nothing was moved into it).")
 
 
 @dataclass(frozen=True)

@@ -524,20 +524,24 @@ def _open_for_load_weights(model: nn.Module, path: Path, renames) -> tuple[Snaps
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "2GB") -> None:
-    """Save a (parallelized) model as a standard Hugging Face directory, from global rank 0.
+    """Save a (parallelized) model as a standard Hugging Face directory, its files written by several ranks.
 
     Every tensor is gathered to its dense layout with :meth:`ShardSpec.gather` (vocab padding
     stripped, packed ``[Q|K|V]`` re-packed), so ``transformers.AutoModel*.from_pretrained(path)``
     loads it, and :func:`from_pretrained` loads it at any valid tp size. Tied copies
     (``lm_head.weight``) are not stored, as transformers 5 does. Tensors are grouped in files of
     at most ``max_shard_size`` (``model-0000i-of-0000n.safetensors`` plus
-    ``model.safetensors.index.json``; one ``model.safetensors`` when all fit); files are gathered
-    and written one at a time, so the writing rank never holds the whole dense model.
+    ``model.safetensors.index.json``; one ``model.safetensors`` when all fit). The files are
+    assigned to the ranks in turn (every rank that sees the temporary directory: one host, or a
+    shared filesystem; else rank 0 alone) and written in rounds of one file per rank, in
+    parallel: a rank holds the dense tensors of one file at a time, never the whole dense model.
 
-    What it touches: rank 0 writes every file into a temporary directory ``.NAME.tmp-<id>``
-    beside ``path`` (beside the directory a symlinked ``path`` points to), first removing such
-    directories that no live save holds (left by a killed save). A new ``path`` is that
-    directory renamed. An existing ``path`` goes from the checkpoint it holds to the new one by
+    What it touches: global rank 0 creates a temporary directory ``.NAME.tmp-<id>`` beside
+    ``path`` (beside the directory a symlinked ``path`` points to), first removing such
+    directories that no live save holds (left by a killed save); every writer writes its files
+    into it; once every rank's files are complete (an agreement after each round), rank 0 writes
+    the index and the configs and moves the checkpoint in. A failure on any rank raises on every
+    rank before anything is moved: ``path`` is untouched. A new ``path`` is that directory renamed. An existing ``path`` goes from the checkpoint it holds to the new one by
     one atomic rename or unlink (:mod:`tpify.io.save`): at every instant, a kill included,
     ``path`` holds one whole checkpoint, the old one or the new one, and transformers and
     :func:`from_pretrained` load the same one. Then ``config.json`` and
@@ -556,16 +560,19 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     is first gathered over the DP dimension (``DTensor.full_tensor``), then over TP.
 
     Communication: per tensor, one all-gather over the TP group (every rank of every TP group
-    must call this function); per file, one all-reduce of one int over the world, so a failure
-    on the writing rank raises on every rank instead of hanging them.
+    must call this function); two all-gathers of small objects (the save's id, who sees the
+    directory) and, per round of files, one all-gather of each rank's outcome over the world; one
+    all-reduce of one int around the creation of the directory and one around the move, so a
+    failure on any rank raises on every rank instead of hanging them.
 
     Raises:
         ValueError: ``path`` is an existing file.
         AgreementError: on the other ranks, when ``path`` is a file on one rank; when the ranks
             hold different models (the first communication compares them, :func:`tpify.agree.agree`).
-        RuntimeError: on ranks other than 0, when rank 0 failed (rank 0 raises its own error);
-            ``path`` then holds one whole checkpoint (the old one unless the failure came after
-            the switch), at worst with unused new shard files the next save removes.
+        RuntimeError: on the other ranks, when a rank failed writing its files (that rank raises
+            its own error; ``path`` is untouched), or when rank 0 failed moving the checkpoint in
+            (``path`` then holds one whole checkpoint, the old one unless the failure came after
+            the switch, at worst with unused new shard files the next save removes).
     """
     path = Path(path)
     entries = saved_tensors(model)
@@ -580,7 +587,11 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     group = info.tp_group if info is not None else None
     plan = plan_shards(entries, specs, max_shard_size)
     with staged(path, next((t.device for _, t in entries), torch.device("cpu"))) as stage:
-        for name, file_entries in plan.files:  # one file's dense tensors at a time, on the writing rank
-            stage.write(name, gather_dense(file_entries, specs, group, keep=stage.writing))
+        for batch in stage.rounds(plan.files):  # a rank holds one file's dense tensors at a time: the one it writes
+            mine = None
+            for writer, name, file_entries in batch:
+                dense = gather_dense(file_entries, specs, group, keep=writer == comm.group_rank(None))
+                mine = (name, dense) if dense else mine
+            stage.write_own(mine)
         stage.commit(model, plan.index(stage.save_id))
 

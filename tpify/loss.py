@@ -761,6 +761,8 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, ignore_index, eps
             g = (~ignored[rows]).to(compute)
             grad_z = _cross_entropy_grad_(stats.exp_z, stats.sum_exp, g, local[rows], owned[rows], eps, cols)
             grads.add_chunk_(grad_z, derivative, scale, hidden[rows], weight, rows)
+            del grad_z
+        del z, derivative, stats  # this chunk's (c, V/p) buffers go before the next chunk's are made
     return loss, m_all, s_all, (ignored, owned, local), grads, cols
 
 
@@ -814,6 +816,7 @@ class _LinearCrossEntropyTokens(torch.autograd.Function):
             grad_z = _cross_entropy_grad_(exp_z, s[rows], g_all[rows].to(m.dtype), local[rows], owned[rows], ctx.eps,
                                           ctx.cols)
             grads.add_chunk_(grad_z, derivative, scale, hidden[rows], weight, rows)
+            del z, derivative, exp_z, grad_z  # this chunk's (c, V/p) buffers go before the next chunk's are made
         out = [grads.hidden, None if grads.weight is None else grads.weight.to(weight.dtype),
                None if grads.bias is None else grads.bias.to(bias.dtype)]
         return (*out, None, None, None, None, None, None, None, None)

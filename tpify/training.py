@@ -59,7 +59,7 @@ def sync_gradients(model: nn.Module) -> None:
     what :class:`~tpify.integrations.TPTrainer`, :class:`~tpify.integrations.TPAccelerator` and
     ``tpify finetune`` use): it reduces in buckets while the backward still runs, without a second
     copy of the gradients. This function waits for the whole backward, and holds a flat copy of
-    every gradient of one dtype while it reduces it (benchmarks/bench_memory.py measures both);
+    every gradient of one dtype while it reduces it (benchmarks/bench_scaling.py measures both);
     use it where the model cannot run inside DDP.
 
     Gradients are flattened into one buffer per dtype, so a step issues one all-reduce per

@@ -42,13 +42,14 @@ def test_resume_is_exact_dp2_tp2(tiny_gpt2, tmp_path):
     """4 steps straight == 2 steps, checkpoint, resume, 2 steps: same losses, bitwise same weights.
 
     dp=2 x tp=2 (4 ranks): the checkpoint holds the HF model (gathered, reloaded by slices) and
-    one optimizer file per rank; the data order and learning rate are functions of the step.
+    the optimizer, scheduler and generators as a torch.distributed.checkpoint (every rank writes
+    its part); the data order and learning rate are functions of the step.
     """
     common = ["--model-dir", str(tiny_gpt2), "--tp", "2", "--dp", "2", "--steps", "4", "--seq-len", "32",
               "--batch-size", "2", "--lr", "1e-3", "--warmup", "1", "--lora-r", "0"]  # every weight, every state
     _finetune(*common, "--out", str(tmp_path / "straight"))
     _finetune(*common, "--out", str(tmp_path / "resumed"), "--save-every", "2")
-    assert (tmp_path / "resumed" / "checkpoint-2" / "trainer" / "rank3.pt").is_file()
+    assert (tmp_path / "resumed" / "checkpoint-2" / "trainer" / "__3_0.distcp").is_file()
     shutil.rmtree(tmp_path / "resumed" / "final")
     _finetune(*common, "--out", str(tmp_path / "resumed"), "--resume")
     straight = json.loads((tmp_path / "straight" / "losses.json").read_text())["losses"]

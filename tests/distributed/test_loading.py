@@ -277,7 +277,7 @@ def test_bad_inputs_every_rank(results):
         assert msgs["no_config"].startswith("FileNotFoundError") and "no config.json" in msgs["no_config"]
         assert "truncated" in msgs["truncated"] and "model.safetensors" in msgs["truncated"], msgs["truncated"]
         assert "bert.encoder.layer.0.surprise" in msgs["unexpected"], msgs["unexpected"]
-        want = "OSError: disk full" if rank == 0 else "RuntimeError: tpify: saving failed on the writing rank"
+        want = "OSError: disk full" if rank == 0 else "RuntimeError: tpify: saving failed on rank(s) [0]"
         assert msgs["save"].startswith(want), msgs["save"]
     src = results["good"]["existing"]
     assert open(os.path.join(src, "model.safetensors"), "rb").read() == results["before"], \

@@ -85,9 +85,23 @@ def _case(seed, V, shape=(2, 6)):
 
 # ---- functions on a logits shard ------------------------------------------------------------
 
+def _shard_equals_dense(c, fn, full, ref_in, ref, w, all_reduce_numel):
+    """``fn`` on this rank's shard of ``full`` against the dense ``ref`` (already backpropagated
+    with the per-token weights ``w`` into ``ref_in``): the value, the shard's gradient, and 2
+    all-reduces of ``all_reduce_numel`` values."""
+    from tpify.comm import count_collectives
+
+    local = _shard(full, c.rank).requires_grad_()
+    with count_collectives() as counts:
+        out = fn(local)
+    (out * w).sum().backward()
+    torch.testing.assert_close(out, ref, **F64)
+    torch.testing.assert_close(local.grad, _shard(ref_in.grad, c.rank), **F64)
+    assert dict(counts) == {"all_reduce": 2, "all_reduce_numel": all_reduce_numel}, dict(counts)
+
+
 @_check
 def log_probs_equal_dense_log_softmax_gather(c):
-    from tpify.comm import count_collectives
     from tpify.loss import vocab_parallel_log_probs
 
     for V in (37, 40):
@@ -97,18 +111,13 @@ def log_probs_equal_dense_log_softmax_gather(c):
             ref = F.log_softmax(ref_in / temperature, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
             ref = ref.masked_fill(target == -100, 0.0)
             (ref * w).sum().backward()
-            local = _shard(full, c.rank).requires_grad_()
-            with count_collectives() as counts:
-                out = vocab_parallel_log_probs(local, target, vocab_size=V, temperature=temperature)
-            (out * w).sum().backward()
-            torch.testing.assert_close(out, ref, **F64)
-            torch.testing.assert_close(local.grad, _shard(ref_in.grad, c.rank), **F64)
-            assert dict(counts) == {"all_reduce": 2, "all_reduce_numel": (12 + 5) + 2 * 12}, dict(counts)
+            _shard_equals_dense(c, lambda local: vocab_parallel_log_probs(local, target, vocab_size=V,
+                                                                          temperature=temperature),
+                                full, ref_in, ref, w, (12 + 5) + 2 * 12)
 
 
 @_check
 def entropy_equals_dense_minus_sum_p_log_p(c):
-    from tpify.comm import count_collectives
     from tpify.loss import vocab_parallel_entropy
 
     for V in (37, 40):
@@ -117,13 +126,8 @@ def entropy_equals_dense_minus_sum_p_log_p(c):
         log_p = F.log_softmax(ref_in / 0.7, -1)
         ref = -(log_p.exp() * log_p).sum(-1)
         (ref * w).sum().backward()
-        local = _shard(full, c.rank).requires_grad_()
-        with count_collectives() as counts:
-            out = vocab_parallel_entropy(local, vocab_size=V, temperature=0.7)
-        (out * w).sum().backward()
-        torch.testing.assert_close(out, ref, **F64)
-        torch.testing.assert_close(local.grad, _shard(ref_in.grad, c.rank), **F64)
-        assert dict(counts) == {"all_reduce": 2, "all_reduce_numel": (12 + 2) + 2 * 12}, dict(counts)
+        _shard_equals_dense(c, lambda local: vocab_parallel_entropy(local, vocab_size=V, temperature=0.7),
+                            full, ref_in, ref, w, (12 + 2) + 2 * 12)
 
 
 @_check

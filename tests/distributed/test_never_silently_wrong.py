@@ -377,16 +377,22 @@ def test_every_tp2_check_ran_on_every_rank(tp2):
     assert [sorted(r) for r in tp2] == [sorted(_TP2)] * 2
 
 
-def test_a_tptrainer_subclass_of_a_trl_trainer_is_refused_naming_trl():
-    from trl import SFTTrainer
+def test_a_trl_trainer_tpify_has_not_checked_is_refused_by_name():
+    """TRL trainers other than SFT, DPO, GRPO and Reward may read lm_head.weight or full-vocabulary logits
+    (vocabulary shards here): refused by name before anything is built (no model needed), however
+    the mixin is applied; the checked ones get past the class check."""
+    from trl import KTOTrainer, RLOOTrainer, SFTTrainer
 
-    from tpify.integrations import TPTrainer, TPUsageError
+    from tpify.integrations import TPTrainer, TPUsageError, tp_trainer_class
 
-    class Both(TPTrainer, SFTTrainer):
+    for trainer in (KTOTrainer, RLOOTrainer):
+        with pytest.raises(TPUsageError, match=f"derives from TRL's {trainer.__name__}, which tpify has not checked"):
+            tp_trainer_class(trainer)(model=None)
+
+    class Both(TPTrainer, SFTTrainer):  # the mixin reached through TPTrainer: the same mechanism
         pass
 
-    with pytest.raises(TPUsageError, match="derives from TRL's SFTTrainer: TRL trainers on tpify models are not "
-                                           "supported yet"):
+    with pytest.raises(TPUsageError, match="Both trains models parallelized by tpify"):
         Both(model=None)
 
 

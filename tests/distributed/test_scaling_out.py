@@ -316,7 +316,7 @@ def _log(trainer):
 @_check
 def tptrainer_with_fsdp_runs_and_resumes(c):
     """TPTrainer(fsdp="full_shard", fsdp_config version 2): FSDP2 over the DP group (logs compared
-    with plain Trainer in the parent); its checkpoint (per-rank optimizer slices) resumes bitwise."""
+    with plain Trainer in the parent); its checkpoint (the optimizer state in DCP, each rank writing its slices) resumes bitwise."""
     from accelerate.state import AcceleratorState
 
     import tpify
@@ -338,8 +338,8 @@ def tptrainer_with_fsdp_runs_and_resumes(c):
     c.results["trainer_fsdp"] = (log, weights)
     ckpt = Path(c.out) / "trainer" / "checkpoint-2" / "tpify_optimizer"
     manifest = json.loads((ckpt / "tpify_layout.json").read_text())
-    assert manifest["optimizer_files"] == "per rank" and manifest["dp_shard"] == 2, manifest
-    assert (ckpt / f"optimizer-rank{c.rank:03d}-of-004.pt").is_file()
+    assert manifest["format"] == 2 and manifest["dp_shard"] == 2, manifest
+    assert (ckpt / f"__{c.rank}_0.distcp").is_file(), "every rank writes its part of the optimizer state"
     resumed_log, resumed = run(resume=str(Path(c.out) / "trainer" / "checkpoint-2"))
     assert resumed_log[2:] == log[2:], (resumed_log, log)
     for name, w in weights.items():

@@ -1,41 +1,47 @@
-"""The layout manifest of a training checkpoint (tpify/integrations/resume.py), in one process.
+"""The manifest of a training checkpoint (tpify/integrations/resume.py), in one process.
 
-What a resume compares, and what it may not: ``dp_size`` only where the optimizer files are per
-global rank; the param groups' order; the optimizer class; adapters; a missing or unreadable
-manifest and a missing per-rank file. The multi-rank refusals (every rank raises, TPTrainer,
-TPAccelerator, ``tpify finetune``) are in tests/distributed/test_trainer_accelerate.py.
+What a resume compares and what it may not: another layout (tp_size, dp_size, padding) is fine,
+the state being resharded on load; the model class, the parameters' dense shapes, adapters, the
+optimizer's class and param groups must match; a missing or unreadable manifest, the old
+per-rank format and a missing file are refused with the fix. The multi-rank refusals (every
+rank raises, TPTrainer, TPAccelerator, ``tpify finetune``) are in
+tests/distributed/test_trainer_accelerate.py.
 """
 
 import copy
+import json
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tpify
-from tpify.integrations.resume import (MANIFEST_NAME, PER_RANK, PER_TP_RANK, ResumeError, check_resume, differences,
+from tpify.integrations.resume import (MANIFEST_NAME, ResumeError, check_resume, differences, same_layout,
                                        training_layout, write_manifest)
 
 
-def _model(pad=1):
+def _model(pad=1, n_embd=16):
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=1000)
+    config = GPT2Config(n_layer=1, n_embd=n_embd, n_head=2, n_positions=16, vocab_size=1000)
     return tpify.parallelize(GPT2LMHeadModel(config), tp_size=1, pad_vocab_multiple=pad)
 
 
-def _layout(model, optimizer=None, files=PER_TP_RANK):
-    return training_layout(model, [optimizer] if optimizer is not None else None, optimizer_files=files,
-                           written_by="test")
+def _layout(model, optimizer=None):
+    return training_layout(model, [optimizer] if optimizer is not None else None, written_by="test")
 
 
-def test_dp_size_counts_only_for_files_written_per_rank():
+def test_another_layout_is_no_difference_but_another_model_is():
     model = _model()
-    opt = torch.optim.AdamW(model.parameters())
-    for files, counts in ((PER_TP_RANK, False), (PER_RANK, True)):
-        saved = _layout(model, opt, files)
-        other_dp = dict(saved, dp_size=4)
-        assert differences(saved, saved) == []
-        assert differences(saved, other_dp) == (["dp_size 1 then, 4 now"] if counts else []), files
+    saved = _layout(model, torch.optim.AdamW(model.parameters()))
+    padded = _model(pad=64)
+    assert differences(saved, dict(saved, tp_size=4, dp_size=2, world_size=8)) == []
+    assert differences(saved, _layout(padded, torch.optim.AdamW(padded.parameters()))) == [], "dense shapes unpadded"
+    assert not same_layout(saved, _layout(padded)) and same_layout(saved, _layout(model))
+    wider = _model(n_embd=32)
+    got = differences(saved, _layout(wider, torch.optim.AdamW(wider.parameters())))
+    assert got == ["the parameters differ: transformer.wte.weight dense shape [1000, 16] then, [1000, 32] now; "
+                   "transformer.wpe.weight dense shape [16, 16] then, [16, 32] now; transformer.h.0.ln_1.weight "
+                   "dense shape [16] then, [32] now; and 13 more"], got
 
 
 def test_param_groups_order_and_optimizer_class_are_compared():
@@ -64,28 +70,44 @@ def test_adapters_are_compared():
     assert got[0] == "adapters [] then, ['default'] now", got
 
 
-def test_check_resume_names_both_layouts_and_the_fix(tmp_path):
+def test_check_resume_names_both_models_and_the_fix(tmp_path):
     model = _model()
     write_manifest(tmp_path, _layout(model, torch.optim.AdamW(model.parameters())))
-    padded = _model(pad=64)
+    wider = _model(n_embd=32)
     with pytest.raises(ResumeError) as e:
-        check_resume(tmp_path, _layout(padded, torch.optim.AdamW(padded.parameters())), "resume")
+        check_resume(tmp_path, _layout(wider, torch.optim.AdamW(wider.parameters())), "resume")
     message = str(e.value)
-    for part in ("saved at tp_size 1, dp_size 1, pad_vocab_multiple 1 (transformer.wte.weight unpadded, 1000 rows)",
-                 "this run: tp_size 1, dp_size 1, pad_vocab_multiple 64 (transformer.wte.weight padded to 1024 rows)",
-                 "pad_vocab_multiple 1 then, 64 now", "transformer.wte.weight shape [1000, 16] then, [1024, 16] now",
-                 "Resume with the same tp_size and pad_vocab_multiple", "not supported yet"):
+    for part in ("saved from GPT2LMHeadModel at tp_size 1, dp_size 1", "this run: GPT2LMHeadModel at tp_size 1",
+                 "transformer.wte.weight dense shape [1000, 16] then, [1000, 32] now",
+                 "resumes at any tp_size and dp_size, but only into the model"):
         assert part in message, (part, message)
     saved = check_resume(tmp_path, _layout(model, torch.optim.AdamW(model.parameters())), "resume")
-    assert saved["tp_size"] == 1 and saved["optimizer_files"] == PER_TP_RANK
-    with pytest.raises(ResumeError, match=r"this rank's files \[.*rank7.pt'\] are missing"):
+    assert saved["tp_size"] == 1 and saved["format"] == 2
+    with pytest.raises(ResumeError, match=r"\[.*rank7.pt'\] are missing"):
         check_resume(tmp_path, _layout(model), "resume", files=[tmp_path / "rank7.pt"])
 
 
-def test_missing_or_unreadable_manifest_is_refused(tmp_path):
+def test_missing_unreadable_or_old_manifest_is_refused(tmp_path):
     mine = _layout(_model())
     with pytest.raises(ResumeError, match=rf"{MANIFEST_NAME} is missing.*start from the dense weights"):
         check_resume(tmp_path, mine, "resume")
     (tmp_path / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(ResumeError, match=r"is unreadable \(JSONDecodeError"):
         check_resume(tmp_path, mine, "resume")
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": 1, "tp_size": 2, "dp_size": 1}))
+    with pytest.raises(ResumeError, match=r"earlier tpify in the per-rank format .*tp_size 2.*tpify.from_pretrained"):
+        check_resume(tmp_path, mine, "resume")
+
+
+def test_resuming_grpo_with_adaptive_entropy_is_refused_before_anything_is_read():
+    """TRL's GRPOTrainer restores its entropy controller in its own ``_load_optimizer_and_scheduler``,
+    which TPTrainerMixin replaces to reshard the optimizer: resuming with ``use_adaptive_entropy``
+    would silently restart the controller, so it is refused (a config check, the same on every rank)."""
+    import types
+
+    from tpify.integrations import TPTrainerMixin, TPUsageError
+
+    trainer = types.SimpleNamespace(use_adaptive_entropy=True)
+    with pytest.raises(TPUsageError, match="use_adaptive_entropy"):
+        TPTrainerMixin._load_optimizer_and_scheduler(trainer, "checkpoint-that-is-not-read")
+    TPTrainerMixin._load_optimizer_and_scheduler(trainer, None)  # no resume: nothing to refuse

@@ -3,8 +3,9 @@ picks in a directory that holds several weight files; indexes and headers that n
 
 One process, tp = 1, tiny float32 GPT-2 models. Comparisons are bitwise (``torch.equal``):
 saving and loading move bytes, they compute nothing. The kill is simulated in process: the
-k-th call of ``os.replace``/``os.rename``/``os.unlink``/``os.rmdir`` during a save raises
-before it acts, and so does every later one, so no ``except``/``finally`` of the dead save
+k-th call of ``os.replace``/``os.rename``/``os.unlink``/``os.rmdir`` or of the write of a file
+(every file is written before anything is moved, by the rank it is assigned to) during a save
+raises before it acts, and so does every later one, so no ``except``/``finally`` of the dead save
 changes the directory (as after a SIGKILL, which runs none); its temporary directory stays.
 tests/unit/test_loading_unit.py kills a real process while it writes (before any swap).
 """
@@ -52,10 +53,14 @@ class _Killed(BaseException):
 
 @contextlib.contextmanager
 def _kill_at(step: int | None):
-    """During the block, the ``step``-th (0-based) filesystem rename/unlink/rmdir and every later
-    one raise :class:`_Killed` without acting; ``None``: count them. Yields ``[calls made]``."""
+    """During the block, the ``step``-th (0-based) filesystem rename/unlink/rmdir or file write
+    (``save_file`` of each file, by whichever rank writes it) and every later one raise
+    :class:`_Killed` without acting; ``None``: count them. Yields ``[calls made]``."""
     made, dead = [0], [False]
-    reals = {name: getattr(os, name) for name in ("replace", "rename", "unlink", "rmdir")}
+    import tpify.io.save as save
+
+    reals = {(os, name): getattr(os, name) for name in ("replace", "rename", "unlink", "rmdir")}
+    reals[(save, "save_file")] = save.save_file  # each file's write: a kill there leaves the target as it was
 
     def wrap(real):
         def call(*args, **kwargs):
@@ -66,13 +71,13 @@ def _kill_at(step: int | None):
             return real(*args, **kwargs)
         return call
 
-    for name, real in reals.items():
-        setattr(os, name, wrap(real))
+    for (module, name), real in reals.items():
+        setattr(module, name, wrap(real))
     try:
         yield made
     finally:
-        for name, real in reals.items():
-            setattr(os, name, real)
+        for (module, name), real in reals.items():
+            setattr(module, name, real)
 
 
 _OTHERS = {"tokenizer.json": b'{"version": "1.0"}', "NOTES.txt": b"keep me",

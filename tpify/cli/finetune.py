@@ -6,10 +6,13 @@ see the same micro-batch, the ``dp`` replicas different ones; a step is the usua
 :mod:`tpify.loss`) inside torch's DDP over the DP group (gradients averaged over DP while the
 backward runs), or, with ``dp_shard > 1``, with the model sharded by FSDP2 over ``dp_shard`` ranks
 (HSDP over ``dp / dp_shard`` replicas; :mod:`tpify.data_parallel`); then gradients are clipped
-by the global norm, and AdamW steps with a linear warm-up and decay. Checkpoints (HF model directory + one optimizer file per
-rank + the layout manifest, :mod:`tpify.integrations.resume`) are written atomically every
-``save_every`` steps, and ``resume`` continues exactly: data order and learning rate depend
-only on the step number; a checkpoint written at another layout is refused on every rank. The
+by the global norm, and AdamW steps with a linear warm-up and decay. Checkpoints (HF model
+directory + the optimizer, scheduler and generators as a torch.distributed.checkpoint,
+:mod:`tpify.checkpoint`, + the manifest, :mod:`tpify.integrations.resume`) are written
+atomically every ``save_every`` steps, and ``resume`` continues: data order and learning rate
+depend only on the step number; at the saved layout exactly, at another (``--tp``, ``--dp``,
+``--dp-shard``, the same global batch) with the optimizer state resharded; a checkpoint of
+another model is refused on every rank. The
 loss curve (``loss.png``) needs matplotlib, the ``cli`` extra (``pip install "tpify[cli]"``).
 
 What rank 0 prints: the parameter memory of each rank against the dense model (and the
@@ -34,7 +37,6 @@ import torch.distributed as dist
 
 from .. import comm
 from ..agree import agree
-from ..random import get_rng_tracker
 from .launch import world_mismatch
 from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check, output_problem
 
@@ -180,6 +182,10 @@ _RUN_FIELDS = ("model_dir", "data", "tp", "dp", "dp_shard", "seq_len", "batch_si
                "weight_decay", "seed", "dtype", "lora_r", "lora_alpha")
 
 
+# The layout: a resume may change these (the state is resharded), as long as the global batch stays.
+_LAYOUT_FIELDS = ("tp", "dp", "dp_shard", "batch_size")
+
+
 def _run_args(cfg: "FinetuneConfig") -> dict:
     return {k: getattr(cfg, k) for k in _RUN_FIELDS}
 
@@ -197,16 +203,20 @@ def _read_state(ckpt: Path) -> dict:
 
 
 def _training_layout(model, optimizer) -> dict:
-    from ..integrations.resume import PER_RANK, training_layout
+    from ..integrations.resume import training_layout
 
-    return training_layout(model, [optimizer], optimizer_files=PER_RANK, written_by="tpify finetune")
+    return training_layout(model, [optimizer], written_by="tpify finetune")
 
 
 def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Path) -> Path:
-    """Write ``checkpoint-<step>``: the HF model directory (LoRA: the adapter), one trainer file per
-    rank and, in ``trainer/``, ``state.json`` and the layout manifest ``tpify_layout.json``, atomically."""
+    """Write ``checkpoint-<step>``: the HF model directory (LoRA: the adapter) and, in
+    ``trainer/``, the training state as a torch.distributed.checkpoint (the trainable parameters'
+    values, the optimizer, scheduler and generators, each rank writing its pieces;
+    :func:`tpify.checkpoint.save_checkpoint`), ``state.json`` and the manifest
+    ``tpify_layout.json``, atomically (a temporary directory renamed)."""
     import tpify
 
+    from ..checkpoint import save_checkpoint
     from ..integrations.resume import write_manifest
 
     final = out_dir / f"checkpoint-{step}"
@@ -222,8 +232,7 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
         save_adapter(model, tmp / "adapter")
     else:
         tpify.save_pretrained(model, tmp / "model")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "rng": get_rng_tracker(model).state_dict()}, tmp / "trainer" / f"rank{rank}.pt")
+    save_checkpoint(tmp / "trainer", model, [optimizer], [scheduler], extra={"step": step}, model_state=False)
     comm.barrier()
     if rank == 0:
         (tmp / "trainer" / "state.json").write_text(json.dumps(
@@ -237,35 +246,27 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
 
 
 def _restore(trainer_dir: Path, model, optimizer, scheduler, lora: bool) -> None:
-    """Continue from ``checkpoint-<k>/trainer``: refuse, on every rank, a checkpoint whose layout
-    does not fit (:func:`tpify.integrations.resume.check_resume`, before anything is read), then
-    read the adapter (LoRA; under FSDP2 each rank its slice) and this rank's optimizer (under
-    FSDP2 its slice), scheduler and dropout streams.
+    """Continue from ``checkpoint-<k>/trainer`` at this run's layout (any tp, dp, dp_shard):
+    refuse, on every rank, a checkpoint of another model or param groups
+    (:func:`tpify.integrations.resume.check_resume`, before anything is read), then read the
+    adapter (LoRA) and the optimizer, scheduler and generators (:func:`tpify.checkpoint.load_checkpoint`:
+    resharded; the generators exactly at the saved layout only).
 
     Raises:
-        ResumeError: the layout differs, the manifest or this rank's file is missing (every rank).
-        ValueError: this rank's file does not load (every rank; AgreementError on the others).
+        ResumeError: the model or param groups differ, the manifest or the state is missing
+            (every rank).
+        CheckpointError: the state does not fit the model (every rank).
     """
+    from ..checkpoint import load_checkpoint
     from ..integrations.resume import check_resume
 
-    rank = dist.get_rank()
-    file = trainer_dir / f"rank{rank}.pt"
     check_resume(trainer_dir, _training_layout(model, optimizer), "tpify finetune --resume",
-                 checkpoint=trainer_dir.parent, files=[file])
+                 checkpoint=trainer_dir.parent, files=[trainer_dir / ".metadata"])
     if lora:
         from ..integrations.peft import load_adapter_
 
         load_adapter_(model, trainer_dir.parent / "adapter")
-    error = None
-    try:  # a corrupt per-rank file stops every rank, not only this one
-        saved = torch.load(file, weights_only=False)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        get_rng_tracker(model).load_state_dict(saved["rng"])  # dropout streams continue exactly
-    except Exception as e:  # noqa: BLE001
-        error = ValueError(f"--resume: cannot restore {file} ({type(e).__name__}: {e}); "
-                           f"delete {trainer_dir.parent} to resume from the checkpoint before it")
-    agree("restoring the optimizer in tpify finetune --resume", {}, error)
+    load_checkpoint(trainer_dir, model, [optimizer], [scheduler], model_state=False)
 
 
 def lora_targets(model) -> list[str]:
@@ -365,21 +366,23 @@ def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
 
     Raises:
         ValueError: no ``checkpoint-<step>`` folder; a missing or corrupt ``state.json``; a
-            checkpoint written with another tp/dp layout or LoRA rank; other run arguments than
-            ``cfg``'s (listed, unless ``cfg.allow_changes``).
+            checkpoint written with another LoRA rank; other run arguments than ``cfg``'s (listed,
+            unless ``cfg.allow_changes``): another layout (``tp``, ``dp``, ``dp_shard``, the per-replica
+            ``batch_size``) is fine as long as the global batch ``batch_size x dp`` is the same.
     """
     out_dir = Path(cfg.out_dir)
     ckpt = _latest_checkpoint(out_dir)
     if ckpt is None:
         raise ValueError(f"--resume: no checkpoint-<step> directory in {out_dir}")
     state = _read_state(ckpt)
-    if (state["tp"], state["dp"]) != (cfg.tp, cfg.dp):
-        raise ValueError(f"--resume: {ckpt} was written at tp={state['tp']} dp={state['dp']}; "
-                         f"resume with --tp {state['tp']} --dp {state['dp']}")
     if state.get("lora_r", 0) != cfg.lora_r:
         raise ValueError(f"--resume: {ckpt} was written with --lora-r {state.get('lora_r', 0)}; resume with it")
     changed = {k: (v, getattr(cfg, k)) for k, v in state.get("args", {}).items()
-               if k in _RUN_FIELDS and v != getattr(cfg, k)}
+               if k in _RUN_FIELDS and k not in _LAYOUT_FIELDS and v != getattr(cfg, k)}
+    if state.get("args") and (cfg.batch_size * cfg.dp != state["args"]["batch_size"] * state["args"]["dp"]) \
+            and "batch_size" not in changed:
+        changed["global batch (batch_size x dp)"] = (state["args"]["batch_size"] * state["args"]["dp"],
+                                                     cfg.batch_size * cfg.dp)
     if changed and not cfg.allow_changes:
         raise ValueError(f"--resume: {ckpt} was written with other arguments: "
                          + ", ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())

@@ -101,8 +101,9 @@ def refuse_fused_lm_head(model: nn.Module, args, kwargs):
         f"{type(model).__name__} was called with fused_lm_head=True: TRL's fused LM head (trl's add_fused_lm_head, "
         f"used by SFTTrainer, DPOTrainer, GRPOTrainer and others) multiplies the hidden states by "
         f"{head or 'the LM head'}.weight directly, which on this tensor-parallel model (tp_size = {info.tp_size}) is "
-        f"this rank's shard of the vocabulary: its log-probs and loss would be silently wrong. TRL trainers on tpify "
-        f"models are not supported yet; train with tpify.integrations.TPTrainer")
+        f"this rank's shard of the vocabulary: its log-probs and loss would be silently wrong. Build the TRL "
+        f"trainer with tpify.integrations.tp_trainer_class (e.g. tp_trainer_class(SFTTrainer)(model, ...)), which "
+        f"computes them vocab-parallel; after tpify.remove_hooks it cannot")
 
 
 def install(model: nn.Module, info) -> list:

@@ -25,10 +25,11 @@ rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with a few methods 
   sharded gradients' squares summed over TP, replicated ones counted once; under FSDP2 summed
   over the shard axis first).
 * ``save_model``: the dense Hugging Face checkpoint (or a PEFT model's dense adapter), a
-  collective every rank calls; ``save_state``/``load_state``: that checkpoint plus one state file
-  per rank (optimizer shards, scheduler, generators, tpify's dropout streams) and the layout
-  manifest (:mod:`tpify.integrations.resume`), read back in place; ``load_state`` refuses, on
-  every rank, a state saved at another layout.
+  collective every rank calls; ``save_state``/``load_state``: that checkpoint plus the training
+  state as a torch.distributed.checkpoint (models, optimizers, schedulers, the step, every
+  rank's generators; :mod:`tpify.checkpoint`) and its manifest (:mod:`tpify.integrations.resume`),
+  read back in place at any layout (another tp_size, dp_size, FSDP2); ``load_state`` refuses, on
+  every rank, a state saved from another model.
   ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError` (a state dict of
   shards is not the model's).
 
@@ -50,8 +51,11 @@ from accelerate.data_loader import prepare_data_loader
 from ..info import get_tp_info, param_specs
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
-from .model import TPUsageError, load_dense_, save_dense, tp_model_of
-from .resume import PER_RANK, check_resume, training_layout, write_manifest
+from .model import TPUsageError, save_dense, tp_model_of
+from .resume import MANIFEST_NAME, check_resume, training_layout, write_manifest
+
+#: The subdirectory of ``save_state``'s directory holding the training state (DCP) and its manifest.
+STATE_DIR = "tpify_state"
 
 __all__ = ["TPAccelerator", "DataParallelPlan", "data_parallel_plan"]
 
@@ -188,8 +192,9 @@ class TPAccelerator(accelerate.Accelerator):
             (:func:`data_parallel_plan`), a ``ParallelismConfig`` whose sizes are not the
             model's, ``dispatch_batches``, a data loader prepared before any tpify model, two
             models with different groups, an FSDP model prepared without its optimizer in the
-            same call while an optimizer holds state, ``get_state_dict``, ``load_state`` under FSDP2.
-        ResumeError: (a TPUsageError) ``load_state`` of a state saved at another layout.
+            same call while an optimizer holds state, ``get_state_dict``.
+        ResumeError: (a TPUsageError) ``load_state`` of a state saved from another model or
+            param groups.
     """
 
     def __init__(self, *args, fsdp_plugin=None, parallelism_config=None, **kwargs):
@@ -313,6 +318,7 @@ class TPAccelerator(accelerate.Accelerator):
             device_placement = False  # FSDP2 placed the shards
         # evaluation_mode=True: accelerate's placement, autocast and compile, without its DDP over the world.
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        self._outputs_to_fp32_after_hooks(prepared)
         if evaluation_mode or sharded or not any(p.requires_grad for p in model.parameters()):
             return prepared
         from ..data_parallel import replicate_data_parallel
@@ -324,6 +330,26 @@ class TPAccelerator(accelerate.Accelerator):
                 self.ddp_handler.register_comm_hook(wrapped)
             self._models[:] = [wrapped if m is prepared or m is model else m for m in self._models]
         return wrapped
+
+    def _outputs_to_fp32_after_hooks(self, model) -> None:
+        """Mixed precision: accelerate wraps ``model.forward`` in autocast and a conversion of the
+        outputs to float32; inside ``forward`` that conversion runs before the model's forward hooks,
+        so tpify's parallel LM loss would see converted logits, not its LM head's output, and refuse
+        them. Here ``forward`` keeps only the autocast, and the same conversion
+        (``accelerate.utils.convert_to_fp32``) is a forward hook registered after tpify's: the loss
+        is computed from the head's own output, the caller gets float32 outputs as with accelerate."""
+        from types import MethodType
+
+        from accelerate.utils import convert_to_fp32, get_mixed_precision_context_manager
+
+        original = getattr(model, "_original_forward", None)
+        if not self.native_amp or original is None or not hasattr(original, "__func__"):
+            return
+        autocast = get_mixed_precision_context_manager(self.native_amp, self.autocast_handler)
+        model.forward = MethodType(autocast(original.__func__), model)
+        if not getattr(model, "_tpify_fp32_outputs", False):  # prepared again: the hook is there
+            model.register_forward_hook(lambda module, args, output: convert_to_fp32(output))
+            model._tpify_fp32_outputs = True
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         layout = self._layout()
@@ -377,12 +403,13 @@ class TPAccelerator(accelerate.Accelerator):
         """Save what a resume needs, for tpify models (a collective every rank calls).
 
         ``output_dir/model`` (``model_<i>`` for further models) holds each model's dense Hugging
-        Face checkpoint, or a PEFT model's dense adapter; ``output_dir/tpify_state_rank<k>.pt``
-        holds rank ``k``'s optimizer and scheduler states (its shards), accelerate's step
-        counter, the Python, NumPy and torch generators and tpify's dropout streams;
-        ``output_dir/tpify_layout.json`` the layout they were written at (tp_size, dp_size, the
-        models' shards, the optimizers' param groups; :func:`~tpify.integrations.resume.training_layout`).
-        The data position is the caller's, as with accelerate (``skip_first_batches``).
+        Face checkpoint, or a PEFT model's dense adapter (for users and transformers);
+        ``output_dir/tpify_state/`` the training state as a torch.distributed.checkpoint
+        (:func:`tpify.checkpoint.save_checkpoint`: the models' parameters, the optimizers' and
+        schedulers' states, accelerate's step counter, every rank's Python, NumPy, torch and
+        tpify generators), each rank writing its pieces in parallel, and its manifest
+        ``tpify_layout.json`` (:func:`~tpify.integrations.resume.training_layout`). The data
+        position is the caller's, as with accelerate (``skip_first_batches``).
 
         Raises:
             TPUsageError: no ``output_dir`` (automatic checkpoint naming is not supported here).
@@ -391,83 +418,57 @@ class TPAccelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if output_dir is None:
             raise TPUsageError("TPAccelerator.save_state needs output_dir for tpify models")
-        import random
-
-        import numpy as np
-        import torch
-
-        from .. import comm
-        from ..random import get_rng_tracker
+        from ..checkpoint import save_checkpoint
 
         out = Path(output_dir)
         for i, model in enumerate(self._models):
             self.save_model(model, out / ("model" if i == 0 else f"model_{i}"))
-        state = {"optimizers": [o.state_dict() for o in self._optimizers],
-                 "schedulers": [s.state_dict() for s in self._schedulers], "step": self.step,
-                 "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                 "tpify_rng": [get_rng_tracker(m).state_dict() for m in self._tp_models()], "world": self.num_processes}
-        out.mkdir(parents=True, exist_ok=True)
+        models = [self.unwrap_model(m) for m in self._models]
+        save_checkpoint(out / STATE_DIR, models, self._optimizers, self._schedulers, extra={"step": self.step})
         if self.process_index == 0:
-            write_manifest(out, self._training_layout())
-        torch.save(state, out / f"tpify_state_rank{self.process_index}.pt")
+            write_manifest(out / STATE_DIR, self._training_layout())
+        from .. import comm
+
         comm.barrier()
         return str(out)
 
     def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
-        """Restore what :meth:`save_state` wrote, into the prepared models and optimizers in place.
+        """Restore what :meth:`save_state` wrote, into the prepared models and optimizers in place,
+        at this run's layout (any tp_size, dp_size, FSDP2 sharding; :func:`tpify.checkpoint.load_checkpoint`).
 
-        First every rank compares the saved layout manifest with this run's
-        (:func:`~tpify.integrations.resume.check_resume`: tp_size, dp_size, pad_vocab_multiple,
-        model class, adapters, every optimized parameter's shard, the param groups); then each
-        rank reads its slices of the dense weights (or adapter) and its own state file.
+        First every rank compares the saved manifest with this run's
+        (:func:`~tpify.integrations.resume.check_resume`: model class, adapters, every optimized
+        parameter's dense shape, the param groups); then the state is read, each rank its pieces.
+        Generators are restored exactly at the saved layout (else: :mod:`tpify.checkpoint`).
 
-        Communication: one agreement (:func:`tpify.agree.agree`) before anything is read.
+        Communication: one agreement (:func:`tpify.agree.agree`) before anything is read; then
+        :func:`~tpify.checkpoint.load_checkpoint`'s.
 
         Raises:
             TPUsageError: no ``input_dir``.
-            ResumeError: on every rank: the state was saved at another layout (the message names
-                both and what differs), has no manifest, or lacks a rank's state file.
-            CheckpointError: the weights do not fit the model.
+            ResumeError: on every rank: the state was saved from another model or param groups
+                (the message names what differs), has no manifest or the old per-rank one, or is
+                incomplete.
+            CheckpointError: the state does not fit the models.
         """
         if not self._tp_models():
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if input_dir is None:
             raise TPUsageError("TPAccelerator.load_state needs input_dir for tpify models")
-        if any(is_dtensor(p) for m in self._tp_models() for p in m.parameters()):
-            raise TPUsageError("TPAccelerator.load_state: the model is sharded by FSDP2; reading the dense weights "
-                               "back into its DTensor shards is not supported yet. Resume without FSDP2 (DDP), or "
-                               "load the saved model with tpify.from_pretrained and prepare it again")
-        import random
+        from ..checkpoint import load_checkpoint
 
-        import numpy as np
-        import torch
-
-        from ..random import get_rng_tracker
-
-        src = Path(input_dir)
-        file = src / f"tpify_state_rank{self.process_index}.pt"
-        check_resume(src, self._training_layout(), "TPAccelerator.load_state", files=[file])
-        state = torch.load(file, map_location="cpu", weights_only=False)
-        for i, model in enumerate(self._models):
-            load_dense_(self.unwrap_model(model), src / ("model" if i == 0 else f"model_{i}"))
-        for opt, saved in zip(self._optimizers, state["optimizers"]):
-            opt.load_state_dict(saved)
-        for sched, saved in zip(self._schedulers, state["schedulers"]):
-            sched.load_state_dict(saved)
-        self.step = state["step"]
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if state["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        for model, saved in zip(self._tp_models(), state["tpify_rng"]):
-            get_rng_tracker(model).load_state_dict(saved)
+        src = Path(input_dir) / STATE_DIR
+        if not src.is_dir() and (Path(input_dir) / MANIFEST_NAME).is_file():
+            src = Path(input_dir)  # the earlier per-rank format: check_resume refuses it, saying how to continue
+        check_resume(src, self._training_layout(), "TPAccelerator.load_state", checkpoint=Path(input_dir),
+                     files=[src / ".metadata"])
+        models = [self.unwrap_model(m) for m in self._models]
+        extra = load_checkpoint(src, models, self._optimizers, self._schedulers)
+        self.step = extra["step"]
 
     def _training_layout(self) -> dict:
         models = [self.unwrap_model(m) for m in self._models] or self._tp_models()
-        return training_layout(models, self._optimizers,
-                               optimizer_files=PER_RANK, written_by="TPAccelerator")
+        return training_layout(models, self._optimizers, written_by="TPAccelerator")
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """As accelerate's, counting each sample once: the TP ranks of a replica hold the same

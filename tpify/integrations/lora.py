@@ -56,7 +56,7 @@ from .. import comm
 from ..context import mode_arguments, output_watches
 from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
 from ..random import DEFAULT, TP
-from ..sharding import KeepsShardSpecs, ShardSpec, lora_factor_spec, shard_spec_of
+from ..sharding import KeepsShardSpecs, ShardSpec, is_dtensor, lora_factor_spec, shard_spec_of
 
 __all__ = ["LoraTPLinear"]
 
@@ -84,6 +84,17 @@ class _DoraTP(LoraVariant):
     @staticmethod
     def init(module: "LoraTPLinear", adapter_name: str, **kwargs) -> None:
         module._add_magnitude(adapter_name)
+
+
+def _assign(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Set a base parameter's values (merging): in place for FSDP2's DTensor parameters, whose
+    all-gather reads FSDP2's own sharded storage (``param.data = ...`` would leave it unchanged,
+    silently); by rebinding ``.data`` otherwise (a weight that is a read-only view of a file stays
+    untouched)."""
+    if is_dtensor(param):
+        param.data.copy_(value.to(param.dtype))
+    else:
+        param.data = value.to(param.dtype)
 
 
 class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
@@ -393,11 +404,17 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
 
     # -- merging ----------------------------------------------------------------------------
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        """``s B A`` for this rank's shard of the base weight, in the base weight's layout and dtype."""
+        """``s B A`` for this rank's shard of the base weight, in the base weight's layout and dtype.
+
+        Under FSDP2 the factors and the base weight are DTensors over the DP axes: the product is
+        redistributed to the base weight's placements (DTensor's matmul may leave it on others,
+        e.g. sharded along another dimension), so that ``W + delta`` adds slice to slice."""
         base = self.get_base_layer()
         delta = (self.lora_B[adapter].weight @ self.lora_A[adapter].weight) * self.scaling[adapter]
         if base.weight_layout == "conv1d":
             delta = delta.T
+        if is_dtensor(delta) and is_dtensor(base.weight):
+            delta = delta.redistribute(base.weight.device_mesh, base.weight.placements)
         return delta.to(base.weight.dtype)
 
     def _dora_factor(self, adapter: str, norm: torch.Tensor) -> torch.Tensor:
@@ -438,9 +455,9 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
             new_bias = base.bias.data + self.lora_B[a].bias.detach() * self.scaling[a] if self.lora_bias[a] else None
             if safe_merge and not (torch.isfinite(merged).all() and (new_bias is None or torch.isfinite(new_bias).all())):
                 raise ValueError(f"NaNs detected in the merged weights; adapter {a} seems to be broken")
-            base.weight.data = merged.to(base.weight.dtype)
+            _assign(base.weight, merged)
             if new_bias is not None:
-                base.bias.data = new_bias.to(base.bias.dtype)
+                _assign(base.bias, new_bias)
             self.merged_adapters.append(a)
 
     def unmerge(self) -> None:
@@ -453,11 +470,11 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
             delta = self.get_delta_weight(a)
             if a in self.lora_variant:
                 factor = self._dora_factor(a, self._cache_pop(f"{a}-weight_norm"))
-                base.weight.data = base.weight.data / factor - delta
+                _assign(base.weight, base.weight.data / factor - delta)
             else:
-                base.weight.data -= delta
+                _assign(base.weight, base.weight.data - delta)
             if self.lora_bias[a]:
-                base.bias.data -= (self.lora_B[a].bias.detach() * self.scaling[a]).to(base.bias.dtype)
+                _assign(base.bias, base.bias.data - self.lora_B[a].bias.detach() * self.scaling[a])
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()

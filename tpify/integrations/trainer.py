@@ -1,4 +1,5 @@
-"""``TPTrainer``: ``transformers.Trainer`` for tpify's tensor-parallel models.
+"""``TPTrainer`` and ``tp_trainer_class``: ``transformers.Trainer`` (and its subclasses, TRL's
+trainers included) for tpify's tensor-parallel models.
 
 ``transformers.Trainer`` treats a model as tensor-parallel only when its parameters are DTensors
 (transformers' own ``distributed_config``); a tpify model holds plain tensors, one shard per
@@ -21,8 +22,9 @@ nothing else:
   token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
 * saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
   (:func:`tpify.save_pretrained`; for a PEFT model the dense adapter), a collective all ranks join;
-* checkpoints hold the optimizer state per TP rank, with the layout it was written at, and
-  resuming refuses, on every rank, a layout it does not fit (below).
+* checkpoints hold the optimizer state as a torch.distributed.checkpoint that resumes at any
+  layout (:mod:`tpify.checkpoint`), with a manifest of the model it fits; resuming into another
+  model is refused on every rank (below).
 
 A checkpoint ``checkpoint-<step>/`` holds::
 
@@ -31,19 +33,18 @@ A checkpoint ``checkpoint-<step>/`` holds::
       training_args.bin, rng_state_<k>.pth
     tpify_rng_<k>.pt                   global rank k's tpify dropout streams
     tpify_optimizer/
-      tpify_layout.json                the layout manifest (tpify.integrations.resume)
-      optimizer-tp<r>-of-<p>.pt        TP rank r's optimizer state (its shards), written by DP rank 0
-      optimizer-rank<k>-of-<n>.pt      under FSDP2 instead: global rank k's slice of the state
+      tpify_layout.json                the manifest (tpify.integrations.resume)
+      .metadata, __<k>_0.distcp        the optimizer state (DCP), rank k's pieces in its file
 
-Resuming (``train(resume_from_checkpoint=...)``) first compares the manifest with this run's
-layout on every rank (tp_size, pad_vocab_multiple, model class, adapters, every optimized
-parameter's shard shape and ShardSpec, the param groups) and raises
-:class:`~tpify.integrations.resume.ResumeError` on every rank when they differ, naming what
-differs; then it reads the weights back slice by slice in place and restores the optimizer,
-scheduler and dropout streams, so a resumed run continues exactly. ``dp_size`` may differ (DP
-replicas hold the same optimizer state, so one file per TP rank serves any dp_size; the data
-order then differs, as for plain Trainer at another world size). Resharding the optimizer state
-to another tp_size is not supported yet.
+Resuming (``train(resume_from_checkpoint=...)``) first compares the manifest with this run on
+every rank (model class, adapters, every optimized parameter's dense shape, the param groups)
+and raises :class:`~tpify.integrations.resume.ResumeError` on every rank when they differ,
+naming what differs; then it reads the dense weights back slice by slice in place and the
+optimizer state resharded to this run's layout: any ``tp_size``, ``dp_size``, FSDP2 sharding
+or ``pad_vocab_multiple``. At the saved layout the run continues exactly (dropout streams
+included); at another, tpify's TP dropout stream restarts from its seed (each rank's Trainer
+generator files are read as Trainer reads them), and the data order follows the new DP size,
+as for plain Trainer at another world size.
 
 The optimizer files sit in a subdirectory on purpose, so that plain ``transformers.Trainer``
 resuming a TPTrainer checkpoint (say, to finish in one process) fails loudly rather than
@@ -56,20 +57,26 @@ any step; the manifest's ``note`` says what the directory holds. A dense ``optim
 (gathered over TP) would let plain Trainer resume exactly instead, but every checkpoint would
 then cost rank 0 the host memory of the whole dense optimizer state (8 bytes per parameter for
 AdamW's two fp32 moments, 56 GB for a 7B model): not viable for the models tensor parallelism
-is for. To continue in one process today, load the dense weights and train with a fresh
-optimizer (without ``resume_from_checkpoint``); resuming with ``TPTrainer`` at ``tp_size=1``
-needs resharding, which is not supported yet.
+is for. To continue in one process, resume with ``TPTrainer`` on a model parallelized at
+``tp_size=1`` (the optimizer state is resharded).
 
 Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP version 1 and the FSDP
 options :func:`~tpify.integrations.accelerate.data_parallel_plan` refuses (FSDP's own activation
 checkpointing, size-based wrapping), fp16 (per-rank loss scaler), ``load_best_model_at_end``, a
-model tpify did not parallelize, a subclass that also derives from a TRL trainer
-(``class X(TPTrainer, SFTTrainer)``: TRL is not supported yet).
+model tpify did not parallelize.
+
+The same mechanism serves any ``Trainer`` subclass: :class:`TPTrainerMixin` holds all of the
+above, :class:`TPTrainer` is it on ``transformers.Trainer``, and :func:`tp_trainer_class` puts it
+on another trainer class, TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and ``RewardTrainer``
+included
+(what TRL needs besides is in :mod:`tpify.integrations.trl`; TRL trainers tpify has not checked
+are refused by name).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -81,21 +88,30 @@ from ..random import get_rng_tracker
 from ..sharding import is_dtensor
 from .accelerate import TPAccelerator, data_parallel_plan
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
-from .resume import PER_RANK, PER_TP_RANK, check_resume, training_layout, write_manifest
+from .resume import MANIFEST_NAME, check_resume, same_layout, training_layout, write_manifest
+from .trl import is_trl_trainer
 
-__all__ = ["TPTrainer", "OPTIMIZER_DIR"]
+__all__ = ["TPTrainer", "TPTrainerMixin", "tp_trainer_class", "OPTIMIZER_DIR"]
 
-#: The subdirectory of a checkpoint holding the per-TP-rank optimizer files and the layout manifest.
+#: The subdirectory of a checkpoint holding the optimizer state (torch.distributed.checkpoint) and its manifest.
 OPTIMIZER_DIR = "tpify_optimizer"
 
 
-class TPTrainer(transformers.Trainer):
-    """``transformers.Trainer`` that trains a tpify model exactly (see the module docstring).
+class TPTrainerMixin:
+    """What a ``transformers.Trainer`` subclass needs to train a tpify model exactly (see the
+    module docstring); put it first among the bases: ``class X(TPTrainerMixin, SFTTrainer)``, or
+    :func:`tp_trainer_class`. :class:`TPTrainer` is this mixin on ``transformers.Trainer``.
 
-    Same arguments as ``Trainer``; launch with ``torchrun --nproc-per-node N`` where
-    ``N = dp * tp`` and the model was parallelized (or loaded by :func:`tpify.from_pretrained`)
+    Same arguments as the trainer it is mixed into; launch with ``torchrun --nproc-per-node N``
+    where ``N = dp * tp`` and the model was parallelized (or loaded by :func:`tpify.from_pretrained`)
     with ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica: the global batch is
     ``per_device_train_batch_size * gradient_accumulation_steps * dp``.
+
+    On a TRL trainer (:data:`tpify.integrations.trl.CHECKED_TRAINERS`: ``SFTTrainer``,
+    ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
+    goes through :func:`tpify.integrations.get_peft_model`, GRPO's seeds are the same on the
+    ranks of a TP group and reference models are tensor-parallel
+    (:mod:`tpify.integrations.trl`).
 
     Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
     tensor over TP.
@@ -108,36 +124,47 @@ class TPTrainer(transformers.Trainer):
 
     Raises:
         TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP
-            version 1 or unsupported FSDP options, fp16, ``load_best_model_at_end``; a subclass of
-            a TRL trainer.
-        ResumeError: (a TPUsageError) resuming a checkpoint written at another layout, without
-            a layout manifest, or without this TP rank's optimizer file; on every rank.
+            version 1 or unsupported FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer
+            tpify has not checked, or a TRL option it refuses
+            (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
+        ResumeError: (a TPUsageError) resuming a checkpoint written for another model or param
+            groups, without a manifest (or with the old per-rank one), or incomplete; on every rank.
     """
 
-    def __init__(self, model=None, args=None, *pos, **kwargs):
-        trl = [c.__qualname__ for c in type(self).__mro__ if c.__module__.split(".")[0] == "trl"]
-        if trl:
-            raise TPUsageError(f"{type(self).__name__} derives from TRL's {trl[0]}: TRL trainers on tpify models are not "
-                               f"supported yet (TRL computes log-probs and losses from lm_head.weight and from "
-                               f"full-vocabulary logits, which are vocabulary shards here, so it would train silently "
-                               f"wrong); train with tpify.integrations.TPTrainer")
-        tp_model = tp_model_of(model) if model is not None else None
+    def __init__(self, *pos, **kwargs):
+        bound = inspect.signature(super().__init__).bind_partial(*pos, **kwargs).arguments
+        model, args = bound.get("model"), bound.get("args")
+        name = type(self).__name__
+        on_trl = is_trl_trainer(type(self))
+        if on_trl:
+            from .trl import check_trainer_class
+
+            check_trainer_class(type(self))
+        tp_model = tp_model_of(model) if model is not None and not isinstance(model, str) else None
         if tp_model is None:
-            raise TPUsageError("TPTrainer trains models parallelized by tpify (tpify.parallelize or "
+            raise TPUsageError(f"{name} trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
+        if on_trl:
+            from .trl import check_trainer, prepare_args
+
+            if args is None:
+                raise TPUsageError(f"{name}: pass args= (TRL's config for the trainer): its defaults count "
+                                   f"batches over the whole world, the TP ranks included")
+            check_trainer(type(self), args, model)
+            prepare_args(args, model)
         plan = None
         if args is not None:
-            bad = [name for name, on in (("deepspeed", bool(args.deepspeed)), ("fp16", bool(args.fp16)),
-                                         ("load_best_model_at_end", bool(args.load_best_model_at_end))) if on]
+            bad = [opt for opt, on in (("deepspeed", bool(args.deepspeed)), ("fp16", bool(args.fp16)),
+                                       ("load_best_model_at_end", bool(args.load_best_model_at_end))) if on]
             if args.fsdp and args.fsdp_plugin_args is None:  # XLA FSDP
                 bad.append("fsdp_config xla")
             if bad:
-                raise TPUsageError(f"TPTrainer does not support {bad} with a tensor-parallel model")
+                raise TPUsageError(f"{name} does not support {bad} with a tensor-parallel model")
             plugin = None
             version = (args.fsdp_plugin_args or {}).get("fsdp_version", 2)
             if version != 2:  # refused before accelerate builds an FSDP1 plugin (which needs a GPU)
-                raise TPUsageError(f"TPTrainer: fsdp_config version {version} (FSDP1) is not supported with a "
+                raise TPUsageError(f"{name}: fsdp_config version {version} (FSDP1) is not supported with a "
                                    f"tensor-parallel model: fsdp_version=1 (FSDP1): use fsdp_config={{'version': 2}} "
                                    f"(FSDP2's fully_shard over the model's DP group)")
             if args.fsdp_plugin_args is not None:
@@ -147,8 +174,16 @@ class TPTrainer(transformers.Trainer):
             plan = data_parallel_plan(plugin, args.parallelism_config)
         self._tp_model = tp_model
         self._tp_plan = plan
-        super().__init__(model, args, *pos, **kwargs)
-        self.accelerator.register_tp_model(model)
+        if on_trl:
+            from .trl import after_init, trl_construction
+
+            with trl_construction(type(self), model):
+                super().__init__(*pos, **kwargs)
+            self.accelerator.register_tp_model(self.model)
+            after_init(self)
+        else:
+            super().__init__(*pos, **kwargs)
+            self.accelerator.register_tp_model(self.model)
 
     # -- distributed setup -----------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -205,18 +240,8 @@ class TPTrainer(transformers.Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _sharded(self) -> bool:
-        """Whether FSDP2 shards the model (its optimizer state then differs on every rank)."""
+        """Whether FSDP2 shards the model."""
         return any(is_dtensor(p) for p in self._tp_model.parameters())
-
-    def _optimizer_file(self, directory: str) -> str:
-        info = get_tp_info(self._tp_model)
-        if self._sharded():
-            import torch.distributed as dist
-
-            name = f"optimizer-rank{dist.get_rank():03d}-of-{dist.get_world_size():03d}.pt"
-        else:
-            name = f"optimizer-tp{info.tp_rank:02d}-of-{info.tp_size:02d}.pt"
-        return os.path.join(directory, OPTIMIZER_DIR, name)
 
     def _training_layout(self, with_optimizer: bool) -> dict:
         plan = getattr(self, "_tp_plan", None)
@@ -225,24 +250,26 @@ class TPTrainer(transformers.Trainer):
             from ..data_parallel import planned_dp_shard
 
             dp_shard = planned_dp_shard(self._tp_model, plan.dp_replicate)
-        return training_layout(self.model, [self.optimizer] if with_optimizer else None,
-                               optimizer_files=PER_RANK if planned or self._sharded() else PER_TP_RANK,
-                               written_by="TPTrainer", dp_shard=dp_shard if planned else None)
+        return training_layout(self.model, [self.optimizer] if with_optimizer else None, written_by="TPTrainer",
+                               dp_shard=dp_shard if planned else None)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank: the optimizer state as a torch.distributed.checkpoint in ``tpify_optimizer/``
+        (each rank writing its pieces; :func:`tpify.checkpoint.save_checkpoint`), with the
+        manifest; the scheduler as Trainer writes it."""
+        from ..checkpoint import save_checkpoint
+
+        directory = os.path.join(output_dir, OPTIMIZER_DIR)
+        save_checkpoint(directory, self.accelerator.unwrap_model(self.model, keep_torch_compile=False),
+                        [self.optimizer], model_state=False, generators=False)
+        if self.args.should_save:
+            write_manifest(directory, self._training_layout(True))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         import torch.distributed as dist
 
-        from .. import comm
-
-        info = get_tp_info(self._tp_model)
-        if self.args.should_save:
-            write_manifest(os.path.join(output_dir, OPTIMIZER_DIR), self._training_layout(True))
-        if self._sharded() or comm.group_rank(info.dp_group) == 0:  # DDP: DP replicas hold the same state
-            os.makedirs(os.path.join(output_dir, OPTIMIZER_DIR), exist_ok=True)
-            torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         if dist.is_available() and dist.is_initialized():
+            from .. import comm
+
             comm.barrier()
 
     def _save_rng_state(self, output_dir: str) -> None:
@@ -252,30 +279,76 @@ class TPTrainer(transformers.Trainer):
 
     # -- resuming ----------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Every rank: refuse a checkpoint of another layout (the optimizer is not built yet: its
-        param groups are compared later), then read the dense weights back slice by slice."""
+        """Every rank: refuse a checkpoint of another model (the optimizer is not built yet: its
+        param groups are compared later), then read the dense weights back slice by slice (at
+        this run's layout, whatever the saved one)."""
         model = model if model is not None else self.model
         check_resume(os.path.join(resume_from_checkpoint, OPTIMIZER_DIR), self._training_layout(False),
                      "TPTrainer resume", checkpoint=resume_from_checkpoint)
         load_dense_(self.accelerator.unwrap_model(model, keep_torch_compile=False), resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Every rank: the full layout check (param groups included, this rank's files present),
-        then this TP rank's optimizer state and the scheduler."""
+        """Every rank: the full check (param groups included, the files present), then the
+        optimizer state resharded to this run's layout (:func:`tpify.checkpoint.load_checkpoint`)
+        and the scheduler.
+
+        Raises:
+            TPUsageError: resuming GRPO with ``use_adaptive_entropy`` (TRL restores its entropy
+                controller in its own ``_load_optimizer_and_scheduler``, which this one replaces).
+        """
         if checkpoint is None:
             return
-        file = self._optimizer_file(checkpoint)
-        check_resume(os.path.join(checkpoint, OPTIMIZER_DIR), self._training_layout(True),
-                     "TPTrainer resume (optimizer)", checkpoint=checkpoint,
-                     files=[file, os.path.join(checkpoint, SCHEDULER_NAME)])
-        device = self.args.device if self.args.device.type != "cpu" else "cpu"  # "cpu:0" cannot be restored
-        self.optimizer.load_state_dict(torch.load(file, map_location=device, weights_only=True))
+        if getattr(self, "use_adaptive_entropy", False):  # a config check: the same on every rank
+            raise TPUsageError(f"{type(self).__name__}: resuming with use_adaptive_entropy=True is not supported on a "
+                               f"tensor-parallel model (TRL restores its entropy controller in the method tpify "
+                               f"replaces to reshard the optimizer); resume with use_adaptive_entropy=False, or "
+                               f"start a new run from the checkpoint's dense weights")
+        from ..checkpoint import load_checkpoint
+
+        directory = os.path.join(checkpoint, OPTIMIZER_DIR)
+        check_resume(directory, self._training_layout(True), "TPTrainer resume (optimizer)", checkpoint=checkpoint,
+                     files=[os.path.join(directory, ".metadata"), os.path.join(checkpoint, SCHEDULER_NAME)])
+        load_checkpoint(directory, self.accelerator.unwrap_model(self.model, keep_torch_compile=False),
+                        [self.optimizer], model_state=False, generators=False)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Trainer's generators (each rank's file, as Trainer does); tpify's dropout streams only
+        at the saved layout (same tp_size, world size, FSDP2 sharding), else the TP stream
+        restarts from ``seed + 2718 + tp_rank`` (:mod:`tpify.checkpoint`)."""
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
+        import json
+
         file = os.path.join(checkpoint, f"tpify_rng_{self.args.process_index}.pt")
-        if os.path.isfile(file):
-            get_rng_tracker(self._tp_model).load_state_dict(torch.load(file, weights_only=True))
+        with open(os.path.join(checkpoint, OPTIMIZER_DIR, MANIFEST_NAME)) as f:  # checked by the resume before
+            saved = json.load(f)
+        tracker = get_rng_tracker(self._tp_model)
+        if same_layout(saved, self._training_layout(False)) and os.path.isfile(file):
+            tracker.load_state_dict(torch.load(file, weights_only=True))
+        else:
+            tracker.reset(tracker.seed)
+
+
+def tp_trainer_class(base: type) -> type:
+    """``base`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``GRPOTrainer``, ``RewardTrainer``, your own) made to train tpify models: ``class TP<base>(TPTrainerMixin, base)``.
+
+    ``tp_trainer_class(transformers.Trainer)`` is :class:`TPTrainer`. Construction raises what
+    :class:`TPTrainerMixin` raises (a TRL trainer tpify has not checked, by name).
+    """
+    if not (isinstance(base, type) and issubclass(base, transformers.Trainer)):
+        raise TypeError(f"tp_trainer_class: {base!r} is not a transformers.Trainer subclass")
+    if issubclass(base, TPTrainerMixin):
+        return base
+    if base is transformers.Trainer:
+        return TPTrainer
+    return type(f"TP{base.__name__}", (TPTrainerMixin, base), {"__module__": __name__,
+                                                                "__doc__": f"{base.__name__} for tpify models "
+                                                                           f"(tpify.integrations.tp_trainer_class)."})
+
+
+class TPTrainer(TPTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` that trains a tpify model exactly: :class:`TPTrainerMixin` on
+    ``Trainer`` (see the module docstring and the mixin's)."""

@@ -8,8 +8,10 @@
 | ``save``     | the dense save: gather per file, a temporary directory, one atomic switch, cleanup       |
 
 ``files``, ``reader`` and ``keys`` are local: no collective, the same result or error on
-every rank given the same directory. ``save`` gathers over the TP group and reports the
-writing rank's outcome to every rank (:func:`tpify.agree.on_writing_rank`). The sequences
+every rank given the same directory. ``save`` gathers over the TP group, has several ranks write
+the files, and reports every rank's outcome to every rank (:func:`tpify.agree.on_every_rank`,
+:func:`tpify.agree.on_writing_rank`). Training checkpoints at any layout (torch.distributed.checkpoint)
+are :mod:`tpify.checkpoint`. The sequences
 that use them (``from_pretrained``, ``load_weights_``, ``save_pretrained``) are in
 :mod:`tpify.api`, next to ``parallelize``.
 """

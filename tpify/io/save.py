@@ -1,11 +1,15 @@
 """The dense save: a parallelized model written as a standard Hugging Face directory, atomically.
 
-Each file's tensors are gathered to their dense layout (:func:`gather_dense`; padding
-stripped, packed parts re-packed) on every rank and written by the writing rank (global rank
-0) into a temporary directory beside the target (:func:`staged`); the target then goes from
-the checkpoint it holds to the new one in one atomic rename or unlink (:func:`_swap_into_place`),
-so it holds one whole checkpoint at every instant, a kill included. Each write is wrapped in
-:func:`tpify.agree.on_writing_rank`, so a failure on the writing rank raises on every rank.
+The files of the plan (:func:`plan_shards`) are assigned to the ranks in turn (every rank that
+sees the temporary directory writes, :func:`staged`). In rounds of one file per writer, each
+file's tensors are gathered to their dense layout (:func:`gather_dense`; padding stripped,
+packed parts re-packed) on every rank, kept by the file's writer only, and the writers write
+their files in parallel into the temporary directory beside the target; each round ends with
+every rank learning that every rank's file is complete (:func:`tpify.agree.on_every_rank`), so
+a failure on any rank raises on every rank and nothing is moved. Then global rank 0 writes the
+index and the configs and the target goes from the checkpoint it holds to the new one in one
+atomic rename or unlink (:func:`_swap_into_place`), so it holds one whole checkpoint at every
+instant, a kill included (:func:`tpify.agree.on_writing_rank` reports that step's outcome).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..agree import on_writing_rank
+from ..agree import on_every_rank, on_writing_rank
+from ..comm import all_gather_objects
 from ..sharding import ShardSpec, is_dtensor, shard_spec_of
 from .files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID
 
@@ -108,27 +113,47 @@ def gather_dense(entries: list[tuple[str, torch.Tensor]], specs: dict, group, ke
 
 
 class _Stage:
-    """A save in progress: its id, its temporary directory beside the target (:func:`staged`)."""
+    """A save in progress: its id (global rank 0's, shared), its temporary directory beside the
+    target (:func:`staged`), and the ranks that write its files (:attr:`writers`)."""
 
     def __init__(self, path: Path, device: torch.device):
         self.path, self.device = path, device
-        self.save_id = uuid.uuid4().hex  # in every file of this save: a reader can tell one save from a mix of two
+        # In every file of this save: a reader can tell one save from a mix of two. Rank 0's, on every rank.
+        self.save_id = all_gather_objects(uuid.uuid4().hex)[0]
         self.target = path.resolve() if path.is_symlink() else path  # tmp on the target's filesystem: atomic renames
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{self.save_id[:8]}"
         self.writing, self.held = False, None
+        self.writers: list[int] = [0]
 
-    def write(self, name: str, dense: dict[str, torch.Tensor]) -> None:
-        """Write one file of ``dense`` tensors into the temporary directory (on the writing rank).
+    def writer_of(self, index: int) -> int:
+        """The global rank that writes the ``index``-th file of the plan: the writers in turn."""
+        return self.writers[index % len(self.writers)]
 
-        Communication: one all-reduce of one int over the world (:func:`on_writing_rank`).
+    def rounds(self, files: list) -> Iterator[list[tuple[int, str, list]]]:
+        """The plan's files in rounds of one file per writer: ``[(writer, name, entries), ...]``.
+        A rank holds the dense tensors of at most one file at a time (the one it writes)."""
+        step = len(self.writers)
+        for start in range(0, len(files), step):
+            yield [(self.writer_of(start + j), name, entries) for j, (name, entries) in
+                   enumerate(files[start: start + step])]
+
+    def write_own(self, mine: tuple[str, dict[str, torch.Tensor]] | None) -> None:
+        """Every rank: write its file of this round (``mine``: ``(name, dense tensors)``, or
+        ``None``) into the temporary directory, all in parallel; then every rank learns that
+        every rank's file is complete (:func:`tpify.agree.on_every_rank`).
+
+        Communication: one all-gather of a small object over the world.
         """
-        with on_writing_rank(f"writing {name}", self.device) as writing:
-            if writing:
+        where = f"writing {mine[0] if mine else 'its file'} into {self.tmp}"
+        with on_every_rank(where):
+            if mine is not None:
+                name, dense = mine
                 save_file(dense, str(self.tmp / name), metadata={"format": "pt", SAVE_ID: self.save_id})
 
     def commit(self, model: nn.Module, index: dict | None) -> None:
         """Write ``model``'s dense config (and generation config) beside the weights, then move
-        the new checkpoint into the target (:func:`_swap_into_place`), on the writing rank.
+        the new checkpoint into the target (:func:`_swap_into_place`), on global rank 0; every
+        other rank's files are complete (each round ended in :meth:`write_own`'s agreement).
 
         Communication: one all-reduce of one int over the world (:func:`on_writing_rank`).
         """
@@ -139,14 +164,19 @@ class _Stage:
 
 
 @contextlib.contextmanager
-def staged(path: Path, device: torch.device) -> Iterator[_Stage]:
-    """A save into ``path``: the writing rank creates its temporary directory ``.NAME.tmp-<id>``
+def staged(path: Path, device: torch.device, several_writers: bool = True) -> Iterator[_Stage]:
+    """A save into ``path``: global rank 0 creates its temporary directory ``.NAME.tmp-<id>``
     beside ``path`` (beside the directory a symlinked ``path`` points to), first removing such
     directories no live save holds (left by a killed save), and holds a lock on it until the
     block ends; then it removes whatever is left of it (nothing after a commit).
 
-    Communication: one all-reduce of one int over the world, after the creation
-    (:func:`on_writing_rank`); every rank must enter the block.
+    Writers (``several_writers``): every rank that sees the temporary directory (a filesystem
+    the ranks share: one host, or a shared mount), in rank order; on hosts that do not see it,
+    none (then rank 0's host writes every file). Without ``several_writers``, rank 0 alone.
+
+    Communication: one all-gather of the save's id, one all-reduce of one int over the world
+    after the creation (:func:`on_writing_rank`), one all-gather of who sees the directory;
+    every rank must enter the block.
 
     Raises:
         OSError: creating the directory failed (on the writing rank; ``RuntimeError`` elsewhere).
@@ -159,6 +189,9 @@ def staged(path: Path, device: torch.device) -> Iterator[_Stage]:
             _remove_dead_saves(stage.target)
             stage.tmp.mkdir()
             stage.held = _lock(stage.tmp, wait=True)  # until the save ends: later saves' _remove_dead_saves leave it
+    if several_writers:
+        sees = all_gather_objects(stage.tmp.is_dir())
+        stage.writers = [r for r, seen in enumerate(sees) if seen] or [0]
     try:
         yield stage
     finally:
