@@ -62,7 +62,10 @@ Completed here (HF's plans say nothing of them):
 Refused (:class:`~tpify.recipe.RecipeError`): a parameter inside a head-split attention module
 that holds values for all heads (cohere's ``q_norm`` with ``use_qk_norm``, weight
 ``(num_heads, head_dim)``): HF's plan splits the heads and would leave it whole (tpify cannot
-split it yet), which is not the dense model.
+split it yet), which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
+whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width),
+doge and neomme (a per-head parameter of the attention module itself), embedding_gemma2_text
+(a single KV head on some layers, split).
 """
 
 from __future__ import annotations
@@ -102,6 +105,45 @@ _UNSUPPORTED = {
     "embedding_colwise": ("HF's embedding_colwise gathers the hidden dimension after the lookup; tpify's "
                           "embedding_colwise keeps the columns (heads) sharded, a different computation"),
 }
+
+
+# Families whose imported plan would not compute the dense model, found by verifying every
+# family transformers can split (benchmarks/sweep_verify.py, docs/families.md): model_type ->
+# (config -> the reason, or None where this config is not affected). Refused before anything
+# else is read, with the fix.
+_REFUSED_FAMILIES = {
+    "gemma3n_text": lambda config: (
+        "its MLPs with activation sparsity (activation_sparsity_pattern > 0: Gemma3nTextMLP._gaussian_topk) take "
+        "the mean and standard deviation of gate_proj's output over the full intermediate width, which HF's plan "
+        "splits (colwise gate_proj): each rank would keep a different top of its own half. Keep the MLPs whole "
+        "(replicate gate_proj, up_proj, down_proj)"
+        if any(v for v in (getattr(config, "activation_sparsity_pattern", None) or []) if v) else None),
+    "doge": lambda config: (
+        "its attention holds a parameter per KV head outside any linear layer (DogeAttention.A, shape "
+        "(num_key_value_heads,)) that scales dt_proj's output for every head, while HF's plan splits the heads "
+        "(colwise q/k/v_proj): the parameter would stay whole against split heads. Keep the attention whole "
+        "(replicate q_proj, k_proj, v_proj, dt_proj, o_proj)"),
+    "neomme": lambda config: (
+        "its exclusive self-attention holds a parameter per head outside any linear layer "
+        "(NeoMMEExclusiveSelfAttention.alpha, shape (num_attention_heads,)) and repeats the KV heads by the full "
+        "head count, while HF's plan splits the heads (colwise q/k/v_proj): the parameter would stay whole against "
+        "split heads. Keep the attention whole (replicate q_proj, k_proj, v_proj, output_projection.*)"),
+    "embedding_gemma2_text": lambda config: (
+        "its per_layer_config gives some layers a single KV head (num_key_value_heads = 1 on the full-attention "
+        "layers), which HF's plan splits over the ranks (colwise k_proj, v_proj) although one head cannot be "
+        "split. Keep K and V whole on those layers (replicate their k_proj, v_proj) in a recipe"
+        if any(getattr(c, "num_key_value_heads", None) == 1
+               for c in (_layer_configs(config))) else None),
+}
+
+
+def _layer_configs(config) -> list:
+    """The per-layer configs of a heterogeneous config (``config.per_layer_config``), else none."""
+    try:
+        layers = getattr(config, "per_layer_config", None) if getattr(config, "is_heterogeneous", False) else None
+        return list(layers) if layers is not None else []
+    except Exception:  # noqa: BLE001 - a config that cannot enumerate its layers: nothing to check
+        return []
 
 
 def wildcard(name: str) -> str:
@@ -221,6 +263,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         raise _error(model, "transformers defines no tensor-parallel plan for it (config.base_model_tp_plan "
                             "is empty)")
     config = getattr(model, "config", None)
+    refused = _REFUSED_FAMILIES.get(getattr(config, "model_type", None))
+    reason = refused(config) if refused is not None else None
+    if reason:
+        raise _error(model, f"HF's plan is not exact for this family: {reason}")
     base, prefix = base_model_and_prefix(model)
     modules: dict[str, nn.Module] = {}
     inside: dict[str, bool] = {}
@@ -426,11 +472,15 @@ def _check_per_head_params(model, modules, styles):
     parents = {r.rpartition(".")[0] for r, s in styles.items()
                if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
     for parent in sorted(parents):
+        # the attention module's own head dim (gemma4's full-attention layers: twice the config's)
+        own = getattr(modules.get(parent), "head_dim", None)
         for rel, module in modules.items():
             if not rel.startswith(parent + ".") or module_kind(module) is not None:
                 continue
             for pname, param in module.named_parameters(recurse=False):
                 shape = tuple(param.shape)
+                if isinstance(own, int) and shape == (own,) and own not in heads.values():
+                    continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
                 per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
                 if per_head or any(s in widths for s in shape):
                     raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or "

@@ -32,7 +32,9 @@
   gpt_bigcode have the sizes asked for; a family that cannot be shrunk raises ``ShrinkError``;
   a config above the size bound is refused on the meta device, naming the family and the
   attribute, with no rank started (and the process does not grow); llama4_vision_model and
-  gemma4_vision are refused before building, naming their size attributes; the choices of the
+  gemma4_vision are made small (their towers' own sizes); the groups verify could not build
+  before (per-layer lists, cycles, mrope, composite, MLA sizes) have small, consistent configs
+  (slow: one family of each verified exact in one job); the choices of the
   dense reference (gemma2 right-padded, olmoe's experts eager, float32 for the real
   ``grouped_mm`` refusal, ``DenseNotFinite``); the normwise criterion of the float32 comparisons.
 """
@@ -206,7 +208,8 @@ def _compared(rows):
 def test_gemma2_verifies_with_the_padded_row_on_the_right(tp2_report):
     """gemma2's float64 reference is NaN on a left-padded row (eager attention adds
     finfo(float64).min, then softmax(dtype=float32) makes it -inf): verify moves the padding to the
-    right, says so in a row, and every check passes at the float64 tolerance."""
+    right, says so in a row, and every check passes at the float64 tolerance, except the gradients
+    of the norm weights gemma2's own code casts to float32 (float32 sums, float32 tolerance)."""
     rows = _rows(tp2_report, "gemma2")
     failed = [f"{r.head} {r.check}: {r.message}" for r in rows if not r.passed]
     assert not failed, failed
@@ -214,9 +217,11 @@ def test_gemma2_verifies_with_the_padded_row_on_the_right(tp2_report):
     assert {r.head for r in rows} == heads
     notes = [r for r in rows if r.check.startswith("dense reference")]
     assert {r.head for r in notes} == heads
-    assert {r.check for r in notes} == {"dense reference: float64, right-padded batch"}
-    assert all("not finite with left padding" in r.message for r in notes), notes
-    assert {r.tolerance for r in _compared(rows)} == {TOLERANCE}
+    # gemma2's RMSNorm multiplies by weight.float(): those weights' gradients are float32 sums
+    assert {r.check for r in notes} == {"dense reference: float64, right-padded batch, parameters used in float32"}
+    assert all("not finite with left padding" in r.message and "cast to float32" in r.message for r in notes), notes
+    assert all(r.tolerance == TOLERANCE or (r.check.startswith("gradients") and r.tolerance.startswith(TOLERANCE))
+               for r in _compared(rows)), {r.tolerance for r in _compared(rows)}
     assert any(r.check.startswith("generate") for r in rows)
 
 
@@ -318,6 +323,36 @@ def test_every_shipped_recipe_is_exact_tp4():
     _check_moe(report, 4, tensor_parallel=False)
 
 
+# One family of each group verify could not build before (issue 24 item 6), all exact at tp = 2:
+# rotary parameters per layer kind (and the modeling code's mrope default), per-layer overrides
+# of the head dim, mrope sections, a composite config (whose float32 attention takes a rounding
+# tie differently), layer cycles, multi-head latent attention sizes (youtu: attention whole, MLP
+# split), a composite's decoder fed what the composite passes it. (The linear-attention families build too; at this size their conv1d is above the
+# coverage threshold of imported plans, 1% of the model: refused, see docs/families.md.)
+NEWLY_BUILDABLE = {"cohere_compass_text": "layer_types with rope_parameters per layer kind",
+                   "gemma4_text": "per_layer_config (head dim 16 on full-attention layers)",
+                   "glm4v_text": "mrope_section rescaled", "muse_glimmer": "composite (text + vision configs)",
+                   "hrm_text": "H/L cycles", "youtu": "MLA ranks and head dims",
+                   "t5gemma2_decoder": "a composite's part, fed the encoder's hidden states"}
+
+
+@pytest.mark.slow
+def test_newly_buildable_families_are_exact_tp2():
+    """ONE spawned job over :data:`NEWLY_BUILDABLE`: every head class of each, every check passed
+    (outputs, loss, gradients, generate, save/load). Outputs and losses at the float64 tolerance;
+    gradients at the float64 tolerance, except muse_glimmer's few whose float32 section took a
+    rounding tie differently (the row says how many, at the float32 tolerance of the depth)."""
+    families = sorted(NEWLY_BUILDABLE)
+    report = verify_many([Target(m) for m in families], (2,), timeout_s=900)
+    _timings(report, 2)
+    _check_families(report, families, 2)
+    for family in families:
+        outputs = [r for r in _compared(_rows(report, family)) if not r.check.startswith(("gradients", "dense"))]
+        assert outputs and {r.tolerance for r in outputs} == {TOLERANCE}, (family, {r.tolerance for r in outputs})
+    relaxed = [r for r in _rows(report, "muse_glimmer") if "through float32 sections" in (r.tolerance or "")]
+    print(f"measured: muse_glimmer gradients through float32 sections: {[(r.head, r.max_diff) for r in relaxed]}")
+
+
 @pytest.mark.slow
 def test_cli_end_to_end_gpt2():
     out = subprocess.run([sys.executable, "-m", "tpify.cli", "verify", "gpt2", "--tp", "2"], capture_output=True,
@@ -388,6 +423,30 @@ def test_small_configs_have_the_sizes_asked_for(tp):
     assert small_config(resolve_config("llama"), (3,)).num_attention_heads == 6
 
 
+def test_small_configs_of_layer_lists_mrope_composite_and_mla_families_are_small_and_consistent():
+    """The groups verify could not build before (issue 24 item 6), one family each, on the meta
+    device: olmo_hybrid's layer_types keep a linear- and a full-attention layer, as long as the
+    layer count; hrm_text's layer count follows its cycles; glm4v_text's mrope sections sum to
+    half the small head dim; muse_spark's text sub-config is made small; deepseek_v2's latent
+    ranks, head dims and experts are small. Each built model is far below the 2M-element bound."""
+    hybrid = small_config(resolve_config("olmo_hybrid"), (2,))
+    assert hybrid.num_hidden_layers == len(hybrid.layer_types) == 2
+    assert set(hybrid.layer_types) == {"linear_attention", "full_attention"}
+    hrm = small_config(resolve_config("hrm_text"), (2,))
+    assert hrm.num_hidden_layers == hrm.num_layers_per_stack * hrm.H_cycles * (hrm.L_cycles + 1)
+    glm = small_config(resolve_config("glm4v_text"), (2,))
+    assert sum(glm.rope_parameters["mrope_section"]) == glm.hidden_size // glm.num_attention_heads // 2 == 4
+    spark = small_config(resolve_config("muse_spark"), (2,))
+    text = spark.get_text_config(decoder=True)
+    assert (text.hidden_size, text.num_attention_heads, text.num_hidden_layers, text.vocab_size) == (32, 4, 2, 101)
+    mla = small_config(resolve_config("deepseek_v2"), (2,))
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+            mla.n_routed_experts, mla.num_experts_per_tok) == (16, 16, 8, 8, 8, 8, 2)
+    for config in (hybrid, hrm, glm, spark, mla):
+        sizes = check_build_size(config, list(family_head_classes(config).values()))
+        assert sizes and max(sizes.values()) < 250_000, (config.model_type, sizes)
+
+
 def test_a_family_that_cannot_be_shrunk_raises():
     with pytest.raises(ShrinkError, match="cannot shrink ResNetConfig.*head-count attributes"):
         small_config(resolve_config("resnet"), (2,))
@@ -445,13 +504,13 @@ def test_vision_towers_are_refused_before_building():
     """What once grew past 18 GB: llama4_vision_model's 'head classes' included
     Llama4ForConditionalGeneration, built from the vision config with a full-size default text
     config. Classes of another config are not the family's; the vision towers' own size
-    attributes are named; a head class without token ids is refused without ranks."""
+    attributes are shrunk (tens of thousands of elements); a head class without token ids is refused without ranks."""
     from transformers import Llama4VisionConfig
 
-    with pytest.raises(ShrinkError, match=r"Llama4VisionConfig.*projector_input_dim = 4096"):
-        small_config(resolve_config("llama4_vision_model"), (2,))
-    with pytest.raises(ShrinkError, match=r"Gemma4VisionConfig.*position_embedding_size = 10240"):
-        small_config(resolve_config("gemma4_vision"), (2,))
+    for model_type in ("llama4_vision_model", "gemma4_vision"):  # the towers' own sizes are shrunk too
+        small = small_config(resolve_config(model_type), (2,))
+        sizes = check_build_size(small, list(family_head_classes(small).values()))
+        assert sizes and max(sizes.values()) < 40_000, (model_type, sizes)
     assert {c.__name__ for c in family_head_classes(resolve_config("llama4_vision_model")).values()} == \
         {"Llama4VisionModel"}
     gemma3 = {c.__name__ for c in family_head_classes(resolve_config("gemma3_text")).values()}

@@ -18,7 +18,7 @@ import torch
 
 from .target import head_classes
 
-__all__ = ["case_config", "make_inputs", "case_loss", "float_outputs", "synthetic_loss", "loss_of", "accepts",
+__all__ = ["case_config", "make_inputs", "text_config", "case_loss", "float_outputs", "synthetic_loss", "loss_of", "accepts",
            "GENERATIVE_TASKS", "BATCH", "TOKENS", "CHOICES", "DECODER_TOKENS", "NEW_TOKENS", "PAD_TOKENS"]
 
 # The shape of the inputs every case feeds: batch, tokens, choices (multiple choice), decoder tokens.
@@ -31,9 +31,12 @@ GENERATIVE_TASKS = ("causal-lm", "seq2seq-lm")
 def case_config(config, task: str, model_type: str):
     """The config one case builds its model from: pad id set, encoder families as decoders for causal LM."""
     config = copy.deepcopy(config)
-    if getattr(config, "pad_token_id", None) is None:
-        eos = getattr(config, "eos_token_id", None)
-        config.pad_token_id = eos if isinstance(eos, int) else 0
+    text = text_config(config)
+    if getattr(text, "pad_token_id", None) is None:
+        eos = getattr(text, "eos_token_id", None)
+        text.pad_token_id = eos if isinstance(eos, int) else 0
+    if text is not config and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = text.pad_token_id
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = config.pad_token_id  # T5's convention
     if task == "question-answering":
@@ -46,12 +49,25 @@ def case_config(config, task: str, model_type: str):
     return config
 
 
+def text_config(config):
+    """The config of the token part of ``config`` (a composite's ``text_config``; else ``config``):
+    the vocabulary, the pad and eos ids the inputs are made from."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def accepts(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
 
 
-def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str = "left"
-                ) -> tuple[dict, dict, dict | None]:
+# Parts of a composite model whose layers read a conditioning vector the composite computes and
+# passes down through **kwargs: class name -> keyword (Voxtral-Realtime's text model: its decoder
+# layers scale by ada_rms_norm(t_cond), t_cond the composite's time embedding, (1, hidden)).
+_PART_CONDITIONS = {"VoxtralRealtimeTextModel": "t_cond"}
+
+
+def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str = "left",
+                dtype: torch.dtype = torch.float64) -> tuple[dict, dict, dict | None]:
     """``(inputs, labels, generate kwargs or None)`` for one case, the same on every rank.
 
     ``inputs`` (no labels): ``input_ids`` ``(B, T)`` = (2, ``tokens``; 10 by default) of ordinary
@@ -59,13 +75,17 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     ``"left"``, ``"right"``, or ``"none"``: no pad token, the mask all ones; see
     :func:`tpify.authoring.reference.dense_reference` for why the side can change); ``(B, C, T)``
     for multiple choice; ``decoder_input_ids`` ``(B, 6)`` for the base and LM classes of
-    encoder-decoders. ``labels``: what the head's loss takes, ``-100`` at some positions (and at
-    padding).
+    encoder-decoders; for a decoder that is part of a composite model (task ``part:...``, such as
+    ``T5Gemma2Decoder``) whose ``forward`` takes ``encoder_hidden_states``: ``(B, tokens, hidden)``
+    of ``dtype`` (the reference's), the encoder's output it cross-attends to, and its mask; for a
+    part whose layers read a conditioning vector (:data:`_PART_CONDITIONS`): ``(1, hidden)``.
+    ``labels``: what the head's loss takes, ``-100`` at some positions (and at padding).
     """
     g = torch.Generator().manual_seed(1)
-    vocab = config.vocab_size
-    pad = config.pad_token_id
-    specials = [v for k, v in config.to_dict().items()
+    text = text_config(config)
+    vocab = text.vocab_size
+    pad = text.pad_token_id
+    specials = [v for part in {id(config): config, id(text): text}.values() for k, v in part.to_dict().items()
                 if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 64]
     low = min(max(specials, default=-1) + 1, vocab - 1)
     shape = (BATCH, CHOICES, tokens) if task in ("multiple-choice", "double-heads") else (BATCH, tokens)
@@ -76,7 +96,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
         mask[1, ..., padded] = 0
         ids[1, ..., padded] = pad
     encdec = bool(getattr(config, "is_encoder_decoder", False))
-    eos = config.eos_token_id if isinstance(getattr(config, "eos_token_id", None), int) else None
+    eos = text.eos_token_id if isinstance(getattr(text, "eos_token_id", None), int) else None
     if encdec and eos is not None:
         ids[..., -1] = eos  # encoder-decoder classifiers pool at the (single) eos token
     inputs = {"input_ids": ids}
@@ -95,6 +115,14 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     labels = _task_labels(task, token_labels, dec_labels, mask, getattr(config, "num_labels", 2), tokens, g)
     if task == "double-heads":
         inputs["mc_token_ids"] = torch.full((BATCH, CHOICES), tokens - 1)
+    if task.startswith("part:") and cls.__name__ in _PART_CONDITIONS:  # (1, hidden), broadcast over the batch
+        inputs[_PART_CONDITIONS[cls.__name__]] = torch.randn(1, text.hidden_size, generator=g,
+                                                            dtype=torch.float64).to(dtype)
+    if task.startswith("part:") and accepts(cls, "encoder_hidden_states"):
+        hidden = text.hidden_size
+        inputs["encoder_hidden_states"] = torch.randn(BATCH, tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
+        if accepts(cls, "encoder_attention_mask"):
+            inputs["encoder_attention_mask"] = torch.ones(BATCH, tokens, dtype=torch.long)
     labels = {k: v for k, v in labels.items() if accepts(cls, k)}
     gen = None
     if task in GENERATIVE_TASKS:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .compare import ATOL, RTOL, TOLERANCE, float32_tolerance
-from .inputs import float_outputs, loss_of, make_inputs, synthetic_loss
+from .inputs import float_outputs, loss_of, make_inputs, synthetic_loss, text_config
 from .verify_report import DENSE_REFERENCE
 
 __all__ = ["DenseNotFinite", "Reference", "dense_reference", "float64_loss_function", "use_eager_experts"]
@@ -103,6 +103,13 @@ class Reference:
         notes: why each choice differs from float64 with a left-padded row, and the kernel
             switches made (empty when none).
         layers: the model's depth (:func:`_depth`), for the float32 tolerance.
+        float32_parameters: the parameters a float64 model's own code casts to float32 before
+            using them (:func:`float32_parameters`); their gradients are computed in float32
+            and compared with the float32 tolerance.
+        through_float32: the parameters whose gradient passes through a section the family's
+            own code computes in float32 (:func:`float32_parameters`; llama's and gemma's
+            norms, muse_glimmer's attention): a gradient of these outside the float64
+            tolerance is compared again with the float32 one (:meth:`fallback_tolerance`).
     """
 
     model: torch.nn.Module
@@ -111,6 +118,8 @@ class Reference:
     eager_experts: bool
     notes: list[str]
     layers: int
+    float32_parameters: tuple[str, ...] = ()
+    through_float32: tuple[str, ...] = ()
 
     @property
     def tolerance(self) -> tuple[float, float, str]:
@@ -126,7 +135,70 @@ class Reference:
         parts.append({"left": "left-padded batch", "right": "right-padded batch", "none": "no padding"}[self.padding])
         if self.eager_experts:
             parts.append("eager experts")
+        if self.float32_parameters:
+            parts.append("parameters used in float32")
         return f"{DENSE_REFERENCE}: " + ", ".join(parts)
+
+    def gradient_tolerance(self, name: str) -> tuple[float, float, str] | None:
+        """The float32 tolerance of the depth for a parameter in :attr:`float32_parameters`
+        (normwise), else None (the reference's own tolerance applies)."""
+        if self.dtype == torch.float64 and name in self.float32_parameters:
+            return float32_tolerance(self.layers)
+        return None
+
+    def fallback_tolerance(self, name: str) -> tuple[float, float, str] | None:
+        """The float32 tolerance of the depth (normwise) for a parameter in
+        :attr:`through_float32` of a float64 reference, else None.
+
+        Such a gradient is a float64 sum of values the family's code rounded to float32 on the
+        way (a norm computed in float32, attention scores in float32): when the incoming
+        float64 gradients of the dense and the parallel model differ by the order of a sum (1e-16
+        relative), a value lying on a float32 rounding tie rounds differently, and everything
+        computed from it differs by one float32 ulp (measured: muse_glimmer's layer-0
+        ``k_proj`` row of one key dim, 1.1e-6 against max|e| 476, 2.4e-9 relative). Checked
+        first with the float64 tolerance; only a gradient outside it is compared again with
+        this one, and the row says how many were."""
+        if self.dtype == torch.float64 and name in self.through_float32:
+            return float32_tolerance(self.layers)
+        return None
+
+
+def float32_parameters(model: torch.nn.Module, loss: torch.Tensor) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(cast, through)``: the parameters of ``model`` that the autograd graph of ``loss`` casts
+    to float32 before using them, and those whose gradient passes through any dtype conversion
+    on its way from ``loss`` (a section computed in float32), by name.
+
+    Some families compute a norm in float32 whatever the model's dtype (gemma3's RMSNorm:
+    ``output * (1.0 + self.weight.float())``). In a float64 model the gradient of such a weight
+    is then accumulated in float32: a sum over tokens and heads whose order differs when the
+    heads are split over ranks, so the dense and the parallel gradient differ by float32
+    roundings (3.6e-7 measured, gemma3_text's ``k_norm``), although both compute the same
+    function. Found from the graph, before ``backward``: a float64 parameter whose consumer is
+    a dtype conversion (``ToCopyBackward0``; in a float64 model only a cast to a lower
+    precision is an operation).
+    """
+    names: dict[int, list[str]] = {}  # every name of a tied parameter (lm_head.weight beside embed_tokens.weight)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    found, through, seen, stack = set(), set(), set(), [(loss.grad_fn, False)]
+    while stack:
+        node, below = stack.pop()
+        if node is None or (node, below) in seen:
+            continue
+        seen.add((node, below))
+        casts = node.name().startswith("ToCopyBackward")
+        below = below or casts
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            var = getattr(child, "variable", None)
+            if var is not None and id(var) in names:
+                if casts and var.dtype != torch.float32:
+                    found.update(names[id(var)])
+                if below:
+                    through.update(names[id(var)])
+            stack.append((child, below))
+    return tuple(sorted(found)), tuple(sorted(through))
 
 
 def _refuses_float64(error: BaseException) -> bool:
@@ -158,22 +230,26 @@ def use_eager_experts(model: torch.nn.Module) -> bool:
     return True
 
 
-def _not_finite(model, inputs: dict, labels: dict) -> list[str]:
-    """What is not finite in one forward and backward of ``model`` (outputs, loss, gradients)."""
+def _not_finite(model, inputs: dict, labels: dict) -> tuple[list[str], tuple[tuple[str, ...], tuple[str, ...]]]:
+    """``(what is not finite in one forward and backward of model (outputs, loss, gradients),
+    the parameters its graph uses in float32 and those whose gradients pass through float32
+    (:func:`float32_parameters`))``."""
     out = model(**inputs, **labels) if labels else model(**inputs)
     problems = [f"{name} ({int((~torch.isfinite(v)).sum())} of {v.numel()})"
                 for name, v in float_outputs(out).items() if not bool(torch.isfinite(v).all())]
     loss = loss_of(out) if labels else synthetic_loss(out)
     if not problems and not bool(torch.isfinite(loss).all()):
         problems.append("the loss")
+    in_float32: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     if not problems and loss.requires_grad:
+        in_float32 = float32_parameters(model, loss)
         loss.backward()
         bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
         if bad:
             more = " ..." if len(bad) > 3 else ""
             problems.append(f"gradients of {len(bad)} parameters ({', '.join(bad[:3])}{more})")
     model.zero_grad(set_to_none=True)
-    return problems
+    return problems, in_float32
 
 
 def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dtype | None = None) -> Reference:
@@ -195,6 +271,9 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
        to a real token.
     3. Float32 only when the float64 forward or backward raises a kernel's refusal of float64
        (:func:`_refuses_float64`); comparisons then use :func:`float32_tolerance` of the depth.
+    4. Parameters the float64 model's own code uses in float32 (:func:`float32_parameters`:
+       gemma3's norms): their gradients are compared with :func:`float32_tolerance`, the
+       others (and every output) with the float64 one; the note names the modules.
 
     ``dtype`` forces one dtype (no fallback). Every choice that is not float64 with left padding
     is stated in ``notes``.
@@ -217,13 +296,15 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
         tried = []
         try:
             for padding in _PADDINGS:
-                inputs, labels, _ = make_inputs(task, cls, config, padding=padding)
-                problems = _not_finite(model, inputs, labels)
+                inputs, labels, _ = make_inputs(task, cls, config, padding=padding, dtype=dt)
+                problems, in_float32 = _not_finite(model, inputs, labels)
                 if not problems:
                     if tried:
                         notes.append(f"{_PADDINGS[padding]}: the dense {_dtype_name(dt)} model is not finite with "
                                      + "; ".join(tried))
-                    return Reference(model, dt, padding, eager, notes, _depth(config))
+                    if in_float32[0]:
+                        notes.append(_float32_note(model, in_float32[0], config))
+                    return Reference(model, dt, padding, eager, notes, _depth(config), *in_float32)
                 tried.append(f"{_PADDINGS[padding]} ({', '.join(problems)})")
         except Exception as e:  # noqa: BLE001 - a refusal of float64 switches dtype, anything else propagates
             if dt == torch.float64 and len(dtypes) > 1 and _refuses_float64(e):
@@ -236,8 +317,22 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
     raise AssertionError("unreachable")  # the last dtype returns or raises
 
 
+def _float32_note(model: torch.nn.Module, names: tuple[str, ...], config) -> str:
+    """The note of :attr:`Reference.float32_parameters`: how many, of which module classes."""
+    modules = dict(model.named_modules())
+    classes = sorted({type(modules.get(n.rpartition(".")[0], model)).__name__ for n in names})
+    return (f"{len(names)} parameters ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) are cast to "
+            f"float32 by the family's own code ({', '.join(classes)}) in the float64 model: their gradients are "
+            f"float32 sums, compared with {float32_tolerance(_depth(config))[2]}")
+
+
 def _depth(config) -> int:
-    """The number of layers of ``config`` (an encoder-decoder's encoder and decoder together), at least 1."""
+    """The number of layers of ``config`` (an encoder-decoder's encoder and decoder together; a
+    composite without its own layer count: its text part, :func:`~tpify.authoring.inputs.text_config`),
+    at least 1."""
+    if not _config_value(config, "num_hidden_layers") and not getattr(config, "is_encoder_decoder", False):
+        config = text_config(config)
+
     def first(names) -> int:
         values = (_config_value(config, n) for n in names)
         return next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), 0)

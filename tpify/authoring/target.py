@@ -91,12 +91,18 @@ def family_head_classes(config) -> dict[str, type]:
     not the family's (``modeling_llama4`` defines ``Llama4ForConditionalGeneration`` for
     ``Llama4Config`` beside ``Llama4VisionModel`` for ``Llama4VisionConfig``; built from the
     vision config it would take the full-size default text config) and is left out.
+
+    A config that no public class is built from (a part of a composite model: T5Gemma's
+    encoder config, T5Gemma2's text encoder and decoder, Voxtral-Realtime's text model) gets the
+    module's model classes built from exactly its class (:func:`_part_classes`, task
+    ``part:<ClassName>``): ``T5Gemma2TextEncoder``, ``T5Gemma2Decoder``,
+    ``VoxtralRealtimeTextModel``, ``T5GemmaEncoder``.
     """
     import importlib
 
     from transformers import PreTrainedModel
 
-    found = dict(head_classes(config.model_type))
+    found = {task: cls for task, cls in head_classes(config.model_type).items() if not _built_from_part(cls, config)}
     seen = set(found.values())
     try:
         module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
@@ -107,12 +113,51 @@ def family_head_classes(config) -> dict[str, type]:
         if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)) or cls in seen \
                 or name.endswith("PreTrainedModel"):
             continue
-        config_class = getattr(cls, "config_class", None)
-        if isinstance(config_class, type) and not isinstance(config, config_class):
+        if not _takes(cls, config):
             continue
         task = next((t for suffix, t in _EXTRA_TASKS if name.endswith(suffix)), f"other:{name}")
         found.setdefault(task, cls)
         seen.add(cls)
+    if not found:
+        found = _part_classes(config, module)
+    return found
+
+
+# Model classes transformers builds from a config whose class names another (the encoder of
+# T5GemmaModel: ``T5GemmaEncoder(config.encoder)``, a T5GemmaModuleConfig, while its
+# config_class is T5GemmaConfig): model_type -> class name.
+_BUILT_FROM = {"t5_gemma_module": "T5GemmaEncoder"}
+
+
+def _takes(cls: type, config) -> bool:
+    """Whether ``cls`` is built from configs like ``config`` (its ``config_class``, where it names one)."""
+    config_class = getattr(cls, "config_class", None)
+    return not isinstance(config_class, type) or isinstance(config, config_class)
+
+
+def _built_from_part(cls: type, config) -> bool:
+    """Whether ``cls`` (listed by an auto mapping for ``config``'s model_type) is built from one of
+    ``config``'s sub-configs rather than from ``config`` (``Llama4ForCausalLM`` takes the
+    ``text_config`` of a ``Llama4Config``)."""
+    config_class = getattr(cls, "config_class", None)
+    parts = [c for c in (getattr(config, "sub_configs", None) or {}).values() if isinstance(c, type)]
+    return isinstance(config_class, type) and not isinstance(config, config_class) and config_class in parts
+
+
+def _part_classes(config, module) -> dict[str, type]:
+    """For a config no public head class is built from (a part of a composite model: a text
+    encoder, a decoder, a text tower): the model classes of ``module`` whose ``config_class`` is
+    exactly ``config``'s class, or :data:`_BUILT_FROM`'s; task ``part:<ClassName>``."""
+    from transformers import PreTrainedModel
+
+    named = _BUILT_FROM.get(getattr(config, "model_type", None))
+    found = {}
+    for name, cls in vars(module).items():
+        if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)) or cls.__module__ != module.__name__ \
+                or name.endswith("PreTrainedModel"):
+            continue
+        if name == named or getattr(cls, "config_class", None) is type(config):
+            found[f"part:{name}"] = cls
     return found
 
 

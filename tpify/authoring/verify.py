@@ -89,10 +89,11 @@ def _recipe_for(recipe, config):
 def _prepare(spec: Target, tp_sizes: Sequence[int]):
     """``(config, recipe, fed heads, unfed heads)`` of one target, before any rank starts.
 
-    The config is resolved and made small for ``tp_sizes`` (:func:`small_config`; ``spec.shrink``
-    None: for a model_type yes, for a directory or a given config no), the recipe found
-    (:func:`_recipe_for`), the head classes selected and split by whether their ``forward`` takes
-    ``input_ids`` (verify feeds token ids only); the fed ones are built on the meta device and
+    The head classes are selected and split by whether their ``forward`` takes ``input_ids``
+    (verify feeds token ids only; a target none of whose classes does is returned as it is, not
+    made small); the config is resolved and made small for ``tp_sizes`` (:func:`small_config`;
+    ``spec.shrink`` None: for a model_type yes, for a directory or a given config no), the recipe
+    found (:func:`_recipe_for`); the fed ones are built on the meta device and
     refused when larger than the bound (:func:`check_build_size`: ``spec.max_elements``, default
     :data:`MAX_SMALL_ELEMENTS` for a config made small, none for a config used as it is).
 
@@ -101,10 +102,12 @@ def _prepare(spec: Target, tp_sizes: Sequence[int]):
     """
     config = spec.config if spec.config is not None else resolve_config(str(spec.target))
     shrink = spec.shrink if spec.shrink is not None else (spec.config is None and not Path(str(spec.target)).is_dir())
+    fed, unfed = _fed_heads(_select_heads(config, spec.head_classes))  # before shrinking: by class only
+    if not fed:
+        return config, None, fed, unfed
     if shrink:
         config = small_config(config, tuple(tp_sizes))
     recipe = _recipe_for(spec.recipe, config)
-    fed, unfed = _fed_heads(_select_heads(config, spec.head_classes))
     limit = spec.max_elements if spec.max_elements is not None else (MAX_SMALL_ELEMENTS if shrink else None)
     if limit is not None:
         for task, cls in fed:
@@ -122,6 +125,9 @@ def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
     except Exception as e:  # noqa: BLE001 - one target's problem is one failed row
         return [], [Row(label, "-", tp, "setup", None, "-", False, f"{type(e).__name__}: {e}")]
     failed = [Row(label, cls.__name__, tp, "setup", None, "-", False, _unfed_message(cls)) for _, cls in unfed]
+    if not fed and not unfed:
+        failed.append(Row(label, "-", tp, "setup", None, "-", False,
+                          f"not verified: no model class of transformers is built from a {type(config).__name__}"))
     return [_Case(label, cls, task, config, recipe, spec.expert_parallel) for task, cls in fed], failed
 
 
@@ -242,5 +248,6 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
         spec.shrink = not Path(str(target)).is_dir()
     _, _, fed, unfed = _prepare(spec, tp_sizes)  # errors about the target itself are raised, not reported
     if not fed:
-        raise ValueError("; ".join(_unfed_message(cls) for _, cls in unfed))
+        raise ValueError("; ".join(_unfed_message(cls) for _, cls in unfed) or
+                         f"not verified: no model class of transformers is built from {target!r}'s config")
     return verify_many([spec], tp_sizes, timeout_s=timeout_s, progress=progress, memory_limit_gib=memory_limit_gib)
