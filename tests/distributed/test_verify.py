@@ -3,6 +3,9 @@
 * Every recipe of ``tpify.recipe.available_recipes()`` (read at test time, so recipes added
   later are picked up), every head class of its family, on the family's small random config
   (:func:`tpify.authoring.small.small_config`), at tp = 2 in ONE spawned job (tp = 4: slow;
+  qwen3, gemma2 and gemma3_text, the sequence-parallel recipes added last, only in a slow job of
+  their own at tp = 2 with a Llama 3 rope-scaled config, a Mistral-Nemo-style ``head_dim`` and a
+  Gemma 2 softcap that changes the logits, and in the tp = 4 job;
   the mixture-of-experts recipes, those with an ``experts`` rule, in a slow job of their own at
   tp = 2, every head class with tensor-parallel experts and the causal LM again with expert
   parallelism, the router's load-balancing loss in the loss; at tp = 4 their causal LMs with expert
@@ -131,6 +134,56 @@ def _timings(report, tp):
               f"({r.target} {r.head} {r.check})")
 
 
+# Recipes proved only in the slow jobs (the quick suite is at its time limit):
+# test_sequence_parallel_recipes_are_exact_tp2 and test_every_shipped_recipe_is_exact_tp4.
+_SLOW_ONLY = ("qwen3", "gemma2", "gemma3_text")
+
+
+def _without_sequence_parallel(model_type: str) -> dict:
+    """The shipped recipe of ``model_type`` without its ``[sequence_parallel]`` table."""
+    data = _recipe_toml(model_type)
+    data.pop("sequence_parallel", None)
+    return data
+
+
+def _sequence_parallel_variants(tp: int) -> list:
+    """Configs of today's families that the default small configs do not reach, each a causal LM
+    verified with its shipped recipe (sequence parallelism included):
+
+    * ``llama (llama3 rope)``: Llama 3.x's ``rope_type = "llama3"`` frequency scaling (factor 8,
+      original context 16 of the small model's 64 positions, so frequencies are kept, blended
+      and scaled): rotary tables are computed for all heads alike, nothing is per rank;
+    * ``mistral (head_dim 16)``: Mistral-Nemo's explicit ``head_dim`` (here 16, not hidden /
+      heads = 8): q/k/v have heads x 16 output features, o_proj heads x 16 input features, split
+      by whole heads all the same;
+    * ``gemma2 (softcap 0.1)``: ``final_logit_softcapping = 0.1``, well below the small model's
+      logits (about 0.1 to 0.5), so ``cap * tanh(logits / cap)`` changes them (30, the default,
+      barely does; measured on the small model: mean |logit| 0.09, largest 0.45, changed by up
+      to 0.35): the vocab-parallel loss reads the softcapped shard, exact against dense.
+    """
+    llama, mistral, gemma2 = (small_config(resolve_config(m), (tp,)) for m in ("llama", "mistral", "gemma2"))
+    llama.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    mistral.head_dim = 16
+    gemma2.final_logit_softcapping = 0.1
+    return [Target("llama", config=llama, shrink=False, head_classes=["causal-lm"], label="llama (llama3 rope)"),
+            Target("mistral", config=mistral, shrink=False, head_classes=["causal-lm"], label="mistral (head_dim 16)"),
+            Target("gemma2", config=gemma2, shrink=False, head_classes=["causal-lm"], label="gemma2 (softcap 0.1)")]
+
+
+def _check_sequence_parallel(report, labels, tp):
+    """Every row of ``labels`` passed, and each head class has its sequence-parallel gradients row."""
+    problems = []
+    for label in labels:
+        rows = [r for r in report.rows if r.target == label and r.tp == tp]
+        problems += [f"{label} {r.head} {r.check}: {r.max_diff} {r.message}" for r in rows if not r.passed]
+        heads = {r.head for r in rows}
+        sp = {r.head for r in rows if r.check.startswith("sequence parallel: gradients")}
+        if not rows or sp != heads:
+            problems.append(f"{label}: no sequence-parallel gradients for {sorted(heads - sp) or 'any head class'}")
+    assert not problems, "\n".join(problems)
+
+
 def _is_moe(model_type: str) -> bool:
     """A recipe with fused experts (style ``experts``): verified in the slow MoE job, with both
     splits of the experts, except olmoe's causal LM, which the quick job keeps."""
@@ -146,7 +199,7 @@ def tp2_report(tmp_path_factory):
     import verify_models as vm
 
     tmp_path = tmp_path_factory.mktemp("verify")
-    families = [m for m in available_recipes() if not _is_moe(m)]
+    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY]
     # A directory target: its config.json is used as it is (here a small Llama with tied embeddings).
     config = small_config(resolve_config("llama"), (2,))
     config.tie_word_embeddings = True
@@ -156,7 +209,7 @@ def tp2_report(tmp_path_factory):
         Target(str(tmp_path / "llama-tied"), head_classes=["base", "causal-lm"], label="llama-tied directory"),
         Target("gpt2", recipe=_wrong_gpt2_recipe(), head_classes=["causal-lm"], label="gpt2 (c_attn colwise)"),
         Target("llama", recipe=_wrong_llama_recipe(), head_classes=["causal-lm"], label="llama (o_proj replicate)"),
-        Target("gemma2"),
+        Target("gemma2", recipe=_without_sequence_parallel("gemma2")),
         Target("olmoe", head_classes=["causal-lm"], label="olmoe (MoE)"),
         Target("llama", head_classes=[vm.Float64RefusingLlamaModel], config=llama, shrink=False,
                label="llama refusing float64"),
@@ -168,7 +221,7 @@ def tp2_report(tmp_path_factory):
 
 def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tp2_report):
     report = tp2_report
-    families = [m for m in available_recipes() if not _is_moe(m)]
+    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY]
     assert {"gpt2", "bert", "llama"} <= set(families)
     _timings(report, 2)
     _check_families(report, families, 2)
@@ -303,8 +356,29 @@ def test_moe_recipes_are_exact_tp2_with_tensor_and_expert_parallel_experts():
 
 
 @pytest.mark.slow
+def test_sequence_parallel_recipes_are_exact_tp2():
+    """qwen3, gemma2 and gemma3_text (every head class, sequence parallelism included; gemma's
+    scaled embedding and its tied head vocab-parallel, the final logit softcap declared for the
+    loss), and the configs of :func:`_sequence_parallel_variants` (Llama 3 rope scaling,
+    Mistral-Nemo's head_dim, a softcap that bites): ONE spawned job at tp = 2. Gemma's RMSNorm
+    computes its weight's gradient in float32 inside the float64 model (transformers' code): those
+    gradients alone are compared at the float32 tolerance, the row's tolerance saying so
+    (tpify.authoring.reference.float32_parameters); everything else at atol=1e-10, rtol=1e-9."""
+    variants = _sequence_parallel_variants(2)
+    report = verify_many([Target(m) for m in _SLOW_ONLY] + variants, (2,), timeout_s=1500)
+    _timings(report, 2)
+    _check_families(report, list(_SLOW_ONLY), 2)
+    _check_sequence_parallel(report, list(_SLOW_ONLY) + [v.label for v in variants], 2)
+    gemma = [r for r in report.rows if r.target == "gemma2" and r.check.startswith("sequence parallel: gradients")]
+    assert gemma and all("used in float32" in r.tolerance for r in gemma), gemma
+    qwen3 = [r for r in report.rows if r.target == "qwen3" and r.check.startswith("gradients")]
+    assert qwen3 and not any("float32" in r.tolerance for r in qwen3), qwen3  # its norms stay float64
+
+
+@pytest.mark.slow
 def test_every_shipped_recipe_is_exact_tp4():
-    """Every shipped recipe at tp = 4 in ONE spawned job; the MoE ones with expert parallelism
+    """Every shipped recipe at tp = 4 in ONE spawned job (with the configs of
+    :func:`_sequence_parallel_variants`, the sequence-parallel rows checked); the MoE ones with expert parallelism
     (ep_size = 4, their causal LMs: 2 experts per rank, uneven row splits, a rank may receive no
     token), which is what tp = 4 adds over tp = 2 for them (tensor-parallel experts split the
     intermediate dimension as a dense MLP does, proved at tp = 2 above; left out here for the
@@ -317,10 +391,14 @@ def test_every_shipped_recipe_is_exact_tp4():
         except ShrinkError as e:
             print(f"{m} left out at tp = 4: {e}")
     dense = [m for m in families if not _is_moe(m)]
-    report = verify_many([Target(m) for m in dense] + _moe_targets(tensor_parallel=False), (4,), timeout_s=2400)
+    variants = _sequence_parallel_variants(4)
+    report = verify_many([Target(m) for m in dense] + _moe_targets(tensor_parallel=False) + variants, (4,),
+                         timeout_s=2400)
     _timings(report, 4)
     _check_families(report, dense, 4)
     _check_moe(report, 4, tensor_parallel=False)
+    _check_sequence_parallel(report, [m for m in dense if "sequence_parallel" in _recipe_toml(m)]
+                             + [v.label for v in variants], 4)
 
 
 # One family of each group verify could not build before (issue 24 item 6), all exact at tp = 2:

@@ -157,8 +157,8 @@ def test_tied_head_follows_its_embedding():
 def test_parallelize_picks_the_imported_plan_with_a_notice():
     from tpify.api import prepare
 
-    model = _meta("qwen3")
-    with pytest.warns(UserWarning, match=r"^tpify: no shipped recipe for qwen3; using transformers' "
+    model = _meta("olmo2")  # (qwen3 ships a recipe now)
+    with pytest.warns(UserWarning, match=r"^tpify: no shipped recipe for olmo2; using transformers' "
                                          r"base_model_tp_plan \(imported, \d+ rules\)$"):
         size, layout = prepare(model, 1, None, None)
     assert "imported" in layout.recipe.source
