@@ -4,10 +4,12 @@
   fresh compilations; the only graph breaks are the dropout-stream switches of tpify's RNG
   tracker (``get_rng_state``/``set_rng_state``: inductor draws a graph's dropout seeds from the
   global generator when the graph starts, so each TP region must be its own graph to draw from
-  the TP stream); none comes from the loss or the parallel layers.
-* eval mode: the whole model with ``labels=`` compiles with ``fullgraph=True`` (no graph break
-  at all), loss and gradients equal eager, and out-of-range ids or labels raise on every rank
-  (``torch._assert_async`` inside the graph).
+  the TP stream) and the vocab-parallel loss's statistics, which run eagerly
+  (``tpify.loss._outside_graph``: inductor miscompiled the target logit of shards other than
+  rank 0's, a loss off by up to 2.3 nats per token, caught here); none comes from the parallel
+  layers.
+* eval mode: the model with ``labels=`` compiles with that one break, loss and gradients equal
+  eager, and out-of-range ids or labels raise on every rank.
 
 Tolerances: loss atol 1e-5 and gradients atol 1e-5 / rtol 1e-4 (float32; inductor reorders and
 fuses the model's arithmetic; measured differences are about 1e-6 and 1e-7).
@@ -54,12 +56,13 @@ def _body(rank, world):
         compiled = torch.compile(model)
         diffs += [_compare(model, compiled, ids) for ids in batches]
         reasons = list(counters["graph_break"])
-        assert reasons and all("get_rng_state" in r or "set_rng_state" in r for r in reasons), reasons
-        assert not any("tpify" in r for r in reasons), reasons
+        allowed = ("get_rng_state", "set_rng_state", "_outside_graph", "disable")
+        assert reasons and all(any(a in r for a in allowed) for r in reasons), reasons
+        assert not any("tpify" in r and "_outside_graph" not in r and "disable" not in r for r in reasons), reasons
 
     model.eval()
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model)  # one break: the loss's statistics, run eagerly
     diffs += [_compare(model, compiled, ids) for ids in batches]
     errors = []
     bad_ids = batches[0].clone()
@@ -67,7 +70,7 @@ def _body(rank, world):
     bad_labels = batches[0].clone()
     bad_labels[0, 5] = 60000
     for ids, labels in ((bad_ids, None), (batches[0], bad_labels)):
-        with pytest.raises(RuntimeError) as caught:
+        with pytest.raises((RuntimeError, ValueError)) as caught:  # ids: inside the graph; labels: the eager loss
             compiled(ids, labels=labels)
         errors.append(str(caught.value))
     assert "ids must be in [0, 50257)" in errors[0], errors
