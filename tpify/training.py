@@ -248,7 +248,8 @@ def check_replicas(model: nn.Module) -> None:
     every save.
 
     Communication: one ``all_gather_object`` of the digests over the TP group, one over the DP
-    group (under HSDP: over the replicate group instead). Cost: hashing every parameter once on
+    group (under HSDP: over the replicate group instead); with KV heads held by groups of ranks,
+    one over each rank's KV group and one more over the TP group (the problems found). Cost: hashing every parameter once on
     the host.
 
     Raises:
@@ -297,6 +298,8 @@ def check_replicas(model: nn.Module) -> None:
                 for r, v in zip(ranks, values):
                     groups.setdefault(v, []).append(r)
                 problems.append(f"{n} differs between {what} ({', '.join(f'ranks {g}' for g in groups.values())})")
+    if kv_groups:  # a drift inside one KV group is found by its ranks only: every TP rank learns it
+        problems = sorted({p for found in comm.all_gather_objects(problems, tp_group) for p in found})
     if problems:
         raise AgreementError(f"replicated parameters differ across ranks: {problems[:10]}"
                              f"{' ...' if len(problems) > 10 else ''}; the replicas have drifted apart")

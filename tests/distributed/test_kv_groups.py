@@ -10,7 +10,8 @@ by groups of ranks"). One spawned job of 8 gloo ranks runs every check of the ta
   gradient against the dense float64 model, with and without sequence parallelism; one AdamW
   step with clipping by the global norm (the norm equal to the dense one: the replicated rows
   counted once), the replicas identical after it (``check_replicas``), the weights equal to the
-  dense model's; ``save_pretrained`` read back by plain transformers bitwise.
+  dense model's; ``save_pretrained`` read back by plain transformers bitwise and by
+  ``tpify.from_pretrained`` at tp = 8 (the same logits); ``copy.deepcopy`` shares the KV groups.
 * tp = 4, 2 KV heads (groups of 2), Qwen2 (q/k/v biases) on a ``dp = 2 x tp = 4`` mesh: the
   replica groups made for both TP groups; each TP group against the dense model.
 * LoRA on q/k/v/o at tp = 8 with 2 KV heads (groups of 4): every adapter gradient against dense
@@ -134,6 +135,14 @@ def tp8_four_kv_heads_llama(c):
     got = dict(loaded.named_parameters())
     for name, w in trained.items():
         assert torch.equal(got[name], w), f"saved {name} differs from the parallel model's"
+    again = tpify.from_pretrained(c.tmp / "llama-kv4", tp_size=8, torch_dtype=torch.float64)  # each rank its head
+    copied = copy.deepcopy(par)  # shares the groups, the KV replica groups included
+    ids = _ids(6)
+    with torch.no_grad():
+        want = par(ids).logits
+        torch.testing.assert_close(again(ids).logits, want, atol=0, rtol=0, msg="from_pretrained of the save")
+        torch.testing.assert_close(copied(ids).logits, want, atol=0, rtol=0, msg="deepcopy")
+    assert copied.model.layers[0].self_attn.k_proj.replica_group is k_proj.replica_group
 
 
 @_check
