@@ -41,7 +41,8 @@ from .io.reader import check_loaded, materialize
 from .io.save import gather_dense, plan_shards, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
-from .mesh import INFER, agreement_scope, check_dp_group, check_mesh, resolve_groups, resolve_tp_size
+from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, replica_groups,
+                   resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
@@ -149,9 +150,11 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
         check_dp_group(dp_group, tp_group)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-    return size, build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
-                              sequence_parallel=sequence_parallel, lm_loss_chunk=lm_loss_chunk,
-                              ep_size=ep_size)
+    layout = build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
+                          sequence_parallel=sequence_parallel, lm_loss_chunk=lm_loss_chunk, ep_size=ep_size)
+    if mesh is None:
+        check_replica_groups(layout.replica_shards(), tp_group, dp_group)
+    return size, layout
 
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
@@ -169,11 +172,13 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
         agree("tpify.parallelize (the DP group passed as dp_group)",
               {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
                "model class": type(model).__name__}, group=dp_group)
-    ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState())
+    shards = layout.replica_shards()
+    ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
+                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups))
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
-                  mesh=mesh, foreign_shards=foreign_shards(model))
+                  mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups)
     model.tp_info = info
     record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does

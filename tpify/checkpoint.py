@@ -140,11 +140,13 @@ def _parts(key: str, shard_shape: tuple[int, ...], spec: ShardSpec | None, ctx: 
     out, offset, local = [], 0, 0
     for i, (size, (a, b)) in enumerate(zip(spec.parts, spec.ranges(ctx.tp_rank))):
         dense[spec.dim] = size
-        replicated = ctx.tp_size == 1 or i in spec.replicated
-        out.append(_Part(f"{key}{_PART}{i}", tuple(dense), spec.dim, a - offset, b - offset, local, replicated))
+        grouped = i in spec.replicated and spec.replica_group_size < ctx.tp_size  # a KV head per group of ranks
+        replicated = ctx.tp_size == 1 or (i in spec.replicated and not grouped)
+        out.append(_Part(f"{key}{_PART}{i}", tuple(dense), spec.dim, a - offset, b - offset, local, replicated,
+                         not grouped))
         offset += size
         local += b - a
-    return out  # packed parts are unpadded: each split evenly by ShardSpec's own check
+    return out  # packed parts are unpadded: each split evenly by ShardSpec's own check (or KV heads per group)
 
 
 def _dtensor(local: torch.Tensor, part: _Part, ctx: _Context):

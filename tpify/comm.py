@@ -260,8 +260,8 @@ class SharesProcessGroups:
     A ``ProcessGroup`` cannot be copied (nor pickled): it is a connection to the other ranks,
     and a copy of a tensor-parallel module must talk to the same ranks as the original. Every
     tpify object that holds a group (the parallel layers, ``TPInfo``, the model's hooks) copies
-    its attributes as ``copy.deepcopy`` would, with its groups (and DeviceMeshes) entered in the
-    copy's memo as themselves; everything else is copied. So ``copy.deepcopy`` of a parallelized model (or of
+    its attributes as ``copy.deepcopy`` would, with its groups (and DeviceMeshes), held directly or
+    as the values of a dict attribute (the KV replica groups), entered in the copy's memo as themselves; everything else is copied. So ``copy.deepcopy`` of a parallelized model (or of
     one parallel layer: PEFT's ``modules_to_save`` copies the LM head) works and shares the
     groups.
     """
@@ -272,8 +272,9 @@ class SharesProcessGroups:
         from torch.distributed.device_mesh import DeviceMesh
 
         for value in self.__dict__.values():
-            if isinstance(value, (dist.ProcessGroup, DeviceMesh)):  # a mesh holds groups too
-                memo[id(value)] = value
+            for held in (value.values() if isinstance(value, dict) else (value,)):  # {n_kv: group} too
+                if isinstance(held, (dist.ProcessGroup, DeviceMesh)):  # a mesh holds groups too
+                    memo[id(held)] = held
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():

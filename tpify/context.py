@@ -70,15 +70,36 @@ class TPContext(comm.SharesProcessGroups):
             built alone gets its own).
         rng: the model's :class:`~tpify.random.RNGStreamTracker` (or None: no dropout streams).
         state: the model's :class:`CallState`.
+        replica_groups: ``{n_kv: group}``, for each KV head count ``n_kv < size`` the layout
+            replicates over groups of ranks, this rank's group of ``size / n_kv`` consecutive TP
+            ranks (holding the same KV head), made once by :func:`tpify.mesh.replica_groups`.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None,
+                 replica_groups: dict | None = None):
         self.group = group
         self.size = comm.group_size(group)
         self.rank = comm.group_rank(group)
         self.region_input = region_input
         self.rng = rng
         self.state = state if state is not None else CallState()
+        self.replica_groups = dict(replica_groups or {})
+
+    def replica_group(self, shards: int) -> dist.ProcessGroup | None:
+        """The group of ranks holding the same slice of a part replicated as ``shards`` slices
+        (grouped-query K/V with ``shards`` KV heads): the TP group itself for ``shards == 1``.
+
+        Raises:
+            ValueError: ``shards > 1`` and no such group was made (a layer built alone: pass a
+                context from :func:`tpify.parallelize`).
+        """
+        if shards == 1 or self.size == shards:
+            return self.group
+        if shards not in self.replica_groups:
+            raise ValueError(f"a part replicated as {shards} slices over {self.size} TP ranks needs the groups of "
+                             f"{self.size // shards} ranks holding each slice; tpify.parallelize makes them (a layer "
+                             f"built alone has none)")
+        return self.replica_groups[shards]
 
 
 class ModeArgument:

@@ -397,6 +397,8 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     attention = sorted({r.rpartition(".")[0] for r, s in styles.items()
                         if s in ("colwise", "packed_colwise") and inside[r] and _out_features(modules[r]) in widths})
     divisible = list(heads) if attention else []
+    if attention and _kv_rules(modules, styles, rules, attention, heads, hd):
+        divisible.remove(_KV_HEADS)  # tp_size divides the KV heads, or each is held by a group of ranks
     divides, divide_config = forward_reads(modules, attention, config, heads, widths)
     for rel, attrs in divides.items():
         rules.append(({"match": wildcard(rel), "divide": attrs},
@@ -427,6 +429,45 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     source = (f"transformers' tp_plan of {type(model).__name__} (model_type {data['model_type']!r}), imported by "
               f"tpify.hf_plan")
     return ImportedPlan(data, [n for _, n in rules], review, dict(plan), source)
+
+
+_KV_HEADS = "num_key_value_heads"
+_KV_GROUPS = "num_key_value_groups"  # query heads per KV head, read by transformers' attention functions
+
+
+def _kv_rules(modules, styles, rules, attention, heads, hd) -> bool:
+    """Mark the K/V projections' rules with ``kv_heads`` (split by KV heads, or each KV head held by
+    a group of ranks when tp_size is a multiple of them) and add a ``kv_groups`` rule for each
+    attention module holding ``num_key_value_groups``; True when done. Not done (False) when the
+    config has no fewer KV heads than heads, or a rule covering a K/V projection covers another
+    layer too (then tp_size must divide the KV heads, as before)."""
+    kv, n = heads.get(_KV_HEADS), heads.get("num_attention_heads")
+    if not kv or kv == n:
+        return False
+    kv_layers = {r for r, s in styles.items()
+                 if s == "colwise" and r.rpartition(".")[0] in attention and _out_features(modules[r]) == kv * hd}
+    if not kv_layers:
+        return False
+    marked = []
+    for rule, _ in rules:
+        if rule.get("style") != "colwise":
+            continue
+        patterns = rule["match"] if isinstance(rule["match"], list) else [rule["match"]]
+        globs = [_compile_glob(p) for p in patterns]
+        covered = {r for r, s in styles.items() if s == "colwise" and any(g.match(r) for g in globs)}
+        if covered & kv_layers:
+            if not covered <= kv_layers:
+                return False
+            marked.append(rule)
+    for rule in marked:
+        rule["kv_heads"] = _KV_HEADS
+    parents = sorted({wildcard(r.rpartition(".")[0]) for r in kv_layers
+                      if isinstance(getattr(modules[r.rpartition(".")[0]], _KV_GROUPS, None), int)})
+    for parent in parents:
+        rules.append(({"match": parent, "kv_heads": _KV_HEADS, "kv_groups": [_KV_GROUPS]},
+                      f"{_KV_GROUPS} (query heads per KV head) divided where each KV head is held by a group of "
+                      f"ranks"))
+    return True
 
 
 def _tie_heads(model, modules, styles, rules, add_rule):
@@ -482,7 +523,9 @@ def _check_per_head_params(model, modules, styles):
                 if isinstance(own, int) and shape == (own,) and own not in heads.values():
                     continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
                 per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
-                if per_head or any(s in widths for s in shape):
+                # (head_dim,) is one head's width, not all heads', even when a count is 1 (one KV head):
+                # q/k norms over head_dim are the same for every head and stay replicated
+                if per_head or any(s in widths and s != hd for s in shape):
                     raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or "
                                         f"the full projection width), but HF's plan splits the heads of "
                                         f"{parent}'s projections; tpify cannot split such a parameter yet (HF's "

@@ -53,6 +53,8 @@ class TPInfo(SharesProcessGroups):
             or inferred); :mod:`tpify.data_parallel` shards over its data-parallel axes.
         foreign_shards: ``(parameter, spec)`` of the split parameters that modules tpify did not
             build hold (fused experts keep their transformers class; :func:`foreign_shards`).
+        replica_groups: ``{n_kv: group}``: this rank's group of the ranks holding the same KV
+            head, for each KV head count held by groups of ranks (:func:`tpify.mesh.replica_groups`).
             ``copy.deepcopy`` of the model copies them along with this object and puts each spec
             back on the copy (a deep copy of a Parameter drops its attributes, and a shard without
             its spec would count as replicated in the gradient norm and be saved at its local
@@ -72,6 +74,7 @@ class TPInfo(SharesProcessGroups):
     state: object = None
     mesh: object = None
     foreign_shards: list = field(default_factory=list)
+    replica_groups: dict = field(default_factory=dict)
 
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)  # within a model's deepcopy: the copied model's parameters (memo)

@@ -324,10 +324,14 @@ class ColumnParallelLinear(_ParallelLinear):
     ``A_r`` and ``b_r`` and computes ``Y_r = copy(X) A_r + b_r`` (Megatron-LM,
     arXiv:1909.08053, section 3, eq. 3). Packed projections (``partition_sizes``, e.g. GPT-2
     ``c_attn`` = ``[Q | K | V]``) split each part separately so rank ``r`` holds
-    ``[Q_r | K_r | V_r]``. Parts listed in ``replicated_parts`` stay whole on every rank
-    (multi-query attention with one K/V head: rank ``r`` holds ``[Q_r | K | V]``); each rank
-    computes only its query heads' share of their gradient, so the gradients of those rows (and
-    bias entries) are summed over the group in backward (:func:`tpify.comm.sum_grad_ranges`).
+    ``[Q_r | K_r | V_r]``. Parts listed in ``replicated_parts`` are cut into ``replica_shards``
+    slices (KV heads), each held by ``g = tp_size / replica_shards`` consecutive ranks: rank ``r``
+    holds ``[Q_r | K_{r//g} | V_{r//g}]``, the KV head of its query group (grouped-query attention
+    at ``tp_size`` above the KV heads; multi-query attention, one K/V head, is
+    ``replica_shards = 1``: K and V whole on every rank). Each rank computes only its query heads'
+    share of their gradient, so the gradients of those rows (and bias entries) are summed over
+    the ``g`` ranks holding them in backward (:func:`tpify.comm.sum_grad_ranges` over the
+    context's :meth:`~tpify.context.TPContext.replica_group`).
     A padded output (``padded_out_features``, for a vocabulary that ``p`` does not divide)
     carries zero rows that are stripped when the output is gathered.
 
@@ -343,7 +347,7 @@ class ColumnParallelLinear(_ParallelLinear):
         plain synchronous ``copy_to_tp_region`` under ``torch.compile``), shared with the other
         layers of ``region_input`` that read the same tensor (:class:`ColumnParallelInput`: one
         all-reduce of their summed input gradients, not one each); with replicated
-        parts, one more of their weight (and bias) gradient rows. With sequence parallelism
+        parts, one more of their weight (and bias) gradient rows over the replica group. With sequence parallelism
         active: none of its own (the input was all-gathered along ``T`` before the layer, by a
         region entry of ``region_input`` whose one reduce-scatter of the summed input gradients
         the last layer reading it starts, overlapped with its weight gradient).
@@ -351,7 +355,9 @@ class ColumnParallelLinear(_ParallelLinear):
     Raises:
         ValueError: a part of the output features is not divisible by ``tp_size``; a packed
             layer asked to gather its output (the gathered order would not be the dense one);
-            replicated parts that are not indices of some (not all) parts.
+            replicated parts that are not distinct part indices; ``replica_shards`` not dividing
+            ``tp_size`` or a replicated part; ``replica_shards > 1`` without the context's replica
+            groups (a layer built alone).
     """
 
     def __init__(
@@ -365,6 +371,7 @@ class ColumnParallelLinear(_ParallelLinear):
         partition_sizes: list[int] | None = None,
         padded_out_features: int | None = None,
         replicated_parts: tuple[int, ...] = (),
+        replica_shards: int = 1,
         weight_layout: str = "linear",
         sequence_parallel: bool = False,
         context: TPContext | None = None,
@@ -379,10 +386,12 @@ class ColumnParallelLinear(_ParallelLinear):
         # the model's one region entry (layers reading one activation share it), or the layer's own
         self.region_input = self.ctx.region_input if self.ctx.region_input is not None else ColumnParallelInput()
         w_spec, spec = column_specs(out_features, self.tp_size, weight_layout, partition_sizes, padded_out_features,
-                                    tuple(replicated_parts))
-        if gather_output and len(spec.parts) > 1:
+                                    tuple(replicated_parts), replica_shards)
+        if gather_output and (len(spec.parts) > 1 or spec.replicated):
             raise ValueError("a packed ColumnParallelLinear cannot gather its output in dense order")
         replicated = spec.replicated
+        # the ranks holding the same replicated slices (the same KV head), whose partial gradients are summed
+        self.replica_group = self.ctx.replica_group(replica_shards) if replicated else None
         self.out_features_per_partition = spec.local_size
         # (tensor name, dim, local ranges) whose gradients are partial sums (replicated parts)
         self._partial_grads = ([("weight", w_spec.dim, w_spec.replicated_local_ranges()),
@@ -407,7 +416,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self._partial_grads:
             where = [(n, d, r) for n, d, r in self._partial_grads if getattr(self, n) is not None]
             summed = comm.sum_grad_ranges([getattr(self, n) for n, _, _ in where], [(d, r) for _, d, r in where],
-                                          self.tp_group)
+                                          self.replica_group)
             weight, bias = summed[0], (summed[1] if len(summed) > 1 else None)
         if self.sequence_parallel:
             # sequence parallelism: the input was all-gathered along T by the enclosing module's hook

@@ -68,6 +68,9 @@ class Layout:
             ``nn.Embedding`` (``replicate`` included) and every module a parameter style splits
             (``experts``).
         divides: module FQN -> attribute names divided by ``tp_size`` on each rank (head counts).
+        kv_divides: module FQN -> ``(attribute, divisor)`` pairs: query heads per KV head (HF's
+            ``num_key_value_groups``) divided by ``tp_size / kv_heads`` where each KV head is held
+            by a group of ranks (the recipe's ``kv_groups``).
         config_divides: config attribute -> its dense value; divided by ``tp_size`` on the
             parallel model's config (HF code reads some at forward time), written dense on save.
         lm_head: the FQN of the vocabulary-parallel LM head (style ``colwise_rep``), or None.
@@ -104,6 +107,7 @@ class Layout:
     pad_vocab_multiple: int = 1
     modules: dict[str, ModuleLayout] = field(default_factory=dict)
     divides: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    kv_divides: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     config_divides: dict[str, int] = field(default_factory=dict)
     lm_head: str | None = None
     loss_kind: str | None = None
@@ -129,12 +133,20 @@ class Layout:
         replicated), as the styles give them (:attr:`ModuleLayout.specs`)."""
         return {f"{fqn}.{name}": spec for fqn, m in self.modules.items() for name, spec in m.specs.items()}
 
+    def replica_shards(self) -> set[int]:
+        """The KV head counts whose heads are each held by a group of ranks (more than one KV
+        head, fewer than ``tp_size``): the groups :func:`tpify.mesh.replica_groups` makes."""
+        return {m.replica_shards for m in self.modules.values()
+                if m.replicated_parts and 1 < m.replica_shards < self.tp_size}
+
     def digest(self) -> str:
         """A short digest of what decides the per-rank tensors besides ``tp_size`` (which the
         agreement compares on its own, so that a different size is reported as such)."""
-        return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.output_scale,
+        return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.replica_shards,
+                               m.output_scale,
                                m.params, m.expert_parallel) for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
+                            sorted((f, list(a)) for f, a in self.kv_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),
                             sorted(self.head_inputs.items()), self.sequence_parallel, list(self.logit_ops),
                             self.lm_loss_chunk, self.ep_size])
@@ -281,13 +293,15 @@ class _Planner:
                              ep_size=ep_size, coverage_threshold=coverage_threshold(model))
         self.errors: list[str] = []
         self.constraints: list[int] = []  # every count tp_size must divide (for the sizes that would work)
+        self.kv_constraints: list[int] = []  # KV head counts tp_size must divide or be a multiple of
+        self.kv_refused: set[int] = set()  # KV head counts already reported
         self.indivisible: list[str] = []
         self.uncovered: list[str] = []
         self.containers: dict[str, Rule] = {}  # replicated container FQN -> its rule
         self.ctx = PlanContext(model, self.config, recipe, tp_size, pad_vocab_multiple, self.errors,
                                self.need_divisible,
                                lambda rule, out_f, owner, fqn: _packed_sizes(rule, out_f, self.config, owner, fqn,
-                                                                             self.errors), ep_size)
+                                                                             self.errors), ep_size, self.kv_shards)
         self.large_uncovered: list[str] = []
 
     def need_divisible(self, what: str, value: int) -> None:
@@ -298,6 +312,25 @@ class _Planner:
             fewer = (" (fewer than tp_size: each rank must hold whole ones, and tpify does not copy one onto "
                      "several ranks)" if 0 < value < self.tp_size else "")
             self.errors.append(f"{what} = {value} is not divisible by tp_size = {self.tp_size}{fewer}")
+
+    def kv_shards(self, what: str, kv: int):
+        """How ``kv`` KV heads go over ``tp_size`` ranks: None when ``tp_size`` divides them (each
+        rank holds ``kv / tp_size`` heads), ``kv`` when ``tp_size`` is a multiple of them (each head
+        held by a group of ``tp_size / kv`` consecutive ranks: the KV head its query heads read),
+        False (an error recorded) when neither."""
+        self.kv_constraints.append(kv)
+        if kv % self.tp_size == 0:
+            return None
+        if self.tp_size % kv == 0:
+            return kv
+        self.indivisible.append(what)
+        if kv not in self.kv_refused:  # once per KV head count, not once per layer
+            self.kv_refused.add(kv)
+            self.errors.append(f"{what} (and every module with {kv} KV heads): {kv} KV heads at tp_size = "
+                               f"{self.tp_size}: tp_size must divide the KV heads (each rank holds {kv} / tp_size of "
+                               f"them) or be a multiple of them (each KV head held by tp_size / {kv} ranks); "
+                               f"{self.tp_size} is neither")
+        return False
 
     def config_counts(self) -> None:
         """The recipe's ``divisible`` and ``divide_config`` config values."""
@@ -339,6 +372,8 @@ class _Planner:
                 self.need_divisible(f"{fqn}.{attr}", value)
         if rule.divide:
             self.layout.divides[fqn] = self.layout.divides.get(fqn, ()) + rule.divide
+        if rule.kv_groups:
+            self._kv_groups(fqn, module, rule)
         for arg, dim, heads_attr in rule.head_inputs:
             heads = getattr(self.config, heads_attr, None)
             if not isinstance(heads, int) or isinstance(heads, bool):
@@ -352,6 +387,24 @@ class _Planner:
                                    f".forward takes no such argument")
                 continue
             self.layout.head_inputs[fqn] = self.layout.head_inputs.get(fqn, ()) + ((arg, dim, heads),)
+
+    def _kv_groups(self, fqn: str, module: nn.Module, rule: Rule) -> None:
+        """A rule's ``kv_groups``: the module's query heads per KV head, divided by ``tp_size /
+        kv_heads`` where each KV head is held by a group of ranks (each rank then holds one KV
+        head and its ``n / tp_size`` query heads)."""
+        kv = self.ctx.kv_heads(rule, fqn)
+        shards = None if kv is None else self.kv_shards(f"{fqn} ({type(module).__name__}, kv_heads = {rule.kv_heads})",
+                                                        kv)
+        if kv is None or shards is None or shards is False:
+            return
+        factor = self.tp_size // shards
+        for attr in rule.kv_groups:
+            value = getattr(module, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value % factor:
+                self.errors.append(f"{fqn} ({type(module).__name__}): {rule.describe()} divides attribute {attr!r} "
+                                   f"(query heads per KV head) by tp_size / kv_heads = {factor}, but it is {value!r}")
+                return
+        self.layout.kv_divides[fqn] = self.layout.kv_divides.get(fqn, ()) + tuple((a, factor) for a in rule.kv_groups)
 
     def _style_module(self, fqn: str, rel: str, module: nn.Module, styled: list[Rule]) -> None:
         """The one styled rule of a module (or its replicated container's) plans it."""
@@ -454,8 +507,9 @@ class _Planner:
                              f"rank).")
         if errors:
             # The sizes that would work answer a divisibility error only (not an uncovered module).
-            hint = (f" tp sizes that would work for this model: {valid_tp_sizes(*self.constraints)}."
-                    if self.indivisible and self.constraints else "")
+            hint = (f" tp sizes that would work for this model: "
+                    f"{valid_tp_sizes(*self.constraints, kv_heads=self.kv_constraints)}."
+                    if self.indivisible and (self.constraints or self.kv_constraints) else "")
             raise PlanError(f"cannot parallelize {type(self.model).__name__} with recipe {self.recipe.source} at "
                             f"tp_size = {self.tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
         self.layout.unmatched_rules = [r for r in self.recipe.rules if r.index not in self.matched and not r.optional]
@@ -509,7 +563,8 @@ def _split_key(spec) -> tuple | None:
     without padding counts as padded to its own size)."""
     if spec is None:
         return None
-    return spec.dim, spec.parts, spec.tp_size, spec.padded_size or spec.global_size, spec.replicated
+    return (spec.dim, spec.parts, spec.tp_size, spec.padded_size or spec.global_size, spec.replicated,
+            spec.replica_shards)
 
 
 def _tie_conflicts(model: nn.Module, layout: Layout) -> list[str]:

@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 __all__ = ["init_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS", "resolve_tp_size", "INFER", "check_dp_group",
-           "check_mesh", "agreement_scope", "resolve_groups", "host_of_rank", "split_tp_groups"]
+           "check_mesh", "agreement_scope", "resolve_groups", "host_of_rank", "split_tp_groups", "check_replica_groups",
+           "replica_groups"]
 
 #: The default of ``dp_group``: with a ``tp_group`` smaller than the world, find the DP group from
 #: every rank's TP group (``None`` says: no data parallelism).
@@ -294,3 +295,64 @@ def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group=IN
     if tp_groups is None:  # the TP group is the whole world
         return tp_group, None, "none", None
     return tp_group, _infer_dp_group(tp_groups), "inferred", None
+
+
+def check_replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, dp_group) -> None:
+    """Whether :func:`replica_groups` can make the groups a layout's KV heads need (``shards``:
+    the KV head counts held by groups of ranks): it must know every TP group of the world. Local;
+    no collective.
+
+    Raises:
+        ValueError: a ``tp_group`` smaller than the world with ``dp_group`` passed (or None):
+            tpify does not know the other ranks' TP groups; pass ``mesh=``, or ``tp_group`` with
+            ``dp_group="infer"`` (the default).
+    """
+    if not shards or tp_group is None or dp_group == INFER or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size(tp_group) != dist.get_world_size():
+        raise ValueError(f"the layout holds each of {sorted(shards)} KV heads on a group of ranks, whose gradients are "
+                         f"summed over that group: tpify makes these groups once, every rank of the world calling "
+                         f"new_group in the same order, so it must know every TP group; with a tp_group of "
+                         f"{dist.get_world_size(tp_group)} of {dist.get_world_size()} ranks and dp_group={dp_group!r} it "
+                         f"does not. Pass mesh= (tpify.init_mesh), or tp_group= with dp_group='infer' (the default)")
+
+
+_replica_groups: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _tp_group_lists(tp_group: dist.ProcessGroup | None, mesh: DeviceMesh | None,
+                    tp_groups: list | None) -> list[tuple[int, ...]]:
+    """Every TP group of the world, each as its global ranks in TP-rank order (the same list on
+    every rank): the mesh's ``"tp"`` rows, the world itself, or the TP groups the agreement shared."""
+    if mesh is not None:
+        names = list(mesh.mesh_dim_names)
+        grid = mesh.mesh.movedim(names.index("tp"), -1)
+        return [tuple(int(r) for r in row) for row in grid.reshape(-1, grid.shape[-1]).tolist()]
+    size = dist.get_world_size(tp_group)
+    if size == dist.get_world_size():
+        return [tuple(dist.get_global_rank(tp_group, i) if tp_group is not None else i for i in range(size))]
+    return sorted(set(tp_groups))  # new_group sorts its ranks: TP rank order is rank order
+
+
+def replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, mesh: DeviceMesh | None = None,
+                   tp_groups: list | None = None) -> dict[int, dist.ProcessGroup]:
+    """``{n_kv: this rank's group}`` for each KV head count ``n_kv`` in ``shards``: the TP groups cut
+    into groups of ``tp_size / n_kv`` consecutive TP ranks, which hold the same KV head (Megatron-LM's
+    KV-head replication). Made once per enumeration and cached.
+
+    Communication: collective over the world when a group is new (one ``new_subgroups_by_enumeration``
+    per KV head count, every rank listing every group in the same order); none otherwise.
+    """
+    if not shards or not (dist.is_available() and dist.is_initialized()):
+        return {}
+    lists = _tp_group_lists(tp_group, mesh, tp_groups)
+    out = {}
+    for n_kv in sorted(shards):
+        size = len(lists[0])
+        g = size // n_kv
+        enumeration = [list(ranks[i: i + g]) for ranks in lists for i in range(0, size, g)]
+        key = (id(dist.group.WORLD), tuple(tuple(e) for e in enumeration))
+        if key not in _replica_groups:
+            _replica_groups[key], _ = dist.new_subgroups_by_enumeration(enumeration)
+        out[n_kv] = _replica_groups[key]
+    return out

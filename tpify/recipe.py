@@ -53,7 +53,7 @@ from .styles import STYLES as _STYLE_OBJECTS
 __all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
-_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "divide", "head_inputs", "optional", "when", "params"}
+_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "divide", "head_inputs", "optional", "when", "params"}
 _PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule"}
@@ -97,6 +97,12 @@ class Rule:
     replicated_parts: tuple[int, ...] = ()
     head_inputs: tuple[tuple[str, int, str], ...] = ()  # (argument name, head dimension, config head count)
     params: tuple[tuple[str, int, int], ...] = ()  # (parameter name, split dimension, packed parts) of 'experts'
+    # KV heads of the layers (colwise) or of their replicated_parts (packed_colwise): config attribute or
+    # number; held by groups of tp_size / kv_heads ranks when tp_size is a multiple of them
+    kv_heads: str | int | None = None
+    # attributes of the matched module holding query heads per KV head (HF's num_key_value_groups):
+    # divided by tp_size / kv_heads when each KV head is held by a group of ranks
+    kv_groups: tuple[str, ...] = ()
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
     def matches(self, fqn: str) -> bool:
@@ -179,7 +185,7 @@ class Recipe:
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
         return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
-                  r.params) for r in self.rules]
+                  r.params, r.kv_heads, r.kv_groups) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops)])
@@ -305,8 +311,11 @@ class Recipe:
                          f"name, dim = its head dimension (an integer), heads = config attribute of the dense head "
                          f"count }}")
                 head_inputs.append((item["arg"], item["dim"], item["heads"]))
-            if style is None and not divide and not head_inputs:
-                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list (or 'head_inputs')")
+            kv_groups = raw.get("kv_groups", [])
+            if not isinstance(kv_groups, list) or not all(isinstance(d, str) and d for d in kv_groups):
+                fail(f"{where} (match={patterns}): 'kv_groups' must be a list of attribute names")
+            if style is None and not divide and not head_inputs and not kv_groups:
+                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list (or 'head_inputs', 'kv_groups')")
             parts = raw.get("parts")
             if parts is not None:
                 if style != "packed_colwise":
@@ -330,6 +339,17 @@ class Recipe:
                         or len(set(replicated_parts)) != len(replicated_parts) or len(replicated_parts) >= count):
                     fail(f"{where} (match={patterns}): 'replicated_parts' is for style 'packed_colwise': a list of "
                          f"distinct part indices (0-based, below {count}) naming some, not all, of the parts")
+            kv_heads = raw.get("kv_heads")
+            if kv_groups and (style is not None or kv_heads is None):
+                fail(f"{where} (match={patterns}): 'kv_groups' (attributes holding query heads per KV head) needs "
+                     f"'kv_heads' (the KV heads, a config attribute name or a positive integer) and no 'style'")
+            if kv_heads is not None and not kv_groups and (
+                    style not in ("colwise", "packed_colwise") or (style == "packed_colwise" and not replicated_parts)
+                    or not ((isinstance(kv_heads, str) and kv_heads)
+                            or (isinstance(kv_heads, int) and not isinstance(kv_heads, bool) and kv_heads >= 1))):
+                fail(f"{where} (match={patterns}): 'kv_heads' (a config attribute name or a positive integer: the KV "
+                     f"heads of a 'colwise' layer, or of a 'packed_colwise' layer's replicated_parts) is for those "
+                     f"styles only")
             params = _rule_params(raw.get("params"), style, f"{where} (match={patterns})", fail)
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
@@ -339,7 +359,8 @@ class Recipe:
                 fail(f"{where} (match={patterns}): 'when' must be a table of config attribute = value "
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
-                              tuple(replicated_parts), tuple(head_inputs), params))
+                              tuple(replicated_parts), tuple(head_inputs), params, kv_heads=kv_heads,
+                              kv_groups=tuple(kv_groups)))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp)

@@ -9,9 +9,13 @@ section 3):
 * **Packed parts** (GPT-2 ``c_attn`` = ``[Q | K | V]``, grouped-query ``[Q | K | V]`` of
   unequal widths): each part is split separately, so rank ``r`` holds
   ``[Q_r | K_r | V_r]`` and never a contiguous slice of the packed tensor.
-* **Replicated parts** (multi-query attention, one K/V head: ``[Q | K | V]`` with K and V kept
-  whole on every rank): rank ``r`` holds ``[Q_r | K | V]``; the replicated parts' gradients are
-  partial sums per rank (each rank's query heads read them) and are all-reduced by the layer.
+* **Replicated parts** (grouped-query K/V when ``p`` exceeds the KV heads): a part of
+  ``n_kv`` heads (``replica_shards``) is cut into ``n_kv`` slices, one per KV head, each held by
+  a group of ``g = p / n_kv`` consecutive ranks: rank ``r`` holds ``[Q_r | K_{r//g} | V_{r//g}]``,
+  the KV head its query heads read (HF's ``repeat_kv`` order). Multi-query attention (one K/V
+  head) is the case ``n_kv = 1``: K and V whole on every rank. The replicated slices' gradients
+  are partial sums per rank (each rank's query heads read them) and are summed over each group
+  by the layer (Megatron-LM's KV-head replication).
 * **Padded vocabularies**: a dimension of ``V`` rows that ``p`` does not divide is padded up to
   ``padded_size`` (a multiple of ``p``); rank ``r`` holds rows ``[r*Vp/p, (r+1)*Vp/p)`` of the
   padded table, the rows ``>= V`` are zeros that are never read from nor written to a file.
@@ -53,12 +57,17 @@ def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
-def valid_tp_sizes(*values: int, limit: int = 64) -> list[int]:
-    """The tp sizes up to ``limit`` that divide every one of ``values`` (for error messages)."""
+def valid_tp_sizes(*values: int, kv_heads=(), limit: int = 64) -> list[int]:
+    """The tp sizes up to ``limit`` that divide every one of ``values`` and, for each of
+    ``kv_heads``, divide it or are a multiple of it (KV heads held by groups of ranks); for error
+    messages."""
     g = 0
     for v in values:
         g = math.gcd(g, int(v))
-    return [d for d in range(1, min(g, limit) + 1) if g % d == 0] if g else [1]
+    if not g and not kv_heads:
+        return [1]
+    sizes = [d for d in range(1, (min(g, limit) if g else limit) + 1) if not g or g % d == 0]
+    return [d for d in sizes if all(kv % d == 0 or d % kv == 0 for kv in kv_heads)] or [1]
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,12 @@ class ShardSpec:
             part is split in ``tp_size`` equal chunks.
         padded_size: global size after vocab padding, or ``None``. Only for one part.
         tp_size: number of ranks the tensor is split over.
-        replicated: indices of the parts kept whole on every rank (multi-query K/V); not all.
+        replicated: indices of the parts replicated over groups of ranks (grouped-query K/V at
+            ``tp_size`` above the KV heads; multi-query K/V whole on every rank).
+        replica_shards: the slices (KV heads) each replicated part is cut into; each slice is held
+            by :attr:`replica_group_size` consecutive ranks, rank ``r`` holding slice
+            ``r // replica_group_size``. 1: the replicated parts whole on every rank. Must divide
+            ``tp_size`` and every replicated part.
     """
 
     dim: int
@@ -80,18 +94,24 @@ class ShardSpec:
     tp_size: int
     padded_size: int | None = None
     replicated: tuple[int, ...] = ()
+    replica_shards: int = 1
 
     def __post_init__(self):
         if self.padded_size is not None and len(self.parts) != 1:
             raise ValueError("a padded dimension cannot also be packed")
-        if self.replicated and (len(set(self.replicated)) == len(self.parts)
+        if self.replicated and (len(set(self.replicated)) != len(self.replicated)
                                 or not all(0 <= i < len(self.parts) for i in self.replicated)):
-            raise ValueError(f"replicated parts {list(self.replicated)} must be distinct indices of some, not all, "
-                             f"of the {len(self.parts)} parts")
+            raise ValueError(f"replicated parts {list(self.replicated)} must be distinct indices of the "
+                             f"{len(self.parts)} parts")
+        if self.replicated and self.padded_size is not None:
+            raise ValueError("a padded dimension cannot also be replicated")
+        if self.replica_shards < 1 or self.tp_size % self.replica_shards:
+            raise ValueError(f"replica_shards = {self.replica_shards} must divide tp_size = {self.tp_size} (each "
+                             f"replicated slice held by tp_size / replica_shards ranks)")
         if self.padded_size is None:
             for i, size in enumerate(self.parts):
-                if i not in self.replicated:
-                    divide(size, self.tp_size, "a part of the sharded dimension")
+                divide(size, self.replica_shards if i in self.replicated else self.tp_size,
+                       "a part of the sharded dimension")
         elif self.padded_size % self.tp_size or self.padded_size < self.parts[0]:
             raise ValueError(f"padded size {self.padded_size} must be a multiple of {self.tp_size} >= {self.parts[0]}")
 
@@ -107,16 +127,26 @@ class ShardSpec:
             return self.padded_size // self.tp_size
         return sum(self._local_part(i) for i in range(len(self.parts)))
 
+    @property
+    def replica_group_size(self) -> int:
+        """Ranks holding each slice of a replicated part (``tp_size // replica_shards``; the
+        whole group for multi-query K/V); 1 when nothing is replicated."""
+        return self.tp_size // self.replica_shards if self.replicated else 1
+
     def _local_part(self, i: int) -> int:
-        return self.parts[i] if i in self.replicated else self.parts[i] // self.tp_size
+        return self.parts[i] // (self.replica_shards if i in self.replicated else self.tp_size)
+
+    def _slice_of(self, i: int, tp_rank: int) -> int:
+        """Which of part ``i``'s slices rank ``tp_rank`` holds."""
+        return tp_rank // self.replica_group_size if i in self.replicated else tp_rank
 
     def replicated_local_ranges(self) -> list[tuple[int, int]]:
         """``[start, stop)`` ranges, along :attr:`dim` of a rank's shard, of the replicated parts
-        (the same values on every rank); empty when nothing is replicated."""
+        (the same values on every rank of a replica group); empty when nothing is replicated."""
         out, offset = [], 0
         for i in range(len(self.parts)):
             if i in self.replicated:
-                out.append((offset, offset + self.parts[i]))
+                out.append((offset, offset + self._local_part(i)))
             offset += self._local_part(i)
         return out
 
@@ -132,11 +162,8 @@ class ShardSpec:
             return [(start, stop)] if stop > start else []
         out, offset = [], 0
         for i, size in enumerate(self.parts):
-            if i in self.replicated:
-                out.append((offset, offset + size))
-            else:
-                chunk = size // self.tp_size
-                out.append((offset + tp_rank * chunk, offset + (tp_rank + 1) * chunk))
+            chunk, k = self._local_part(i), self._slice_of(i, tp_rank)
+            out.append((offset + k * chunk, offset + (k + 1) * chunk))
             offset += size
         return out
 
@@ -211,10 +238,9 @@ class ShardSpec:
         offset = 0
         for i, size in enumerate(self.parts):
             chunk = self._local_part(i)
-            if i in self.replicated:  # every rank holds it whole; take rank 0's copy
-                pieces.append(shards[0].narrow(self.dim, offset, chunk))
-            else:
-                pieces.extend(shard.narrow(self.dim, offset, chunk) for shard in shards)
+            # a replicated part: the first rank of each replica group holds its slice (copies are equal)
+            holders = shards[:: self.replica_group_size] if i in self.replicated else shards
+            pieces.extend(shard.narrow(self.dim, offset, chunk) for shard in holders)
             offset += chunk
         return torch.cat(pieces, dim=self.dim).contiguous()
 
@@ -224,10 +250,11 @@ class ShardSpec:
 # styles put them in the layout (tpify.styles), LoRA derives its factors' from them.
 
 def column_specs(out_features: int, tp_size: int, weight_layout: str = "linear", parts=None, padded_size=None,
-                 replicated: tuple[int, ...] = ()) -> tuple[ShardSpec, ShardSpec]:
+                 replicated: tuple[int, ...] = (), replica_shards: int = 1) -> tuple[ShardSpec, ShardSpec]:
     """``(weight spec, bias spec)`` of a column-parallel layer (Megatron's ``A = [A_1 ... A_p]``):
     the output features split, each packed part separately, padded to ``padded_size`` (an LM
-    head over a vocabulary ``p`` does not divide), ``replicated`` parts kept whole. The weight is
+    head over a vocabulary ``p`` does not divide), ``replicated`` parts cut into
+    ``replica_shards`` slices held by groups of ranks (grouped-query K/V). The weight is
     split along dim 0 for ``nn.Linear`` (``[out, in]``), dim 1 for ``Conv1D`` (``[in, out]``).
 
     Raises:
@@ -236,8 +263,9 @@ def column_specs(out_features: int, tp_size: int, weight_layout: str = "linear",
     parts = tuple(parts) if parts else (out_features,)
     if sum(parts) != out_features:
         raise ValueError(f"partition_sizes {list(parts)} do not add up to out_features = {out_features}")
-    bias = ShardSpec(0, parts, tp_size, padded_size, tuple(replicated))
-    weight = ShardSpec(0 if weight_layout == "linear" else 1, parts, tp_size, padded_size, tuple(replicated))
+    bias = ShardSpec(0, parts, tp_size, padded_size, tuple(replicated), replica_shards)
+    weight = ShardSpec(0 if weight_layout == "linear" else 1, parts, tp_size, padded_size, tuple(replicated),
+                       replica_shards)
     return weight, bias
 
 
@@ -280,7 +308,7 @@ def lora_factor_spec(base_weight_spec: ShardSpec, base_is_row: bool, in_features
     if base_is_row:
         return "lora_A", ShardSpec(1, (in_features,), base_weight_spec.tp_size)
     spec = base_weight_spec
-    return "lora_B", ShardSpec(0, spec.parts, spec.tp_size, spec.padded_size)
+    return "lora_B", ShardSpec(0, spec.parts, spec.tp_size, spec.padded_size, spec.replicated, spec.replica_shards)
 
 
 def is_dtensor(t) -> bool:

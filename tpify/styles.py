@@ -39,7 +39,10 @@ class ModuleLayout:
     Attributes:
         partition_sizes: global widths of the packed parts (``packed_colwise``), each split alike.
         padded_size: the vocabulary padded to a multiple of ``tp_size`` (vocab-row styles), or None.
-        replicated_parts: indices of packed parts kept whole on every rank (multi-query K/V).
+        replicated_parts: indices of the parts replicated over groups of ranks (the KV parts when
+            ``tp_size`` exceeds the KV heads; multi-query K/V whole on every rank).
+        replica_shards: the KV heads of the replicated parts (each held by ``tp_size /
+            replica_shards`` consecutive ranks); 1 with none, or one KV head.
         output_scale: the constant a scaled-embedding subclass multiplies its output by (the
             recipe's ``[subclasses]``), or None; ``scale_attr`` the module attribute holding it
             (surgery hands the attribute itself, a number or the module's buffer, to the layer).
@@ -58,6 +61,7 @@ class ModuleLayout:
     partition_sizes: list[int] | None = None
     padded_size: int | None = None
     replicated_parts: tuple[int, ...] = ()
+    replica_shards: int = 1
     output_scale: float | None = None
     scale_attr: str | None = None
     specs: dict[str, ShardSpec | None] = field(default_factory=dict)
@@ -87,6 +91,32 @@ class PlanContext:
     need_divisible: Callable[[str, int], None]
     packed_sizes: Callable = None  # (rule, out_features, owner, fqn) -> global part widths or None
     ep_size: int = 1
+    kv_shards: Callable = None  # (what, kv heads) -> None (split) or the KV heads (replicated); False: error
+
+    def kv_placement(self, what: str, kv: int):
+        """How ``kv`` KV heads go over the ranks: None (``tp_size`` divides them: split), ``kv``
+        (``tp_size`` is a multiple of them: each held by ``tp_size / kv`` ranks), False (neither;
+        the error recorded). The planner's :meth:`kv_shards` when given (it reports the legal
+        sizes), else the same rule here."""
+        if self.kv_shards is not None:
+            return self.kv_shards(what, kv)
+        if kv % self.tp_size == 0:
+            return None
+        if self.tp_size % kv == 0:
+            return kv
+        self.errors.append(f"{what}: {kv} KV heads at tp_size = {self.tp_size}: tp_size must divide them or be a "
+                           f"multiple of them")
+        return False
+
+    def kv_heads(self, rule, fqn: str) -> int | None:
+        """The rule's ``kv_heads`` as a number (a config attribute read), or None (an error
+        recorded when the attribute is no positive integer)."""
+        value = rule.kv_heads if not isinstance(rule.kv_heads, str) else getattr(self.config, rule.kv_heads, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            self.errors.append(f"{fqn}: {rule.describe()} reads its KV heads from config.{rule.kv_heads}, which is "
+                               f"{value!r}, not a positive integer")
+            return None
+        return value
 
 
 class Style:
@@ -260,25 +290,37 @@ class _Colwise(Style):
 
     def _sizes(self, ctx, fqn, module, rule, entry):
         _, out_f, _ = dense_dims(module)
+        if rule.kv_heads is not None:  # K/V projections: KV heads split, or each held by a group of ranks
+            kv = ctx.kv_heads(rule, fqn)
+            shards = None if kv is None else ctx.kv_placement(f"{fqn} ({type(module).__name__}, colwise, kv_heads = "
+                                                           f"{rule.kv_heads})", kv)
+            if kv is None or shards is False:  # the error is recorded (the layout is refused); the module is
+                entry.replicated_parts = (0,)  # covered, with specs that hold (whole on every rank)
+                return True
+            if shards is not None:
+                entry.replicated_parts, entry.replica_shards = (0,), shards
+                return True
         ctx.need_divisible(f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f)
         return True
 
     def param_specs(self, module, entry, tp_size):
         _, out_f, layout = dense_dims(module)
         weight, bias = column_specs(out_f, tp_size, layout, entry.partition_sizes, entry.padded_size,
-                                    entry.replicated_parts)
+                                    entry.replicated_parts, entry.replica_shards)
         return {"weight": weight, "bias": bias if module.bias is not None else None}
 
     def build(self, module, entry, ctx):
         return ColumnParallelLinear.from_dense(
             module, ctx.group, gather_output=self.lm_head, partition_sizes=entry.partition_sizes,
             padded_out_features=entry.padded_size, replicated_parts=entry.replicated_parts,
-            sequence_parallel=entry.sequence_parallel, context=ctx)
+            replica_shards=entry.replica_shards, sequence_parallel=entry.sequence_parallel, context=ctx)
 
 
 class _PackedColwise(_Colwise):
     """``packed_colwise``: column-parallel, each packed part (GPT-2's ``[Q | K | V]``, grouped-query
-    parts of unequal widths) split separately; ``replicated_parts`` kept whole (multi-query K/V)."""
+    parts of unequal widths) split separately; ``replicated_parts`` (the K/V parts, of ``kv_heads``
+    heads, 1 by default: multi-query) split by KV heads when ``tp_size`` divides them, else each
+    KV head held by ``tp_size / kv_heads`` ranks (whole on every rank for one KV head)."""
 
     name = "packed_colwise"
 
@@ -289,9 +331,17 @@ class _PackedColwise(_Colwise):
         if sizes is None:
             return False
         entry.partition_sizes = sizes
-        entry.replicated_parts = rule.replicated_parts
+        if rule.replicated_parts:
+            kv = 1 if rule.kv_heads is None else ctx.kv_heads(rule, fqn)
+            shards = None if kv is None else ctx.kv_placement(
+                f"{fqn} ({type(module).__name__}, packed_colwise, parts {list(rule.replicated_parts)} of kv_heads = "
+                f"{1 if rule.kv_heads is None else rule.kv_heads})", kv)
+            if kv is None or shards is False:  # the error is recorded (the layout is refused); the module is
+                entry.replicated_parts = rule.replicated_parts  # covered, with specs that hold
+            elif shards is not None:
+                entry.replicated_parts, entry.replica_shards = rule.replicated_parts, shards
         for i, size in enumerate(sizes):
-            if i not in rule.replicated_parts:
+            if i not in entry.replicated_parts:
                 ctx.need_divisible(f"{fqn} packed part {i} of out_features", size)
         return True
 

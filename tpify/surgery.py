@@ -79,6 +79,10 @@ def _divide(model: nn.Module, layout: Layout) -> None:
         module = model.get_submodule(fqn)
         for attr in attrs:
             setattr(module, attr, getattr(module, attr) // layout.tp_size)
+    for fqn, pairs in layout.kv_divides.items():  # query heads per KV head, where KV heads are replicated
+        module = model.get_submodule(fqn)
+        for attr, divisor in pairs:
+            setattr(module, attr, getattr(module, attr) // divisor)
     config = getattr(model, "config", None)
     for name, dense in layout.config_divides.items():
         setattr(config, name, dense // layout.tp_size)

@@ -167,10 +167,12 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
         if spec.replicated and split:
             raise NotImplementedError(f"tpify: the gradient norm of a packed shard with replicated parts (multi-query "
                                       f"K/V) split by FSDP2 is not supported; parameter of shape {tuple(p.shape)}")
-        # Replicated parts of a packed shard (multi-query K/V) hold the same gradient on every rank.
+        # Replicated parts (K/V) hold the same gradient on each of the replica_group_size ranks holding
+        # their KV head: counted once (multi-query: on every rank alike; else 1/g of it per rank, summed over TP).
         rep = sum((grad.narrow(spec.dim, a, b - a).pow(2).sum() for a, b in spec.replicated_local_ranges()), zero)
-        acc[0] += sq - rep
-        acc[1] += rep
+        whole = spec.replica_group_size == spec.tp_size
+        acc[0] += sq - rep + (0 if whole else rep / spec.replica_group_size)
+        acc[1] += rep if whole else 0
     sharded, replicated = zero.clone(), zero.clone()
     for groups, (part_sharded, part_replicated) in sums.items():
         packed = torch.stack([part_sharded, part_replicated])
@@ -246,7 +248,8 @@ def check_replicas(model: nn.Module) -> None:
     every save.
 
     Communication: one ``all_gather_object`` of the digests over the TP group, one over the DP
-    group (under HSDP: over the replicate group instead). Cost: hashing every parameter once on
+    group (under HSDP: over the replicate group instead); with KV heads held by groups of ranks,
+    one over each rank's KV group and one more over the TP group (the problems found). Cost: hashing every parameter once on
     the host.
 
     Raises:
@@ -257,6 +260,7 @@ def check_replicas(model: nn.Module) -> None:
     tp_group, dp_group = _groups(model)
     specs = param_specs(model)
     digests, replicated = {}, set()
+    kv_groups: dict[int, set] = {}  # KV heads -> names equal within each group of ranks holding one
     copies: dict = {}  # a DP-side group -> names whose local bytes must be equal across it
     for name, p in model.named_parameters():
         digests[name] = _digest(p)
@@ -265,17 +269,23 @@ def check_replicas(model: nn.Module) -> None:
         spec = specs[id(p)]
         if spec is None:
             replicated.add(name)
-        elif spec.replicated:  # the replicated parts of a packed shard (multi-query K/V)
+        elif spec.replicated:  # the replicated parts (K/V): equal on the ranks holding the same KV head
             key = f"{name} (replicated parts)"
             local = _local(p).detach()
             digests[key] = _digest(torch.cat([local.narrow(spec.dim, a, b - a)
                                               for a, b in spec.replicated_local_ranges()], dim=spec.dim))
-            replicated.add(key)
+            if spec.replica_group_size == spec.tp_size:
+                replicated.add(key)
+            else:
+                kv_groups.setdefault(spec.replica_shards, set()).add(key)
             keys.append(key)
         for group in dp_side:
             copies.setdefault(group, set()).update(keys)
     problems = []
     checks = [(tp_group, replicated, "TP ranks")] + [(g, names, "DP replicas") for g, names in copies.items()]
+    info = getattr(model, "tp_info", None)
+    checks += [(info.replica_groups[n], names, f"TP ranks holding the same of {n} KV heads")
+               for n, names in kv_groups.items()]
     for group, names, what in checks:
         if group is None or comm.group_size(group) == 1:  # None: no such group (not the world)
             continue
@@ -288,6 +298,8 @@ def check_replicas(model: nn.Module) -> None:
                 for r, v in zip(ranks, values):
                     groups.setdefault(v, []).append(r)
                 problems.append(f"{n} differs between {what} ({', '.join(f'ranks {g}' for g in groups.values())})")
+    if kv_groups:  # a drift inside one KV group is found by its ranks only: every TP rank learns it
+        problems = sorted({p for found in comm.all_gather_objects(problems, tp_group) for p in found})
     if problems:
         raise AgreementError(f"replicated parameters differ across ranks: {problems[:10]}"
                              f"{' ...' if len(problems) > 10 else ''}; the replicas have drifted apart")

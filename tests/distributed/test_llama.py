@@ -95,13 +95,15 @@ def _bad_kv_body(rank, world):
 
 @pytest.mark.slow
 def test_llama_kv_heads_not_divisible():
-    """6 query heads divide by tp=2, 3 KV heads do not: PlanError on every rank, no hang."""
+    """6 query heads divide by tp=2; 3 KV heads neither divide by 2 nor divide 2 (tp 6 would hold
+    each KV head on 2 ranks): PlanError on every rank, no hang, naming the sizes that work."""
     outcomes = tputil.spawn(_bad_kv_body, 2, expect_errors=True)
     for status, message in outcomes:
         assert status == "error", outcomes
         assert message.startswith("PlanError"), message
-        assert "config.num_key_value_heads (LlamaForCausalLM) = 3 is not divisible by tp_size = 2" in message
-        assert "tp sizes that would work for this model: [1, 3]" in message
+        assert "3 KV heads at tp_size = 2: tp_size must divide the KV heads" in message
+        assert "2 is neither" in message
+        assert "tp sizes that would work for this model: [1, 3, 6]" in message
 
 
 class PackedGQA(nn.Module):

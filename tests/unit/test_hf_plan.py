@@ -126,8 +126,12 @@ def test_imported_recipe_covers_every_head_class(model_type):
         assert linear == set(layout.modules), (cls.__name__, linear ^ set(layout.modules))
         if task == "causal-lm":
             assert layout.lm_head == "lm_head" and layout.loss_kind == "causal"
-            assert recipe.divisible == (("num_attention_heads", "num_key_value_heads")
-                                        if model_type not in ("olmo2",) else ())
+            # K/V rules carry kv_heads (split by KV heads, or each held by a group of ranks) when the
+            # config has fewer KV heads than heads; then tp_size need not divide num_key_value_heads
+            fewer = model.config.num_key_value_heads < model.config.num_attention_heads
+            assert any(r.kv_heads for r in recipe.rules) == (fewer and model_type != "olmo2"), model_type
+            assert recipe.divisible == (() if model_type == "olmo2" else ("num_attention_heads",) if fewer
+                                        else ("num_attention_heads", "num_key_value_heads"))
 
 
 def test_olmo2_attention_and_glm_mlp_are_whole():

@@ -151,13 +151,14 @@ def _raw(name):
 def test_uncovered_modules_do_not_suggest_tp_sizes_and_too_few_kv_heads_say_so():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
-                                         num_key_value_heads=1, intermediate_size=48, vocab_size=101))
+    # tp 6 neither divides 4 KV heads nor is a multiple of them (tp 4 or 12 would hold each on 1 or 3 ranks)
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=48, num_attention_heads=12,
+                                         num_key_value_heads=4, intermediate_size=48, vocab_size=101))
     with pytest.raises(tpify.PlanError) as err:
-        build_layout(model, load_recipe("qwen2"), 2)
+        build_layout(model, load_recipe("qwen2"), 6)
     message = str(err.value)
-    assert "config.num_key_value_heads (Qwen2ForCausalLM) = 1 is not divisible by tp_size = 2 (fewer than tp_size" in message
-    assert "tp sizes that would work for this model: [1]" in message
+    assert "4 KV heads at tp_size = 6: tp_size must divide the KV heads" in message
+    assert "tp sizes that would work for this model: [1, 2, 4, 12]" in message
     raw = {"model_type": "qwen2", "rule": [{"match": "embed_tokens", "style": "embedding_rowwise"}]}
     with pytest.raises(tpify.PlanError) as err:
         build_layout(model, Recipe.from_dict(raw, "partial.toml"), 1)

@@ -270,8 +270,13 @@ def test_replicated_parts_are_located_in_the_shard_and_validated():
     assert spec.replicated_local_ranges() == [(4, 8), (8, 12)]
     assert spec.ranges(3) == [(12, 16), (16, 20), (20, 24)]
     assert ShardSpec(0, (8,), 2).replicated_local_ranges() == []
-    with pytest.raises(ValueError, match="some, not all"):
-        ShardSpec(0, (4, 4), 2, replicated=(0, 1))
-    with pytest.raises(ValueError, match="some, not all"):
+    assert ShardSpec(0, (4, 4), 2, replicated=(0, 1)).ranges(1) == [(0, 4), (4, 8)]  # k_proj alone, 1 KV head
+    with pytest.raises(ValueError, match="distinct indices"):
         ShardSpec(0, (4, 4), 2, replicated=(2,))
     ShardSpec(0, (6, 3, 3), 2, replicated=(1, 2))  # a replicated part need not divide by tp
+    # 2 KV heads over 4 ranks: rank r holds KV head r // 2 (HF's repeat_kv order), its gradient summed per pair
+    grouped = ShardSpec(0, (16, 4, 4), 4, replicated=(1, 2), replica_shards=2)
+    assert [grouped.ranges(r)[1] for r in range(4)] == [(16, 18), (16, 18), (18, 20), (18, 20)]
+    assert grouped.replica_group_size == 2 and grouped.replicated_local_ranges() == [(4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="replica_shards = 3 must divide tp_size = 4"):
+        ShardSpec(0, (12,), 4, replicated=(0,), replica_shards=3)

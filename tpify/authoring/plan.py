@@ -287,6 +287,7 @@ def _module_rows(model, layout, tp_size: int, params: _Params) -> list[dict]:
                "style": entry.style, "partition_sizes": entry.partition_sizes, "padded_size": entry.padded_size,
                "vocab_size": getattr(module, rows_dim) if rows_dim else None,
                "replicated_parts": list(getattr(entry, "replicated_parts", None) or ()) or None,
+               "replica_shards": getattr(entry, "replica_shards", 1),
                "output_scale": getattr(entry, "output_scale", None),
                "split_params": [{"name": n, "dim": 0 if entry.expert_parallel else d, "parts": 1 if entry.expert_parallel
                                  else p} for n, d, p in entry.params] or None,

@@ -77,7 +77,9 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
         if m["partition_sizes"]:
             notes.append(f"parts {m['partition_sizes']}")
         if m["replicated_parts"]:
-            notes.append(f"parts {m['replicated_parts']} whole")
+            kv = m.get("replica_shards", 1)
+            notes.append(f"parts {m['replicated_parts']} whole" if kv == 1 else
+                         f"parts {m['replicated_parts']}: {kv} KV heads, each on a group of ranks")
         if m["padded_size"] and m["padded_size"] != m["vocab_size"]:
             notes.append(f"vocab {m['vocab_size']} padded to {m['padded_size']}")
         if m["output_scale"] is not None:

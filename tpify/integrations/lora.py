@@ -23,6 +23,9 @@ Megatron's layers):
   base reduce-scatters along ``T`` (``r`` values wider); ``B`` then meets ``T/p`` tokens and its
   gradient is summed over the group. The per-call modes the model's hooks pass the base layer
   (:class:`tpify.context.ModeArgument`) are passed to the adapter layer instead.
+* **replicated K/V rows** (a column base holding a KV head on a group of ranks,
+  :mod:`tpify.sharding`): ``B``'s rows there (and their ``lora_bias``, DoRA's magnitude) are
+  replicated like the base's, their gradients summed over the base's replica group in backward.
 * **lora_bias** (PEFT's bias on ``B``): split like the base's bias on a column base (this
   rank's output features), replicated on a row base (added once, after the collective).
 * **DoRA** (Liu et al., arXiv:2402.09353; PEFT's ``use_dora``): ``y = W x + b + (m / n - 1) W x
@@ -161,12 +164,18 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         """Which factor is sharded and how (:func:`tpify.sharding.lora_factor_spec`)."""
         base = self.get_base_layer()
         spec = shard_spec_of(base.weight)
-        if not self.is_row and spec.replicated:
-            raise NotImplementedError(
-                f"tpify LoRA: {type(base).__name__} keeps packed parts {list(spec.replicated)} whole on every rank "
-                f"(multi-query K/V); an adapter on it is not supported. Leave this module out of target_modules "
-                f"(adapt the other projections)")
         return lora_factor_spec(spec, self.is_row, base.in_features)
+
+    def _replica_sums(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (``lora_B``'s weight and bias, DoRA's magnitude: one row per output feature of a
+        column base), their replicated K/V rows' gradients summed over the base's replica group:
+        each rank holding a KV head computes only its query heads' share (as the base's own rows)."""
+        base = self.get_base_layer()
+        spec = shard_spec_of(base.weight)
+        if self.is_row or not spec.replicated:
+            return tensors
+        ranges = spec.replicated_local_ranges()
+        return list(comm.sum_grad_ranges(tensors, [(0, ranges)] * len(tensors), base.replica_group))
 
     def _output_spec(self) -> ShardSpec | None:
         """The spec of a tensor with one value per output feature (``lora_B``'s bias, DoRA's
@@ -274,6 +283,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if partial_grads:
             magnitude, = comm.sum_grad_ranges([magnitude], [(0, [(0, magnitude.shape[0])])],
                                               self.get_base_layer().tp_group)
+        magnitude, = self._replica_sums([magnitude])
         return magnitude / self._weight_norm(adapter)
 
     def _dropout_is_active(self, adapter: str) -> bool:
@@ -327,6 +337,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
             params = [p for p in (lora_b.weight, lora_b.bias) if p is not None]
             if partial_grads:
                 params = comm.sum_grad_ranges(params, [(0, [(0, p.shape[0])]) for p in params], group)
+            params = self._replica_sums(params)
             lora = F.linear(h.to(params[0].dtype), *params)  # (B, T, out_local)
             if a not in self.lora_variant:
                 y = y + lora.to(dtype) * self.scaling[a]
