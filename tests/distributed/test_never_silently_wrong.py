@@ -23,7 +23,6 @@ Tolerances:
 """
 
 import copy
-import os
 from types import SimpleNamespace
 
 import pytest
