@@ -161,6 +161,7 @@ def _negative_body(rank, world):
     return float((tputil.dense_named(par, "grad")[name] - tputil.dense_named(ref, "grad")[name]).abs().max())
 
 
+@pytest.mark.slow  # about 5 s; the quick subset stays under 3 minutes
 def test_pad_vocab_multiple_pads_to_a_gpu_friendly_width_and_strips_it_on_save(tmp_path):
     """``pad_vocab_multiple=64``: GPT-2's vocabulary (101 here) padded to 128 rows at tp = 2 (64 per
     rank, Megatron's make_vocab_size_divisible_by), the tied embedding and LM head alike; logits,

@@ -18,6 +18,7 @@ def _run(code: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter per check: about 5 s
 def test_core_imports_no_cli_and_no_matplotlib():
     loaded = _run("import sys, tpify, tpify.integrations\n"
                   "print(sorted(m for m in sys.modules if m.startswith(('tpify.cli', 'matplotlib'))))")
@@ -27,6 +28,7 @@ def test_core_imports_no_cli_and_no_matplotlib():
     assert loaded.strip() == "False", "matplotlib must be imported only when the loss curve is plotted"
 
 
+@pytest.mark.slow
 def test_python_m_tpify_cli_runs_main():
     """torchrun starts the ranks as ``python -m tpify.cli ...`` (tpify/cli/__main__.py)."""
     out = subprocess.run([sys.executable, "-m", "tpify.cli", "--help"], capture_output=True, text=True)
