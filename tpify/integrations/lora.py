@@ -125,7 +125,6 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         ValueError: LoRA variants other than DoRA, or initialisations that need the whole base
             weight (PiSSA, CorDA, OLoRA, LoftQ, MiCA, EVA, orthogonal, LoRA-GA): not supported on
             a sharded base; DoRA on a vocabulary-padded LM head (its padding rows have norm 0).
-        NotImplementedError: an adapter on a layer with parts kept whole on every rank (MQA K/V).
     """
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, r: int = 0,
@@ -138,6 +137,11 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
             LoraLayer.__init__(self, base_layer, **kwargs)
         base = self.get_base_layer()
         self.is_row = isinstance(base, RowParallelLinear)
+        # The base's replicated K/V rows (a KV head held by a group of ranks), read now: under FSDP2
+        # the base weight later becomes a DTensor without its ShardSpec (adapters come first).
+        spec = shard_spec_of(base.weight)
+        self._replica_ranges = (spec.replicated_local_ranges() if not self.is_row and spec is not None
+                                and spec.replicated else None)
         self.in_features, self.out_features = base.in_features, base.out_features  # dense: init, then slice
         self.fan_in_fan_out = base.weight_layout == "conv1d"
         self._active_adapter = adapter_name
@@ -170,12 +174,10 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         """``tensors`` (``lora_B``'s weight and bias, DoRA's magnitude: one row per output feature of a
         column base), their replicated K/V rows' gradients summed over the base's replica group:
         each rank holding a KV head computes only its query heads' share (as the base's own rows)."""
-        base = self.get_base_layer()
-        spec = shard_spec_of(base.weight)
-        if self.is_row or not spec.replicated:
+        if self._replica_ranges is None:
             return tensors
-        ranges = spec.replicated_local_ranges()
-        return list(comm.sum_grad_ranges(tensors, [(0, ranges)] * len(tensors), base.replica_group))
+        ranges = self._replica_ranges
+        return list(comm.sum_grad_ranges(tensors, [(0, ranges)] * len(tensors), self.get_base_layer().replica_group))
 
     def _output_spec(self) -> ShardSpec | None:
         """The spec of a tensor with one value per output feature (``lora_B``'s bias, DoRA's
