@@ -78,6 +78,6 @@ def _body(rank, world):
     return max(diffs)
 
 
-def test_compiled_model_loss_and_gradients_equal_eager_and_the_loss_has_no_graph_break():
+def test_compiled_model_loss_and_gradients_equal_eager_with_the_loss_statistics_run_eagerly():
     for diff in tputil.spawn(_body, 2, timeout=500):
         print(f"measured: max |compiled loss - eager loss| over 9 batches = {diff:.1e}")
