@@ -409,9 +409,7 @@ def tp2():
     return tputil.spawn(_body, WORLD, timeout=300)
 
 
-def _ok(results, *names):
-    failures = {(rank, n): r[n] for n in names for rank, r in enumerate(results) if r[n] is not None}
-    assert not failures, "\n".join(f"--- rank {rank}, {n} ---\n{tb}" for (rank, n), tb in failures.items())
+_ok = tputil.assert_checks_ok
 
 
 def test_log_probs_equal_dense_log_softmax_gather_with_two_all_reduces(tp2):

@@ -330,9 +330,7 @@ def tp2():
     return tputil.spawn(_body, 2, _TP2, timeout=300)
 
 
-def _ok(results, *names):
-    failures = {(rank, n): r[n] for n in names for rank, r in enumerate(results) if r[n] is not None}
-    assert not failures, "\n".join(f"--- rank {rank}, {n} ---\n{tb}" for (rank, n), tb in failures.items())
+_ok = tputil.assert_checks_ok
 
 
 def test_bf16_autocast_trains_gpt2_bert_and_llama_as_the_dense_model(tp2):

@@ -483,8 +483,7 @@ def job(tmp_path_factory):
 
 
 def _ok(job, name):
-    failures = {rank: checks[name] for rank, (checks, _) in enumerate(job[0]) if checks[name] is not None}
-    assert not failures, "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failures.items())
+    tputil.assert_checks_ok([checks for checks, _ in job[0]], name)
 
 
 @pytest.mark.parametrize("name", ["ddp_x_tp_matches_dense", "fsdp2_x_tp_matches_dense_generates_and_saves",

@@ -227,9 +227,7 @@ def tp2():
     return tputil.spawn(_body, WORLD, timeout=120)
 
 
-def _ok(results, name):
-    failures = {rank: r[name] for rank, r in enumerate(results) if r[name] is not None}
-    assert not failures, "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failures.items())
+_ok = tputil.assert_checks_ok
 
 
 def test_copy_to_tp_region_is_identity_forward_and_sums_gradient_backward(tp2):

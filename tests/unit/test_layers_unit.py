@@ -568,9 +568,7 @@ def tp2():
     return tputil.spawn(_body, WORLD, timeout=120)
 
 
-def _ok(results, *names):
-    failures = {(rank, n): r[n] for n in names for rank, r in enumerate(results) if r[n] is not None}
-    assert not failures, "\n".join(f"--- rank {rank}, {n} ---\n{tb}" for (rank, n), tb in failures.items())
+_ok = tputil.assert_checks_ok
 
 
 def test_column_parallel_linear_matches_dense_with_local_and_gathered_output(tp2):
