@@ -68,10 +68,10 @@ def _moe(kind: str, aux: bool = True):
     return _dense_ref(model.double())
 
 
-def _phi3(kv=2):
+def _phi3(kv=2, seed=0):
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return _dense_ref(Phi3ForCausalLM(Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
                                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
                                                  max_position_embeddings=32, pad_token_id=0)).double())
@@ -173,6 +173,131 @@ def kv_groups_phi3_and_moe_tp4(c):
         _assert_exact(par, ref, _ids(5), f"{label} tp 4, 2 KV heads", aux=label != "phi3", normwise=_normwise(label))
 
 
+# ------------------------------------------------------------------------------------------------
+# DCP checkpoints and FSDP2's gradient norm with KV heads held by groups of ranks.
+
+BATCH, SEQ, BEFORE, AFTER = 4, 8, 2, 2
+TOL = dict(atol=1e-8, rtol=1e-6)  # after AdamW steps (tests/distributed/test_dp_tp_training.py says why)
+
+
+def _kv_dense(kind: str, kv: int = 2, seed: int = 0):
+    if kind == "phi3":
+        return _phi3(kv, seed)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return _dense_ref(LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                                   num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=kv,
+                                                   max_position_embeddings=32)).double())
+
+
+def _batch(step):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _optim(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.25, total_iters=BEFORE + AFTER)
+
+
+def _steps(model, opt, sched, steps, dense=False):
+    """AdamW steps with clipping by the global norm (0.5: below the norms, so clipping acts), the
+    batch split over the DP ranks (tensor-parallel models)."""
+    from tpify.sharding import is_dtensor
+    from tpify.training import clip_grad_norm_, sync_gradients
+
+    if dense:
+        dp, dp_rank = 1, 0
+    else:
+        import tpify
+
+        info = tpify.get_tp_info(model)
+        dp = dist.get_world_size(info.dp_group) if info.dp_group is not None else 1
+        dp_rank = dist.get_rank(info.dp_group) if info.dp_group is not None else 0
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    for step in steps:
+        ids = _batch(step)[rows]
+        model(ids, labels=ids).loss.backward()
+        if dense:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        else:
+            if not any(is_dtensor(p) for p in model.parameters()):  # FSDP2 reduces over DP itself
+                sync_gradients(model)
+            norm = clip_grad_norm_(model, 0.5)
+        assert norm > 0.5, "the test must exercise clipping"
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _assert_dense_equal(got: dict, want: dict, what: str):
+    assert set(got) == set(want), set(got) ^ set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, **TOL, msg=lambda m: f"{what}: {key}: {m}")
+
+
+def _resume(kind, path, tp, fsdp=False):
+    import tpify
+    from tpify.checkpoint import load_checkpoint
+
+    model = tpify.parallelize(_kv_dense(kind, seed=7), tp_size=tp)
+    if fsdp:
+        tpify.shard_data_parallel(model)
+    opt, sched = _optim(model)
+    load_checkpoint(path, model, [opt], [sched])
+    _steps(model, opt, sched, range(BEFORE, BEFORE + AFTER))
+    return tpify.dense_state_dict(model)
+
+
+@_check
+def dcp_kv_groups_resume_at_other_layouts(c):
+    """Llama (k_proj / v_proj: one part, each KV head on 2 ranks) and phi3 (qkv_proj: the K/V
+    packed parts replicated over groups) at tp = 4 with 2 KV heads: saved after 2 steps (DCP's
+    dense-order fallback for the grouped parts), resumed at tp 4, tp 2 (dp 2 inferred), tp 1
+    (dp 4) and into FSDP2 at dp 2 x tp 2, each from a model of another seed; 2 more steps equal
+    the uninterrupted dense run (4 steps, one process), and the uninterrupted tp 4 run too."""
+    import tpify
+    from tpify.checkpoint import save_checkpoint
+
+    for kind in ("llama", "phi3"):
+        ref = _kv_dense(kind)
+        opt, sched = _optim(ref)
+        _steps(ref, opt, sched, range(BEFORE + AFTER), dense=True)
+        want = {k: v.detach() for k, v in ref.state_dict().items()}
+        model = tpify.parallelize(_kv_dense(kind), tp_size=4)
+        opt, sched = _optim(model)
+        _steps(model, opt, sched, range(BEFORE))
+        path = f"{c.tmp}/ckpt-{kind}"
+        save_checkpoint(path, model, [opt], [sched])
+        _steps(model, opt, sched, range(BEFORE, BEFORE + AFTER))
+        _assert_dense_equal(tpify.dense_state_dict(model), want, f"{kind}: uninterrupted tp 4")
+        for tp, fsdp in ((4, False), (2, False), (1, False), (2, True)):
+            _assert_dense_equal(_resume(kind, path, tp, fsdp), want, f"{kind}: resumed at tp {tp} (fsdp={fsdp})")
+
+
+@_check
+def fsdp2_grad_norm_counts_replicated_parts_once(c):
+    """FSDP2 (dp 2) on tp 2 with ONE KV head (multi-query: the K/V rows, or qkv_proj's K/V parts,
+    whole on both TP ranks, their rows split by FSDP2 over DP): the global gradient norm equals
+    the dense model's on the whole batch, clipping gives the dense gradients, and the replicas
+    stay identical after an AdamW step (``check_replicas``)."""
+    import tpify
+    from tpify.training import check_replicas, clip_grad_norm_
+
+    for kind in ("llama", "phi3"):
+        ref = _kv_dense(kind, kv=1)
+        model = tpify.shard_data_parallel(tpify.parallelize(copy.deepcopy(ref), tp_size=2))
+        ids = _batch(0)
+        ref(ids, labels=ids).loss.backward()
+        rows = slice(c.rank // 2 * 2, c.rank // 2 * 2 + 2)  # this DP rank's half of the batch
+        model(ids[rows], labels=ids[rows]).loss.backward()
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        norm = clip_grad_norm_(model, 0.1)
+        torch.testing.assert_close(norm, norm_ref, **F64, msg=f"{kind}: FSDP2 global gradient norm")
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        check_replicas(model)
+
+
 def _body(rank, world, checks, tmp):
     from pathlib import Path
 
@@ -194,3 +319,11 @@ def test_sequence_parallel_experts_at_tp2_are_exact_on_each_tp_group_of_a_dp2_me
 
 def test_kv_heads_held_by_groups_in_phi3_and_moe_recipes_are_exact_at_tp4(tp4):
     tputil.assert_checks_ok(tp4, "kv_groups_phi3_and_moe_tp4")
+
+
+def test_dcp_checkpoint_with_kv_groups_resumes_at_tp4_tp2_tp1_and_fsdp2_as_the_uninterrupted_run(tp4):
+    tputil.assert_checks_ok(tp4, "dcp_kv_groups_resume_at_other_layouts")
+
+
+def test_fsdp2_gradient_norm_counts_replicated_kv_parts_once(tp4):
+    tputil.assert_checks_ok(tp4, "fsdp2_grad_norm_counts_replicated_parts_once")
