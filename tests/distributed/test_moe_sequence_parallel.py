@@ -91,7 +91,7 @@ def _assert_exact(par, ref, ids, what, aux=False, normwise: float | None = None)
         if normwise is None:
             torch.testing.assert_close(got, want, **F64, msg=msg)
         else:
-            err, scale = float((got - want).norm()), float(want.norm())
+            err, scale = float((got - want).detach().norm()), float(want.detach().norm())
             assert err <= normwise * scale, f"{msg}: ||diff|| = {err:.3g} > {normwise:g} * {scale:.3g}"
 
     with torch.no_grad():
@@ -144,6 +144,43 @@ def _sp_experts(c, tp):
             assert any(".mlp.gate." in n for n, _ in ref.named_parameters())
             _assert_exact(par, ref, _ids(2 + ep), f"{kind} tp {tp} ep {ep} sequence parallel", aux=True,
                           normwise=_normwise(kind))
+            if kind == "mixtral":
+                _assert_counts(par, ep > 1, kv_sums=tp > 2)
+
+
+def _assert_counts(par, expert_parallel: bool, kv_sums: bool):
+    """The collectives of one step of the sequence-parallel Mixtral (L = 2 layers, B x T = 2 x 16
+    tokens, H = 32, top k = 2), each counted. Per MoE block, tensor-parallel experts: forward one
+    all-gather (the block's input) and one reduce-scatter (its partial output), as a dense MLP
+    under sequence parallelism; backward their reverses and one all-reduce of the routing
+    weights' gradient (B T k values); the router's weight gradient is NOT all-reduced (complete on
+    every rank: it saw every token). Expert parallelism: the block's output split (no
+    reduce-scatter), its gather's backward a split (no reduce-scatter), the exchange's own
+    all-to-alls and row all-gathers. Besides: per layer the attention's all-gather and
+    reduce-scatter, the first split's and the exit's all-gather, the embedding's all-reduce and the
+    loss's 3 forward; backward the LM head's all-reduce and one per norm of the split stretch
+    (2 L + 1, H values each), and with KV heads held by groups of ranks (tp 4, 2 KV heads) one per
+    K and V weight (a KV head's rows, head_dim x H values)."""
+    from tpify.comm import count_collectives
+
+    layers, tokens, hidden, k = 2, 2 * 16, 32, 2
+    kv = 2 * layers if kv_sums else 0  # k_proj, v_proj: 4 x 32 values each
+    ids = _ids(9)
+    with count_collectives() as fwd:
+        loss = par(ids, labels=ids).loss
+    with count_collectives() as bwd:
+        loss.backward()
+    par.zero_grad()
+    if expert_parallel:
+        assert (fwd["all_gather"], fwd["reduce_scatter"], fwd["all_reduce"]) == (2 * layers + 1 + layers, layers, 4), fwd
+        assert (bwd["all_gather"], bwd["reduce_scatter"], bwd["all_reduce"]) == (
+            2 * layers + 1 + 2 * layers, layers, 1 + 2 * layers + 1 + kv), bwd
+        return
+    assert (fwd["all_gather"], fwd["reduce_scatter"], fwd["all_reduce"]) == (2 * layers + 1, 2 * layers, 4), fwd
+    assert (bwd["all_gather"], bwd["reduce_scatter"], bwd["all_reduce"]) == (
+        2 * layers + 1, 2 * layers, 1 + layers + 2 * layers + 1 + kv), bwd
+    assert bwd["all_reduce_numel"] == (tokens * hidden + layers * tokens * k + (2 * layers + 1) * hidden
+                                       + kv * 4 * hidden), bwd
 
 
 @_check
@@ -154,6 +191,30 @@ def sp_experts_tp4(c):
 @_check
 def sp_experts_tp2_on_dp2_mesh(c):
     _sp_experts(c, 2)
+
+
+@_check
+def sp_refused_where_it_would_be_wrong(c):
+    """qwen2_moe's shared expert (column/row-parallel layers beside the experts, whose output would
+    join the experts' partial sum once per rank) and Mixtral's router jitter noise in training
+    (each rank would draw other noise for the same tokens) are refused, naming the module."""
+    import dataclasses
+
+    import tpify
+    from tpify.recipe import load_recipe
+
+    recipe = load_recipe("qwen2_moe")
+    recipe = dataclasses.replace(recipe, sequence_parallel={"split": "layers.0", "gather": ["layers.*.self_attn", "layers.*.mlp"],
+                                                         "exit": "norm"})
+    with pytest.raises(tpify.PlanError, match=r"MoE block model.layers.0.mlp holds column/row-parallel layers"):
+        tpify.parallelize(_moe("qwen2_moe"), tp_size=4, recipe=recipe, sequence_parallel=True)
+    ref = _moe("mixtral")
+    ref.config.router_jitter_noise = 0.1
+    for layer in ref.model.layers:
+        layer.mlp.jitter_noise = 0.1
+    par = tpify.parallelize(ref, tp_size=4, sequence_parallel=True).train()
+    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock draws router jitter noise"):
+        par(_ids(), labels=_ids())
 
 
 @_check
@@ -327,3 +388,7 @@ def test_dcp_checkpoint_with_kv_groups_resumes_at_tp4_tp2_tp1_and_fsdp2_as_the_u
 
 def test_fsdp2_gradient_norm_counts_replicated_kv_parts_once(tp4):
     tputil.assert_checks_ok(tp4, "fsdp2_grad_norm_counts_replicated_parts_once")
+
+
+def test_sequence_parallelism_is_refused_with_a_shared_expert_and_with_router_jitter(tp4):
+    tputil.assert_checks_ok(tp4, "sp_refused_where_it_would_be_wrong")
