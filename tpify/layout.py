@@ -576,8 +576,10 @@ def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], erro
     and the load-balancing loss are the dense ones) and its experts on them, and the block's
     output is reduce-scattered along ``T`` (:mod:`tpify.hooks.sequence_parallel`). Refused: fused
     experts outside every gathered module (they would see ``T/p`` tokens), two of them in one
-    block, and a column- or row-parallel layer beside them (a shared expert: its output would be
-    added to the experts' partial sum once per rank)."""
+    block, a column- or row-parallel layer beside them (a shared expert: its output would be
+    added to the experts' partial sum once per rank), and a module with parameters that is no
+    router (a router's parameters have one row per expert; a norm before the experts would get a
+    partial gradient from them)."""
     blocks: dict[str, tuple[str, list[str], bool]] = {}
     for fqn, entry in layout.modules.items():
         if entry.style != "experts":
@@ -595,11 +597,21 @@ def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], erro
                             f"partial sum, which a shared expert's output would join once per rank (not supported: "
                             f"run without sequence_parallel)")
             continue
-        container = model.get_submodule(block)
-        routers = [f"{block}.{name}" for name, module in container.named_modules()
-                   if name and f"{block}.{name}" != fqn and not f"{block}.{name}".startswith(fqn + ".")
-                   and any(True for _ in module.parameters(recurse=False))]
-        blocks[block] = (fqn, routers, entry.expert_parallel)
+        container, experts = model.get_submodule(block), model.get_submodule(fqn)
+        count = getattr(experts, entry.params[0][0]).shape[0]  # E: dim 0 of the fused expert weights
+        others = {f"{block}.{name}": module for name, module in container.named_modules()
+                  if name and f"{block}.{name}" != fqn and not f"{block}.{name}".startswith(fqn + ".")
+                  and any(True for _ in module.parameters(recurse=False))}
+        # A router: every parameter one row per expert (its (E, H) weight, a per-expert bias). Another
+        # module with parameters (a norm before the experts) would get a partial gradient from the experts.
+        strangers = sorted(f for f, m in others.items()
+                           if any(p.dim() == 0 or p.shape[0] != count for p in m.parameters(recurse=False)))
+        if strangers:
+            errors.append(f"sequence parallelism: the MoE block {block} holds {strangers} beside its experts {fqn} "
+                          f"and router(s); tpify gathers the block's tokens for a router (parameters of {count} rows, "
+                          f"one per expert) and the experts only (not supported: run without sequence_parallel)")
+            continue
+        blocks[block] = (fqn, sorted(others), entry.expert_parallel)
     return blocks
 
 

@@ -196,8 +196,10 @@ def sp_experts_tp2_on_dp2_mesh(c):
 @_check
 def sp_refused_where_it_would_be_wrong(c):
     """qwen2_moe's shared expert (column/row-parallel layers beside the experts, whose output would
-    join the experts' partial sum once per rank) and Mixtral's router jitter noise in training
-    (each rank would draw other noise for the same tokens) are refused, naming the module."""
+    join the experts' partial sum once per rank), a module with parameters beside the router (a
+    norm before the experts would get a partial gradient from them) and Mixtral's router jitter
+    noise in training (each rank would draw other noise for the same tokens) are refused, naming
+    the module."""
     import dataclasses
 
     import tpify
@@ -208,6 +210,10 @@ def sp_refused_where_it_would_be_wrong(c):
                                                          "exit": "norm"})
     with pytest.raises(tpify.PlanError, match=r"MoE block model.layers.0.mlp holds column/row-parallel layers"):
         tpify.parallelize(_moe("qwen2_moe"), tp_size=4, recipe=recipe, sequence_parallel=True)
+    stranger = _moe("mixtral")
+    stranger.model.layers[1].mlp.pre_norm = torch.nn.LayerNorm(32, dtype=torch.float64)  # a norm beside the router
+    with pytest.raises(tpify.PlanError, match=r"MoE block model.layers.1.mlp holds \['model.layers.1.mlp.pre_norm'\]"):
+        tpify.parallelize(stranger, tp_size=4, sequence_parallel=True)
     ref = _moe("mixtral")
     ref.config.router_jitter_noise = 0.1
     for layer in ref.model.layers:
