@@ -586,8 +586,9 @@ def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], erro
             continue
         block = next((g for g in gathers if fqn.startswith(g + ".")), None)
         if block is None:
-            errors.append(f"sequence parallelism: the fused experts {fqn} lie outside every module of [sequence_parallel] "
-                          f"gather; their tokens would be split along T. Gather the MoE block that holds them")
+            errors.append(f"sequence parallelism: the fused experts {fqn} lie outside every module of "
+                          f"[sequence_parallel] gather; their tokens would be split along T. Gather the MoE block "
+                          f"that holds them")
             continue
         layers = [f for f in layout.region_starts + layout.region_ends if f.startswith(block + ".")]
         if layers or block in blocks:

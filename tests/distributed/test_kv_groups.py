@@ -29,8 +29,6 @@ the KV heads nor is a multiple of them is asserted in tests/unit/test_recipe.py
 """
 
 import copy
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,7 +37,7 @@ import tputil
 
 pytestmark = pytest.mark.slow
 
-F64 = dict(atol=1e-10, rtol=1e-9)
+F64 = tputil.F64
 WEIGHTS = dict(atol=1e-8, rtol=1e-6)  # after an AdamW step (test_dp_tp_training.py says why)
 VOCAB = 61
 
@@ -64,32 +62,6 @@ def _dense_ref(model):
     return model
 
 
-def _assert_exact(par, ref, ids, what, normwise: float | None = None):
-    """Logits, the labels= loss and every gathered gradient of ``par`` equal ``ref``'s: within
-    :data:`F64`, or with ``normwise`` each tensor within ``normwise * ||dense||`` (2-norm)."""
-    def close(got, want, msg):
-        if normwise is None:
-            torch.testing.assert_close(got, want, **F64, msg=msg)
-        else:
-            err, scale = float((got - want).norm()), float(want.norm())
-            assert err <= normwise * scale, f"{msg}: ||diff|| = {err:.3g} > {normwise:g} * {scale:.3g}"
-
-    with torch.no_grad():
-        close(par(ids).logits, ref(ids).logits, f"{what}: logits")
-    loss_ref = ref(ids, labels=ids).loss
-    loss_ref.backward()
-    loss = par(ids, labels=ids).loss
-    loss.backward()
-    close(loss, loss_ref, f"{what}: loss")
-    want = tputil.dense_named(ref, "grad")
-    got = tputil.dense_named(par, "grad")
-    assert set(got) == set(want), set(got) ^ set(want)
-    for name, g in want.items():
-        close(got[name], g, f"{what}: grad {name}")
-    par.zero_grad()
-    ref.zero_grad()
-
-
 _CHECKS = {}
 
 
@@ -109,9 +81,9 @@ def tp8_four_kv_heads_llama(c):
     assert k_proj.weight.shape[0] == 4 and k_proj.replica_group is not None  # one KV head of 4 rows per rank
     assert dist.get_process_group_ranks(k_proj.replica_group) == [c.rank // 2 * 2, c.rank // 2 * 2 + 1]
     assert par.model.layers[0].self_attn.num_key_value_groups == 1  # 1 query head per rank, 1 KV head
-    _assert_exact(par, ref, _ids(), "tp 8, 4 KV heads")
+    tputil.assert_lm_matches_dense(par, ref, _ids(), "tp 8, 4 KV heads")
     sp = tpify.parallelize(copy.deepcopy(ref), tp_size=8, sequence_parallel=True)
-    _assert_exact(sp, ref, _ids(2), "tp 8, 4 KV heads, sequence parallel")
+    tputil.assert_lm_matches_dense(sp, ref, _ids(2), "tp 8, 4 KV heads, sequence parallel")
 
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
@@ -160,7 +132,7 @@ def tp4_two_kv_heads_qwen2_on_a_dp2_mesh(c):
     start = c.rank // 2 * 2
     assert dist.get_process_group_ranks(k_proj.replica_group) == [start, start + 1]
     assert k_proj.bias.shape == (4,)  # the bias rows of this rank's KV head (head_dim 4)
-    _assert_exact(par, ref, _ids(), "tp 4 x dp 2, 2 KV heads")
+    tputil.assert_lm_matches_dense(par, ref, _ids(), "tp 4 x dp 2, 2 KV heads")
 
 
 @_check
@@ -212,18 +184,12 @@ def gemma3_one_kv_head_with_qk_norms(c):
     # difference of one float64 ulp in the order of a sum can flip a float32 rounding (measured
     # 5e-8 relative at most), so each tensor is compared normwise at 1e-6; a KV head on the wrong
     # rank or a missing group sum is wrong by the order of the gradient itself.
-    _assert_exact(par, ref, _ids(5), "gemma3, 1 KV head, q/k norms, tp 8", normwise=1e-6)
-
-
-def _body(rank, world, checks, tmp):
-    from pathlib import Path
-
-    return tputil.run_checks(checks, SimpleNamespace(rank=rank, world=world, tmp=Path(tmp)))
+    tputil.assert_lm_matches_dense(par, ref, _ids(5), "gemma3, 1 KV head, q/k norms, tp 8", normwise=1e-6)
 
 
 @pytest.fixture(scope="module")
 def tp8(tmp_path_factory):
-    return tputil.spawn(_body, 8, _CHECKS, str(tmp_path_factory.mktemp("kv")), timeout=400)
+    return tputil.spawn(tputil.checks_body, 8, _CHECKS, str(tmp_path_factory.mktemp("kv")), timeout=400)
 
 
 def test_tp8_with_four_kv_heads_is_exact_with_sp_clipping_replicas_and_hf_save(tp8):

@@ -25,8 +25,6 @@ rounding is the same on both sides (the same float64 logits in, the same kernel)
 """
 
 import copy
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,7 +33,7 @@ import tputil
 
 pytestmark = pytest.mark.slow
 
-F64 = dict(atol=1e-10, rtol=1e-9)
+F64 = tputil.F64
 VOCAB = 61
 
 
@@ -84,35 +82,6 @@ def _dense_ref(model):
     return model
 
 
-def _assert_exact(par, ref, ids, what, aux=False, normwise: float | None = None):
-    """Logits, the labels= loss (and the aux loss) and every gathered gradient of ``par`` equal
-    ``ref``'s: within :data:`F64`, or with ``normwise`` each tensor within ``normwise * ||dense||``."""
-    def close(got, want, msg):
-        if normwise is None:
-            torch.testing.assert_close(got, want, **F64, msg=msg)
-        else:
-            err, scale = float((got - want).detach().norm()), float(want.detach().norm())
-            assert err <= normwise * scale, f"{msg}: ||diff|| = {err:.3g} > {normwise:g} * {scale:.3g}"
-
-    with torch.no_grad():
-        close(par(ids).logits, ref(ids).logits, f"{what}: logits")
-    out_ref = ref(ids, labels=ids)
-    out_ref.loss.backward()
-    out = par(ids, labels=ids)
-    out.loss.backward()
-    close(out.loss, out_ref.loss, f"{what}: loss")
-    if aux:
-        assert out_ref.aux_loss is not None
-        close(out.aux_loss, out_ref.aux_loss, f"{what}: aux loss")
-    want = tputil.dense_named(ref, "grad")
-    got = tputil.dense_named(par, "grad")
-    assert set(got) == set(want), set(got) ^ set(want)
-    for name, g in want.items():
-        close(got[name], g, f"{what}: grad {name}")
-    par.zero_grad()
-    ref.zero_grad()
-
-
 def _normwise(kind: str) -> float | None:
     """Qwen MoE families normalise in float32 inside a float64 model (their RMSNorms, the q/k norms
     of every head) and cast the router's float32 routing weights back: a float64 sum taken in
@@ -142,8 +111,8 @@ def _sp_experts(c, tp):
                                     sequence_parallel=True, ep_size=ep)
             assert par.tp_info.layout.sequence_parallel["moe_blocks"], "the MoE blocks are gathered"
             assert any(".mlp.gate." in n for n, _ in ref.named_parameters())
-            _assert_exact(par, ref, _ids(2 + ep), f"{kind} tp {tp} ep {ep} sequence parallel", aux=True,
-                          normwise=_normwise(kind))
+            tputil.assert_lm_matches_dense(par, ref, _ids(2 + ep), f"{kind} tp {tp} ep {ep} sequence parallel",
+                                           aux=True, normwise=_normwise(kind))
             if kind == "mixtral":
                 _assert_counts(par, ep > 1, kv_sums=tp > 2)
 
@@ -172,7 +141,7 @@ def _assert_counts(par, expert_parallel: bool, kv_sums: bool):
         loss.backward()
     par.zero_grad()
     if expert_parallel:
-        assert (fwd["all_gather"], fwd["reduce_scatter"], fwd["all_reduce"]) == (2 * layers + 1 + layers, layers, 4), fwd
+        assert (fwd["all_gather"], fwd["reduce_scatter"], fwd["all_reduce"]) == (3 * layers + 1, layers, 4), fwd
         assert (bwd["all_gather"], bwd["reduce_scatter"], bwd["all_reduce"]) == (
             2 * layers + 1 + 2 * layers, layers, 1 + 2 * layers + 1 + kv), bwd
         return
@@ -206,8 +175,8 @@ def sp_refused_where_it_would_be_wrong(c):
     from tpify.recipe import load_recipe
 
     recipe = load_recipe("qwen2_moe")
-    recipe = dataclasses.replace(recipe, sequence_parallel={"split": "layers.0", "gather": ["layers.*.self_attn", "layers.*.mlp"],
-                                                         "exit": "norm"})
+    table = {"split": "layers.0", "gather": ["layers.*.self_attn", "layers.*.mlp"], "exit": "norm"}
+    recipe = dataclasses.replace(recipe, sequence_parallel=table)
     with pytest.raises(tpify.PlanError, match=r"MoE block model.layers.0.mlp holds column/row-parallel layers"):
         tpify.parallelize(_moe("qwen2_moe"), tp_size=4, recipe=recipe, sequence_parallel=True)
     stranger = _moe("mixtral")
@@ -227,17 +196,18 @@ def sp_refused_where_it_would_be_wrong(c):
 def kv_groups_phi3_and_moe_tp4(c):
     import tpify
 
-    for label, build in (("phi3", _phi3), ("qwen2_moe", lambda: _moe("qwen2_moe")), ("mixtral", lambda: _moe("mixtral")),
-                         ("qwen3_moe", lambda: _moe("qwen3_moe"))):
-        ref = build()
+    for label in ("phi3", "qwen2_moe", "mixtral", "qwen3_moe"):
+        ref = _phi3() if label == "phi3" else _moe(label)
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=4)
         attn = par.model.layers[0].self_attn
         if label == "phi3":
-            assert attn.qkv_proj.weight.shape[0] == (2 + 1 + 1) * 4 and attn.num_key_value_heads == 1  # [Q_r | K_h | V_h]
+            assert attn.qkv_proj.weight.shape[0] == (2 + 1 + 1) * 4  # [Q_r | K_h | V_h], head_dim 4
+            assert attn.num_key_value_heads == 1
         else:
             assert attn.k_proj.weight.shape[0] == 4 and attn.k_proj.replica_group is not None
         assert attn.num_key_value_groups == 2  # 2 query heads per rank, one KV head
-        _assert_exact(par, ref, _ids(5), f"{label} tp 4, 2 KV heads", aux=label != "phi3", normwise=_normwise(label))
+        tputil.assert_lm_matches_dense(par, ref, _ids(5), f"{label} tp 4, 2 KV heads", aux=label != "phi3",
+                                       normwise=_normwise(label))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,15 +335,9 @@ def fsdp2_grad_norm_counts_replicated_parts_once(c):
         check_replicas(model)
 
 
-def _body(rank, world, checks, tmp):
-    from pathlib import Path
-
-    return tputil.run_checks(checks, SimpleNamespace(rank=rank, world=world, tmp=Path(tmp)))
-
-
 @pytest.fixture(scope="module")
 def tp4(tmp_path_factory):
-    return tputil.spawn(_body, 4, _CHECKS, str(tmp_path_factory.mktemp("moesp")), timeout=400)
+    return tputil.spawn(tputil.checks_body, 4, _CHECKS, str(tmp_path_factory.mktemp("moesp")), timeout=400)
 
 
 def test_sequence_parallel_experts_at_tp4_are_exact_with_aux_loss_tp_and_ep(tp4):
