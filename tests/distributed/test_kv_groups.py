@@ -187,6 +187,53 @@ def gemma3_one_kv_head_with_qk_norms(c):
     tputil.assert_lm_matches_dense(par, ref, _ids(5), "gemma3, 1 KV head, q/k norms, tp 8", normwise=1e-6)
 
 
+@_check
+def fsdp2_on_dp2_tp4_with_kv_groups(c):
+    """FSDP2 over dp 2 on tp 4 with 2 KV heads (each held by 2 ranks, its rows split again by
+    FSDP2): the global gradient norm equals the dense one (each KV head counted once), the
+    replicas stay identical after an AdamW step, and a DCP checkpoint of it (AdamW state
+    included) resumed at tp 8 (groups of 4) and into FSDP2 at dp 2 x tp 4 holds the same dense
+    weights and the next step gives the same weights."""
+    import tpify
+    from tpify.checkpoint import load_checkpoint, save_checkpoint
+    from tpify.training import check_replicas, clip_grad_norm_
+
+    ref = _dense_ref(_llama(kv=2))
+    par = tpify.shard_data_parallel(tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(4)))
+    ids = _ids(7, shape=(4, 16))
+    ref(ids, labels=ids).loss.backward()
+    rows = slice(c.rank // 4 * 2, c.rank // 4 * 2 + 2)  # this DP rank's half of the batch
+    par(ids[rows], labels=ids[rows]).loss.backward()
+    norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.testing.assert_close(clip_grad_norm_(par, 0.1), norm_ref, **F64, msg="FSDP2 x KV groups: gradient norm")
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
+    opt.step()
+    check_replicas(par)
+    saved = tpify.dense_state_dict(par)
+    save_checkpoint(c.tmp / "fsdp-kv", par, [opt])
+    opt.zero_grad()
+    par(ids[rows], labels=ids[rows]).loss.backward()
+    opt.step()
+    after = tpify.dense_state_dict(par)
+    for tp, fsdp in ((8, False), (4, True)):
+        torch.manual_seed(5)
+        other = tpify.parallelize(_llama(kv=2), mesh=tpify.init_mesh(tp) if fsdp else None,
+                                  tp_size=None if fsdp else tp)
+        if fsdp:
+            tpify.shard_data_parallel(other)
+        other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        load_checkpoint(c.tmp / "fsdp-kv", other, [other_opt])
+        got = tpify.dense_state_dict(other)
+        for name, w in saved.items():
+            torch.testing.assert_close(got[name], w, atol=0, rtol=0, msg=lambda m: f"tp {tp}: {name}: {m}")
+        mine = ids[rows] if fsdp else ids  # tp 8: the whole batch, whose mean FSDP2's DP average equals
+        other(mine, labels=mine).loss.backward()
+        other_opt.step()
+        got = tpify.dense_state_dict(other)
+        for name, w in after.items():
+            torch.testing.assert_close(got[name], w, **WEIGHTS, msg=lambda m: f"tp {tp}, one step on: {name}: {m}")
+
+
 @pytest.fixture(scope="module")
 def tp8(tmp_path_factory):
     return tputil.spawn(tputil.checks_body, 8, _CHECKS, str(tmp_path_factory.mktemp("kv")), timeout=400)
@@ -206,3 +253,7 @@ def test_lora_on_kv_heads_held_by_groups_is_exact_with_and_without_sp(tp8):
 
 def test_one_kv_head_with_qk_norms_is_accepted_and_exact(tp8):
     tputil.assert_checks_ok(tp8, "gemma3_one_kv_head_with_qk_norms")
+
+
+def test_fsdp2_with_kv_groups_has_the_dense_norm_and_its_dcp_checkpoint_resumes_at_tp8_and_fsdp2(tp8):
+    tputil.assert_checks_ok(tp8, "fsdp2_on_dp2_tp4_with_kv_groups")
