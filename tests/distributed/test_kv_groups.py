@@ -18,6 +18,10 @@ by groups of ranks"). One spawned job of 8 gloo ranks runs every check of the ta
   PEFT, with and without sequence parallelism.
 * Gemma 3 with ONE KV head and q/k norms (transformers' own plan, imported): exact at tp = 8
   (it was refused: "holds values for all heads").
+* FSDP2 over dp 2 on tp 4 with 2 KV heads (each KV head's rows split again by FSDP2): the
+  global gradient norm equal to the dense one, the replicas identical after an AdamW step, and
+  its DCP checkpoint resumed at tp 8 and into FSDP2 at dp 2 x tp 4 (weights bitwise; one more
+  step as the saved model's).
 
 Tolerance ``atol=1e-10, rtol=1e-9`` in float64: both sides compute the same sums in another
 order (measured: at most ~1e-16); a KV head on the wrong rank or a missing group sum gives
