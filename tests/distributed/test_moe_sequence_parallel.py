@@ -9,7 +9,8 @@ asserting one:
   tp = 2 (each TP group of a ``dp = 2 x tp = 2`` mesh): logits, the ``labels=`` loss with the
   router's load-balancing loss (``output_router_logits=True``), the aux loss itself and every
   gathered gradient, the router's included, against the dense float64 model; the collectives
-  of one MoE layer counted against sequence parallelism's own budget;
+  of one MoE layer counted against sequence parallelism's own budget; Mixtral at tp = 2 again
+  with gradient checkpointing (the block's hooks run again in the recomputation);
 * refused, naming the module: a shared expert beside the experts (qwen2_moe), a module with
   parameters beside the router, Mixtral's router jitter noise in training;
 * KV heads held by groups of ranks (tp = 4, 2 KV heads) in phi3 (fused ``qkv_proj``: the K/V
@@ -169,7 +170,17 @@ def sp_experts_tp4(c):
 
 @_check
 def sp_experts_tp2_on_dp2_mesh(c):
+    """Also with activation recomputation (transformers' gradient checkpointing: each decoder
+    layer, its MoE block's gather and the router's mask included, runs again in backward)."""
+    import tpify
+
     _sp_experts(c, 2)
+    for ep in (1, 2):
+        ref = _moe("mixtral").train()
+        par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2), sequence_parallel=True, ep_size=ep)
+        par.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        tputil.assert_lm_matches_dense(par.train(), ref, _ids(8), f"mixtral tp 2 ep {ep}, sequence parallel, "
+                                       f"gradient checkpointing", aux=True)
 
 
 @_check
@@ -354,7 +365,7 @@ def test_sequence_parallel_experts_at_tp4_are_exact_with_aux_loss_tp_and_ep(tp4)
     tputil.assert_checks_ok(tp4, "sp_experts_tp4")
 
 
-def test_sequence_parallel_experts_at_tp2_are_exact_on_each_tp_group_of_a_dp2_mesh(tp4):
+def test_sequence_parallel_experts_at_tp2_are_exact_on_each_tp_group_of_a_dp2_mesh_and_recomputed(tp4):
     tputil.assert_checks_ok(tp4, "sp_experts_tp2_on_dp2_mesh")
 
 
