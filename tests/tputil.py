@@ -99,6 +99,49 @@ def dense_named(model, attr: str | None = None) -> dict[str, torch.Tensor]:
     return gather(model, attr)
 
 
+#: float64 comparisons: both sides compute the same sums in another order (~1e-16).
+F64 = dict(atol=1e-10, rtol=1e-9)
+
+
+def assert_lm_matches_dense(par, ref, ids, what: str, normwise: float | None = None, aux: bool = False) -> None:
+    """Logits, the ``labels=`` loss (with ``aux``: the MoE aux loss too) and every gathered gradient
+    of the parallel causal LM ``par`` equal the dense ``ref``'s: within :data:`F64`, or with
+    ``normwise`` each tensor within ``normwise * ||dense||`` (2-norm). Zeroes both models'
+    gradients after. Collective: every rank of the TP group calls it."""
+    def close(got, want, msg):
+        if normwise is None:
+            torch.testing.assert_close(got, want, **F64, msg=msg)
+        else:
+            err, scale = float((got - want).detach().norm()), float(want.detach().norm())
+            assert err <= normwise * scale, f"{msg}: ||diff|| = {err:.3g} > {normwise:g} * {scale:.3g}"
+
+    with torch.no_grad():
+        close(par(ids).logits, ref(ids).logits, f"{what}: logits")
+    out_ref = ref(ids, labels=ids)
+    out_ref.loss.backward()
+    out = par(ids, labels=ids)
+    out.loss.backward()
+    close(out.loss, out_ref.loss, f"{what}: loss")
+    if aux:
+        assert out_ref.aux_loss is not None, f"{what}: the dense model computed no aux loss"
+        close(out.aux_loss, out_ref.aux_loss, f"{what}: aux loss")
+    want = dense_named(ref, "grad")
+    got = dense_named(par, "grad")
+    assert set(got) == set(want), set(got) ^ set(want)
+    for name, g in want.items():
+        close(got[name], g, f"{what}: grad {name}")
+    par.zero_grad()
+    ref.zero_grad()
+
+
+def checks_body(rank: int, world: int, checks: dict, tmp: str) -> dict:
+    """A :func:`spawn` body running ``checks`` (:func:`run_checks`) with a context of ``rank``,
+    ``world`` and ``tmp`` (a directory every rank shares, as a ``Path``)."""
+    from types import SimpleNamespace
+
+    return run_checks(checks, SimpleNamespace(rank=rank, world=world, tmp=Path(tmp)))
+
+
 def ref_lm_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool, num_items=None) -> torch.Tensor:
     """Hugging Face's LM loss semantics computed in the logits' dtype (float64 in tests).
 

@@ -32,12 +32,16 @@ class CallState:
             keeps its output split over the vocabulary.
         head_deferred: the call computes the chunked LM loss (``lm_loss_chunk``): the LM head
             returns its input, and the loss hook computes the loss from it and the head's weight.
+        moe_gathered: the call is inside a mixture-of-experts block whose tokens sequence
+            parallelism gathered: its router runs on every token (its gradient is complete on
+            each rank, not a partial sum), and tensor-parallel experts leave their output a
+            partial sum that the block reduce-scatters (:mod:`tpify.hooks.sequence_parallel`).
 
     A copy of the model (``copy.deepcopy``, PEFT's copy of a module) shares it: calls run one at
     a time, and every copy of a layer must follow the call that runs it.
     """
 
-    __slots__ = ("sequence_active", "logits_sharded", "head_deferred")
+    __slots__ = ("sequence_active", "logits_sharded", "head_deferred", "moe_gathered")
 
     def __init__(self):
         self.reset()
@@ -47,14 +51,15 @@ class CallState:
         self.sequence_active = False
         self.logits_sharded = False
         self.head_deferred = False
+        self.moe_gathered = False
 
-    def snapshot(self) -> tuple[bool, bool, bool]:
+    def snapshot(self) -> tuple[bool, bool, bool, bool]:
         """The state now (for activation recomputation to put back)."""
-        return self.sequence_active, self.logits_sharded, self.head_deferred
+        return self.sequence_active, self.logits_sharded, self.head_deferred, self.moe_gathered
 
-    def restore(self, snapshot: tuple[bool, bool, bool]) -> None:
+    def restore(self, snapshot: tuple[bool, bool, bool, bool]) -> None:
         """Go back to a :meth:`snapshot`."""
-        self.sequence_active, self.logits_sharded, self.head_deferred = snapshot
+        self.sequence_active, self.logits_sharded, self.head_deferred, self.moe_gathered = snapshot
 
     def __deepcopy__(self, memo):
         return self

@@ -70,7 +70,9 @@ class Layout:
         divides: module FQN -> attribute names divided by ``tp_size`` on each rank (head counts).
         kv_divides: module FQN -> ``(attribute, divisor)`` pairs: query heads per KV head (HF's
             ``num_key_value_groups``) divided by ``tp_size / kv_heads`` where each KV head is held
-            by a group of ranks (the recipe's ``kv_groups``).
+            by a group of ranks (the recipe's ``kv_groups``); KV head counts (phi3's
+            ``num_key_value_heads``, the recipe's ``kv_counts``) divided by ``tp_size``, or by
+            ``kv_heads`` where each is held by a group of ranks.
         config_divides: config attribute -> its dense value; divided by ``tp_size`` on the
             parallel model's config (HF code reads some at forward time), written dense on save.
         lm_head: the FQN of the vocabulary-parallel LM head (style ``colwise_rep``), or None.
@@ -86,7 +88,9 @@ class Layout:
             chunked LM-head loss (the head does not run; :mod:`tpify.hooks.lm_loss`); else None.
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
         sequence_parallel: with ``sequence_parallel=True``, the FQNs ``{"split": ..., "gather":
-            [...], "exit": ...}`` of the recipe's ``[sequence_parallel]`` table; else None.
+            [...], "exit": ..., "moe_blocks": {block: (experts, [routers], ep)}}`` of the recipe's
+            ``[sequence_parallel]`` table (``moe_blocks``: the gathered modules holding fused
+            experts); else None.
         head_inputs: module FQN -> ``(argument, dim, dense head count)`` for each forward argument
             that holds one entry per attention head (ALiBi biases built by the base model for
             all heads): each rank gets its own heads' slice.
@@ -372,7 +376,7 @@ class _Planner:
                 self.need_divisible(f"{fqn}.{attr}", value)
         if rule.divide:
             self.layout.divides[fqn] = self.layout.divides.get(fqn, ()) + rule.divide
-        if rule.kv_groups:
+        if rule.kv_groups or rule.kv_counts:
             self._kv_groups(fqn, module, rule)
         for arg, dim, heads_attr in rule.head_inputs:
             heads = getattr(self.config, heads_attr, None)
@@ -391,20 +395,24 @@ class _Planner:
     def _kv_groups(self, fqn: str, module: nn.Module, rule: Rule) -> None:
         """A rule's ``kv_groups``: the module's query heads per KV head, divided by ``tp_size /
         kv_heads`` where each KV head is held by a group of ranks (each rank then holds one KV
-        head and its ``n / tp_size`` query heads)."""
+        head and its ``n / tp_size`` query heads); its ``kv_counts``: the module's KV heads,
+        divided by ``tp_size`` where it divides them, else by ``kv_heads`` (one per rank)."""
         kv = self.ctx.kv_heads(rule, fqn)
         shards = None if kv is None else self.kv_shards(f"{fqn} ({type(module).__name__}, kv_heads = {rule.kv_heads})",
                                                         kv)
-        if kv is None or shards is None or shards is False:
+        if kv is None or shards is False:
             return
-        factor = self.tp_size // shards
-        for attr in rule.kv_groups:
+        pairs = [(attr, self.tp_size, "KV heads") for attr in rule.kv_counts] if shards is None else (
+            [(attr, self.tp_size // shards, "query heads per KV head") for attr in rule.kv_groups]
+            + [(attr, shards, "KV heads") for attr in rule.kv_counts])
+        for attr, divisor, what in pairs:
             value = getattr(module, attr, None)
-            if not isinstance(value, int) or isinstance(value, bool) or value % factor:
+            if not isinstance(value, int) or isinstance(value, bool) or value % divisor:
                 self.errors.append(f"{fqn} ({type(module).__name__}): {rule.describe()} divides attribute {attr!r} "
-                                   f"(query heads per KV head) by tp_size / kv_heads = {factor}, but it is {value!r}")
+                                   f"({what}) by {divisor}, but it is {value!r}")
                 return
-        self.layout.kv_divides[fqn] = self.layout.kv_divides.get(fqn, ()) + tuple((a, factor) for a in rule.kv_groups)
+        if pairs:
+            self.layout.kv_divides[fqn] = self.layout.kv_divides.get(fqn, ()) + tuple((a, d) for a, d, _ in pairs)
 
     def _style_module(self, fqn: str, rel: str, module: nn.Module, styled: list[Rule]) -> None:
         """The one styled rule of a module (or its replicated container's) plans it."""
@@ -550,12 +558,62 @@ def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: l
     if unsupported:
         errors.append("sequence parallelism is not supported with " + "; ".join(
             f"{name} ({style_of(name).sequence_parallel_refusal})" for name in unsupported))
+    moe_blocks = _moe_blocks(model, layout, gathers, errors)
     if errors:
         return None
     for fqn, entry in layout.modules.items():  # a construction fact of these layers (tpify.styles)
         if entry.styler.region is not None and any(fqn.startswith(g + ".") for g in gathers):
             entry.sequence_parallel = True
-    return {"split": out["split"][0], "gather": list(gathers), "exit": out["exit"][0]}
+    return {"split": out["split"][0], "gather": list(gathers), "exit": out["exit"][0], "moe_blocks": moe_blocks}
+
+
+def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], errors: list[str]) -> dict:
+    """The gathered modules that hold fused experts (mixture-of-experts blocks), ``{block FQN:
+    (experts FQN, [router FQNs], expert parallel)}``, the routers being the block's other modules
+    with parameters.
+
+    Under sequence parallelism such a block runs its router on every gathered token (the routing
+    and the load-balancing loss are the dense ones) and its experts on them, and the block's
+    output is reduce-scattered along ``T`` (:mod:`tpify.hooks.sequence_parallel`). Refused: fused
+    experts outside every gathered module (they would see ``T/p`` tokens), two of them in one
+    block, a column- or row-parallel layer beside them (a shared expert: its output would be
+    added to the experts' partial sum once per rank), and a module with parameters that is no
+    router (a router's parameters have one row per expert; a norm before the experts would get a
+    partial gradient from them)."""
+    blocks: dict[str, tuple[str, list[str], bool]] = {}
+    for fqn, entry in layout.modules.items():
+        if entry.style != "experts":
+            continue
+        block = next((g for g in gathers if fqn.startswith(g + ".")), None)
+        if block is None:
+            errors.append(f"sequence parallelism: the fused experts {fqn} lie outside every module of "
+                          f"[sequence_parallel] gather; their tokens would be split along T. Gather the MoE block "
+                          f"that holds them")
+            continue
+        layers = [f for f in layout.region_starts + layout.region_ends if f.startswith(block + ".")]
+        if layers or block in blocks:
+            errors.append(f"sequence parallelism: the MoE block {block} holds "
+                          + (f"column/row-parallel layers {layers[:4]}" if layers else "two fused experts modules")
+                          + f" beside its experts {fqn}; tpify reduce-scatters the block's output as the experts' "
+                            f"partial sum, which a shared expert's output would join once per rank (not supported: "
+                            f"run without sequence_parallel)")
+            continue
+        container, experts = model.get_submodule(block), model.get_submodule(fqn)
+        count = getattr(experts, entry.params[0][0]).shape[0]  # E: dim 0 of the fused expert weights
+        others = {f"{block}.{name}": module for name, module in container.named_modules()
+                  if name and f"{block}.{name}" != fqn and not f"{block}.{name}".startswith(fqn + ".")
+                  and any(True for _ in module.parameters(recurse=False))}
+        # A router: every parameter one row per expert (its (E, H) weight, a per-expert bias). Another
+        # module with parameters (a norm before the experts) would get a partial gradient from the experts.
+        strangers = sorted(f for f, m in others.items()
+                           if any(p.dim() == 0 or p.shape[0] != count for p in m.parameters(recurse=False)))
+        if strangers:
+            errors.append(f"sequence parallelism: the MoE block {block} holds {strangers} beside its experts {fqn} "
+                          f"and router(s); tpify gathers the block's tokens for a router (parameters of {count} rows, "
+                          f"one per expert) and the experts only (not supported: run without sequence_parallel)")
+            continue
+        blocks[block] = (fqn, sorted(others), entry.expert_parallel)
+    return blocks
 
 
 def _split_key(spec) -> tuple | None:

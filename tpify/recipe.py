@@ -53,7 +53,7 @@ from .styles import STYLES as _STYLE_OBJECTS
 __all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
-_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "divide", "head_inputs", "optional", "when", "params"}
+_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "kv_counts", "divide", "head_inputs", "optional", "when", "params"}
 _PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule"}
@@ -103,6 +103,9 @@ class Rule:
     # attributes of the matched module holding query heads per KV head (HF's num_key_value_groups):
     # divided by tp_size / kv_heads when each KV head is held by a group of ranks
     kv_groups: tuple[str, ...] = ()
+    # attributes of the matched module holding its KV heads (phi3's num_key_value_heads): divided by
+    # tp_size when it divides the KV heads, else by kv_heads (each rank then holds one KV head)
+    kv_counts: tuple[str, ...] = ()
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
     def matches(self, fqn: str) -> bool:
@@ -185,7 +188,7 @@ class Recipe:
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
         return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
-                  r.params, r.kv_heads, r.kv_groups) for r in self.rules]
+                  r.params, r.kv_heads, r.kv_groups, r.kv_counts) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops)])
@@ -314,8 +317,12 @@ class Recipe:
             kv_groups = raw.get("kv_groups", [])
             if not isinstance(kv_groups, list) or not all(isinstance(d, str) and d for d in kv_groups):
                 fail(f"{where} (match={patterns}): 'kv_groups' must be a list of attribute names")
-            if style is None and not divide and not head_inputs and not kv_groups:
-                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list (or 'head_inputs', 'kv_groups')")
+            kv_counts = raw.get("kv_counts", [])
+            if not isinstance(kv_counts, list) or not all(isinstance(d, str) and d for d in kv_counts):
+                fail(f"{where} (match={patterns}): 'kv_counts' must be a list of attribute names")
+            if style is None and not divide and not head_inputs and not kv_groups and not kv_counts:
+                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list (or 'head_inputs', 'kv_groups', "
+                     f"'kv_counts')")
             parts = raw.get("parts")
             if parts is not None:
                 if style != "packed_colwise":
@@ -340,10 +347,11 @@ class Recipe:
                     fail(f"{where} (match={patterns}): 'replicated_parts' is for style 'packed_colwise': a list of "
                          f"distinct part indices (0-based, below {count}) naming some, not all, of the parts")
             kv_heads = raw.get("kv_heads")
-            if kv_groups and (style is not None or kv_heads is None):
-                fail(f"{where} (match={patterns}): 'kv_groups' (attributes holding query heads per KV head) needs "
-                     f"'kv_heads' (the KV heads, a config attribute name or a positive integer) and no 'style'")
-            if kv_heads is not None and not kv_groups and (
+            if (kv_groups or kv_counts) and (style is not None or kv_heads is None):
+                fail(f"{where} (match={patterns}): 'kv_groups' (attributes holding query heads per KV head) and "
+                     f"'kv_counts' (attributes holding the KV heads) need 'kv_heads' (the KV heads, a config attribute "
+                     f"name or a positive integer) and no 'style'")
+            if kv_heads is not None and not kv_groups and not kv_counts and (
                     style not in ("colwise", "packed_colwise") or (style == "packed_colwise" and not replicated_parts)
                     or not ((isinstance(kv_heads, str) and kv_heads)
                             or (isinstance(kv_heads, int) and not isinstance(kv_heads, bool) and kv_heads >= 1))):
@@ -360,7 +368,7 @@ class Recipe:
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs), params, kv_heads=kv_heads,
-                              kv_groups=tuple(kv_groups)))
+                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts)))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp)

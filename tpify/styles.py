@@ -397,7 +397,8 @@ class _Experts(Style):
     gradients all-reduced in backward) and all-reduces its output (``g``). With ``ep_size =
     tp_size`` (expert parallelism): every parameter is split along dim 0 instead, rank ``r``
     holds experts ``[r E/p, (r+1) E/p)`` whole (its ``num_experts`` becomes ``E/p``), and the
-    hooks exchange the tokens with all-to-all.
+    hooks exchange the tokens with all-to-all. Under sequence parallelism the MoE block holding
+    the module is gathered (:func:`tpify.layout._moe_blocks`, :mod:`tpify.hooks.sequence_parallel`).
 
     The module must compute a sum over the split dimension (what ``tpify verify`` proves). What
     would count ``p`` times or see a partial sum is refused: a parameter the rule does not name
@@ -408,10 +409,6 @@ class _Experts(Style):
 
     name = "experts"
     kind = "params"
-    sequence_parallel = False
-    sequence_parallel_refusal = ("the router would run on the gathered tokens inside the MoE block, whose input "
-                                 "gradient the gather sums over the ranks, or on T/p tokens, where its load-balancing "
-                                 "loss is not the dense one; not supported yet (docs/parallelize.md)")
 
     def accepts(self, module):
         return module_kind(module) is None

@@ -123,6 +123,21 @@ def _sharded_groups(t: torch.Tensor) -> tuple:
     return tuple(t.device_mesh.get_group(i) for i, placement in enumerate(t.placements) if placement.is_shard())
 
 
+def _replicated_ranges(grad: torch.Tensor, spec) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges, along ``spec.dim`` of this rank's local gradient, of the
+    replicated parts: :meth:`ShardSpec.replicated_local_ranges` for a plain tensor; for FSDP2's
+    DTensor (its TP shard split over DP), those ranges intersected with the rows it holds where
+    FSDP2 splits ``spec.dim`` (other dimensions keep every index of ``spec.dim``)."""
+    ranges = spec.replicated_local_ranges()
+    if not is_dtensor(grad):
+        return ranges
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+    start, stop = offset[spec.dim], offset[spec.dim] + shape[spec.dim]
+    return [(max(a, start) - start, min(b, stop) - start) for a, b in ranges if min(b, stop) > max(a, start)]
+
+
 def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float = 2.0,
                      specs: dict | None = None) -> torch.Tensor:
     """The L2 norm of the dense gradient of ``params``, identical on every rank of ``tp_group``.
@@ -130,7 +145,9 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
     ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: a parameter with a
     :class:`~tpify.sharding.ShardSpec` holds a shard, summed over the TP group; a replicated one
     (and the replicated parts of a packed shard, multi-query K/V) holds the same gradient on every
-    TP rank and is counted once. Padded vocabulary rows have zero gradient. A gradient that
+    TP rank and is counted once (KV heads held by groups of ranks: once per group). Under FSDP2 the
+    replicated parts' rows this rank holds are found from the DTensor's offset along its split
+    dimension. Padded vocabulary rows have zero gradient. A gradient that
     FSDP2 splits over the data-parallel dimension (a DTensor with a ``Shard`` placement) is
     summed over that dimension first, so the norm is that of the dense model under
     ``fully_shard`` too (``torch.nn.utils.clip_grad_norm_`` there sums over the DP dimension only:
@@ -145,8 +162,7 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
     one all-reduce of two values over each data-parallel group the gradients are split over.
 
     Raises:
-        NotImplementedError: ``norm_type`` other than 2; a DTensor gradient of a packed shard with
-            replicated parts (multi-query K/V under FSDP2).
+        NotImplementedError: ``norm_type`` other than 2.
     """
     if norm_type != 2.0:
         raise NotImplementedError("tpify: the tensor-parallel gradient norm supports the L2 norm (norm_type=2) only")
@@ -164,12 +180,10 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
         if spec is None:
             acc[1] += sq
             continue
-        if spec.replicated and split:
-            raise NotImplementedError(f"tpify: the gradient norm of a packed shard with replicated parts (multi-query "
-                                      f"K/V) split by FSDP2 is not supported; parameter of shape {tuple(p.shape)}")
         # Replicated parts (K/V) hold the same gradient on each of the replica_group_size ranks holding
         # their KV head: counted once (multi-query: on every rank alike; else 1/g of it per rank, summed over TP).
-        rep = sum((grad.narrow(spec.dim, a, b - a).pow(2).sum() for a, b in spec.replicated_local_ranges()), zero)
+        # Under FSDP2 this rank holds some rows of them: their squares, summed over DP below.
+        rep = sum((grad.narrow(spec.dim, a, b - a).pow(2).sum() for a, b in _replicated_ranges(p.grad, spec)), zero)
         whole = spec.replica_group_size == spec.tp_size
         acc[0] += sq - rep + (0 if whole else rep / spec.replica_group_size)
         acc[1] += rep if whole else 0
@@ -273,7 +287,7 @@ def check_replicas(model: nn.Module) -> None:
             key = f"{name} (replicated parts)"
             local = _local(p).detach()
             digests[key] = _digest(torch.cat([local.narrow(spec.dim, a, b - a)
-                                              for a, b in spec.replicated_local_ranges()], dim=spec.dim))
+                                              for a, b in _replicated_ranges(p, spec)] or [local[:0]], dim=spec.dim))
             if spec.replica_group_size == spec.tp_size:
                 replicated.add(key)
             else:

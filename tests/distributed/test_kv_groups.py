@@ -18,6 +18,10 @@ by groups of ranks"). One spawned job of 8 gloo ranks runs every check of the ta
   PEFT, with and without sequence parallelism.
 * Gemma 3 with ONE KV head and q/k norms (transformers' own plan, imported): exact at tp = 8
   (it was refused: "holds values for all heads").
+* FSDP2 over dp 2 on tp 4 with 2 KV heads (each KV head's rows split again by FSDP2): the
+  global gradient norm equal to the dense one, the replicas identical after an AdamW step, and
+  its DCP checkpoint resumed at tp 8 and into FSDP2 at dp 2 x tp 4 (weights bitwise; one more
+  step as the saved model's).
 
 Tolerance ``atol=1e-10, rtol=1e-9`` in float64: both sides compute the same sums in another
 order (measured: at most ~1e-16); a KV head on the wrong rank or a missing group sum gives
@@ -29,8 +33,6 @@ the KV heads nor is a multiple of them is asserted in tests/unit/test_recipe.py
 """
 
 import copy
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,7 +41,7 @@ import tputil
 
 pytestmark = pytest.mark.slow
 
-F64 = dict(atol=1e-10, rtol=1e-9)
+F64 = tputil.F64
 WEIGHTS = dict(atol=1e-8, rtol=1e-6)  # after an AdamW step (test_dp_tp_training.py says why)
 VOCAB = 61
 
@@ -64,32 +66,6 @@ def _dense_ref(model):
     return model
 
 
-def _assert_exact(par, ref, ids, what, normwise: float | None = None):
-    """Logits, the labels= loss and every gathered gradient of ``par`` equal ``ref``'s: within
-    :data:`F64`, or with ``normwise`` each tensor within ``normwise * ||dense||`` (2-norm)."""
-    def close(got, want, msg):
-        if normwise is None:
-            torch.testing.assert_close(got, want, **F64, msg=msg)
-        else:
-            err, scale = float((got - want).norm()), float(want.norm())
-            assert err <= normwise * scale, f"{msg}: ||diff|| = {err:.3g} > {normwise:g} * {scale:.3g}"
-
-    with torch.no_grad():
-        close(par(ids).logits, ref(ids).logits, f"{what}: logits")
-    loss_ref = ref(ids, labels=ids).loss
-    loss_ref.backward()
-    loss = par(ids, labels=ids).loss
-    loss.backward()
-    close(loss, loss_ref, f"{what}: loss")
-    want = tputil.dense_named(ref, "grad")
-    got = tputil.dense_named(par, "grad")
-    assert set(got) == set(want), set(got) ^ set(want)
-    for name, g in want.items():
-        close(got[name], g, f"{what}: grad {name}")
-    par.zero_grad()
-    ref.zero_grad()
-
-
 _CHECKS = {}
 
 
@@ -109,9 +85,9 @@ def tp8_four_kv_heads_llama(c):
     assert k_proj.weight.shape[0] == 4 and k_proj.replica_group is not None  # one KV head of 4 rows per rank
     assert dist.get_process_group_ranks(k_proj.replica_group) == [c.rank // 2 * 2, c.rank // 2 * 2 + 1]
     assert par.model.layers[0].self_attn.num_key_value_groups == 1  # 1 query head per rank, 1 KV head
-    _assert_exact(par, ref, _ids(), "tp 8, 4 KV heads")
+    tputil.assert_lm_matches_dense(par, ref, _ids(), "tp 8, 4 KV heads")
     sp = tpify.parallelize(copy.deepcopy(ref), tp_size=8, sequence_parallel=True)
-    _assert_exact(sp, ref, _ids(2), "tp 8, 4 KV heads, sequence parallel")
+    tputil.assert_lm_matches_dense(sp, ref, _ids(2), "tp 8, 4 KV heads, sequence parallel")
 
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
@@ -160,7 +136,7 @@ def tp4_two_kv_heads_qwen2_on_a_dp2_mesh(c):
     start = c.rank // 2 * 2
     assert dist.get_process_group_ranks(k_proj.replica_group) == [start, start + 1]
     assert k_proj.bias.shape == (4,)  # the bias rows of this rank's KV head (head_dim 4)
-    _assert_exact(par, ref, _ids(), "tp 4 x dp 2, 2 KV heads")
+    tputil.assert_lm_matches_dense(par, ref, _ids(), "tp 4 x dp 2, 2 KV heads")
 
 
 @_check
@@ -212,18 +188,59 @@ def gemma3_one_kv_head_with_qk_norms(c):
     # difference of one float64 ulp in the order of a sum can flip a float32 rounding (measured
     # 5e-8 relative at most), so each tensor is compared normwise at 1e-6; a KV head on the wrong
     # rank or a missing group sum is wrong by the order of the gradient itself.
-    _assert_exact(par, ref, _ids(5), "gemma3, 1 KV head, q/k norms, tp 8", normwise=1e-6)
+    tputil.assert_lm_matches_dense(par, ref, _ids(5), "gemma3, 1 KV head, q/k norms, tp 8", normwise=1e-6)
 
 
-def _body(rank, world, checks, tmp):
-    from pathlib import Path
+@_check
+def fsdp2_on_dp2_tp4_with_kv_groups(c):
+    """FSDP2 over dp 2 on tp 4 with 2 KV heads (each held by 2 ranks, its rows split again by
+    FSDP2): the global gradient norm equals the dense one (each KV head counted once), the
+    replicas stay identical after an AdamW step, and a DCP checkpoint of it (AdamW state
+    included) resumed at tp 8 (groups of 4) and into FSDP2 at dp 2 x tp 4 holds the same dense
+    weights and the next step gives the same weights."""
+    import tpify
+    from tpify.checkpoint import load_checkpoint, save_checkpoint
+    from tpify.training import check_replicas, clip_grad_norm_
 
-    return tputil.run_checks(checks, SimpleNamespace(rank=rank, world=world, tmp=Path(tmp)))
+    ref = _dense_ref(_llama(kv=2))
+    par = tpify.shard_data_parallel(tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(4)))
+    ids = _ids(7, shape=(4, 16))
+    ref(ids, labels=ids).loss.backward()
+    rows = slice(c.rank // 4 * 2, c.rank // 4 * 2 + 2)  # this DP rank's half of the batch
+    par(ids[rows], labels=ids[rows]).loss.backward()
+    norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.testing.assert_close(clip_grad_norm_(par, 0.1), norm_ref, **F64, msg="FSDP2 x KV groups: gradient norm")
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
+    opt.step()
+    check_replicas(par)
+    saved = tpify.dense_state_dict(par)
+    save_checkpoint(c.tmp / "fsdp-kv", par, [opt])
+    opt.zero_grad()
+    par(ids[rows], labels=ids[rows]).loss.backward()
+    opt.step()
+    after = tpify.dense_state_dict(par)
+    for tp, fsdp in ((8, False), (4, True)):
+        torch.manual_seed(5)
+        other = tpify.parallelize(_llama(kv=2), mesh=tpify.init_mesh(tp) if fsdp else None,
+                                  tp_size=None if fsdp else tp)
+        if fsdp:
+            tpify.shard_data_parallel(other)
+        other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        load_checkpoint(c.tmp / "fsdp-kv", other, [other_opt])
+        got = tpify.dense_state_dict(other)
+        for name, w in saved.items():
+            torch.testing.assert_close(got[name], w, atol=0, rtol=0, msg=lambda m: f"tp {tp}: {name}: {m}")
+        mine = ids[rows] if fsdp else ids  # tp 8: the whole batch, whose mean FSDP2's DP average equals
+        other(mine, labels=mine).loss.backward()
+        other_opt.step()
+        got = tpify.dense_state_dict(other)
+        for name, w in after.items():
+            torch.testing.assert_close(got[name], w, **WEIGHTS, msg=lambda m: f"tp {tp}, one step on: {name}: {m}")
 
 
 @pytest.fixture(scope="module")
 def tp8(tmp_path_factory):
-    return tputil.spawn(_body, 8, _CHECKS, str(tmp_path_factory.mktemp("kv")), timeout=400)
+    return tputil.spawn(tputil.checks_body, 8, _CHECKS, str(tmp_path_factory.mktemp("kv")), timeout=400)
 
 
 def test_tp8_with_four_kv_heads_is_exact_with_sp_clipping_replicas_and_hf_save(tp8):
@@ -240,3 +257,7 @@ def test_lora_on_kv_heads_held_by_groups_is_exact_with_and_without_sp(tp8):
 
 def test_one_kv_head_with_qk_norms_is_accepted_and_exact(tp8):
     tputil.assert_checks_ok(tp8, "gemma3_one_kv_head_with_qk_norms")
+
+
+def test_fsdp2_with_kv_groups_has_the_dense_norm_and_its_dcp_checkpoint_resumes_at_tp8_and_fsdp2(tp8):
+    tputil.assert_checks_ok(tp8, "fsdp2_on_dp2_tp4_with_kv_groups")

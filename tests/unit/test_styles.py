@@ -108,7 +108,7 @@ STYLE_FACTS = {  # name: (kind, region, lm_head, vocab_rows, sequence_parallel, 
     "rowwise": ("linear", "end", False, False, True, True),
     "embedding_rowwise": ("embedding", None, False, True, True, True),
     "embedding_colwise": ("embedding", "start", False, False, False, True),
-    "experts": ("params", None, False, False, False, True),
+    "experts": ("params", None, False, False, True, True),
     "replicate": (None, None, False, False, True, False),
 }
 

@@ -52,12 +52,17 @@ class TensorParallelExperts(comm.SharesProcessGroups):
     replicated; output ``(N, H)``, the module's partial sum in, the total out (every rank).
     Communication: forward one all-reduce of ``N * H`` values; backward one all-reduce of the
     floating inputs' gradients together (``N * (H + k)`` values), none when no input needs one.
+    Inside a mixture-of-experts block whose tokens sequence parallelism gathered
+    (:attr:`~tpify.context.CallState.moe_gathered`): the hidden states' partial gradient is left
+    to the gather's reduce-scatter and the output, a partial sum, to the block's reduce-scatter
+    (:mod:`tpify.hooks.sequence_parallel`); only the routing weights' gradient is all-reduced
+    here (``N * k`` values), since the router's own gradient must be complete on every rank.
     Raises:
         TypeError: the module returned something other than one tensor (it could not be summed).
     """
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, state):
+        self.group, self.state = group, state
 
     def enter(self, module, args, kwargs):
         """Megatron's ``f`` on every floating input that needs a gradient (one all-reduce in backward).
@@ -73,6 +78,8 @@ class TensorParallelExperts(comm.SharesProcessGroups):
         places = [("a", i, t) for i, t in enumerate(args)] + [("k", n, t) for n, t in kwargs.items()]
         places = [(where, key, t) for where, key, t in places
                   if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+        if self.state.moe_gathered:  # the hidden states' gradient: summed by the sequence gather's reduce-scatter
+            places = [(where, key, t) for where, key, t in places if key not in (0, "hidden_states")]
         if not places:
             return None
         copied = comm.copy_many_to_tp_region([t for _, _, t in places], self.group)
@@ -85,10 +92,13 @@ class TensorParallelExperts(comm.SharesProcessGroups):
         return tuple(args), kwargs
 
     def leave(self, module, args, kwargs, output):
-        """Megatron's ``g``: the partial sums of every rank added up (one all-reduce forward)."""
+        """Megatron's ``g``: the partial sums of every rank added up (one all-reduce forward); in a
+        gathered MoE block the partial sum itself (the block reduce-scatters it)."""
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{type(module).__name__} (style 'experts') returned a {type(output).__name__}; tpify sums "
                             f"one output tensor over the TP group")
+        if self.state.moe_gathered:
+            return None
         return comm.reduce_from_tp_region(output, self.group)
 
 
@@ -192,7 +202,7 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
             hooks = ExpertParallelDispatch(ctx.group, module.num_experts)
             pre, post = hooks.dispatch, hooks.combine
         else:
-            hooks = TensorParallelExperts(ctx.group)
+            hooks = TensorParallelExperts(ctx.group, ctx.state)
             pre, post = hooks.enter, hooks.leave
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))

@@ -33,7 +33,9 @@ class ReplicatedInRegion(comm.SharesProcessGroups):
     parameters and is not a parallel layer, asks the model's dropout-stream tracker whether the
     call is inside a region (the region hooks keep ``tracker.in_region``, in train and eval
     mode), or whether the tokens are split (sequence parallelism: a LayerNorm there sees ``T/p``
-    tokens, so its gradient is a partial sum as well); the first time it is, each of the
+    tokens, so its gradient is a partial sum as well; not the router of a mixture-of-experts block
+    whose tokens were gathered, :attr:`CallState.moe_gathered`, which sees every token); the
+    first time it is, each of the
     module's parameters gets a gradient hook that all-reduces (sums) its gradient over the TP
     group. ``found`` lists those modules' FQNs.
 
@@ -57,7 +59,7 @@ class ReplicatedInRegion(comm.SharesProcessGroups):
         return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), self.tp_group)
 
     def __call__(self, module, args):
-        if not (self.tracker.in_region or self.state.sequence_active):
+        if not (self.tracker.in_region or (self.state.sequence_active and not self.state.moe_gathered)):
             return None
         new = [p for p in module.parameters(recurse=False)
                if p.requires_grad and (id(p) not in self._done or self._done[id(p)]() is not p)]

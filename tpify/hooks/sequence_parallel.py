@@ -16,7 +16,7 @@ from ..context import ModeArgument, TPContext
 from ..layers import RowParallelLinear
 from ..random import DEFAULT, TP, devices_of
 
-__all__ = ["SequenceParallel", "ScatterOutput"]
+__all__ = ["SequenceParallel", "ScatterOutput", "MoEBlock"]
 
 
 class ScatterOutput(ModeArgument):
@@ -72,6 +72,11 @@ class SequenceParallel:
       (a fact of the layout) and :class:`ScatterOutput` passes it ``scatter_output`` per call.
     * ``exit``: a forward hook all-gathers the output of the last module of the split stretch
       (the final norm), so the heads and ``last_hidden_state`` see every token.
+    * a gathered **mixture-of-experts block** (one holding fused experts, the layout's
+      ``moe_blocks``; :class:`MoEBlock`): the router runs on every gathered token, so the
+      routing and the load-balancing loss are the dense ones, and the experts on them; the
+      block's output is reduce-scattered along ``T`` (tensor-parallel experts: a partial sum) or
+      split (expert parallelism: complete on every rank).
 
     LayerNorm weights in the split stretch see ``T/p`` tokens: their gradients are summed over
     the group (:class:`tpify.hooks.region_grads.ReplicatedInRegion`). Dropout there draws from the per-rank stream (each
@@ -98,8 +103,14 @@ class SequenceParallel:
         handles = [model.register_forward_pre_hook(self._reset), model.register_forward_hook(self._reset)]
         handles.append(model.get_submodule(where["split"]).register_forward_pre_hook(self._split, with_kwargs=True))
         scatter = ScatterOutput(self.state)
+        moe_blocks = where.get("moe_blocks", {})
         for fqn in where["gather"]:
             container = model.get_submodule(fqn)
+            if fqn in moe_blocks:
+                _, routers, expert_parallel = moe_blocks[fqn]
+                handles += MoEBlock(self.ctx, expert_parallel).install(container, [model.get_submodule(r)
+                                                                                   for r in routers])
+                continue
             handles.append(container.register_forward_pre_hook(self._gather, with_kwargs=True))
             for module in container.modules():
                 if isinstance(module, RowParallelLinear):  # its output is split again: the per-rank stream
@@ -149,3 +160,105 @@ class SequenceParallel:
             return comm.gather_from_sequence_region(output, self.ctx.group, False)
         first = comm.gather_from_sequence_region(output[0], self.ctx.group, False)
         return (first,) + tuple(output[1:])
+
+
+class MoEBlock:
+    """Sequence parallelism around one mixture-of-experts block (Mixtral's ``MixtralSparseMoeBlock``:
+    a router, then fused experts on the tokens it routes), its hooks installed by
+    :class:`SequenceParallel` on the blocks the layout lists in ``moe_blocks``.
+
+    The router's load-balancing loss is a product of means over all tokens (Fedus et al.,
+    arXiv:2101.03961, eq. 4), so a router on ``T/p`` tokens would give another loss; the router
+    therefore runs on the gathered tokens, on every rank alike:
+
+    * a forward pre-hook on the block all-gathers its input ``(B, T/p, H) -> (B, T, H)`` and
+      sets :attr:`~tpify.context.CallState.moe_gathered`; the router's weight gradient is then
+      complete on every rank, so :mod:`tpify.hooks.region_grads` leaves it alone;
+    * tensor-parallel experts: the gather's backward reduce-scatters the input gradients (the
+      experts' are partial sums per rank); the router's input gradient, the same whole tensor on
+      every rank, is kept only for this rank's tokens (a pre-hook on each router,
+      :class:`_OwnTokensGradient`), so that the reduce-scatter counts it once; the experts leave
+      their output a partial sum (:class:`tpify.hooks.experts.TensorParallelExperts`) and a
+      forward hook on the block reduce-scatters it along ``T`` (Megatron's sequence-parallel MLP,
+      Korthikanti et al., arXiv:2205.05198, section 4.2.2);
+    * expert parallelism: every gradient reaching the gathered input is complete on every rank
+      (the exchange returns each token's gradient to its sender and all-gathers the rows), so the
+      gather's backward is a split, and the block's output (complete on every rank) is split.
+
+    Shapes: block input ``(B, T/p, H)``, output ``(B, T/p, H)``; router and experts see
+    ``(B*T, H)``. Communication per block and step: tensor-parallel experts, forward one
+    all-gather and one reduce-scatter of ``B*T*H`` values, backward one all-gather, one
+    reduce-scatter and the experts' all-reduce of the routing weights' gradient (``B*T*k``);
+    expert parallelism, forward one all-gather (besides its exchange), backward one all-gather.
+
+    Raises:
+        ValueError: (forward) the block draws router jitter noise in training (Mixtral's
+            ``router_jitter_noise``): each rank would draw other noise for the same tokens;
+            a router called with other than the block's ``B*T`` tokens.
+    """
+
+    def __init__(self, ctx: TPContext, expert_parallel: bool):
+        self.ctx, self.state, self.expert_parallel = ctx, ctx.state, expert_parallel
+        self.tokens: tuple[int, int] | None = None  # (B, T) of the call in flight
+
+    def install(self, block: nn.Module, routers: list[nn.Module]) -> list:
+        """Register the block's gather and scatter hooks and each router's gradient mask."""
+        handles = [block.register_forward_pre_hook(self._gather, with_kwargs=True),
+                   block.register_forward_hook(self._scatter)]
+        if not self.expert_parallel:
+            handles += [router.register_forward_pre_hook(self._router_input, with_kwargs=True) for router in routers]
+        return handles
+
+    def _gather(self, module, args, kwargs):
+        if not self.state.sequence_active:
+            return None
+        if module.training and getattr(module, "jitter_noise", 0):
+            raise ValueError(f"tpify sequence parallelism: {type(module).__name__} draws router jitter noise "
+                             f"(router_jitter_noise = {module.jitter_noise}) in training, which the ranks would draw "
+                             f"differently for the same tokens; set config.router_jitter_noise = 0 or run without "
+                             f"sequence_parallel")
+        hidden, where = _hidden(args, kwargs)
+        gathered = comm.gather_from_sequence_region(hidden, self.ctx.group, not self.expert_parallel)
+        self.tokens = tuple(gathered.shape[:2])
+        self.state.moe_gathered = True
+        return _replace(args, kwargs, where, gathered)
+
+    def _router_input(self, module, args, kwargs):
+        if not (self.state.moe_gathered and torch.is_grad_enabled()):
+            return None
+        hidden, where = _hidden(args, kwargs)
+        batch, tokens = self.tokens
+        if hidden.shape[0] != batch * tokens:
+            raise ValueError(f"tpify sequence parallelism: the router {type(module).__name__} was called with "
+                             f"{hidden.shape[0]} rows, not the block's {batch} x {tokens} tokens")
+        return _replace(args, kwargs, where, _OwnTokensGradient.apply(hidden, batch, tokens, self.ctx.rank,
+                                                                      self.ctx.size))
+
+    def _scatter(self, module, args, output):
+        if not self.state.moe_gathered:
+            return None
+        self.state.moe_gathered = False
+        split = comm.scatter_to_sequence_region if self.expert_parallel else comm.reduce_scatter_to_sequence_region
+        if isinstance(output, torch.Tensor):
+            return split(output, self.ctx.group)
+        return (split(output[0], self.ctx.group),) + tuple(output[1:])
+
+
+class _OwnTokensGradient(torch.autograd.Function):
+    """Identity forward on ``(B*T, H)`` rows; backward keeps the gradient of this rank's tokens
+    ``[r T/p, (r+1) T/p)`` of each sequence and zeroes the rest (so that a reduce-scatter of
+    gradients that are the same on every rank counts them once)."""
+
+    @staticmethod
+    def forward(ctx, x, batch, tokens, rank, size):
+        ctx.where = (batch, tokens, rank, size)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        batch, tokens, rank, size = ctx.where
+        chunk = tokens // size
+        full = grad.reshape(batch, tokens, -1)
+        mine = torch.zeros_like(full)
+        mine[:, rank * chunk:(rank + 1) * chunk] = full[:, rank * chunk:(rank + 1) * chunk]
+        return mine.view_as(grad), None, None, None, None
