@@ -175,6 +175,10 @@ class TPTrainerMixin:
         self._tp_model = tp_model
         self._tp_plan = plan
         if on_trl:
+            from .trl import uses_data_parallel_view
+
+            self._tp_dp_view = uses_data_parallel_view(type(self))
+        if on_trl:
             from .trl import after_init, trl_construction
 
             with trl_construction(type(self), model):
@@ -207,11 +211,29 @@ class TPTrainerMixin:
     def get_tp_size(self) -> int:
         return get_tp_info(self._tp_model).tp_size
 
+    def _metrics_view(self):
+        """GRPO's generation and loss see the accelerator over DP only
+        (:func:`tpify.integrations.trl.data_parallel_metrics`); other trainers the world."""
+        if getattr(self, "_tp_dp_view", False):
+            from .trl import data_parallel_metrics
+
+            return data_parallel_metrics(self)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _prepare_inputs(self, inputs):
+        with self._metrics_view():
+            return super()._prepare_inputs(inputs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's loss; when the outputs are returned (evaluation, prediction), vocab-sharded
-        LM logits are all-gathered to the full vocabulary first, so metrics see dense logits."""
+        LM logits are all-gathered to the full vocabulary first, so metrics see dense logits.
+        GRPO's runs in :func:`tpify.integrations.trl.data_parallel_metrics`."""
         if not return_outputs:
-            return super().compute_loss(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
+            with self._metrics_view():
+                return super().compute_loss(model, inputs, return_outputs=False,
+                                            num_items_in_batch=num_items_in_batch)
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         head = self._lm_head()
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
@@ -292,17 +314,12 @@ class TPTrainerMixin:
         optimizer state resharded to this run's layout (:func:`tpify.checkpoint.load_checkpoint`)
         and the scheduler.
 
-        Raises:
-            TPUsageError: resuming GRPO with ``use_adaptive_entropy`` (TRL restores its entropy
-                controller in its own ``_load_optimizer_and_scheduler``, which this one replaces).
+        On a TRL trainer, what TRL's own ``_load_optimizer_and_scheduler`` restores besides
+        (GRPO's adaptive entropy controller) is restored after
+        (:func:`tpify.integrations.trl.after_optimizer_loaded`).
         """
         if checkpoint is None:
             return
-        if getattr(self, "use_adaptive_entropy", False):  # a config check: the same on every rank
-            raise TPUsageError(f"{type(self).__name__}: resuming with use_adaptive_entropy=True is not supported on a "
-                               f"tensor-parallel model (TRL restores its entropy controller in the method tpify "
-                               f"replaces to reshard the optimizer); resume with use_adaptive_entropy=False, or "
-                               f"start a new run from the checkpoint's dense weights")
         from ..checkpoint import load_checkpoint
 
         directory = os.path.join(checkpoint, OPTIMIZER_DIR)
@@ -311,6 +328,10 @@ class TPTrainerMixin:
         load_checkpoint(directory, self.accelerator.unwrap_model(self.model, keep_torch_compile=False),
                         [self.optimizer], model_state=False, generators=False)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        if is_trl_trainer(type(self)):
+            from .trl import after_optimizer_loaded
+
+            after_optimizer_loaded(self, checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Trainer's generators (each rank's file, as Trainer does); tpify's dropout streams only
