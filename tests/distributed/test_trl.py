@@ -360,13 +360,19 @@ def tp_job(tmp_path_factory, model_dir):
 
 def _compare(got, want, tol, wtol, what, skip=()):
     assert len(got["logs"]) == len(want["logs"]) == STEPS, what
+    worst = {"loss": 0.0, "metrics": 0.0, "weights": 0.0}  # the largest differences, printed (pytest -s)
     for step, (g, w) in enumerate(zip(got["logs"], want["logs"])):
         assert set(g) == set(w), f"{what} step {step + 1}: logged keys {sorted(set(g) ^ set(w))} differ"
         for key in set(w) - set(skip):
             torch.testing.assert_close(g[key], w[key], **tol, msg=lambda m: f"{what} step {step + 1} {key}: {m}")
+            part = "loss" if key == "loss" else "metrics"  # relative above 1, absolute below (GRPO's loss, kl ~ 0)
+            worst[part] = max(worst[part], abs(g[key] - w[key]) / max(abs(w[key]), 1.0))
     assert set(got["weights"]) == set(want["weights"]), what
     for name, w in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], w, **wtol, msg=lambda m: f"{what} {name}: {m}")
+        worst["weights"] = max(worst["weights"], (got["weights"][name] - w).abs().max().item())
+    print(f"\n[measured] {what} (relative above 1, absolute below): loss {worst['loss']:.1e}, other logged values "
+          f"{worst['metrics']:.1e}, weights {worst['weights']:.1e} absolute")
 
 
 def _job_result(tp_job, world, tp, kind):
