@@ -110,8 +110,9 @@ class TPTrainerMixin:
     On a TRL trainer (:data:`tpify.integrations.trl.CHECKED_TRAINERS`: ``SFTTrainer``,
     ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
     goes through :func:`tpify.integrations.get_peft_model`, GRPO's seeds are the same on the
-    ranks of a TP group and reference models are tensor-parallel
-    (:mod:`tpify.integrations.trl`).
+    ranks of a TP group, reference models are tensor-parallel, TRL's logged metrics and GRPO's
+    gathered rewards count each DP replica's samples once, and GRPO's adaptive entropy
+    controller is restored on resume (:mod:`tpify.integrations.trl`).
 
     Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
     tensor over TP.
