@@ -695,8 +695,9 @@ def default_chunk_size(tokens: int, hidden: int) -> int:
     the ``(N, H)`` input instead, ``c ~ N H / V``, arXiv:2410.10989, section 3.3). Time: each chunk
     streams the weight shard through three matmuls and reads and writes the float32 weight
     gradient, about ``20 V/p H`` bytes for ``6 c V/p H`` flops, so ``c >= 256`` keeps about 77
-    flops per byte: compute-bound on CPUs and in float32; on GPUs in bf16 the matmuls want more
-    (1024 or above; pass ``chunk_size``). At the issue's sizes (H = 2,048) this is 256 tokens.
+    flops per byte; where memory bandwidth is scarcer than that (GPUs in bf16, shared CPUs) a
+    larger ``chunk_size`` (1024) is faster, for a larger buffer (docs/benchmarks.md). At
+    H = 2,048 this is 256 tokens.
 
     Raises:
         ValueError: ``tokens`` or ``hidden`` is not a positive integer.
