@@ -1,10 +1,12 @@
 """TRL's SFT, DPO, GRPO and Reward trainers on a tpify model equal the same trainer on the dense model.
 
-The dense references run in this (pytest) process with TRL's own trainers, one process; the
+The dense references run in this (pytest) process with TRL's own trainers, one process (GRPO's
+at dp = 2: TRL's GRPOTrainer on 2 dense processes, plain DDP, in the tp = 2 job); the
 tensor-parallel runs use ``tpify.integrations.tp_trainer_class(<TRL trainer>)`` on gloo ranks at
-tp = 2 (one spawned job for every check) and plain SFT at dp = 2 x tp = 2 (a second job), with
-the same seed, data and arguments (``per_device_train_batch_size`` is per DP replica, so the dense run's
-batch is ``dp`` times it). The model is a tiny Llama (2 layers, hidden 32) with SmolLM2's
+tp = 2 (one spawned job for every check, the resumed runs included) and SFT, DPO and GRPO at
+dp = 2 x tp = 2 (a second job), with the same seed, data and arguments
+(``per_device_train_batch_size`` is per DP replica, so a one-process dense run's batch is ``dp``
+times it). The model is a tiny Llama (2 layers, hidden 32) with SmolLM2's
 49,152-token vocabulary and tokenizer (its chat template), built from a config: no download.
 
 What is compared: every numeric value TRL logs at every step (loss, grad_norm, SFT's entropy,
