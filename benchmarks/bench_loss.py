@@ -372,8 +372,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunks", type=int, nargs="*", default=[], help="(c): chunk sizes to sweep (unscaled)")
     parser.add_argument("--chunk", default="auto",
-                        help="(c): the chunked loss's chunk in tokens (unscaled), or auto: tpify.loss.default_chunk_size "
-                             "at the full sizes")
+                        help="(c): the chunked loss's chunk in tokens (unscaled), or auto: "
+                             "tpify.loss.default_chunk_size at the full sizes")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="(c): what to run")
     parser.add_argument("--tag", default="", help="(c): appended to the output files' names")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a configuration of (c), in this subprocess
