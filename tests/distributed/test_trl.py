@@ -103,6 +103,7 @@ def _sft_args(out, batch, **kw):
     from trl import SFTConfig
 
     kw.setdefault("max_length", 32)
+    kw.setdefault("include_num_input_tokens_seen", "non_padding")  # Trainer's count, logged and compared too
     return SFTConfig(**_common(out, batch, **kw))
 
 

@@ -20,6 +20,7 @@ nothing else:
   vocabulary before metrics see them;
 * ``get_tp_size`` is the model's ``tp_size``, so Trainer's ``num_items_in_batch`` counts each
   token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
+  ``include_num_input_tokens_seen`` counts over the DP group;
 * saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
   (:func:`tpify.save_pretrained`; for a PEFT model the dense adapter), a collective all ranks join;
 * checkpoints hold the optimizer state as a torch.distributed.checkpoint that resumes at any
@@ -211,6 +212,12 @@ class TPTrainerMixin:
 
     def get_tp_size(self) -> int:
         return get_tp_info(self._tp_model).tp_size
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Trainer's ``include_num_input_tokens_seen`` count, gathered over DP only: the TP ranks of
+        a replica hold the same batch (a world-wide gather would count it ``tp_size`` times)."""
+        with self.accelerator.data_parallel_view():
+            super()._track_num_input_tokens(inputs)
 
     def _metrics_view(self):
         """GRPO's generation and loss see the accelerator over DP only
