@@ -32,8 +32,11 @@
     size by ``s`` (V unchanged): every term of the peak (the ``N x V/p`` logits and buffers, the
     ``c x V/p`` chunk buffers, the ``V/p x H`` weight gradient) then shrinks by ``s``, so the
     memory ratios are those of the full size (to the ``N x H`` input gradient, under 2% of any
-    peak here), while the matmuls cost ``s^2`` less. ``--chunks`` adds a chunk-size sweep at
-    the largest N, tp = 1.
+    peak here), while the matmuls cost ``s^2`` less (so times at ``--scale`` > 1 overstate the
+    per-chunk overhead of small chunks: measure time at full size). ``--chunk`` is the chunked
+    loss's chunk at full size (default ``auto``: ``tpify.loss.default_chunk_size`` of the full N
+    and H, scaled like N); ``--chunks`` adds a chunk-size sweep at the largest N, tp = 1;
+    ``--methods`` runs a subset.
 
 Writes benchmarks/out/loss.md and benchmarks/out/loss_memory.png ((a), (b)), and
 benchmarks/out/loss_chunked*.md/.jsonl ((c)), prints the tables.
@@ -213,13 +216,22 @@ def _available_bytes() -> int:
     return 0
 
 
+def _chunk(args, n: int) -> int:
+    """The chunk of the chunked loss at ``n`` tokens (full size): ``--chunk``, or with ``--chunk auto``
+    what the loss picks by default at the full sizes (``tpify.loss.default_chunk_size``)."""
+    from tpify.loss import default_chunk_size
+
+    return default_chunk_size(n, LLAMA3_HIDDEN) if args.chunk == "auto" else int(args.chunk)
+
+
 def _configs(args) -> list[dict]:
-    h, c = LLAMA3_HIDDEN // args.scale, 1024 // args.scale
+    h = LLAMA3_HIDDEN // args.scale
     threads = lambda tp: max(1, (os.cpu_count() or 1) // tp)  # noqa: E731 - every configuration uses every core
     out = []
     for n in args.tokens:
+        c = _chunk(args, n) // args.scale
         for tp in args.tp:
-            for method in METHODS:
+            for method in args.methods:
                 if method == "hf_dense" and tp != 1:
                     continue
                 out.append({"tokens": n // args.scale, "hidden": h, "tp": tp, "method": method, "chunk": c,
@@ -262,16 +274,18 @@ def _chunked_table(args, configs, results) -> str:
     s, mib = args.scale, 2 ** 20
     get = {(c["tokens"], c["tp"], c["method"], c["chunk"], c.get("sweep", False)):
            _summary(results[json.dumps(c, sort_keys=True)]) for c in configs}
-    chunk = 1024 // s
+    chunks = sorted({_chunk(args, n) // s for n in args.tokens})
+    chunk = "/".join(map(str, chunks))
     lines = [f"## Chunked linear cross-entropy vs today's vocab-parallel loss vs HF dense (V={LLAMA3_VOCAB}, "
              f"H={LLAMA3_HIDDEN // s}, chunk={chunk}, float32, scale 1/{s}; median of {args.rounds} rounds)", "",
              "| N | tp | chunked MiB | today MiB | HF dense MiB | chunked / today (goal <= 0.15) | "
              "chunked / HF dense (goal <= 0.05) | chunked s | today s | HF dense s | time chunked / today "
              "(goal <= 1.25) | CPU time chunked / today |", "| --- " * 12 + "|"]
     for n in args.tokens:
-        dense = get.get((n // s, 1, "hf_dense", chunk, False))
+        c = _chunk(args, n) // s
+        dense = get.get((n // s, 1, "hf_dense", c, False))
         for tp in args.tp:
-            ch, to = get.get((n // s, tp, "chunked", chunk, False)), get.get((n // s, tp, "today", chunk, False))
+            ch, to = get.get((n // s, tp, "chunked", c, False)), get.get((n // s, tp, "today", c, False))
             f = lambda d, k, sc=1.0: "-" if d is None else f"{d[k] / sc:.{1 if k == 'peak' else 2}f}"  # noqa: E731
             ratio = lambda a, b, k: "-" if a is None or b is None else f"{a[k] / b[k]:.3f}"  # noqa: E731
             lines.append(f"| {n // s} | {tp} | {f(ch, 'peak', mib)} | {f(to, 'peak', mib)} | "
@@ -284,7 +298,7 @@ def _chunked_table(args, configs, results) -> str:
         lines.append(f"\nSkipped: {r}")
     if args.chunks:
         n = max(args.tokens) // s
-        today = get.get((n, 1, "today", chunk, False))
+        today = get.get((n, 1, "today", _chunk(args, max(args.tokens)) // s, False))
         lines += ["", f"Chunk-size sweep at N={n}, tp=1 (chunk sizes scaled by 1/{s}):", "",
                   "| chunk | peak MiB | s | peak / today | time / today | CPU time / today |",
                   "| --- | --- | --- | --- | --- | --- |"]
@@ -357,6 +371,10 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunks", type=int, nargs="*", default=[], help="(c): chunk sizes to sweep (unscaled)")
+    parser.add_argument("--chunk", default="auto",
+                        help="(c): the chunked loss's chunk in tokens (unscaled), or auto: "
+                             "tpify.loss.default_chunk_size at the full sizes")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="(c): what to run")
     parser.add_argument("--tag", default="", help="(c): appended to the output files' names")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a configuration of (c), in this subprocess
     cli = parser.parse_args()

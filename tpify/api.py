@@ -134,7 +134,7 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
             sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
-            lm_loss_chunk: int | None = None, mesh=None, ep_size: int = 1) -> tuple[int, Layout]:
+            lm_loss_chunk: int | str | None = None, mesh=None, ep_size: int = 1) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -217,7 +217,7 @@ def parallelize(
     recipe: "str | Path | dict | Recipe | None" = None,
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
-    lm_loss_chunk: int | None = None,
+    lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
 ) -> nn.Module:
@@ -259,8 +259,9 @@ def parallelize(
         lm_loss_chunk: compute the ``labels=`` loss from the LM head's input in chunks of this
             many tokens (:func:`tpify.loss.vocab_parallel_linear_cross_entropy`): with labels the
             head does not run, no ``(B, T, V/p)`` logits exist, and ``.logits`` is None; without
-            labels nothing changes (``generate`` works). Default None: the loss from the logits
-            shard (docs/loss.md).
+            labels nothing changes (``generate`` works). ``"auto"``: the chunk
+            :func:`tpify.loss.default_chunk_size` picks from the tokens and ``H``. Default None:
+            the loss from the logits shard (docs/loss.md).
         mesh: a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh of the whole world
             (:func:`tpify.init_mesh`), instead of ``tp_size``/``tp_group``: its ``"tp"`` axis is
             the TP group, its data-parallel axes flattened the DP group, and
@@ -327,7 +328,7 @@ def from_pretrained(
     pad_vocab_multiple: int = 1,
     sequence_parallel: bool = False,
     disable_mmap: bool = False,
-    lm_loss_chunk: int | None = None,
+    lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
 ) -> nn.Module:

@@ -85,7 +85,8 @@ class Layout:
             loss, in order (the recipe's ``[loss] logits``; op in :data:`tpify.loss.LOGIT_OPS`,
             value a config attribute name, read at each call, or a number).
         lm_loss_chunk: with ``parallelize(..., lm_loss_chunk=c)``, the tokens per chunk of the
-            chunked LM-head loss (the head does not run; :mod:`tpify.hooks.lm_loss`); else None.
+            chunked LM-head loss, or "auto" (:func:`tpify.loss.default_chunk_size`; the head does not
+            run; :mod:`tpify.hooks.lm_loss`); else None.
         renames: checkpoint key suffix renames ``(old, new)``, applied when loading.
         sequence_parallel: with ``sequence_parallel=True``, the FQNs ``{"split": ..., "gather":
             [...], "exit": ..., "moe_blocks": {block: (experts, [routers], ep)}}`` of the recipe's
@@ -118,7 +119,7 @@ class Layout:
     honours_num_items: bool = True
     loss_terms: tuple[tuple[str, str | float], ...] = ()
     logit_ops: tuple[tuple[str, str | float], ...] = ()
-    lm_loss_chunk: int | None = None
+    lm_loss_chunk: int | str | None = None
     renames: tuple[tuple[str, str], ...] = ()
     head_inputs: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     sequence_parallel: dict | None = None
@@ -202,7 +203,7 @@ def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None
 
 
 def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_multiple: int = 1,
-                 sequence_parallel: bool = False, lm_loss_chunk: int | None = None, ep_size: int = 1) -> Layout:
+                 sequence_parallel: bool = False, lm_loss_chunk: int | str | None = None, ep_size: int = 1) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
@@ -271,10 +272,11 @@ def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, lm_loss_chun
     if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
         raise PlanError(f"pad_vocab_multiple must be a positive integer (the vocabulary is padded to a multiple of "
                         f"pad_vocab_multiple * tp_size), got {pad_vocab_multiple!r}")
-    if lm_loss_chunk is not None and (not isinstance(lm_loss_chunk, int) or isinstance(lm_loss_chunk, bool)
-                                      or lm_loss_chunk < 1):
-        raise PlanError(f"lm_loss_chunk must be a positive number of tokens per chunk (or None: the LM-head loss from "
-                        f"the whole logits shard), got {lm_loss_chunk!r}")
+    if lm_loss_chunk not in (None, "auto") and (not isinstance(lm_loss_chunk, int) or isinstance(lm_loss_chunk, bool)
+                                                or lm_loss_chunk < 1):
+        raise PlanError(f"lm_loss_chunk must be a positive number of tokens per chunk, 'auto' (the chunk "
+                        f"tpify.loss.default_chunk_size picks) or None (the LM-head loss from the whole logits "
+                        f"shard), got {lm_loss_chunk!r}")
     peft = [fqn or "<root>" for fqn, m in model.named_modules() if is_peft(m)]
     if peft:
         raise PlanError(f"cannot parallelize {type(model).__name__}: it holds PEFT modules ({peft[:3]}"
@@ -459,7 +461,7 @@ class _Planner:
             self.large_uncovered.append(f"{rel + '.' if rel else ''}{pname} ({type(module).__name__}, shape "
                                         f"{list(param.shape)}, {param.numel():,} elements)")
 
-    def finish(self, sequence_parallel: bool, lm_loss_chunk: int | None = None) -> None:
+    def finish(self, sequence_parallel: bool, lm_loss_chunk: int | str | None = None) -> None:
         """What follows from the modules' styles: ties, the LM head and its loss, the sharded
         regions, the sequence-parallel stretch."""
         layout, recipe = self.layout, self.recipe

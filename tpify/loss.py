@@ -38,7 +38,8 @@ from . import comm
 from .layers import _autocast_inputs
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_log_probs", "vocab_parallel_entropy", "vocab_parallel_kl",
-           "vocab_parallel_is_top1", "vocab_parallel_linear_cross_entropy", "mean_or_nan", "LOGIT_OPS"]
+           "vocab_parallel_is_top1", "vocab_parallel_linear_cross_entropy", "default_chunk_size", "mean_or_nan",
+           "LOGIT_OPS", "MIN_CHUNK"]
 
 _REDUCTIONS = ("none", "sum", "mean")
 #: What a model may do to its LM head's output before the softmax, in the order it does it:
@@ -679,6 +680,33 @@ def vocab_parallel_is_top1(
 # ---------------------------------------------------------------------------------------------
 # From the hidden states and the head's weight shard, over token chunks.
 
+#: The smallest chunk :func:`default_chunk_size` picks, in tokens (the matmuls' efficiency, below).
+MIN_CHUNK = 256
+
+
+def default_chunk_size(tokens: int, hidden: int) -> int:
+    """The chunk :func:`vocab_parallel_linear_cross_entropy` uses by default:
+    ``min(N, max(MIN_CHUNK, H // 8))`` tokens.
+
+    Memory: beside the gradients it returns, the chunked loss holds one ``(c, V/p)`` buffer (the
+    chunk's logits, turned into their gradient in place). Its ratio to the ``(V/p, H)`` weight
+    gradient, which backward makes whatever the loss, is ``c / H`` whatever ``V/p``: ``c <= H / 8``
+    keeps it at most 1/8 of that floor (Liger-Kernel's fused linear cross-entropy bounds it by
+    the ``(N, H)`` input instead, ``c ~ N H / V``, arXiv:2410.10989, section 3.3). Time: each chunk
+    streams the weight shard through three matmuls and reads and writes the float32 weight
+    gradient, about ``20 V/p H`` bytes for ``6 c V/p H`` flops, so ``c >= 256`` keeps about 77
+    flops per byte; where memory bandwidth is scarcer than that (GPUs in bf16, shared CPUs) a
+    larger ``chunk_size`` (1024) is faster, for a larger buffer (docs/benchmarks.md). At
+    H = 2,048 this is 256 tokens.
+
+    Raises:
+        ValueError: ``tokens`` or ``hidden`` is not a positive integer.
+    """
+    if min(tokens, hidden) < 1:
+        raise ValueError(f"default_chunk_size: tokens and hidden must be positive, got {tokens} and {hidden}")
+    return min(tokens, max(MIN_CHUNK, hidden // 8))
+
+
 def _check_logit_ops(what: str, logit_ops) -> tuple[tuple[str, float], ...]:
     ops = tuple((str(op), float(value)) for op, value in logit_ops)
     for op, value in ops:
@@ -844,7 +872,7 @@ def vocab_parallel_linear_cross_entropy(
     reduction: str = "mean",
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     softcap: float | None = None,
     logit_ops: Sequence[tuple[str, float]] = (),
 ) -> torch.Tensor:
@@ -878,7 +906,9 @@ def vocab_parallel_linear_cross_entropy(
         the softmax in float32 (float64 for float64); the loss in that compute dtype.
     Memory: per chunk one ``(c, V/p)`` buffer in the compute dtype (two with ``softcap`` while
         the gradient is made), plus the gradients of hidden, weight and bias, which backward
-        returns (``reduction="sum"/"mean"``: made in forward and kept until backward).
+        returns (``reduction="sum"/"mean"``: made in forward and kept until backward). The
+        default chunk (:func:`default_chunk_size`) keeps that buffer at most 1/8 of the weight
+        gradient.
     Communication: per chunk 2 all-reduces, ``c`` values (max; the first chunk's carries the 5
         target and shard-width checks) and ``2c`` (``3c`` with ``label_smoothing > 0``): in all
         ``2 * ceil(N / chunk_size)`` all-reduces of ``N + 5`` and ``2N`` (``3N``) values, the
@@ -891,7 +921,8 @@ def vocab_parallel_linear_cross_entropy(
         hidden, weight, target, bias: see Shapes.
         ignore_index, label_smoothing, reduction, tp_group, vocab_size: as
             :func:`vocab_parallel_cross_entropy`.
-        chunk_size: tokens per chunk (positive).
+        chunk_size: tokens per chunk (positive); None: :func:`default_chunk_size` of the number
+            of tokens and ``H``.
         softcap: Gemma 2's ``final_logit_softcapping``: ``logits = softcap * tanh(logits /
             softcap)`` before the softmax (appended to ``logit_ops``).
         logit_ops: what the model does to the head's output before the softmax, in order:
@@ -905,8 +936,8 @@ def vocab_parallel_linear_cross_entropy(
     """
     what = "vocab_parallel_linear_cross_entropy"
     _check_loss_args(what, reduction, label_smoothing)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"{what}: chunk_size must be a positive number of tokens, got {chunk_size!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"{what}: chunk_size must be a positive number of tokens or None, got {chunk_size!r}")
     ops = _check_logit_ops(what, tuple(logit_ops) + ((("softcap", softcap),) if softcap is not None else ()))
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"{what}: weight {tuple(weight.shape)} must be (V_padded / tp_size, H) with H = "
@@ -918,6 +949,8 @@ def vocab_parallel_linear_cross_entropy(
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     hidden = comm.copy_to_tp_region(hidden, tp_group)  # backward: the all-reduce of the partial dX
     flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(max(1, flat_hidden.shape[0]), flat_hidden.shape[1])
     args = (flat_hidden, weight, bias, flat_target, ignore_index, float(label_smoothing), tp_group, vocab_size,
             bad_targets, chunk_size, ops)
     if reduction == "none":

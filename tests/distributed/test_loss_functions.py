@@ -331,6 +331,8 @@ def lm_loss_chunk_llama_and_gpt2_loss_and_every_gradient_equal_dense(c):
         # 24 positions in chunks of 7: 4 chunks, 2 all-reduces each instead of the loss's 2, same values
         assert chunked["all_reduce"] == plain["all_reduce"] + 6, (dict(plain), dict(chunked))
         assert chunked["all_reduce_numel"] == plain["all_reduce_numel"], (dict(plain), dict(chunked))
+    auto, _ = _check_lm_loss("llama", "auto")  # default_chunk_size: 24 tokens < 256, one chunk
+    assert auto["all_reduce"] == plain["all_reduce"], (dict(plain), dict(auto))
 
 
 @_check

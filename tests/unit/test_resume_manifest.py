@@ -99,15 +99,18 @@ def test_missing_unreadable_or_old_manifest_is_refused(tmp_path):
         check_resume(tmp_path, mine, "resume")
 
 
-def test_resuming_grpo_with_adaptive_entropy_is_refused_before_anything_is_read():
+def test_resuming_grpo_restores_its_adaptive_entropy_controller_from_trls_file(tmp_path):
     """TRL's GRPOTrainer restores its entropy controller in its own ``_load_optimizer_and_scheduler``,
-    which TPTrainerMixin replaces to reshard the optimizer: resuming with ``use_adaptive_entropy``
-    would silently restart the controller, so it is refused (a config check, the same on every rank)."""
+    which TPTrainerMixin replaces to reshard the optimizer: tpify reads the same file after the
+    optimizer (the resume itself is compared with an uninterrupted run in tests/distributed/test_trl.py)."""
     import types
 
-    from tpify.integrations import TPTrainerMixin, TPUsageError
+    from tpify.integrations.trl import after_optimizer_loaded
 
-    trainer = types.SimpleNamespace(use_adaptive_entropy=True)
-    with pytest.raises(TPUsageError, match="use_adaptive_entropy"):
-        TPTrainerMixin._load_optimizer_and_scheduler(trainer, "checkpoint-that-is-not-read")
-    TPTrainerMixin._load_optimizer_and_scheduler(trainer, None)  # no resume: nothing to refuse
+    (tmp_path / "entropy_ctrl_state.json").write_text(json.dumps({"entropy_coef": 0.25, "last_world_entropy": 1.5}))
+    trainer = types.SimpleNamespace(use_adaptive_entropy=True, entropy_coef=0.0, _last_world_entropy=float("inf"))
+    after_optimizer_loaded(trainer, str(tmp_path))
+    assert (trainer.entropy_coef, trainer._last_world_entropy) == (0.25, 1.5)
+    static = types.SimpleNamespace(use_adaptive_entropy=False, entropy_coef=0.0)
+    after_optimizer_loaded(static, str(tmp_path))  # a static coefficient is the config's, as in TRL
+    assert static.entropy_coef == 0.0

@@ -247,7 +247,8 @@ class ParallelLMLoss:
         weight = head.weight if head.weight_layout == "linear" else head.weight.t()
         return vocab_parallel_linear_cross_entropy(
             hidden, weight, self._target(pending, hidden.device), bias=head.bias, ignore_index=pending["ignore_index"],
-            reduction=reduction, tp_group=head.tp_group, vocab_size=head.out_features, chunk_size=self.chunk,
+            reduction=reduction, tp_group=head.tp_group, vocab_size=head.out_features,
+            chunk_size=None if self.chunk == "auto" else self.chunk,
             logit_ops=ops)
 
     def hook(self, model, args, kwargs, output):

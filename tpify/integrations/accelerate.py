@@ -33,9 +33,14 @@ rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with a few methods 
   ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError` (a state dict of
   shards is not the model's).
 
-Everything else is accelerate's. ``gather_for_metrics`` (what Trainer's evaluation uses) counts
-each sample once; ``gather``/``reduce`` still span the world, where each TP group holds
-``tp_size`` copies of one replica's values (means are unchanged).
+* ``gather_for_metrics`` (what Trainer's evaluation and TRL's metrics use) gathers over the DP
+  group only, so each sample counts once; :meth:`~TPAccelerator.data_parallel_view` makes
+  ``gather``, ``reduce``, ``num_processes`` and ``process_index`` do the same inside a block
+  (TRL's GRPO runs its generation and loss in it: :mod:`tpify.integrations.trl`).
+
+Everything else is accelerate's: outside the view ``gather``/``reduce`` span the world, where
+each TP group holds ``tp_size`` copies of one replica's values (means are unchanged, counts and
+sample standard deviations are not).
 """
 
 from __future__ import annotations
@@ -272,6 +277,8 @@ class TPAccelerator(accelerate.Accelerator):
         from .. import comm
 
         info = get_tp_info(models[0])
+        if info.dp_group is None:  # no data parallelism (comm.group_size(None) would be the world's)
+            return 1, 0, info
         return comm.group_size(info.dp_group), comm.group_rank(info.dp_group), info
 
     # -- accelerate's methods -------------------------------------------------------------------
@@ -470,29 +477,99 @@ class TPAccelerator(accelerate.Accelerator):
         models = [self.unwrap_model(m) for m in self._models] or self._tp_models()
         return training_layout(models, self._optimizers, written_by="TPAccelerator")
 
-    def gather_for_metrics(self, input_data, use_gather_object=False):
-        """As accelerate's, counting each sample once: the TP ranks of a replica hold the same
-        batch, so only TP rank 0's copy of each replica's values is kept (tensors only)."""
+    # -- the DP-only view: what TRL's metrics and GRPO's generation batch are computed over ----------
+    @contextlib.contextmanager
+    def data_parallel_view(self):
+        """Inside the block, ``gather``, ``reduce``, ``num_processes`` and ``process_index`` are
+        over the DP group of the tpify models prepared (the TP ranks of a replica hold the same
+        batch, so the world would hold each value ``tp_size`` times): what accelerate returns for
+        the dense model trained on ``dp`` processes. A no-op at ``tp_size == 1`` or before any tpify
+        model is prepared; re-entrant.
+
+        Communication: in the block, ``gather`` is one all-gather over DP
+        (:func:`tpify.comm.all_gather_dim`), ``reduce`` one all-reduce over DP; every rank of the
+        world must call them in the same order, as outside the view.
+        """
         layout = self._layout()
         if layout is None or layout[2].tp_size == 1:
-            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
-        if use_gather_object:
-            raise TPUsageError("TPAccelerator.gather_for_metrics supports tensors only for tpify models")
-        self.__dict__["_tpify_dedupe"] = layout[2].tp_size
+            yield self
+            return
+        previous = self.__dict__.get("_tpify_dp_view")
+        self.__dict__["_tpify_dp_view"] = layout
         try:
-            return super().gather_for_metrics(input_data, use_gather_object=False)
+            yield self
         finally:
-            self.__dict__["_tpify_dedupe"] = 0
+            self.__dict__["_tpify_dp_view"] = previous
+
+    def _dp_view(self):
+        return self.__dict__.get("_tpify_dp_view")
+
+    @property
+    def num_processes(self):
+        view = self._dp_view()
+        return self.state.num_processes if view is None else view[0]
+
+    @property
+    def process_index(self):
+        view = self._dp_view()
+        return self.state.process_index if view is None else view[1]
 
     def gather(self, tensor):
-        out = super().gather(tensor)
-        tp = self.__dict__.get("_tpify_dedupe", 0)
-        if not tp:
-            return out
+        """accelerate's ``gather`` (every process's tensors concatenated along dim 0, a 0-d tensor
+        as one row); inside :meth:`data_parallel_view` over the DP group only."""
+        view = self._dp_view()
+        if view is None:
+            return super().gather(tensor)
         from accelerate.utils import recursively_apply
 
-        world = self.num_processes
-        return recursively_apply(lambda t: t.reshape(world, -1, *t.shape[1:])[::tp].reshape(-1, *t.shape[1:]), out)
+        from .. import comm
+
+        def one(t):  # values, not a graph: accelerate's gather is not differentiable either
+            t = t.detach()
+            return comm.all_gather_dim(t.reshape(1) if t.dim() == 0 else t, 0, view[2].dp_group)
+
+        return recursively_apply(one, tensor, error_on_other_type=True)
+
+    def gather_object(self, obj: list) -> list:
+        """accelerate's ``gather_object`` (every process's list, concatenated); inside
+        :meth:`data_parallel_view` over the DP group only."""
+        view = self._dp_view()
+        if view is None:
+            from accelerate.utils import gather_object
+
+            return gather_object(obj)
+        from .. import comm
+
+        return [x for part in comm.all_gather_objects(obj, view[2].dp_group) for x in part]
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):
+        """accelerate's ``reduce`` (``"sum"``, ``"mean"``, ``"max"``); inside
+        :meth:`data_parallel_view` over the DP group only."""
+        view = self._dp_view()
+        if view is None:
+            return super().reduce(tensor, reduction=reduction, scale=scale)
+        from accelerate.utils import recursively_apply
+
+        from .. import comm
+
+        def one(t):
+            out = comm.all_reduce(t.detach().clone(), view[2].dp_group, "max" if reduction == "max" else "sum")
+            return out / view[0] if reduction == "mean" else out
+
+        return recursively_apply(one, tensor, error_on_other_type=True)
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        """As accelerate's, over the DP group only (:meth:`data_parallel_view`): the TP ranks of a
+        replica hold the same batch, so each sample counts once.
+
+        Raises:
+            TPUsageError: ``use_gather_object=True`` (or non-tensor data) at ``tp_size > 1``.
+        """
+        layout = self._layout()
+        if layout is not None and layout[2].tp_size > 1 and use_gather_object:
+            raise TPUsageError("TPAccelerator.gather_for_metrics supports tensors only for tpify models")
+        with self.data_parallel_view():
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
 
     @contextlib.contextmanager
     def no_sync(self, model):

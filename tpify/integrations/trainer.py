@@ -20,6 +20,7 @@ nothing else:
   vocabulary before metrics see them;
 * ``get_tp_size`` is the model's ``tp_size``, so Trainer's ``num_items_in_batch`` counts each
   token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
+  ``include_num_input_tokens_seen`` counts over the DP group;
 * saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
   (:func:`tpify.save_pretrained`; for a PEFT model the dense adapter), a collective all ranks join;
 * checkpoints hold the optimizer state as a torch.distributed.checkpoint that resumes at any
@@ -110,8 +111,9 @@ class TPTrainerMixin:
     On a TRL trainer (:data:`tpify.integrations.trl.CHECKED_TRAINERS`: ``SFTTrainer``,
     ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
     goes through :func:`tpify.integrations.get_peft_model`, GRPO's seeds are the same on the
-    ranks of a TP group and reference models are tensor-parallel
-    (:mod:`tpify.integrations.trl`).
+    ranks of a TP group, reference models are tensor-parallel, TRL's logged metrics and GRPO's
+    gathered rewards count each DP replica's samples once, and GRPO's adaptive entropy
+    controller is restored on resume (:mod:`tpify.integrations.trl`).
 
     Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
     tensor over TP.
@@ -175,6 +177,10 @@ class TPTrainerMixin:
         self._tp_model = tp_model
         self._tp_plan = plan
         if on_trl:
+            from .trl import uses_data_parallel_view
+
+            self._tp_dp_view = uses_data_parallel_view(type(self))
+        if on_trl:
             from .trl import after_init, trl_construction
 
             with trl_construction(type(self), model):
@@ -207,11 +213,35 @@ class TPTrainerMixin:
     def get_tp_size(self) -> int:
         return get_tp_info(self._tp_model).tp_size
 
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Trainer's ``include_num_input_tokens_seen`` count, gathered over DP only: the TP ranks of
+        a replica hold the same batch (a world-wide gather would count it ``tp_size`` times)."""
+        with self.accelerator.data_parallel_view():
+            super()._track_num_input_tokens(inputs)
+
+    def _metrics_view(self):
+        """GRPO's generation and loss see the accelerator over DP only
+        (:func:`tpify.integrations.trl.data_parallel_metrics`); other trainers the world."""
+        if getattr(self, "_tp_dp_view", False):
+            from .trl import data_parallel_metrics
+
+            return data_parallel_metrics(self)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _prepare_inputs(self, inputs):
+        with self._metrics_view():
+            return super()._prepare_inputs(inputs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's loss; when the outputs are returned (evaluation, prediction), vocab-sharded
-        LM logits are all-gathered to the full vocabulary first, so metrics see dense logits."""
+        LM logits are all-gathered to the full vocabulary first, so metrics see dense logits.
+        GRPO's runs in :func:`tpify.integrations.trl.data_parallel_metrics`."""
         if not return_outputs:
-            return super().compute_loss(model, inputs, return_outputs=False, num_items_in_batch=num_items_in_batch)
+            with self._metrics_view():
+                return super().compute_loss(model, inputs, return_outputs=False,
+                                            num_items_in_batch=num_items_in_batch)
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         head = self._lm_head()
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
@@ -292,17 +322,12 @@ class TPTrainerMixin:
         optimizer state resharded to this run's layout (:func:`tpify.checkpoint.load_checkpoint`)
         and the scheduler.
 
-        Raises:
-            TPUsageError: resuming GRPO with ``use_adaptive_entropy`` (TRL restores its entropy
-                controller in its own ``_load_optimizer_and_scheduler``, which this one replaces).
+        On a TRL trainer, what TRL's own ``_load_optimizer_and_scheduler`` restores besides
+        (GRPO's adaptive entropy controller) is restored after
+        (:func:`tpify.integrations.trl.after_optimizer_loaded`).
         """
         if checkpoint is None:
             return
-        if getattr(self, "use_adaptive_entropy", False):  # a config check: the same on every rank
-            raise TPUsageError(f"{type(self).__name__}: resuming with use_adaptive_entropy=True is not supported on a "
-                               f"tensor-parallel model (TRL restores its entropy controller in the method tpify "
-                               f"replaces to reshard the optimizer); resume with use_adaptive_entropy=False, or "
-                               f"start a new run from the checkpoint's dense weights")
         from ..checkpoint import load_checkpoint
 
         directory = os.path.join(checkpoint, OPTIMIZER_DIR)
@@ -311,6 +336,10 @@ class TPTrainerMixin:
         load_checkpoint(directory, self.accelerator.unwrap_model(self.model, keep_torch_compile=False),
                         [self.optimizer], model_state=False, generators=False)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        if is_trl_trainer(type(self)):
+            from .trl import after_optimizer_loaded
+
+            after_optimizer_loaded(self, checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Trainer's generators (each rank's file, as Trainer does); tpify's dropout streams only

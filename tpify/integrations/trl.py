@@ -32,13 +32,27 @@ docs/trl.md:
 * **Reference models** TRL would load from the policy's path (GRPO with ``beta > 0``, DPO without
   ``ref_model=``) are loaded tensor-parallel with :func:`tpify.from_pretrained` on the policy's
   groups.
+* **Metrics and the generation batch over DP only.** TRL gathers over every process, as if each
+  held its own samples; the TP ranks of a replica hold the same ones. ``gather_for_metrics``
+  (SFT's, DPO's and RewardTrainer's counts) is over the DP group
+  (:class:`~tpify.integrations.accelerate.TPAccelerator`); their plain ``gather``\ s feed means
+  only, which copies leave unchanged. GRPO gathers rewards, token counts, lengths and entropies
+  and slices its share of the gathered advantages by ``process_index``: its generation and its
+  loss run in :func:`data_parallel_metrics`, where the accelerator's ``gather``, ``reduce``,
+  ``num_processes``, ``process_index`` and the names ``gather``/``gather_object`` in TRL's GRPO
+  module are over DP, so every logged value (``num_tokens``, ``reward_std``, ``rewards/*/std``,
+  lengths, KL, entropy, clip ratios), the batch-wide reward std (``scale_rewards="batch"``,
+  ``normalize_then_sum``), the entropy quantile (``top_entropy_quantile``) and reward groups
+  spanning DP replicas are those of the dense run on ``dp`` processes.
+* **Resume**: GRPO's adaptive entropy controller, which TRL reads back in the
+  ``_load_optimizer_and_scheduler`` tpify replaces, is read from the same file
+  (:func:`after_optimizer_loaded`).
 
 Refused (:func:`check_trainer`, raised in ``__init__`` before anything is built, the same on
 every rank): TRL trainers other than those checked here (by name), vLLM generation, Liger
 kernels, GRPO's ``cast_lm_head_to_fp32`` (it replaces the LM head by a dense ``nn.Linear`` over
-the shard), DPO's ``use_weighting`` (WPO), GRPO batch-wide reward scaling at tp > 1 (the gathered
-rewards hold each TP rank's copy), GRPO groups that straddle DP replicas at tp > 1, a tpify model
-parallelized with ``lm_loss_chunk`` (its ``labels=`` call returns no logits).
+the shard), DPO's ``use_weighting`` (WPO), a tpify model parallelized with ``lm_loss_chunk`` (its
+``labels=`` call returns no logits).
 """
 
 from __future__ import annotations
@@ -55,7 +69,8 @@ from ..loss import vocab_parallel_entropy, vocab_parallel_is_top1, vocab_paralle
 from .model import tp_model_of
 
 __all__ = ["CHECKED_TRAINERS", "is_trl_trainer", "check_trainer_class", "check_trainer", "prepare_args",
-           "trl_construction", "VocabParallelFusedHead", "add_fused_lm_head", "after_init"]
+           "trl_construction", "VocabParallelFusedHead", "add_fused_lm_head", "after_init", "uses_data_parallel_view",
+           "data_parallel_metrics", "after_optimizer_loaded"]
 
 #: TRL trainer classes checked against the same trainer on the dense model (tests/distributed/test_trl.py).
 CHECKED_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RewardTrainer")
@@ -72,7 +87,7 @@ def is_trl_trainer(cls: type) -> bool:
     return bool(_trl_classes(cls))
 
 
-def _refused_options(trainer_name: str, args, tp_size: int, dp_size: int) -> list[str]:
+def _refused_options(args) -> list[str]:
     """The TRL options (of ``args``) this integration refuses, each with its reason."""
     bad = []
     on = lambda name: bool(getattr(args, name, False))  # noqa: E731
@@ -87,25 +102,6 @@ def _refused_options(trainer_name: str, args, tp_size: int, dp_size: int) -> lis
         bad.append("use_weighting=True (DPO's WPO weights: not checked on a vocabulary-split head)")
     if getattr(args, "use_transformers_paged", False) or getattr(args, "use_transformers_continuous_batching", False):
         bad.append("transformers' paged / continuous-batching generation (not checked with tensor-parallel layers)")
-    if tp_size > 1 and getattr(args, "scale_rewards", None) == "batch":
-        bad.append("scale_rewards='batch' at tp > 1 (GRPO's batch-wide reward std is taken over the rewards gathered "
-                   "from every process, which hold each TP rank's copy: a different std from the dense run's; use "
-                   "'group' or 'none')")
-    if tp_size > 1 and getattr(args, "multi_objective_aggregation", None) == "normalize_then_sum":
-        bad.append("multi_objective_aggregation='normalize_then_sum' at tp > 1 (a batch-wide std over the gathered "
-                   "rewards, which hold each TP rank's copy; use 'sum_then_normalize')")
-    quantile = getattr(args, "top_entropy_quantile", None)
-    if tp_size > 1 and quantile is not None and quantile < 1.0:
-        bad.append(f"top_entropy_quantile={quantile} at tp > 1 (GRPO's entropy threshold is a quantile of the "
-                   f"entropies gathered from every process, which hold each TP rank's copy: torch.quantile "
-                   f"interpolates between other positions than in the dense run; use 1.0)")
-    generations = getattr(args, "num_generations", None)
-    if tp_size > 1 and generations and getattr(args, "generation_batch_size", None) is not None:
-        per_replica = args.per_device_train_batch_size * args.steps_per_generation
-        if per_replica % generations:
-            bad.append(f"per_device_train_batch_size * steps_per_generation = {per_replica} not a multiple of "
-                       f"num_generations = {generations} at tp > 1 (a group of completions would straddle DP replicas, "
-                       f"and GRPO's gathered rewards hold each TP rank's copy, so its mean would mix copies)")
     return bad
 
 
@@ -139,17 +135,10 @@ def check_trainer(cls: type, args, model: nn.Module) -> None:
                            f"computed from the logits shard; parallelize without lm_loss_chunk for TRL trainers")
     if args is None:
         return
-    bad = _refused_options(cls.__name__, args, info.tp_size, comm.group_size(info.dp_group))
+    bad = _refused_options(args)
     if bad:
         raise TPUsageError(f"{cls.__name__} on a tensor-parallel model (tp_size = {info.tp_size}) does not support: "
                            + "; ".join(bad))
-    if info.tp_size > 1 and hasattr(args, "num_generations"):
-        import warnings
-
-        warnings.warn(f"{cls.__name__} at tp_size = {info.tp_size}: TRL gathers its logged metrics from every "
-                      f"process, the TP ranks' copies included, so 'num_tokens' is {info.tp_size}x the tokens "
-                      f"seen and 'reward_std' / 'rewards/*/std' are the sample std of the copies (the "
-                      f"training itself is exact; docs/trl.md)", stacklevel=3)
 
 
 def prepare_args(args, model: nn.Module) -> None:
@@ -357,13 +346,20 @@ def trl_construction(cls: type, model: nn.Module):
     modules of ``cls``'s TRL classes are tpify's (see the module docstring); put back on exit,
     also when ``__init__`` raises. Not thread-safe (two trainers built at once in two threads)."""
     policy = tp_model_of(model)
-    modules = {sys.modules[c.__module__] for c in _trl_classes(cls)}
+    with _rebound(cls, {"add_fused_lm_head": lambda o: _bind_original(add_fused_lm_head, o),
+                        "get_peft_model": lambda o: _get_peft_model,
+                        "create_model_from_path": lambda o: _reference_loader(policy, o),
+                        "set_seed": lambda o: _seeder(policy, o)}):
+        yield
+
+
+@contextlib.contextmanager
+def _rebound(cls: type, makers: dict):
+    """In the modules of ``cls``'s TRL classes, each module-level name of ``makers`` bound to
+    ``makers[name](original)`` for the block, and put back on exit, also when the block raises."""
     saved = []
-    for module in modules:
-        for name, make in (("add_fused_lm_head", lambda o: _bind_original(add_fused_lm_head, o)),
-                           ("get_peft_model", lambda o: _get_peft_model),
-                           ("create_model_from_path", lambda o: _reference_loader(policy, o)),
-                           ("set_seed", lambda o: _seeder(policy, o))):
+    for module in {sys.modules[c.__module__] for c in _trl_classes(cls)}:
+        for name, make in makers.items():
             if name in module.__dict__:
                 original = module.__dict__[name]
                 saved.append((module, name, original))
@@ -387,3 +383,55 @@ def after_init(trainer) -> None:
     ref = getattr(trainer, "ref_model", None)
     if ref is not None and tp_model_of(ref) is not None:
         trainer.accelerator.register_tp_model(ref)
+
+
+def uses_data_parallel_view(cls: type) -> bool:
+    """Whether ``cls``'s generation and loss run in :func:`data_parallel_metrics`: GRPO, which pairs
+    its gathers with ``process_index``/``num_processes``. SFT's loss scale reads ``num_processes``
+    with Trainer's world meaning (``num_processes // get_tp_size()``), so SFT, DPO and
+    RewardTrainer keep the world view and count through ``gather_for_metrics`` (over DP)."""
+    return any(c.__name__ == "GRPOTrainer" for c in _trl_classes(cls))
+
+
+@contextlib.contextmanager
+def data_parallel_metrics(trainer):
+    """While GRPO generates and scores completions or computes its loss: the accelerator's
+    ``gather``, ``reduce``, ``num_processes`` and ``process_index`` over the DP group
+    (:meth:`~tpify.integrations.accelerate.TPAccelerator.data_parallel_view`), and the names
+    ``gather`` and ``gather_object`` (accelerate's world-wide functions, imported by TRL's GRPO
+    module for its rewards and its completions log) bound to the accelerator's view methods; put
+    back on exit, also when the block raises. What TRL computes from them is then the dense run's
+    on ``dp`` processes: the rewards gathered over DP (each replica's completions once, in DP rank
+    order), each replica's slice of the advantages at ``process_index = dp_rank``, the loss
+    normalizer ``num_items_in_batch / num_processes`` (both over DP), every logged metric.
+
+    Not thread-safe (two GRPO trainers stepping at once in two threads of one process). A no-op at
+    ``tp_size == 1``.
+    """
+    accelerator = trainer.accelerator
+    with accelerator.data_parallel_view():
+        if accelerator._dp_view() is None:
+            yield
+            return
+        with _rebound(type(trainer), {"gather": lambda o: accelerator.gather,
+                                      "gather_object": lambda o: accelerator.gather_object}):
+            yield
+
+
+def after_optimizer_loaded(trainer, checkpoint: str) -> None:
+    """What TRL restores in its own ``_load_optimizer_and_scheduler`` (which
+    :class:`~tpify.integrations.trainer.TPTrainerMixin` replaces to reshard the optimizer): GRPO's
+    adaptive entropy controller (``entropy_coef`` and the last window's entropy), from the
+    ``entropy_ctrl_state.json`` TRL writes into each checkpoint (the same value on every rank).
+    A checkpoint without that file leaves the controller as constructed, as TRL does."""
+    import json
+    import os
+
+    if not getattr(trainer, "use_adaptive_entropy", False):
+        return
+    path = os.path.join(checkpoint, "entropy_ctrl_state.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            state = json.load(f)
+        trainer.entropy_coef = state["entropy_coef"]
+        trainer._last_world_entropy = state["last_world_entropy"]
