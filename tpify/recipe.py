@@ -548,7 +548,9 @@ def compose(recipe: Recipe, model) -> Recipe:
             inner = compose(load_recipe(name), module)
         except RecipeError as e:
             raise RecipeError(f"{where}: the part {type(module).__name__} ({inc.config}.model_type = "
-                              f"{getattr(sub, 'model_type', None)!r}) cannot be planned: {e}") from None
+                              f"{getattr(sub, 'model_type', None)!r}) cannot be planned: {e} For a part: a recipe file "
+                              f"named after its model_type in a recipes folder, or recipe = ... in this [[include]]"
+                              ) from None
         _check_sub_config(inner, sub, where)
         inner_prefix = base_model_and_prefix(module)[1]
         prefix = f"{inc.prefix}.{inner_prefix}" if inner_prefix else inc.prefix

@@ -94,7 +94,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     vocab = text.vocab_size
     pad = text.pad_token_id
     specials = [v for part in {id(config): config, id(text): text}.values() for k, v in part.to_dict().items()
-                if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 64]
+                if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 64]
     low = min(max(specials, default=-1) + 1, vocab - 1)
     shape = (BATCH, CHOICES, tokens) if task in ("multiple-choice", "double-heads") else (BATCH, tokens)
     ids = torch.randint(low, vocab, shape, generator=g)
