@@ -15,14 +15,19 @@ and only the order of the sums differs (measured: at most 8.5e-14).
 Targets: llava (CLIP tower, Llama LM), llava with a SigLIP tower (its pooling head replicated,
 vision_feature_layer -1 so that the last tower layer is used too) over a Qwen2 LM (q/k/v biases),
 qwen2_vl, and qwen2_5_vl with window attention on one tower layer and full attention on the
-other (window_size 4: a window per merged patch).
+other (window_size 4: a window per merged patch). Negative control in the same job: a Qwen2-VL
+tower recipe that splits the fused qkv contiguously (valid, silently wrong) must fail on the
+outputs (measured: off by 0.15), so the images do reach the split tower.
 """
+
+import tomllib
 
 import pytest
 
 from tpify.authoring.small import small_config
 from tpify.authoring.target import family_head_classes, resolve_config
 from tpify.authoring.verify import Target, verify_many
+from tpify.recipe import recipe_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +47,23 @@ def _qwen2_5_vl_windows():
     return config
 
 
+def _wrong_tower_recipe(tmp_path) -> dict:
+    """qwen2_vl's recipe including a tower recipe that splits the fused qkv contiguously
+    (``colwise``: rank 0 holds all of q and half of k): valid, silently wrong without images."""
+    tower = next(d / "qwen2_vl_vision.toml" for d in recipe_dirs() if (d / "qwen2_vl_vision.toml").is_file())
+    lines = tower.read_text().replace('style = "packed_colwise"\nparts = 3', 'style = "colwise"')
+    (tmp_path / "qwen2_vl_vision_wrong.toml").write_text(lines)
+    data = tomllib.loads(next(d / "qwen2_vl.toml" for d in recipe_dirs() if (d / "qwen2_vl.toml").is_file())
+                        .read_text())
+    data["include"][1]["recipe"] = str(tmp_path / "qwen2_vl_vision_wrong.toml")
+    return data
+
+
 @pytest.fixture(scope="module")
-def report():
-    targets = [Target("llava"), Target("llava", config=_llava_siglip_qwen2(), shrink=False,
+def report(tmp_path_factory):
+    wrong = _wrong_tower_recipe(tmp_path_factory.mktemp("recipes"))
+    targets = [Target("qwen2_vl", recipe=wrong, head_classes=["base"], label="qwen2_vl (tower qkv colwise)"),
+               Target("llava"), Target("llava", config=_llava_siglip_qwen2(), shrink=False,
                                        label="llava (siglip tower, qwen2 LM)"),
                Target("qwen2_vl"), Target("qwen2_5_vl", config=_qwen2_5_vl_windows(), shrink=False,
                                             label="qwen2_5_vl (window attention)")]
@@ -54,7 +73,11 @@ def report():
 def test_vision_language_recipes_are_exact_tp2_with_images(report):
     print(f"measured: one job {report.job_seconds.get(2, 0):.1f} s, {len(report.rows)} rows; per target (rank 0): "
           f"{ {t: round(s, 1) for (t, _), s in report.target_seconds().items()} }")
-    problems = [f"{r.target} {r.head} {r.check}: {r.max_diff} {r.message}" for r in report.rows if not r.passed]
+    bad = {r.check: r for r in report.rows if r.target == "qwen2_vl (tower qkv colwise)"}
+    assert bad and not bad["forward last_hidden_state"].passed and bad["forward last_hidden_state"].max_diff > 1e-3, bad
+    print(f"measured: the tower's contiguous qkv split is off by {bad['forward last_hidden_state'].max_diff:.3g}")
+    problems = [f"{r.target} {r.head} {r.check}: {r.max_diff} {r.message}" for r in report.rows
+                if not r.passed and r.target != "qwen2_vl (tower qkv colwise)"]
     assert not problems, "\n".join(problems)
     for label, family in (("llava", "llava"), ("llava (siglip tower, qwen2 LM)", "llava"), ("qwen2_vl", "qwen2_vl"),
                           ("qwen2_5_vl (window attention)", "qwen2_5_vl")):
