@@ -30,6 +30,8 @@
   ``float32``, and gpt2's contiguous ``c_attn`` split still fails in float32 (measured 2.1,
   against 2.3e-5); a Llama with a NaN weight gives one ``dense reference not finite`` row, not a
   difference of the parallel model.
+* The vision-language recipes (llava, qwen2_vl, qwen2_5_vl) and the tower recipes they include are
+  left out of these jobs: tests/distributed/test_vision_language.py verifies them with images.
 * The CLI once end to end (``python -m tpify.cli verify gpt2 --tp 2``).
 * Without ranks: the small configs of the shipped families and of t5 / falcon / bloom /
   gpt_bigcode have the sizes asked for; a family that cannot be shrunk raises ``ShrinkError``;
