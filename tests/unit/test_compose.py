@@ -91,3 +91,30 @@ def test_sequence_parallelism_is_scoped_to_the_language_model():
         bare = LlavaModel(_llava().config)
     layout = build_layout(bare, load_recipe("llava"), 2)
     assert layout.lm_head is None and "language_model.embed_tokens" in layout.modules
+
+
+@pytest.mark.slow
+def test_a_legacy_layout_llava_checkpoint_loads_through_transformers_renamings(tmp_path):
+    """LLaVA checkpoints on the Hub keep the pre-5 layout (``language_model.model.*``,
+    ``language_model.lm_head``, ``vision_tower.vision_model.*``, ``multi_modal_projector.*`` at the
+    top), which transformers renames on load (its checkpoint conversion mapping): tpify's
+    from_pretrained finds every tensor through the same renamings, bitwise the weights
+    transformers loads (tp 1; the per-rank slicing of the matched keys is every family's)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    config = _llava().config
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
+    legacy = {}
+    for key, value in load_file(tmp_path / "model.safetensors").items():
+        for old, new in ((r"^model\.language_model\.", "language_model.model."), (r"^lm_head", "language_model.lm_head"),
+                         (r"^model\.vision_tower\.", "vision_tower.vision_model."), (r"^model\.", "")):
+            key = re.sub(old, new, key)
+        legacy[key] = value
+    assert "language_model.model.layers.0.mlp.up_proj.weight" in legacy
+    save_file(legacy, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    want = LlavaForConditionalGeneration.from_pretrained(tmp_path).state_dict()
+    got = tpify.from_pretrained(tmp_path, tp_size=1).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
