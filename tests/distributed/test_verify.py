@@ -30,7 +30,7 @@
   ``float32``, and gpt2's contiguous ``c_attn`` split still fails in float32 (measured 2.1,
   against 2.3e-5); a Llama with a NaN weight gives one ``dense reference not finite`` row, not a
   difference of the parallel model.
-* The vision-language recipes (llava, qwen2_vl, qwen2_5_vl) and the tower recipes they include are
+* The vision-language recipes (llava, qwen2_vl, qwen2_5_vl, gemma3) and the tower recipes they include are
   left out of these jobs: tests/distributed/test_vision_language.py verifies them with images.
 * The CLI once end to end (``python -m tpify.cli verify gpt2 --tp 2``).
 * Without ranks: the small configs of the shipped families and of t5 / falcon / bloom /
@@ -141,7 +141,7 @@ def _timings(report, tp):
 _SLOW_ONLY = ("qwen3", "gemma2", "gemma3_text")
 # The vision-language recipes and the tower recipes they include: verified with images in the slow
 # job of tests/distributed/test_vision_language.py (a tower alone takes no token ids).
-_VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "clip_vision_model", "siglip_vision_model", "qwen2_vl_vision",
+_VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "clip_vision_model", "siglip_vision_model", "qwen2_vl_vision",
                     "qwen2_5_vl_vision")
 
 

@@ -123,8 +123,9 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
         inputs["attention_mask"] = mask
     if images is not None:
         inputs.update(images[1])
-        if accepts(cls, "mm_token_type_ids"):  # Qwen2-VL's multimodal rotary positions: 1 at image tokens
-            inputs["mm_token_type_ids"] = (ids == config.image_token_id).to(torch.long)
+        for name in ("mm_token_type_ids", "token_type_ids"):  # 1 at image tokens: Qwen2-VL's multimodal
+            if accepts(cls, name):  # rotary positions, Gemma 3's bidirectional attention over each image
+                inputs[name] = (ids == config.image_token_id).to(torch.long)
     dec_labels = torch.randint(low, vocab, (BATCH, DECODER_TOKENS), generator=g)
     dec_labels[0, -2:] = -100
     if encdec and accepts(cls, "decoder_input_ids") and task in ("base", "seq2seq-lm"):
@@ -163,7 +164,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
 
 
 # The vision-language families whose images image_inputs builds (others run on text alone).
-_IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+_IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")
 
 
 def image_inputs(cls: type, config, g: torch.Generator, dtype: torch.dtype) -> tuple[list[int], dict] | None:
@@ -177,6 +178,9 @@ def image_inputs(cls: type, config, g: torch.Generator, dtype: torch.dtype) -> t
       ``vision_start``, 4 image tokens (``4m^2 / m^2``), ``vision_end``; :func:`make_inputs`
       adds ``mm_token_type_ids`` ``(B, T)``, 1 at the image tokens (the model's rotary
       positions are computed from it).
+    * Gemma 3 (SigLIP tower, pooled): ``pixel_values`` ``(B, C, S, S)``; the block is ``boi``,
+      ``mm_tokens_per_image`` image tokens, ``eoi``; :func:`make_inputs` adds
+      ``token_type_ids``, 1 at the image tokens (each image attended bidirectionally).
     * LLaVA with a CLIP or SigLIP tower: ``pixel_values`` ``(B, C, S, S)`` (``S`` the tower's
       ``image_size``); the block is one image token per selected patch feature: ``(S / p)^2``
       patches, plus CLIP's class token, less the first feature with
@@ -203,9 +207,12 @@ def image_inputs(cls: type, config, g: torch.Generator, dtype: torch.dtype) -> t
     if vision.model_type not in ("clip_vision_model", "siglip_vision_model"):
         return None
     size = vision.image_size
+    pixels = torch.randn(BATCH, vision.num_channels, size, size, generator=g, dtype=torch.float64).to(dtype)
+    if family == "gemma3":  # its projector pools the patches to mm_tokens_per_image, between boi and eoi
+        return ([config.boi_token_id] + [image] * config.mm_tokens_per_image + [config.eoi_token_id],
+                {"pixel_values": pixels})
     count = ((size // vision.patch_size) ** 2 + (vision.model_type == "clip_vision_model")
              - (getattr(config, "vision_feature_select_strategy", "default") == "default"))
-    pixels = torch.randn(BATCH, vision.num_channels, size, size, generator=g, dtype=torch.float64).to(dtype)
     return [image] * count, {"pixel_values": pixels}
 
 

@@ -105,6 +105,7 @@ _FAMILY_SIZES = {
     "sliding_window_size": _at_most(8),
     # vision and audio towers of a composite model: a few patches of a few pixels, narrow stages
     "patch_size": _at_most(2),
+    "mm_tokens_per_image": _at_most(4),  # Gemma 3's pooled image tokens: 2 x 2 of the small tower's 4 x 4 patches
     **{k: _at_most(8) for k in ("image_size", "crop_size", "nemo_conv_channels")},
     **{k: _at_most(4) for k in ("pos_emb_height", "pos_emb_width")},
     "position_embedding_size": _at_most(16),
