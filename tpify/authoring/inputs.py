@@ -82,7 +82,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     ``T5Gemma2Decoder``) whose ``forward`` takes ``encoder_hidden_states``: ``(B, tokens, hidden)``
     of ``dtype`` (the reference's), the encoder's output it cross-attends to, and its mask; for a
     part whose layers read a conditioning vector (:data:`_PART_CONDITIONS`): ``(1, hidden)``.
-    For a vision-language model (:func:`image_inputs`: LLaVA, Qwen2-VL, Qwen2.5-VL), one image
+    For a vision-language model (:func:`image_inputs`: LLaVA, Qwen2-VL, Qwen2.5-VL, Gemma 3), one image
     per row: its pixel inputs (``dtype``) and, at position 4 of every row (past the left
     padding), a block of its image tokens, filled up with text tokens to a multiple of 8 (so
     that ``T`` stays divisible by tp 2, 4 and 8 for sequence parallelism); ``T`` grows by the block.
@@ -94,7 +94,8 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     vocab = text.vocab_size
     pad = text.pad_token_id
     specials = [v for part in {id(config): config, id(text): text}.values() for k, v in part.to_dict().items()
-                if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 64]
+                if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool)
+                and 0 <= v < 64]  # (LLaVA and Gemma 3 store their image token id as image_token_index)
     low = min(max(specials, default=-1) + 1, vocab - 1)
     shape = (BATCH, CHOICES, tokens) if task in ("multiple-choice", "double-heads") else (BATCH, tokens)
     ids = torch.randint(low, vocab, shape, generator=g)
@@ -106,7 +107,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     images = image_inputs(cls, config, g, dtype) if ids.dim() == 2 else None
     marked = torch.zeros_like(ids, dtype=torch.bool)  # image and vision marker tokens: no labels
     if images is not None:
-        block, pixels = images
+        block = images[0]
         fill = -len(block) % IMAGE_BLOCK_MULTIPLE
         row = torch.cat([torch.tensor(block), torch.randint(low, vocab, (fill,), generator=g)])
         ids = torch.cat([ids[:, :IMAGE_AT], row.expand(BATCH, -1), ids[:, IMAGE_AT:]], dim=1)
