@@ -12,7 +12,8 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = ["SHARDABLE_TYPES", "is_conv1d", "module_kind", "dense_dims", "overrides_forward", "qualname",
-           "base_model_and_prefix", "relative_name", "base_model", "relative_fqn", "is_peft"]
+           "base_model_and_prefix", "relative_name", "base_model", "relative_fqn", "is_peft", "config_get",
+           "config_set", "config_has"]
 
 #: What the recipe styles split (and what must be covered by a rule).
 SHARDABLE_TYPES = "nn.Linear, transformers Conv1D, nn.Embedding"
@@ -107,3 +108,36 @@ def relative_fqn(model: nn.Module, fqn: str) -> str:
 def is_peft(module: nn.Module) -> bool:
     """Whether ``module`` is one of PEFT's (a ``PeftModel``, a tuner, an adapter layer)."""
     return type(module).__module__.startswith("peft.")
+
+
+_MISSING = object()
+
+
+def config_get(config, path: str, default=None):
+    """The config value a recipe names: an attribute (``num_attention_heads``) or a dotted path
+    through sub-configs (``text_config.num_attention_heads``: a composed recipe's rules read the
+    sub-config of the part they were written for). ``default`` when any step is missing."""
+    value = config
+    for name in path.split("."):
+        value = getattr(value, name, _MISSING) if value is not None else _MISSING
+        if value is _MISSING:
+            return default
+    return value
+
+
+def config_has(config, path: str) -> bool:
+    """Whether every step of ``path`` (see :func:`config_get`) exists on ``config``."""
+    return config_get(config, path, _MISSING) is not _MISSING
+
+
+def config_set(config, path: str, value) -> None:
+    """Set the value at ``path`` (see :func:`config_get`); the sub-configs on the way must exist.
+
+    Raises:
+        AttributeError: a sub-config on the way is missing.
+    """
+    owner, _, name = path.rpartition(".")
+    target = config_get(config, owner, _MISSING) if owner else config
+    if target is _MISSING or target is None:
+        raise AttributeError(f"config has no sub-config {owner!r} (setting {path!r})")
+    setattr(target, name, value)

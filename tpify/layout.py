@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .agree import digest
-from .hf_modules import SHARDABLE_TYPES, base_model, is_peft, module_kind, relative_fqn
-from .recipe import Recipe, Rule, RuleIndex
+from .hf_modules import SHARDABLE_TYPES, base_model, config_get, config_has, is_peft, module_kind, relative_fqn
+from .recipe import Recipe, Rule, RuleIndex, compose
 from .sharding import ShardSpec, valid_tp_sizes
 from .styles import ModuleLayout, PlanContext, style_of
 
@@ -183,11 +183,11 @@ def _packed_sizes(rule: Rule, out_features: int, config, owner: nn.Module | None
             if isinstance(name, int):
                 weights.append(name)
                 continue
-            value = getattr(config, name, None)
+            value = config_get(config, name)
             if not isinstance(value, int):
                 errors.append(f"{fqn}: {rule.describe()} weighs its parts by config.{name}, which is {value!r}")
                 return None
-            used = getattr(owner, name, None) if owner is not None else None
+            used = getattr(owner, name.rpartition(".")[2], None) if owner is not None else None
             if isinstance(used, int) and not isinstance(used, bool) and used != value:
                 errors.append(f"{fqn}: {rule.describe()} weighs its parts by config.{name} = {value}, but the module "
                               f"that owns it ({type(owner).__name__}) has {name} = {used}, which its forward uses; "
@@ -228,6 +228,7 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
             config does not hold as a number (or None).
     """
     _check_arguments(model, tp_size, pad_vocab_multiple, lm_loss_chunk, ep_size)
+    recipe = compose(recipe, model)
     planner = _Planner(model, recipe, tp_size, pad_vocab_multiple, ep_size)
     planner.config_counts()
     planner.match_modules()
@@ -341,7 +342,7 @@ class _Planner:
     def config_counts(self) -> None:
         """The recipe's ``divisible`` and ``divide_config`` config values."""
         for name in self.recipe.divisible + self.recipe.divide_config:
-            value = getattr(self.config, name, None)
+            value = config_get(self.config, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 self.errors.append(f"recipe {self.recipe.source} requires config.{name} to be an integer; it is "
                                    f"{value!r}")
@@ -381,7 +382,7 @@ class _Planner:
         if rule.kv_groups or rule.kv_counts:
             self._kv_groups(fqn, module, rule)
         for arg, dim, heads_attr in rule.head_inputs:
-            heads = getattr(self.config, heads_attr, None)
+            heads = config_get(self.config, heads_attr)
             if not isinstance(heads, int) or isinstance(heads, bool):
                 self.errors.append(f"{fqn}: {rule.describe()} slices argument {arg!r} by config.{heads_attr}, which is "
                                    f"{heads!r}, not an integer")
@@ -475,15 +476,15 @@ class _Planner:
         if layout.loss_kind is not None:
             layout.loss_terms = recipe.loss_terms
             for output, coefficient in recipe.loss_terms:
-                if isinstance(coefficient, str) and not isinstance(getattr(self.config, coefficient, None),
+                if isinstance(coefficient, str) and not isinstance(config_get(self.config, coefficient),
                                                                    (int, float)):
                     self.errors.append(f"recipe {recipe.source}: [loss] terms scales {output!r} by config."
                                        f"{coefficient}, which {type(self.model).__name__}'s config does not hold as a "
                                        f"number")
             layout.logit_ops = recipe.logit_ops
             for op, value in recipe.logit_ops:
-                if isinstance(value, str) and not (hasattr(self.config, value) and isinstance(
-                        getattr(self.config, value), (int, float, type(None)))):
+                if isinstance(value, str) and not (config_has(self.config, value) and isinstance(
+                        config_get(self.config, value), (int, float, type(None)))):
                     self.errors.append(f"recipe {recipe.source}: [loss] logits {op} reads config.{value}, which "
                                        f"{type(self.model).__name__}'s config does not hold as a number (or None)")
         if lm_loss_chunk is not None:
@@ -551,12 +552,19 @@ def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: l
     if not out["gather"]:
         errors.append(f"[sequence_parallel] gather = {sp['gather']} matches no module")
     gathers = tuple(out["gather"])
+    # The part whose layers the stretch may reach: the whole model, or a composed recipe's part
+    # (the language model; a vision tower runs before the split, on its own tokens).
+    scope = sp.get("scope")
+
+    def in_scope(fqn: str) -> bool:
+        return scope is None or (relative_fqn(model, fqn) + ".").startswith(scope + ".")
+
     outside = [f for f in layout.region_starts + layout.region_ends
-               if not any(f.startswith(g + ".") for g in gathers)]
+               if in_scope(f) and not any(f.startswith(g + ".") for g in gathers)]
     if outside:
         errors.append(f"sequence parallelism: column/row-parallel layers {outside[:4]} lie outside every module of "
                       f"[sequence_parallel] gather = {sp['gather']}; their input would be split along the tokens")
-    unsupported = sorted({m.style for m in layout.modules.values() if not m.styler.sequence_parallel})
+    unsupported = sorted({m.style for f, m in layout.modules.items() if in_scope(f) and not m.styler.sequence_parallel})
     if unsupported:
         errors.append("sequence parallelism is not supported with " + "; ".join(
             f"{name} ({style_of(name).sequence_parallel_refusal})" for name in unsupported))

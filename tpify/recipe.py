@@ -47,17 +47,21 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .hf_modules import base_model_and_prefix, config_get, config_has
 from .loss import LOGIT_OPS
 from .styles import STYLES as _STYLE_OBJECTS
 
-__all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
+__all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "load_recipe", "recipe_dirs",
+           "available_recipes", "compose"]
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
 _RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "kv_counts", "divide", "head_inputs", "optional", "when", "params"}
 _PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
-             "sequence_parallel", "rule"}
+             "sequence_parallel", "rule", "include"}
 _SP_KEYS = {"split", "gather", "exit"}
+_SP_OPTIONAL = {"scope"}
+_INCLUDE_KEYS = {"recipe", "prefix", "config"}
 _HEAD_INPUT_KEYS = {"arg", "dim", "heads"}
 SUBCLASS_FORWARDS = ("plain", "scaled")
 LOSS_KINDS = ("causal", "masked", "seq2seq", "none")
@@ -106,6 +110,7 @@ class Rule:
     # attributes of the matched module holding its KV heads (phi3's num_key_value_heads): divided by
     # tp_size when it divides the KV heads, else by kv_heads (each rank then holds one KV head)
     kv_counts: tuple[str, ...] = ()
+    origin: str = ""  # where an included rule comes from: "<recipe file> at <prefix>" (compose)
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
     def matches(self, fqn: str) -> bool:
@@ -115,11 +120,13 @@ class Rule:
         return any(r.match(fqn) for r in self._regexes)
 
     def applies(self, config) -> bool:
-        """True when every ``when`` condition holds: ``getattr(config, key) == value``."""
-        return all(getattr(config, key, None) == value for key, value in self.when)
+        """True when every ``when`` condition holds: ``config.<key> == value`` (a dotted key reads a
+        sub-config, :func:`tpify.hf_modules.config_get`)."""
+        return all(config_get(config, key) == value for key, value in self.when)
 
     def describe(self) -> str:
-        return f"rule #{self.index} (match={list(self.patterns)})"
+        where = f", from {self.origin}" if self.origin else ""
+        return f"rule #{self.index} (match={list(self.patterns)}{where})"
 
 
 def _is_glob(pattern: str) -> bool:
@@ -165,6 +172,23 @@ class RuleIndex:
         return [found[i] for i in sorted(found)]
 
 
+@dataclass(frozen=True)
+class Include:
+    """One ``[[include]]`` of a recipe: another recipe applied to a sub-module with its sub-config.
+
+    Attributes:
+        prefix: the sub-module's name relative to the base model (``language_model``); the
+            included rules' globs are prefixed with it.
+        config: the attribute path of its sub-config on the model's config (``text_config``);
+            every config attribute the included recipe reads is read there.
+        recipe: the recipe's name or ``.toml`` path; None: the sub-config's ``model_type``.
+    """
+
+    prefix: str
+    config: str
+    recipe: str | None = None
+
+
 @dataclass
 class Recipe:
     """A parsed recipe: ``model_type``, config attributes tp must divide, and rules in order."""
@@ -183,7 +207,8 @@ class Recipe:
     logit_ops: tuple[tuple[str, str | float], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
     subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
-    sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob}
+    sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob[, "scope": prefix]}
+    includes: tuple[Include, ...] = ()  # other recipes applied to sub-modules (compose() flattens them)
 
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
@@ -191,7 +216,8 @@ class Recipe:
                   r.params, r.kv_heads, r.kv_groups, r.kv_counts) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
-                   self.sequence_parallel, list(self.loss_terms), list(self.logit_ops)])
+                   self.sequence_parallel, list(self.loss_terms), list(self.logit_ops),
+                   [(i.prefix, i.config, i.recipe) for i in self.includes]])
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -276,16 +302,19 @@ class Recipe:
             subclasses[name] = (entry["forward"], scale)
         sp = data.get("sequence_parallel")
         if sp is not None:
-            ok = (isinstance(sp, dict) and set(sp) == _SP_KEYS and isinstance(sp["split"], str) and sp["split"]
+            ok = (isinstance(sp, dict) and _SP_KEYS <= set(sp) <= _SP_KEYS | _SP_OPTIONAL
+                  and isinstance(sp.get("scope", "x"), str) and sp.get("scope", "x") and isinstance(sp["split"], str) and sp["split"]
                   and isinstance(sp["exit"], str) and sp["exit"] and isinstance(sp["gather"], list) and sp["gather"]
                   and all(isinstance(g, str) and g for g in sp["gather"]))
             if not ok:
                 fail("[sequence_parallel] must be a table with split = the glob of the module whose input is split "
                      "along the tokens, gather = globs of the modules whose input is all-gathered (attention, MLP), "
-                     "exit = the glob of the module whose output is all-gathered")
+                     "exit = the glob of the module whose output is all-gathered (and optionally scope = the "
+                     "module whose column- and row-parallel layers must all be gathered, by default the whole model)")
+        includes = _includes(data.get("include", []), fail)
         raw_rules = data.get("rule", [])
-        if not isinstance(raw_rules, list) or not raw_rules:
-            fail("a recipe needs at least one [[rule]]")
+        if not isinstance(raw_rules, list) or not (raw_rules or includes):
+            fail("a recipe needs at least one [[rule]] (or [[include]])")
         rules = []
         for i, raw in enumerate(raw_rules):
             where = f"rule #{i}"
@@ -371,7 +400,27 @@ class Recipe:
                               kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts)))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
-                   tuple(tuple(r) for r in renames), subclasses, sp)
+                   tuple(tuple(r) for r in renames), subclasses, sp, includes)
+
+
+def _includes(raw, fail) -> tuple[Include, ...]:
+    """The ``[[include]]`` tables: ``prefix`` and ``config`` (non-empty strings), ``recipe`` optional."""
+    if not isinstance(raw, list):
+        fail("[[include]] must be an array of tables")
+    found = []
+    for i, item in enumerate(raw):
+        ok = (isinstance(item, dict) and {"prefix", "config"} <= set(item) <= _INCLUDE_KEYS
+              and all(isinstance(v, str) and v for v in item.values()))
+        if not ok:
+            fail(f"[[include]] #{i} must be a table with prefix = the sub-module's name relative to the base model "
+                 f"(\"language_model\"), config = the attribute path of its sub-config (\"text_config\"), and "
+                 f"optionally recipe = the recipe to apply (a name or a .toml path; by default the sub-config's "
+                 f"model_type)")
+        found.append(Include(item["prefix"], item["config"], item.get("recipe")))
+    prefixes = [inc.prefix for inc in found]
+    if len(set(prefixes)) != len(prefixes):
+        fail(f"[[include]] names a prefix twice: {prefixes}")
+    return tuple(found)
 
 
 def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ...]:
@@ -454,3 +503,109 @@ def load_recipe(recipe: "str | Path | dict | Recipe") -> Recipe:
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"recipe {path}: not valid TOML: {e}") from e
     return Recipe.from_dict(data, str(path))
+
+
+def compose(recipe: Recipe, model) -> Recipe:
+    """``recipe`` with its ``[[include]]`` tables applied: one flat recipe for ``model``.
+
+    Each include applies another recipe (its ``recipe``, else the ``model_type`` of the sub-config
+    at ``config``) to the sub-module at ``prefix`` (relative to the base model): the included
+    rules' globs are prefixed with it (and with the sub-module's own base-model prefix, when it
+    has one), and every config attribute they read (``divisible``, ``divide_config``,
+    ``kv_heads``, ``parts`` weights, ``head_inputs`` heads, ``when`` keys) becomes a dotted path
+    into the sub-config (``text_config.num_attention_heads``), so it resolves against the part it
+    was written for. Included recipes may include others (applied first, against their own
+    sub-config). Their ``[subclasses]`` and checkpoint renames are added; their
+    ``[sequence_parallel]`` table is prefixed and scoped to the sub-module (its column- and
+    row-parallel layers must lie in a gathered module; the other parts' layers, which run outside
+    the split stretch, need not); at most one part may have one. Their ``[loss]`` tables are not
+    taken: the head classes are the composite's, and the including recipe declares them. The
+    recipe's own rules come first (their indices unchanged), then each include's in order. Local.
+
+    Raises:
+        RecipeError: a sub-config that the model's config does not hold, a sub-module the model
+            does not have, no recipe for the part's model_type (named, with the shipped ones),
+            a config attribute the included recipe reads that the sub-config lacks (each named,
+            with the rule that reads it), two ``[sequence_parallel]`` tables, or one
+            ``[subclasses]`` entry given two ways.
+    """
+    if not recipe.includes:
+        return recipe
+    config = getattr(model, "config", None)
+    base, _ = base_model_and_prefix(model)
+    rules = list(recipe.rules)
+    subclasses, renames = dict(recipe.subclasses), list(recipe.renames)
+    divisible, divide_config = list(recipe.divisible), list(recipe.divide_config)
+    sp = recipe.sequence_parallel
+    for number, inc in enumerate(recipe.includes):
+        where = f"recipe {recipe.source}: [[include]] #{number} (prefix = {inc.prefix!r}, config = {inc.config!r})"
+        sub = config_get(config, inc.config)
+        if sub is None or isinstance(sub, (bool, int, float, str, list, tuple, dict)):
+            raise RecipeError(f"{where}: {type(config).__name__} holds no sub-config at {inc.config!r} ({sub!r}); "
+                              f"name the attribute that holds the part's config (text_config, vision_config)")
+        try:
+            module = base.get_submodule(inc.prefix)
+        except AttributeError:
+            raise RecipeError(f"{where}: {type(model).__name__} has no module {inc.prefix!r} (relative to its base "
+                              f"model {type(base).__name__}); its children are "
+                              f"{[n for n, _ in base.named_children()]}") from None
+        name = inc.recipe or getattr(sub, "model_type", None)
+        if not name:
+            raise RecipeError(f"{where}: the sub-config {type(sub).__name__} has no model_type; give recipe = ...")
+        try:
+            inner = compose(load_recipe(name), module)
+        except RecipeError as e:
+            raise RecipeError(f"{where}: the part {type(module).__name__} ({inc.config}.model_type = "
+                              f"{getattr(sub, 'model_type', None)!r}) cannot be planned: {e} For a part: a recipe file "
+                              f"named after its model_type in a recipes folder, or recipe = ... in this [[include]]"
+                              ) from None
+        _check_sub_config(inner, sub, where)
+        inner_prefix = base_model_and_prefix(module)[1]
+        prefix = f"{inc.prefix}.{inner_prefix}" if inner_prefix else inc.prefix
+
+        def at(name: str, path: str = inc.config) -> str:
+            return f"{path}.{name}"
+
+        for r in inner.rules:
+            parts = tuple(at(p) if isinstance(p, str) else p for p in r.parts) if isinstance(r.parts, tuple) \
+                else r.parts
+            rules.append(Rule(len(rules), tuple(f"{prefix}.{p}" for p in r.patterns), r.style, parts, r.divide,
+                              r.optional, tuple((at(k), v) for k, v in r.when), r.replicated_parts,
+                              tuple((a, d, at(h)) for a, d, h in r.head_inputs), r.params,
+                              at(r.kv_heads) if isinstance(r.kv_heads, str) else r.kv_heads, r.kv_groups,
+                              kv_counts=r.kv_counts, origin=f"{inner.source} at {prefix}" + (f" ({r.origin})" if r.origin else "")))
+        divisible += [at(n) for n in inner.divisible]
+        divide_config += [at(n) for n in inner.divide_config]
+        renames += [r for r in inner.renames if r not in renames]
+        for cls_name, entry in inner.subclasses.items():
+            if subclasses.setdefault(cls_name, entry) != entry:
+                raise RecipeError(f"{where}: [subclasses] {cls_name} is {entry} in {inner.source} but "
+                                  f"{subclasses[cls_name]} elsewhere")
+        if inner.sequence_parallel is not None:
+            if sp is not None:
+                raise RecipeError(f"{where}: {inner.source} has a [sequence_parallel] table, and so has another part; "
+                                  f"one stretch of split tokens per model")
+            isp = inner.sequence_parallel
+            sp = {"split": f"{prefix}.{isp['split']}", "gather": [f"{prefix}.{g}" for g in isp["gather"]],
+                  "exit": f"{prefix}.{isp['exit']}", "scope": f"{prefix}.{isp['scope']}" if "scope" in isp else prefix}
+    return Recipe(recipe.model_type, rules, tuple(divisible), recipe.source, recipe.description, tuple(divide_config),
+                  recipe.loss, recipe.ignores_num_items, recipe.loss_terms, recipe.logit_ops, tuple(renames),
+                  subclasses, sp)
+
+
+def _check_sub_config(recipe: Recipe, sub, where: str) -> None:
+    """Every config attribute ``recipe``'s rules read holds on ``sub`` (``when`` keys aside: a
+    condition on a missing attribute is simply false), else a RecipeError naming each."""
+    reads = [(n, "divisible") for n in recipe.divisible] + [(n, "divide_config") for n in recipe.divide_config]
+    for r in recipe.rules:
+        if isinstance(r.kv_heads, str):
+            reads.append((r.kv_heads, f"kv_heads of {r.describe()}"))
+        if isinstance(r.parts, tuple):
+            reads += [(p, f"parts of {r.describe()}") for p in r.parts if isinstance(p, str)]
+        reads += [(h, f"head_inputs of {r.describe()}") for _, _, h in r.head_inputs]
+    missing = [f"{name} ({what})" for name, what in reads if not config_has(sub, name)]
+    if missing:
+        raise RecipeError(f"{where}: recipe {recipe.source} reads config attributes that the sub-config "
+                          f"{type(sub).__name__} (model_type {getattr(sub, 'model_type', None)!r}) does not have: "
+                          f"{missing}. Include a recipe written for this part's family (recipe = ...), or write one "
+                          f"(docs/recipes.md)")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .context import TPContext
-from .hf_modules import SHARDABLE_TYPES, dense_dims, module_kind, overrides_forward, qualname
+from .hf_modules import SHARDABLE_TYPES, config_get, dense_dims, module_kind, overrides_forward, qualname
 from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .sharding import (ShardSpec, column_specs, embedding_columns_spec, pad_vocab_size, row_spec,
                        vocab_rows_spec)
@@ -111,7 +111,7 @@ class PlanContext:
     def kv_heads(self, rule, fqn: str) -> int | None:
         """The rule's ``kv_heads`` as a number (a config attribute read), or None (an error
         recorded when the attribute is no positive integer)."""
-        value = rule.kv_heads if not isinstance(rule.kv_heads, str) else getattr(self.config, rule.kv_heads, None)
+        value = rule.kv_heads if not isinstance(rule.kv_heads, str) else config_get(self.config, rule.kv_heads)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             self.errors.append(f"{fqn}: {rule.describe()} reads its KV heads from config.{rule.kv_heads}, which is "
                                f"{value!r}, not a positive integer")

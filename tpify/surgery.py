@@ -15,6 +15,7 @@ import warnings
 from torch import nn
 
 from .context import TPContext
+from .hf_modules import config_set
 from .layout import Layout, PlanError
 
 __all__ = ["apply_layout"]
@@ -85,4 +86,4 @@ def _divide(model: nn.Module, layout: Layout) -> None:
             setattr(module, attr, getattr(module, attr) // divisor)
     config = getattr(model, "config", None)
     for name, dense in layout.config_divides.items():
-        setattr(config, name, dense // layout.tp_size)
+        config_set(config, name, dense // layout.tp_size)

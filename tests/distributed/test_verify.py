@@ -30,6 +30,8 @@
   ``float32``, and gpt2's contiguous ``c_attn`` split still fails in float32 (measured 2.1,
   against 2.3e-5); a Llama with a NaN weight gives one ``dense reference not finite`` row, not a
   difference of the parallel model.
+* The vision-language recipes (llava, qwen2_vl, qwen2_5_vl, gemma3) and the tower recipes they include are
+  left out of these jobs: tests/distributed/test_vision_language.py verifies them with images.
 * The CLI once end to end (``python -m tpify.cli verify gpt2 --tp 2``).
 * Without ranks: the small configs of the shipped families and of t5 / falcon / bloom /
   gpt_bigcode have the sizes asked for; a family that cannot be shrunk raises ``ShrinkError``;
@@ -137,15 +139,21 @@ def _timings(report, tp):
 # The recipes the quick job proves at tp = 2 (a fixed list: the quick suite is at its time limit).
 # Every other shipped recipe without experts, those added later included, is proved in the slow
 # job test_later_recipes_are_exact_tp2 (and all of them at tp = 4 in
-# test_every_shipped_recipe_is_exact_tp4); the MoE ones in the slow MoE job.
+# test_every_shipped_recipe_is_exact_tp4); the MoE ones in the slow MoE job; those of
+# _OWN_JOBS in the slow jobs of their own test files.
 _QUICK_FAMILIES = ("bert", "bloom", "distilbert", "falcon", "gemma", "gpt2", "gpt_bigcode", "gpt_neo", "gptj",
                    "llama", "mistral", "opt", "phi", "phi3", "qwen2", "roberta", "t5")
+# The vision-language recipes and the tower recipes they include: verified with images in the slow
+# job of tests/distributed/test_vision_language.py (a tower alone takes no token ids).
+_VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "clip_vision_model", "siglip_vision_model",
+                    "qwen2_vl_vision", "qwen2_5_vl_vision")
+_OWN_JOBS = _VISION_LANGUAGE
 
 
 def _later_families() -> list:
     """Shipped recipes without experts that the quick job leaves to the slow one (qwen3, gemma2,
-    gemma3_text and every recipe added after them)."""
-    return [m for m in available_recipes() if not _is_moe(m) and m not in _QUICK_FAMILIES]
+    gemma3_text and every recipe added after them, except those of ``_OWN_JOBS``)."""
+    return [m for m in available_recipes() if not _is_moe(m) and m not in _QUICK_FAMILIES + _OWN_JOBS]
 
 
 def _without_sequence_parallel(model_type: str) -> dict:
@@ -398,6 +406,8 @@ def test_every_shipped_recipe_is_exact_tp4():
     suite's time: 20 s more on the 2-core machine)."""
     families = []
     for m in available_recipes():
+        if m in _VISION_LANGUAGE:
+            continue
         try:
             small_config(resolve_config(m), (4,))
             families.append(m)
@@ -487,7 +497,7 @@ def test_cli_bad_target_and_head_class_exit_2(capsys):
 def test_small_configs_have_the_sizes_asked_for(tp):
     """Standard names through attribute_map (gpt2 n_embd/n_head, t5 d_model/d_kv/num_heads/d_ff,
     bloom n_head, falcon num_kv_heads): the built model (meta device) is small and divisible."""
-    families = sorted(set(available_recipes()) | {"t5", "bloom", "falcon", "gpt_bigcode"})
+    families = sorted(set(available_recipes()) - set(_VISION_LANGUAGE) | {"t5", "bloom", "falcon", "gpt_bigcode"})
     for family in families:
         config = small_config(resolve_config(family), (tp,))
         assert (config.num_attention_heads, config.hidden_size, config.num_hidden_layers, config.vocab_size) == \

@@ -28,6 +28,7 @@ import tpify
 
 from .. import comm
 from ..agree import step_outcome
+from ..hf_modules import config_get
 from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named, float32_tolerance
 from .inputs import TOKENS, case_config, case_loss, float_outputs, loss_of, make_inputs
 from .reference import DenseNotFinite, Reference, dense_reference, use_eager_experts
@@ -306,9 +307,9 @@ def _saved_config_divides(case: _CaseRun) -> None:
     from transformers import AutoConfig
 
     saved = AutoConfig.from_pretrained(case.save_dir)
-    wrong = [f"{n}: saved {getattr(saved, n, None)}, parallel {getattr(case.par.config, n, None)}, "
+    wrong = [f"{n}: saved {config_get(saved, n)}, parallel {config_get(case.par.config, n)}, "
              f"dense {v}" for n, v in config_divides.items()
-             if getattr(saved, n, None) != v or getattr(case.par.config, n, None) != v // case.tp_size]
+             if config_get(saved, n) != v or config_get(case.par.config, n) != v // case.tp_size]
     case.row(f"save: divide_config {sorted(config_divides)} dense in config.json, / tp on the model", 0.0,
              not wrong, "\n".join(wrong), "exact")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..api import resolve_recipe
-from ..hf_modules import relative_fqn
+from ..hf_modules import config_get, relative_fqn
 from ..styles import STYLES
 from ..layout import build_layout
 from ..recipe import Rule, RuleIndex
@@ -398,6 +398,6 @@ def _divided(model, layout, config, tp_size: int) -> dict:
             value = getattr(module, attr)
             divides.append({"fqn": fqn, "attr": attr, "dense": value, "per_rank": value // tp_size})
     config_divides = [{"name": n, "dense": v, "per_rank": v // tp_size} for n, v in layout.config_divides.items()]
-    divisible = [{"name": n, "value": getattr(config, n)} for n in layout.recipe.divisible
+    divisible = [{"name": n, "value": config_get(config, n)} for n in layout.recipe.divisible
                  if n not in layout.config_divides]
     return {"divides": divides, "config_divides": config_divides, "divisible": divisible}

@@ -96,6 +96,7 @@ _FAMILY_SIZES = {
     "dim_model_base": lambda sizes, old: sizes.hidden,
     "codebook_size": _at_most(8),
     "embedding_dim": lambda sizes, old: min(old, sizes.hidden),
+    "embed_dim": lambda sizes, old: min(old, sizes.hidden),  # Qwen2-VL's vision tower width
     "embedding_rank": _at_most(_RANK),
     "hc_lowrank": _at_most(_HEAD_DIM),
     # relative-position extents (inkling: a table as wide as the window)
@@ -104,6 +105,7 @@ _FAMILY_SIZES = {
     "sliding_window_size": _at_most(8),
     # vision and audio towers of a composite model: a few patches of a few pixels, narrow stages
     "patch_size": _at_most(2),
+    "mm_tokens_per_image": _at_most(4),  # Gemma 3's pooled image tokens: 2 x 2 of the small tower's 4 x 4 patches
     **{k: _at_most(8) for k in ("image_size", "crop_size", "nemo_conv_channels")},
     **{k: _at_most(4) for k in ("pos_emb_height", "pos_emb_width")},
     "position_embedding_size": _at_most(16),
@@ -197,7 +199,7 @@ def _is_dropout(key: str) -> bool:
 def _small_token_ids(d: dict, vocab: int, used: set[int] | None = None) -> None:
     """Special token ids below ``vocab``: the family's own when small, else pad 0, bos 1, eos 2, ...;
     ``used``: the ids other parts of a composite config took (updated)."""
-    keys = [k for k in d if k.endswith("_token_id")]
+    keys = [k for k in d if k.endswith(("_token_id", "_token_index"))]  # LLaVA stores image_token_id as image_token_index
     used = set() if used is None else used
     for k in keys:
         vals = d[k] if isinstance(d[k], list) else [d[k]]

@@ -26,6 +26,9 @@ HEAD_TASKS = {
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
     "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
     "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    # a vision-language model's generating head (LlavaForConditionalGeneration): a causal LM on
+    # text with image tokens (tpify.authoring.inputs.image_inputs builds the images it knows)
+    "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context import CallState, ModeArgument, OutputWatch
+from ..hf_modules import config_get
 from ..info import TPUsageError
 from ..layers import ColumnParallelLinear
 from ..loss import mean_or_nan, vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
@@ -155,7 +156,7 @@ class ParallelLMLoss:
             value = output.get(name) if hasattr(output, "get") else None
             if value is None:  # HF adds it only when computed (MoE: output_router_logits)
                 continue
-            scale = getattr(model.config, coefficient) if isinstance(coefficient, str) else coefficient
+            scale = config_get(model.config, coefficient) if isinstance(coefficient, str) else coefficient
             loss = loss + scale * value.to(loss.device)
         return loss
 
@@ -163,7 +164,7 @@ class ParallelLMLoss:
         """The declared logit ops with this call's values (a config attribute read now; None: off)."""
         ops = []
         for op, value in self.logit_ops:
-            value = getattr(model.config, value, None) if isinstance(value, str) else value
+            value = config_get(model.config, value) if isinstance(value, str) else value
             if value is not None:
                 ops.append((op, float(value)))
         return tuple(ops)

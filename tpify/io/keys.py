@@ -2,7 +2,8 @@
 
 On load (:func:`match_checkpoint`), every checkpoint key is mapped to the model's naming as
 transformers 5 maps it (the recipe's suffix renames, then the base-model prefix added or
-stripped), every tensor the model needs is found under one of its names (tied parameters under
+stripped; a key that still names nothing, through transformers' own renamings of the model's
+checkpoint conversion mapping, :func:`_hf_renamer`), every tensor the model needs is found under one of its names (tied parameters under
 any of theirs), shapes are compared with the dense model's (:func:`dense_shapes`), and what is
 missing or unused is reported. On save (:func:`saved_tensors`) tied copies are dropped as
 transformers 5 drops them. Persistent buffers are checkpoint tensors, non-persistent ones never
@@ -39,6 +40,30 @@ def _rename(key: str, expected: set[str], prefix: str, renames=()) -> str:
         if f"{prefix}.{key}" in expected:
             return f"{prefix}.{key}"
     return key
+
+
+def _hf_renamer(model: nn.Module):
+    """transformers' own key renamings for ``model`` (its checkpoint conversion mapping: the
+    legacy layouts of composite models, ``language_model.model.*`` -> ``model.language_model.*``
+    in LLaVA checkpoints), as ``key -> renamed key``, or None when it has none. Renamings only: a
+    key that a weight converter would transform (tensors merged or split) is left as it is, and
+    is then reported missing or unused like any other."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - another transformers, or a model it has no mapping for
+        return None
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    if not renamings:
+        return None
+
+    def rename(key: str) -> str | None:
+        renamed, converted = rename_source_key(key, renamings, converters)
+        return None if converted is not None else renamed
+    return rename
 
 
 def _tied_names(model: nn.Module) -> set[str]:
@@ -111,8 +136,13 @@ def match_checkpoint(model: nn.Module, headers: dict, shapes: dict[str, tuple[in
     source: dict[str, str] = {}  # model fqn -> checkpoint key
     unexpected = []
     skip = _non_persistent_buffers(model)
+    hf_rename = _hf_renamer(model)
     for key in headers:
         name = _rename(key, expected, prefix, renames)
+        if name not in expected and hf_rename is not None:  # a layout transformers converts on load
+            renamed = hf_rename(key)
+            if renamed is not None and _rename(renamed, expected, prefix, renames) in expected:
+                name = _rename(renamed, expected, prefix, renames)
         if name in expected:
             source.setdefault(name, key)
         elif _rename(key, skip, prefix, renames) not in skip:

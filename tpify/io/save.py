@@ -30,6 +30,7 @@ from torch import nn
 
 from ..agree import on_every_rank, on_writing_rank
 from ..comm import all_gather_objects
+from ..hf_modules import config_get, config_set
 from ..sharding import ShardSpec, is_dtensor, shard_spec_of
 from .files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID
 
@@ -221,14 +222,14 @@ def _dense_config(model: nn.Module):
     divided = dict(info.layout.config_divides) if info is not None else {}
     config = model.config
     divided["architectures"] = [type(model).__name__]
-    per_rank = {name: getattr(config, name) for name in divided}
+    per_rank = {name: config_get(config, name) for name in divided}
     try:
         for name, dense in divided.items():
-            setattr(config, name, dense)
+            config_set(config, name, dense)
         yield config
     finally:
         for name, value in per_rank.items():
-            setattr(config, name, value)
+            config_set(config, name, value)
 
 
 # Weight files a save owns in its target: replaced by the new save, or removed when it writes others.
