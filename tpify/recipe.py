@@ -35,6 +35,9 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
     ``experts``: the named parameters of a module (fused 3-D MoE experts) split along a dimension
         (``params``); its output is a partial sum, all-reduced (or, with ``ep_size``, whole experts
         per rank and the tokens exchanged).
+    ``latent``: a low-rank down projection of multi-head latent attention, a full copy on every
+        rank; the last ``shared`` output features (the rotary key every head reads) get their
+        gradient summed over the ranks.
     ``replicate``: left as it is, a full copy on every rank.
 
 Every key, with an example per feature, is in ``docs/recipes.md``.
@@ -53,7 +56,8 @@ from .styles import STYLES as _STYLE_OBJECTS
 __all__ = ["Recipe", "Rule", "RuleIndex", "RecipeError", "STYLES", "load_recipe", "recipe_dirs", "available_recipes"]
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
-_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "divide", "head_inputs", "optional", "when", "params"}
+_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "divide", "head_inputs", "optional", "when", "params",
+              "shared"}
 _PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule"}
@@ -103,6 +107,9 @@ class Rule:
     # attributes of the matched module holding query heads per KV head (HF's num_key_value_groups):
     # divided by tp_size / kv_heads when each KV head is held by a group of ranks
     kv_groups: tuple[str, ...] = ()
+    # 'latent' only: the trailing output features every head reads directly (DeepSeek's k_pe, a
+    # config attribute or a number); their gradient is summed over the ranks
+    shared: str | int | None = None
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
     def matches(self, fqn: str) -> bool:
@@ -185,7 +192,7 @@ class Recipe:
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
         return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
-                  r.params, r.kv_heads, r.kv_groups) for r in self.rules]
+                  r.params, r.kv_heads, r.kv_groups, r.shared) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops)])
@@ -351,6 +358,12 @@ class Recipe:
                      f"heads of a 'colwise' layer, or of a 'packed_colwise' layer's replicated_parts) is for those "
                      f"styles only")
             params = _rule_params(raw.get("params"), style, f"{where} (match={patterns})", fail)
+            shared = raw.get("shared")
+            if shared is not None and (style != "latent" or not (
+                    (isinstance(shared, str) and shared)
+                    or (isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0))):
+                fail(f"{where} (match={patterns}): 'shared' (the trailing output features every head reads, a config "
+                     f"attribute name or a non-negative integer) is for style 'latent' only")
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
@@ -360,7 +373,7 @@ class Recipe:
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs), params, kv_heads=kv_heads,
-                              kv_groups=tuple(kv_groups)))
+                              kv_groups=tuple(kv_groups), shared=shared))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp)

@@ -98,7 +98,7 @@ def test_wrong_module_types_and_parameter_rules_are_refused():
 
 
 @pytest.mark.parametrize("model_type,what", [("qwen2_moe", "MoE experts"), ("mixtral", "MoE experts"),
-                                             ("deepseek_v2", "multi-head latent attention")])
+                                             ("deepseek_v2", "MoE experts")])
 def test_real_families_tpify_cannot_express_are_refused(model_type, what):
     config = resolve_config(model_type)  # the family's default config, on the meta device (no memory)
     config.num_hidden_layers = 2
