@@ -206,7 +206,7 @@ def tp2_report(tmp_path_factory):
     import verify_models as vm
 
     tmp_path = tmp_path_factory.mktemp("verify")
-    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY]
+    families = [m for m in available_recipes() if not _is_moe(m) and not _is_mla(m) and m not in _SLOW_ONLY]
     # A directory target: its config.json is used as it is (here a small Llama with tied embeddings).
     config = small_config(resolve_config("llama"), (2,))
     config.tie_word_embeddings = True
@@ -228,7 +228,7 @@ def tp2_report(tmp_path_factory):
 
 def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tp2_report):
     report = tp2_report
-    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY]
+    families = [m for m in available_recipes() if not _is_moe(m) and not _is_mla(m) and m not in _SLOW_ONLY]
     assert {"gpt2", "bert", "llama"} <= set(families)
     _timings(report, 2)
     _check_families(report, families, 2)
@@ -394,6 +394,20 @@ def _mla_variants(tp: int) -> list:
                 ("glm_moe_dsa", dsa, "glm_moe_dsa (top-3 keys, shared indexer)"))]
 
 
+def _imported_minicpm3(tp: int):
+    """minicpm3's causal LM with transformers' own plan imported (tpify.hf_plan: ``mla_kv_a_proj``
+    -> ``latent``, ``num_attention_heads`` divisible), passed explicitly (a recipe ships now)."""
+    from tpify.authoring.target import head_classes
+    from tpify.hf_plan import recipe_from_hf_plan
+
+    config = small_config(resolve_config("minicpm3"), (tp,))
+    with torch.device("meta"):
+        recipe = recipe_from_hf_plan(head_classes("minicpm3")["causal-lm"](config))
+    assert any(r.style == "latent" for r in recipe.rules) and "num_attention_heads" in recipe.divisible
+    return Target("minicpm3", recipe=recipe, config=config, shrink=False, head_classes=["causal-lm"],
+                  label="minicpm3 (imported plan)")
+
+
 def _replicated_latent_recipe() -> dict:
     """deepseek_v3's recipe with kv_a_proj_with_mqa a plain ``replicate``: valid, forward exact,
     gradients silently wrong (the rotary key's gradient stays partial; the projection and its
@@ -423,32 +437,32 @@ def _check_mla(report, labels, tp):
 @pytest.mark.slow
 def test_mla_recipes_are_exact_tp2():
     """Multi-head latent attention (issue 24 item 7), ONE spawned job at tp = 2: the recipes with a
-    ``latent`` rule (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe_lite, glm_moe_dsa), every
-    head class, tensor-parallel experts; deepseek_v2's and deepseek_v3's causal LMs again with
-    expert parallelism (ep_size = 2); the configs of :func:`_mla_variants`; minicpm3 (dense, no
-    shipped recipe) through transformers' imported plan, whose ``mla_kv_a_proj`` becomes
-    ``latent``. Outputs, the ``labels=`` loss (verify turns the router's logits on; HF computes no
+    ``latent`` rule (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe_lite, glm_moe_dsa with
+    tensor-parallel experts; the dense minicpm3 and youtu), every head class; deepseek_v2's and
+    deepseek_v3's causal LMs again with expert parallelism (ep_size = 2); the configs of
+    :func:`_mla_variants`; minicpm3's causal LM through transformers' imported plan, whose
+    ``mla_kv_a_proj`` becomes ``latent``. Outputs, the ``labels=`` loss (verify turns the router's logits on; HF computes no
     load-balancing loss for these families), every gradient, greedy generate and the save / HF
     load round trip at ``atol=1e-10, rtol=1e-9`` in float64; the routers' weights, which the
     family's code casts to float32, at the float32 tolerance the row states. Negative control in
     the same job: kv_a_proj_with_mqa ``replicate`` instead of ``latent`` gives the dense forward
     but wrong gradients, which must FAIL."""
     mla = [m for m in available_recipes() if _is_mla(m)]
-    assert {"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa"} <= set(mla), mla
-    variants = _mla_variants(2)
+    assert {"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "youtu"} <= \
+        set(mla), mla
+    variants = _mla_variants(2) + [_imported_minicpm3(2)]
     ep = [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True)
           for m in ("deepseek_v2", "deepseek_v3")]
     wrong = Target("deepseek_v3", recipe=_replicated_latent_recipe(), head_classes=["causal-lm"],
                    label="deepseek_v3 (kv_a_proj_with_mqa replicate)")
-    report = verify_many([Target(m) for m in mla] + [Target("minicpm3")] + ep + variants + [wrong], (2,),
-                         timeout_s=1500)
+    report = verify_many([Target(m) for m in mla] + ep + variants + [wrong], (2,), timeout_s=1500)
     _timings(report, 2)
-    _check_families(report, mla + ["minicpm3"], 2)
-    _check_mla(report, mla + ["minicpm3"] + [t.label for t in ep + variants], 2)
+    _check_families(report, mla, 2)
+    _check_mla(report, mla + [t.label for t in ep + variants], 2)
     bad = {r.check.split(" (")[0]: r for r in _rows(report, wrong.label)}
     assert bad["forward logits"].passed and not bad["gradients"].passed, bad
     print(f"measured: kv_a_proj_with_mqa replicated gives gradients off by {bad['gradients'].max_diff:.3g}")
-    passing = [r for label in mla + ["minicpm3"] + [t.label for t in ep + variants] for r in _compared(_rows(report, label))]
+    passing = [r for label in mla + [t.label for t in ep + variants] for r in _compared(_rows(report, label))]
     worst = max(passing, key=lambda r: r.max_diff)
     print(f"measured: largest difference among the MLA rows {worst.max_diff:.3g} ({worst.target} {worst.head} "
           f"{worst.check}, {worst.tolerance})")
@@ -491,7 +505,7 @@ def test_every_shipped_recipe_is_exact_tp4():
             families.append(m)
         except ShrinkError as e:
             print(f"{m} left out at tp = 4: {e}")
-    dense = [m for m in families if not _is_moe(m)]
+    dense = [m for m in families if not _is_moe(m) and not _is_mla(m)]
     variants = _sequence_parallel_variants(4)
     mla = [Target("deepseek_v3", head_classes=["causal-lm"]),
            Target("deepseek_v3", head_classes=["causal-lm"], label="deepseek_v3 (ep)", expert_parallel=True)]
