@@ -377,6 +377,13 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         else:
             raise _error(model, f"{where}: unknown HF style {hf_style!r}")
 
+    if by_construction and "latent" in styles.values():
+        raise _error(model, f"HF marks {by_construction} replicated_with_grad_allreduce next to multi-head latent "
+                            f"attention (mla_kv_a_proj): a norm on the rotary key between kv_a_proj_with_mqa and the "
+                            f"heads (dots3's k_rope_only_layernorm) gets a partial gradient per rank, which tpify cannot "
+                            f"tell from the whole one of kv_a_layernorm (the latent style ends the sharded region "
+                            f"before both); not supported. Keep the attention whole (replicate q_a_proj, q_b_proj, "
+                            f"kv_a_proj_with_mqa, kv_b_proj, o_proj)")
     _tie_heads(model, modules, styles, rules, add_rule)
     _check_per_head_params(model, modules, styles)
 

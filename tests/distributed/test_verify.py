@@ -448,7 +448,7 @@ def test_mla_recipes_are_exact_tp2():
     the same job: kv_a_proj_with_mqa ``replicate`` instead of ``latent`` gives the dense forward
     but wrong gradients, which must FAIL."""
     mla = [m for m in available_recipes() if _is_mla(m)]
-    assert {"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "youtu"} <= \
+    assert {"axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "youtu"} <= \
         set(mla), mla
     variants = _mla_variants(2) + [_imported_minicpm3(2)]
     ep = [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True)
