@@ -437,7 +437,7 @@ def _check_mla(report, labels, tp):
 @pytest.mark.slow
 def test_mla_recipes_are_exact_tp2():
     """Multi-head latent attention (issue 24 item 7), ONE spawned job at tp = 2: the recipes with a
-    ``latent`` rule (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe_lite, glm_moe_dsa with
+    ``latent`` rule (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe_lite, glm_moe_dsa, axk2 with
     tensor-parallel experts; the dense minicpm3 and youtu), every head class; deepseek_v2's and
     deepseek_v3's causal LMs again with expert parallelism (ep_size = 2); the configs of
     :func:`_mla_variants`; minicpm3's causal LM through transformers' imported plan, whose
