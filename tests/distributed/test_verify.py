@@ -446,7 +446,8 @@ def test_mla_recipes_are_exact_tp2():
     load round trip at ``atol=1e-10, rtol=1e-9`` in float64; the routers' weights, which the
     family's code casts to float32, at the float32 tolerance the row states. Negative control in
     the same job: kv_a_proj_with_mqa ``replicate`` instead of ``latent`` gives the dense forward
-    but wrong gradients, which must FAIL."""
+    but wrong gradients, which must FAIL. Then, in this process, LoRA on kv_a_proj_with_mqa is
+    refused (tpify.integrations.peft)."""
     mla = [m for m in available_recipes() if _is_mla(m)]
     assert {"axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "youtu"} <= \
         set(mla), mla
@@ -466,6 +467,20 @@ def test_mla_recipes_are_exact_tp2():
     worst = max(passing, key=lambda r: r.max_diff)
     print(f"measured: largest difference among the MLA rows {worst.max_diff:.3g} ({worst.target} {worst.head} "
           f"{worst.check}, {worst.tolerance})")
+
+
+    # LoRA on kv_a_proj_with_mqa ("all-linear" includes it) is refused: tpify sums its rotary
+    # key's gradient for the base layer only (one process, tp = 1: the same layout check).
+    import tpify
+    from peft import LoraConfig
+    from tpify.authoring.target import head_classes
+    from tpify.info import TPUsageError
+    from tpify.integrations.peft import get_peft_model
+
+    model = tpify.parallelize(head_classes("deepseek_v3")["causal-lm"](small_config(resolve_config("deepseek_v3"), (2,))),
+                              tp_size=1)
+    with pytest.raises(TPUsageError, match=r"kv_a_proj_with_mqa.*style 'latent'"):
+        get_peft_model(model, LoraConfig(r=2, target_modules="all-linear"))
 
 
 @pytest.mark.slow
