@@ -25,14 +25,17 @@ HF style                                      tpify
                                               ``PackedColwiseParallel`` splits the output in
                                               ``split_factor = 2`` equal halves: ``[gate|up]``)
 ``replicate``                                 ``replicate``
+``mla_kv_a_proj`` (multi-head latent          ``latent`` with ``shared = "qk_rope_head_dim"``
+attention's ``kv_a_proj_with_mqa``)           (whole; the rotary key's gradient summed), and
+                                              ``num_attention_heads`` in ``divisible``
 ``replicated_with_grad_allreduce``            no rule: a replicated norm inside a sharded region;
                                               tpify finds it by construction and all-reduces its
                                               gradient (``tpify.hooks.region_grads.ReplicatedInRegion``)
 anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
 ``moe_tp_experts``, ``packed_colwise`` on     style, the rule and the module
 MoE experts, ``packed_rowwise``,
-``mla_kv_a_proj``, ``all_reduce``,
-``local_params``, ``embedding_colwise``,
+``all_reduce``, ``local_params``,
+``embedding_colwise``,
 parameter-level rules)
 ============================================  ===================================================
 
@@ -99,7 +102,6 @@ _UNSUPPORTED = {
     "moe_tp_experts": _MOE,
     "moe_identity_expert": _MOE,
     "packed_rowwise": "a row-parallel layer over packed input parts has no tpify style",
-    "mla_kv_a_proj": "multi-head latent attention's split projection has no tpify style",
     "all_reduce": "an all-reduce of a module's partial output (shared MoE experts) has no tpify style",
     "local_params": "a module run with local shards of bare parameters (attention sinks) has no tpify style",
     "embedding_colwise": ("HF's embedding_colwise gathers the hidden dimension after the lookup; tpify's "
@@ -330,6 +332,15 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         if hf_style == "replicate":
             add_rule(key, names, "replicate", "HF replicate")
             continue
+        if hf_style == "mla_kv_a_proj":  # HF's MlaKvAProjParallel: whole, the rope part's gradient all-reduced
+            rope = getattr(config, "qk_rope_head_dim", None)
+            if kinds != {"linear"} or not isinstance(rope, int) or isinstance(rope, bool):
+                raise _error(model, f"{where}: mla_kv_a_proj applies to an nn.Linear whose last config."
+                                    f"qk_rope_head_dim output features are the rotary key (here {rope!r})")
+            add_rule(key, names, "latent", "HF mla_kv_a_proj: the KV latent and rotary key, whole on every rank; "
+                                           "the rotary key's gradient summed over the ranks",
+                     shared="qk_rope_head_dim")
+            continue
         if hf_style == "embedding_rowwise":
             if kinds != {"embedding"}:
                 raise _error(model, f"{where}: embedding_rowwise applies to an nn.Embedding")
@@ -366,6 +377,13 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         else:
             raise _error(model, f"{where}: unknown HF style {hf_style!r}")
 
+    if by_construction and "latent" in styles.values():
+        raise _error(model, f"HF marks {by_construction} replicated_with_grad_allreduce next to multi-head latent "
+                            f"attention (mla_kv_a_proj): a norm on the rotary key between kv_a_proj_with_mqa and the "
+                            f"heads (dots3's k_rope_only_layernorm) gets a partial gradient per rank, which tpify cannot "
+                            f"tell from the whole one of kv_a_layernorm (the latent style ends the sharded region "
+                            f"before both); not supported. Keep the attention whole (replicate q_a_proj, q_b_proj, "
+                            f"kv_a_proj_with_mqa, kv_b_proj, o_proj)")
     _tie_heads(model, modules, styles, rules, add_rule)
     _check_per_head_params(model, modules, styles)
 
@@ -397,6 +415,8 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     attention = sorted({r.rpartition(".")[0] for r, s in styles.items()
                         if s in ("colwise", "packed_colwise") and inside[r] and _out_features(modules[r]) in widths})
     divisible = list(heads) if attention else []
+    if "latent" in styles.values() and "num_attention_heads" in heads and "num_attention_heads" not in divisible:
+        divisible.append("num_attention_heads")  # latent attention: its up projections are split by whole heads
     if attention and _kv_rules(modules, styles, rules, attention, heads, hd):
         divisible.remove(_KV_HEADS)  # tp_size divides the KV heads, or each is held by a group of ranks
     divides, divide_config = forward_reads(modules, attention, config, heads, widths)

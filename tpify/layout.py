@@ -149,7 +149,7 @@ class Layout:
         agreement compares on its own, so that a different size is reported as such)."""
         return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.replica_shards,
                                m.output_scale,
-                               m.params, m.expert_parallel) for f, m in self.modules.items()),
+                               m.params, m.expert_parallel, m.shared_features) for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             sorted((f, list(a)) for f, a in self.kv_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),

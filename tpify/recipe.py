@@ -35,6 +35,9 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
     ``experts``: the named parameters of a module (fused 3-D MoE experts) split along a dimension
         (``params``); its output is a partial sum, all-reduced (or, with ``ep_size``, whole experts
         per rank and the tokens exchanged).
+    ``latent``: a low-rank down projection of multi-head latent attention, a full copy on every
+        rank; the last ``shared`` output features (the rotary key every head reads) get their
+        gradient summed over the ranks.
     ``replicate``: left as it is, a full copy on every rank.
 
 Every key, with an example per feature, is in ``docs/recipes.md``.
@@ -55,7 +58,8 @@ __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "l
            "available_recipes", "compose"]
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
-_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "kv_counts", "divide", "head_inputs", "optional", "when", "params"}
+_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "kv_counts", "divide", "head_inputs",
+              "optional", "when", "params", "shared"}
 _PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule", "include"}
@@ -110,6 +114,9 @@ class Rule:
     # attributes of the matched module holding its KV heads (phi3's num_key_value_heads): divided by
     # tp_size when it divides the KV heads, else by kv_heads (each rank then holds one KV head)
     kv_counts: tuple[str, ...] = ()
+    # 'latent' only: the trailing output features every head reads directly (DeepSeek's k_pe, a
+    # config attribute or a number); their gradient is summed over the ranks
+    shared: str | int | None = None
     origin: str = ""  # where an included rule comes from: "<recipe file> at <prefix>" (compose)
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
@@ -213,7 +220,7 @@ class Recipe:
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
         return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
-                  r.params, r.kv_heads, r.kv_groups, r.kv_counts) for r in self.rules]
+                  r.params, r.kv_heads, r.kv_groups, r.kv_counts, r.shared) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops),
@@ -388,6 +395,12 @@ class Recipe:
                      f"heads of a 'colwise' layer, or of a 'packed_colwise' layer's replicated_parts) is for those "
                      f"styles only")
             params = _rule_params(raw.get("params"), style, f"{where} (match={patterns})", fail)
+            shared = raw.get("shared")
+            if shared is not None and (style != "latent" or not (
+                    (isinstance(shared, str) and shared)
+                    or (isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0))):
+                fail(f"{where} (match={patterns}): 'shared' (the trailing output features every head reads, a config "
+                     f"attribute name or a non-negative integer) is for style 'latent' only")
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
@@ -397,7 +410,7 @@ class Recipe:
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs), params, kv_heads=kv_heads,
-                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts)))
+                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts), shared=shared))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp, includes)
@@ -573,7 +586,8 @@ def compose(recipe: Recipe, model) -> Recipe:
                               r.optional, tuple((at(k), v) for k, v in r.when), r.replicated_parts,
                               tuple((a, d, at(h)) for a, d, h in r.head_inputs), r.params,
                               at(r.kv_heads) if isinstance(r.kv_heads, str) else r.kv_heads, r.kv_groups,
-                              kv_counts=r.kv_counts, origin=f"{inner.source} at {prefix}" + (f" ({r.origin})" if r.origin else "")))
+                              kv_counts=r.kv_counts, shared=at(r.shared) if isinstance(r.shared, str) else r.shared,
+                              origin=f"{inner.source} at {prefix}" + (f" ({r.origin})" if r.origin else "")))
         divisible += [at(n) for n in inner.divisible]
         divide_config += [at(n) for n in inner.divide_config]
         renames += [r for r in inner.renames if r not in renames]

@@ -53,6 +53,8 @@ class ModuleLayout:
         params: ``experts`` only: the rule's ``(parameter name, split dimension, packed parts)``.
         expert_parallel: ``experts`` only: whole experts per rank (``parallelize(..., ep_size=)``),
             every parameter split along dim 0 (the experts), the tokens exchanged between ranks.
+        shared_features: ``latent`` only: the trailing output features every head reads directly
+            (multi-head latent attention's rotary key), whose gradient is summed over the ranks.
     """
 
     fqn: str
@@ -68,6 +70,7 @@ class ModuleLayout:
     sequence_parallel: bool = False
     params: tuple[tuple[str, int, int], ...] = ()
     expert_parallel: bool = False
+    shared_features: int = 0
 
     @property
     def styler(self) -> "Style":
@@ -506,12 +509,63 @@ class _Experts(Style):
         return module
 
 
+class _Latent(Style):
+    """``latent``: a low-rank down projection of multi-head latent attention, a full copy on every rank.
+
+    DeepSeek-V2 (arXiv:2405.04434, section 2.1.2) compresses the keys and values of all heads into
+    one latent ``c = x W_DKV`` of ``kv_lora_rank`` features (and the queries into one of
+    ``q_lora_rank``), then up-projects it per head (``kv_b_proj``, ``q_b_proj``: ``colwise`` by
+    heads); a decoupled rotary key ``k_pe = RoPE(x W_KR)`` of ``qk_rope_head_dim`` features,
+    computed by the same ``nn.Linear`` (``kv_a_proj_with_mqa``, its last features), is shared by
+    every head. Megatron-LM keeps such down projections whole on every rank
+    (``linear_q_down_proj``, ``linear_kv_down_proj``): they are small (their width is the latent's
+    rank, not heads x head dim) and their output is read by every head.
+
+    Gradients: the column-parallel up projections sum the latent's gradient over the ranks (their
+    region entry, Megatron's ``f``), so the latent's gradient, and every gradient upstream of it,
+    is whole on every rank. The rotary key goes to the heads without such a layer: each rank's
+    heads give only part of its gradient, so :mod:`tpify.hooks.latent` sums the gradient of the
+    last ``shared`` output features over the ranks (one all-reduce of ``B*T*shared`` values in
+    backward), as transformers' ``mla_kv_a_proj`` does. The module reads the replicated hidden
+    states although it runs after the query's column-parallel layer: the hook ends the sharded
+    region before it (as before a row-parallel layer), so that it and the norm after it are not
+    taken for replicated modules inside a region (whose gradients would then be summed twice).
+
+    Errors (``PlanError``, at planning): ``shared`` not a non-negative integer below the output
+    features.
+    """
+
+    name = "latent"
+    kind = "linear"
+    sequence_parallel = False
+    sequence_parallel_refusal = ("the latent would be computed from T/p tokens and gathered by the up projections; "
+                                 "not supported yet")
+
+    @property
+    def shards(self) -> bool:
+        """A full copy: nothing is split (the hooks make its gradients whole)."""
+        return False
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        _, out_f, _ = dense_dims(module)
+        shared = rule.shared if not isinstance(rule.shared, str) else getattr(ctx.config, rule.shared, None)
+        if shared is None and rule.shared is None:
+            shared = 0
+        if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < out_f:
+            ctx.errors.append(f"{fqn} ({type(module).__name__}, latent): {rule.describe()} gives shared = "
+                              f"{rule.shared!r} = {shared!r}, not an integer in [0, {out_f}) (its output features)")
+            return False
+        entry.shared_features = shared
+        return True
+
+
 #: The arguments of transformers' experts forward (integrations/moe.py), in order.
 _EXPERTS_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 STYLES: dict[str, Style] = {s.name: s for s in (_Colwise(), _PackedColwise(), _ColwiseRep(), _Rowwise(),
-                                                _EmbeddingRowwise(), _EmbeddingColwise(), _Experts(), _Replicate())}
+                                                _EmbeddingRowwise(), _EmbeddingColwise(), _Experts(), _Latent(),
+                                                _Replicate())}
 
 
 def style_of(name: str) -> Style:

@@ -152,8 +152,10 @@ _OWN_JOBS = _VISION_LANGUAGE
 
 def _later_families() -> list:
     """Shipped recipes without experts that the quick job leaves to the slow one (qwen3, gemma2,
-    gemma3_text and every recipe added after them, except those of ``_OWN_JOBS``)."""
-    return [m for m in available_recipes() if not _is_moe(m) and m not in _QUICK_FAMILIES + _OWN_JOBS]
+    gemma3_text and every recipe added after them, except those of ``_OWN_JOBS`` and the
+    latent-attention ones, which test_mla_recipes_are_exact_tp2 proves)."""
+    return [m for m in available_recipes()
+            if not _is_moe(m) and not _is_mla(m) and m not in _QUICK_FAMILIES + _OWN_JOBS]
 
 
 def _without_sequence_parallel(model_type: str) -> dict:
@@ -203,8 +205,15 @@ def _check_sequence_parallel(report, labels, tp):
 
 def _is_moe(model_type: str) -> bool:
     """A recipe with fused experts (style ``experts``): verified in the slow MoE job, with both
-    splits of the experts, except olmoe's causal LM, which the quick job keeps."""
+    splits of the experts, except olmoe's causal LM, which the quick job keeps (the multi-head
+    latent attention recipes, MoE too, in their own slow job: :func:`_is_mla`)."""
     return any(rule.get("style") == "experts" for rule in _recipe_toml(model_type)["rule"])
+
+
+def _is_mla(model_type: str) -> bool:
+    """A recipe with multi-head latent attention (style ``latent``): verified in the slow MLA job
+    (test_mla_recipes_are_exact_tp2), deepseek_v3 also in the tp = 4 job."""
+    return any(rule.get("style") == "latent" for rule in _recipe_toml(model_type)["rule"])
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +350,7 @@ def _moe_targets(tensor_parallel: bool = True) -> list:
     """Every MoE recipe with expert parallelism (``ep_size = tp``, the causal LM, labelled
     ``<family> (ep)``), and with ``tensor_parallel`` also with tensor-parallel experts (every head
     class). Their small configs have 8 experts, top-k at most 4 (:func:`small_config`)."""
-    moe = [m for m in available_recipes() if _is_moe(m)]
+    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m)]
     return (([Target(m) for m in moe] if tensor_parallel else [])
             + [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True) for m in moe])
 
@@ -349,7 +358,7 @@ def _moe_targets(tensor_parallel: bool = True) -> list:
 def _check_moe(report, tp, tensor_parallel: bool = True):
     """Every MoE family verified with expert parallelism (and, with ``tensor_parallel``, every head
     class with tensor-parallel experts), the aux loss in the causal LM's loss."""
-    moe = [m for m in available_recipes() if _is_moe(m)]
+    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m)]
     assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"} <= set(moe), moe
     if tensor_parallel:
         _check_families(report, moe, tp)
@@ -370,6 +379,127 @@ def test_moe_recipes_are_exact_tp2_with_tensor_and_expert_parallel_experts():
     report = verify_many(_moe_targets(), (2,), timeout_s=1500)
     _timings(report, 2)
     _check_moe(report, 2)
+
+
+def _mla_variants(tp: int) -> list:
+    """Configs of the latent-attention families that their default small configs do not reach,
+    each a causal LM verified with its shipped recipe:
+
+    * ``deepseek_v2 (lite)``: DeepSeek-V2-Lite's layout: no query latent (``q_lora_rank`` None:
+      ``q_proj`` column-parallel reads the hidden states directly), a dense first layer
+      (``first_k_dense_replace = 1``), group-limited routing (``group_limited_greedy``, 4 groups,
+      2 kept), and ``attention_bias`` (``kv_a_proj_with_mqa``'s bias: its rotary part's gradient
+      summed with the weight's);
+    * ``deepseek_v3 (groups, rope halves, tied)``: group-limited routing over 4 groups (2 kept;
+      the default small config has one group), the non-interleaved rotary layout, the LM head tied
+      to the embedding;
+    * ``deepseek_v32 (top-3 keys)`` and ``glm_moe_dsa (top-3 keys, shared indexer)``: the sparse
+      attention's indexer keeps 3 keys per query (its default 2048 keeps every key of the small
+      inputs), so the selection bites; glm_moe_dsa's second layer reuses the first one's selection.
+    """
+    lite = small_config(resolve_config("deepseek_v2"), (tp,))
+    lite.q_lora_rank, lite.first_k_dense_replace, lite.attention_bias = None, 1, True
+    lite.topk_method, lite.n_group, lite.topk_group = "group_limited_greedy", 4, 2
+    v3 = small_config(resolve_config("deepseek_v3"), (tp,))
+    v3.n_group, v3.topk_group, v3.rope_interleave, v3.tie_word_embeddings = 4, 2, False, True
+    v32 = small_config(resolve_config("deepseek_v32"), (tp,))
+    v32.index_topk = 3
+    dsa = small_config(resolve_config("glm_moe_dsa"), (tp,))
+    dsa.index_topk, dsa.indexer_types = 3, ["full", "shared"]
+    return [Target(model_type, config=config, shrink=False, head_classes=["causal-lm"], label=label)
+            for model_type, config, label in (
+                ("deepseek_v2", lite, "deepseek_v2 (lite)"), ("deepseek_v3", v3, "deepseek_v3 (groups, rope halves, tied)"),
+                ("deepseek_v32", v32, "deepseek_v32 (top-3 keys)"),
+                ("glm_moe_dsa", dsa, "glm_moe_dsa (top-3 keys, shared indexer)"))]
+
+
+def _imported_minicpm3(tp: int):
+    """minicpm3's causal LM with transformers' own plan imported (tpify.hf_plan: ``mla_kv_a_proj``
+    -> ``latent``, ``num_attention_heads`` divisible), passed explicitly (a recipe ships now)."""
+    from tpify.authoring.target import head_classes
+    from tpify.hf_plan import recipe_from_hf_plan
+
+    config = small_config(resolve_config("minicpm3"), (tp,))
+    with torch.device("meta"):
+        recipe = recipe_from_hf_plan(head_classes("minicpm3")["causal-lm"](config))
+    assert any(r.style == "latent" for r in recipe.rules) and "num_attention_heads" in recipe.divisible
+    return Target("minicpm3", recipe=recipe, config=config, shrink=False, head_classes=["causal-lm"],
+                  label="minicpm3 (imported plan)")
+
+
+def _replicated_latent_recipe() -> dict:
+    """deepseek_v3's recipe with kv_a_proj_with_mqa a plain ``replicate``: valid, forward exact,
+    gradients silently wrong (the rotary key's gradient stays partial; the projection and its
+    norm, run inside the query's region, get their whole gradients summed again)."""
+    data = _recipe_toml("deepseek_v3")
+    for rule in data["rule"]:
+        if rule["match"] == "layers.*.self_attn.kv_a_proj_with_mqa":
+            rule["style"] = "replicate"
+            rule.pop("shared")
+    return data
+
+
+def _check_mla(report, labels, tp):
+    """Every row of ``labels`` passed, and each causal LM was compared on its loss, gradients,
+    generate and save/load."""
+    problems = []
+    for label in labels:
+        rows = [r for r in report.rows if r.target == label and r.tp == tp]
+        problems += [f"{label} {r.head} {r.check}: {r.max_diff} {r.message}" for r in rows if not r.passed]
+        checks = {r.check.split(" (")[0] for r in rows if r.head.endswith("ForCausalLM")}
+        want = {"forward logits", "labels= loss", "gradients", "generate", "save/load logits"}
+        if not rows or not want <= checks:
+            problems.append(f"{label}: causal LM checks {sorted(checks)}, missing {sorted(want - checks)}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_mla_recipes_are_exact_tp2():
+    """Multi-head latent attention (issue 24 item 7), ONE spawned job at tp = 2: the recipes with a
+    ``latent`` rule (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe_lite, glm_moe_dsa, axk2 with
+    tensor-parallel experts; the dense minicpm3 and youtu), every head class; deepseek_v2's and
+    deepseek_v3's causal LMs again with expert parallelism (ep_size = 2); the configs of
+    :func:`_mla_variants`; minicpm3's causal LM through transformers' imported plan, whose
+    ``mla_kv_a_proj`` becomes ``latent``. Outputs, the ``labels=`` loss (verify turns the router's logits on; HF computes no
+    load-balancing loss for these families), every gradient, greedy generate and the save / HF
+    load round trip at ``atol=1e-10, rtol=1e-9`` in float64; the routers' weights, which the
+    family's code casts to float32, at the float32 tolerance the row states. Negative control in
+    the same job: kv_a_proj_with_mqa ``replicate`` instead of ``latent`` gives the dense forward
+    but wrong gradients, which must FAIL. Then, in this process, LoRA on kv_a_proj_with_mqa is
+    refused (tpify.integrations.peft)."""
+    mla = [m for m in available_recipes() if _is_mla(m)]
+    assert {"axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "youtu"} <= \
+        set(mla), mla
+    variants = _mla_variants(2) + [_imported_minicpm3(2)]
+    ep = [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True)
+          for m in ("deepseek_v2", "deepseek_v3")]
+    wrong = Target("deepseek_v3", recipe=_replicated_latent_recipe(), head_classes=["causal-lm"],
+                   label="deepseek_v3 (kv_a_proj_with_mqa replicate)")
+    report = verify_many([Target(m) for m in mla] + ep + variants + [wrong], (2,), timeout_s=1500)
+    _timings(report, 2)
+    _check_families(report, mla, 2)
+    _check_mla(report, mla + [t.label for t in ep + variants], 2)
+    bad = {r.check.split(" (")[0]: r for r in _rows(report, wrong.label)}
+    assert bad["forward logits"].passed and not bad["gradients"].passed, bad
+    print(f"measured: kv_a_proj_with_mqa replicated gives gradients off by {bad['gradients'].max_diff:.3g}")
+    passing = [r for label in mla + [t.label for t in ep + variants] for r in _compared(_rows(report, label))]
+    worst = max(passing, key=lambda r: r.max_diff)
+    print(f"measured: largest difference among the MLA rows {worst.max_diff:.3g} ({worst.target} {worst.head} "
+          f"{worst.check}, {worst.tolerance})")
+
+
+    # LoRA on kv_a_proj_with_mqa ("all-linear" includes it) is refused: tpify sums its rotary
+    # key's gradient for the base layer only (one process, tp = 1: the same layout check).
+    import tpify
+    from peft import LoraConfig
+    from tpify.authoring.target import head_classes
+    from tpify.info import TPUsageError
+    from tpify.integrations.peft import get_peft_model
+
+    model = tpify.parallelize(head_classes("deepseek_v3")["causal-lm"](small_config(resolve_config("deepseek_v3"), (2,))),
+                              tp_size=1)
+    with pytest.raises(TPUsageError, match=r"kv_a_proj_with_mqa.*style 'latent'"):
+        get_peft_model(model, LoraConfig(r=2, target_modules="all-linear"))
 
 
 @pytest.mark.slow
@@ -399,7 +529,9 @@ def test_later_recipes_are_exact_tp2():
 @pytest.mark.slow
 def test_every_shipped_recipe_is_exact_tp4():
     """Every shipped recipe at tp = 4 in ONE spawned job (with the configs of
-    :func:`_sequence_parallel_variants`, the sequence-parallel rows checked); the MoE ones with expert parallelism
+    :func:`_sequence_parallel_variants`, the sequence-parallel rows checked; deepseek_v3's causal
+    LM, one attention head per rank, with tensor-parallel and with expert-parallel experts; the
+    other latent-attention recipes: tp = 2 only); the MoE ones with expert parallelism
     (ep_size = 4, their causal LMs: 2 experts per rank, uneven row splits, a rank may receive no
     token), which is what tp = 4 adds over tp = 2 for them (tensor-parallel experts split the
     intermediate dimension as a dense MLP does, proved at tp = 2 above; left out here for the
@@ -413,13 +545,16 @@ def test_every_shipped_recipe_is_exact_tp4():
             families.append(m)
         except ShrinkError as e:
             print(f"{m} left out at tp = 4: {e}")
-    dense = [m for m in families if not _is_moe(m)]
+    dense = [m for m in families if not _is_moe(m) and not _is_mla(m)]
     variants = _sequence_parallel_variants(4)
-    report = verify_many([Target(m) for m in dense] + _moe_targets(tensor_parallel=False) + variants, (4,),
+    mla = [Target("deepseek_v3", head_classes=["causal-lm"]),
+           Target("deepseek_v3", head_classes=["causal-lm"], label="deepseek_v3 (ep)", expert_parallel=True)]
+    report = verify_many([Target(m) for m in dense] + _moe_targets(tensor_parallel=False) + variants + mla, (4,),
                          timeout_s=2400)
     _timings(report, 4)
     _check_families(report, dense, 4)
     _check_moe(report, 4, tensor_parallel=False)
+    _check_mla(report, ["deepseek_v3", "deepseek_v3 (ep)"], 4)
     _check_sequence_parallel(report, [m for m in dense if "sequence_parallel" in _recipe_toml(m)]
                              + [v.label for v in variants], 4)
 
@@ -496,7 +631,8 @@ def test_cli_bad_target_and_head_class_exit_2(capsys):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_small_configs_have_the_sizes_asked_for(tp):
     """Standard names through attribute_map (gpt2 n_embd/n_head, t5 d_model/d_kv/num_heads/d_ff,
-    bloom n_head, falcon num_kv_heads): the built model (meta device) is small and divisible."""
+    bloom n_head, falcon num_kv_heads): the built model (meta device) is small and divisible
+    (multi-head latent attention expands its latent to every head: its KV heads are its heads)."""
     families = sorted(set(available_recipes()) - set(_VISION_LANGUAGE) | {"t5", "bloom", "falcon", "gpt_bigcode"})
     for family in families:
         config = small_config(resolve_config(family), (tp,))
@@ -504,6 +640,9 @@ def test_small_configs_have_the_sizes_asked_for(tp):
             (4, 32, 2, 101), family
         for name in ("num_key_value_heads", "num_kv_heads"):
             kv = getattr(config, name, None)
+            if isinstance(getattr(config, "kv_lora_rank", None), int):  # latent attention: one KV head per head
+                assert kv in (None, config.num_attention_heads), (family, name, kv)
+                continue
             if isinstance(kv, int) and kv != 1:  # 1: multi-query (gpt_bigcode), kept
                 assert kv % tp == 0 and kv == min(tp, 4), (family, name, kv)
         with torch.device("meta"):

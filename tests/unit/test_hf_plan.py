@@ -98,7 +98,7 @@ def test_wrong_module_types_and_parameter_rules_are_refused():
 
 
 @pytest.mark.parametrize("model_type,what", [("qwen2_moe", "MoE experts"), ("mixtral", "MoE experts"),
-                                             ("deepseek_v2", "multi-head latent attention")])
+                                             ("deepseek_v2", "MoE experts")])
 def test_real_families_tpify_cannot_express_are_refused(model_type, what):
     config = resolve_config(model_type)  # the family's default config, on the meta device (no memory)
     config.num_hidden_layers = 2
@@ -278,3 +278,21 @@ def test_traced_t5_splits_the_relative_attention_bias_by_heads():
     assert styles["encoder.block.*.layer.*.SelfAttention.relative_attention_bias"] == "embedding_colwise"
     assert styles["shared"] == styles["encoder.embed_tokens"] == styles["decoder.embed_tokens"] == "embedding_rowwise"
     assert styles["lm_head"] == "colwise_rep" and d.recipe().loss == {"T5ForConditionalGeneration": "seq2seq"}
+
+
+def test_latent_attention_plans_import_as_latent_unless_a_norm_needs_its_gradient_summed():
+    """transformers' ``mla_kv_a_proj`` (kv_a_proj_with_mqa: the KV latent and the rotary key every
+    head reads) becomes tpify's ``latent`` with ``shared = "qk_rope_head_dim"``, and the heads
+    become divisible (minicpm3: dense, the plan imported as it is). A plan that also marks a
+    module ``replicated_with_grad_allreduce`` (dots3's norm on the rotary key, between the
+    projection and the heads) is refused: its gradient is partial per rank, but the latent style
+    ends the sharded region before it, so tpify would not sum it."""
+    model = _meta("minicpm3")
+    recipe = recipe_from_hf_plan(model)
+    latent = [r for r in recipe.rules if r.style == "latent"]
+    assert [(r.patterns, r.shared) for r in latent] == [(("layers.*.self_attn.kv_a_proj_with_mqa",), "qk_rope_head_dim")]
+    assert "num_attention_heads" in recipe.divisible
+    assert build_layout(model, recipe, 2).modules["model.layers.0.self_attn.kv_a_proj_with_mqa"].shared_features == 8
+    model._tp_plan = {**model._tp_plan, BASE + "kv_a_layernorm": "replicated_with_grad_allreduce"}
+    with pytest.raises(RecipeError, match=r"replicated_with_grad_allreduce next to multi-head latent attention"):
+        recipe_from_hf_plan(model)

@@ -109,6 +109,7 @@ STYLE_FACTS = {  # name: (kind, region, lm_head, vocab_rows, sequence_parallel, 
     "embedding_rowwise": ("embedding", None, False, True, True, True),
     "embedding_colwise": ("embedding", "start", False, False, False, True),
     "experts": ("params", None, False, False, True, True),
+    "latent": ("linear", None, False, False, False, False),
     "replicate": (None, None, False, False, True, False),
 }
 

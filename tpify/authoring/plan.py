@@ -80,11 +80,22 @@ def _head_class(config, head_class: str | None):
 
 
 def _meta_model(config, cls, dtype):
-    """``cls`` built from ``config`` on the meta device, tied as ``from_pretrained`` leaves it."""
+    """``cls`` built from ``config`` on the meta device, tied as ``from_pretrained`` leaves it.
+
+    Parameters are made on the CPU and moved to meta as they are registered (buffers stay real:
+    a scaled embedding's factor is read); a parameter too large to be allocated at all, even
+    untouched (DeepSeek-V3's fused experts, 30 GB each in float32, where the system refuses
+    the allocation), makes the model be built again with everything on meta."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
-        model = cls._from_config(config, dtype=dtype)  # attention implementation picked as from_pretrained does
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = cls._from_config(config, dtype=dtype)  # attention implementation picked as from_pretrained does
+    except RuntimeError as e:
+        if "allocate" not in str(e):
+            raise
+        with torch.device("meta"):
+            model = cls._from_config(config, dtype=dtype)
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
     return model.eval()
 
@@ -355,6 +366,10 @@ def _whole_reason(model, layout, module, mname: str, pname: str, numel: int = 0)
         return "bias of a rowwise layer: whole on every rank, added once after the all-reduce"
     if entry.style == "replicate":
         return _replicate_reason(model, layout, mname)
+    if entry.style == "latent":
+        shared = (f"; the gradient of its last {entry.shared_features} output features (read by every head) summed"
+                  if entry.shared_features else "")
+        return f"style latent: a low-rank latent every head reads, a full copy on every rank{shared}"
     return f"not split by style {entry.style!r}"
 
 

@@ -34,6 +34,7 @@ import types
 
 from peft import LoraConfig, PeftConfig, PeftModel
 from peft import get_peft_model as _peft_get_peft_model
+from peft.tuners.tuners_utils import check_target_module_exists
 from torch import nn
 
 from ..hf_modules import is_conv1d
@@ -122,7 +123,33 @@ def _prepare_config(model: nn.Module, config, what: str) -> None:
     if refused:
         raise TPUsageError(f"{what}: {'; '.join(refused)}: not supported on a tensor-parallel model")
     resolve_target_modules(model, config)
+    _refuse_shared_latents(model, config, what)
     config._register_custom_module({ColumnParallelLinear: LoraTPLinear, RowParallelLinear: LoraTPLinear})
+
+
+def _refuse_shared_latents(model: nn.Module, config, what: str) -> None:
+    """Refuse LoRA on a ``latent`` module with shared features (multi-head latent attention's
+    ``kv_a_proj_with_mqa``): tpify sums the gradient of the base layer's rotary-key features
+    (:mod:`tpify.hooks.latent`), not that of an adapter's output added after it, whose factors
+    would then get a partial gradient on each rank, different replicas of one adapter.
+
+    Raises:
+        TPUsageError: the config targets such a module (every rank: the layout is the same).
+    """
+    layout = get_tp_info(model).layout
+    tp_model = find_tp_model(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    hit = []
+    for fqn, entry in layout.modules.items():
+        if entry.style == "latent" and entry.shared_features:
+            name = names.get(id(tp_model.get_submodule(fqn)), fqn)
+            if check_target_module_exists(config, name):
+                hit.append(name)
+    if hit:
+        raise TPUsageError(f"{what}: target_modules adapts {sorted(hit)}, multi-head latent attention's projection of "
+                           f"the latent and the rotary key (style 'latent'), whose rotary-key gradient tpify sums for "
+                           f"the base layer only: an adapter there would train differently on each rank. Leave it "
+                           f"out of target_modules (adapt q_a_proj, q_b_proj, kv_b_proj, o_proj)")
 
 
 def _check_model(model: nn.Module, what: str, low_cpu_mem_usage: bool) -> None:
