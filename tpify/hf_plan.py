@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .hf_modules import base_model_and_prefix, module_kind, overrides_forward, relative_name
+from .hf_modules import base_model_and_prefix, head_dims, module_kind, overrides_forward, relative_name
 from .recipe import Recipe, RecipeError, _compile_glob, logit_ops_of, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
@@ -301,6 +301,8 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         for n in names:
             styles[n] = style
 
+    per_head: dict[str, list[str]] = {}  # owner key -> its parameters HF splits by heads (attention sinks)
+    heads = head_counts(config)
     for key, hf_style in plan.items():
         names = by_key.get(key, [])
         if not names:
@@ -308,6 +310,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                 if hf_style in ("replicate", "replicated_with_grad_allreduce"):
                     continue
                 pname, shape = param_keys[key]
+                owner, _, leaf = key.rpartition(".")
+                if hf_style == "colwise" and len(shape) == 1 and shape[0] in heads.values() and owner in by_key:
+                    per_head.setdefault(owner, []).append(leaf)  # one value per head: split with the heads
+                    continue
                 what = (_MOE if len(shape) == 3
                         else "tpify splits only whole nn.Linear / Conv1D / nn.Embedding modules")
                 raise _error(model, f"HF rule {key!r} = {hf_style!r} applies to the parameter {pname} of shape "
@@ -317,6 +323,9 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         kinds = {module_kind(modules[n]) for n in names}
         first = names[0]
         where = f"HF rule {key!r} = {hf_style!r} (module {first}, a {type(modules[first]).__name__})"
+        if hf_style == "local_params" and any(k.rpartition(".")[0] == key and v == "colwise" and k in param_keys
+                                              for k, v in plan.items()):
+            continue  # HF runs the module with its split parameters as local tensors: the per_head rule below
         if hf_style in _UNSUPPORTED:
             raise _error(model, f"{where}: {_UNSUPPORTED[hf_style]}")
         if hf_style == "packed_colwise" and kinds != {"linear"}:
@@ -366,8 +375,13 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         else:
             raise _error(model, f"{where}: unknown HF style {hf_style!r}")
 
+    for owner, leaves in per_head.items():
+        holders = [n for n in by_key[owner] if all(isinstance(getattr(modules[n], leaf, None), nn.Parameter)
+                                                    for leaf in leaves)]
+        add_rule(owner, holders, "per_head", f"HF colwise on {leaves} (one value per head) with local_params: split "
+                                             f"with the heads", params={leaf: {"dim": 0} for leaf in sorted(leaves)})
     _tie_heads(model, modules, styles, rules, add_rule)
-    _check_per_head_params(model, modules, styles)
+    _check_per_head_params(model, modules, styles, per_head)
 
     # Everything the plan leaves out stays whole; the task heads of other head classes too.
     covered = set(styles)
@@ -391,7 +405,6 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                       "task heads of other head classes: a full copy (optional)"))
 
     # Head counts: a column-parallel layer as wide as a head count times the head size splits heads.
-    heads = head_counts(config)
     hd = _head_dim(config)
     widths = {n * hd for n in heads.values()} if hd else set()
     attention = sorted({r.rpartition(".")[0] for r, s in styles.items()
@@ -502,13 +515,16 @@ def _tie_heads(model, modules, styles, rules, add_rule):
             add_rule(wildcard(h), [h], want, note, optional=True)
 
 
-def _check_per_head_params(model, modules, styles):
-    """Refuse a parameter holding all heads inside an attention module whose projections split heads."""
+def _check_per_head_params(model, modules, styles, per_head=None):
+    """Refuse a parameter holding all heads inside an attention module whose projections split heads
+    (the module's own parameters and its parts', those a ``per_head`` rule splits excepted)."""
     config = getattr(model, "config", None)
     heads = head_counts(config)
     hd = _head_dim(config)
     if not heads or not hd:
         return
+    split = {(n, leaf) for owner, leaves in (per_head or {}).items() for n in modules if wildcard(n) == owner
+             for leaf in leaves}
     widths = {n * hd for n in heads.values()}
     parents = {r.rpartition(".")[0] for r, s in styles.items()
                if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
@@ -516,21 +532,25 @@ def _check_per_head_params(model, modules, styles):
         # the attention module's own head dim (gemma4's full-attention layers: twice the config's)
         own = getattr(modules.get(parent), "head_dim", None)
         for rel, module in modules.items():
-            if not rel.startswith(parent + ".") or module_kind(module) is not None:
+            if not (rel == parent or rel.startswith(parent + ".")) or module_kind(module) is not None:
                 continue
             for pname, param in module.named_parameters(recurse=False):
+                if (rel, pname) in split:
+                    continue
                 shape = tuple(param.shape)
                 if isinstance(own, int) and shape == (own,) and own not in heads.values():
                     continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
                 per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
                 # (head_dim,) is one head's width, not all heads', even when a count is 1 (one KV head):
                 # q/k norms over head_dim are the same for every head and stay replicated
+                per_head = per_head or bool(head_dims(shape, set(heads.values()), own if isinstance(own, int) else hd))
                 if per_head or any(s in widths and s != hd for s in shape):
                     raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or "
                                         f"the full projection width), but HF's plan splits the heads of "
-                                        f"{parent}'s projections; tpify cannot split such a parameter yet (HF's "
-                                        f"plan would leave it whole, which is not the dense model). Keep the "
-                                        f"attention whole (replicate its projections) in a recipe")
+                                        f"{parent}'s projections and does not split it (it would stay whole, "
+                                        f"which is not the dense model). Split it with the heads (style "
+                                        f"'per_head') or keep the attention whole (replicate its projections) in "
+                                        f"a recipe")
 
 
 def _forward_source(module: nn.Module) -> str:

@@ -96,7 +96,7 @@ def test_params_is_read_for_experts_and_refused_elsewhere():
     assert recipe.rules[0].params == PARAMS
     with pytest.raises(RecipeError, match=r"style 'experts' needs 'params'"):
         Recipe.from_dict({"model_type": "x", "rule": [{"match": "e", "style": "experts"}]})
-    with pytest.raises(RecipeError, match=r"'params' is only for style 'experts'"):
+    with pytest.raises(RecipeError, match=r"'params' is only for styles 'experts' and 'per_head'"):
         Recipe.from_dict({"model_type": "x", "rule": [{"match": "e", "style": "colwise", "params": {"w": {"dim": 0}}}]})
     for bad in ({"w": {"dim": -1}}, {"w": {"parts": 2}}, {"w": {"dim": 0, "parts": 0}}, {"w": {"dim": 0, "x": 1}},
                 {"w": {"dim": True}}, {"a.b": {"dim": 0}}, {}):
@@ -150,7 +150,7 @@ class _Fused(nn.Module):
 @pytest.mark.parametrize("module, needle", [
     (_Fused(bias=True), "holds parameters ['down_proj_bias'] that the rule does not split"),
     (_Fused(norm=True), "its children ['post_expert_norm'] hold parameters"),
-    (_Fused(has_bias=True), "has_bias = True"),
+    (_Fused(bias=True, has_bias=True), "has_bias = True: name down_proj_bias in params with after_sum"),
     (_Fused(has_post_expert_norm=True), "has_post_expert_norm = True"),
     (_Fused(is_concatenated=False), "is_concatenated = False"),
 ], ids=["bias", "norm", "has_bias", "post_norm", "interleaved"])

@@ -7,6 +7,8 @@ each owned by one module and testable on its own:
 * :mod:`~tpify.hooks.head_inputs`: each rank's heads of per-head inputs (ALiBi biases);
 * :mod:`~tpify.hooks.experts`: fused MoE experts split over the group (their inputs and output
   reduced, or their tokens exchanged);
+* :mod:`~tpify.hooks.per_head`: per-KV-head parameters held by groups of ranks (their gradients
+  summed within each group);
 * :mod:`~tpify.hooks.region_grads`: gradients of replicated parameters used inside a sharded
   region or a sequence-parallel stretch, summed over the TP group;
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
@@ -24,7 +26,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..context import TPContext
-from . import dropout, experts, head_inputs, lm_loss, region_grads
+from . import dropout, experts, head_inputs, lm_loss, per_head, region_grads
 from .sequence_parallel import SequenceParallel
 
 __all__ = ["install"]
@@ -37,6 +39,7 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
     handles = [model.register_forward_hook(ctx.region_input.clear)]  # the shared region entry, per call
     handles += head_inputs.install(model, layout, ctx.group)
     handles += experts.install(model, layout, ctx)
+    per_head.install(model, layout, ctx, handles)
     handles += dropout.install(model, layout, ctx.rng)
     if layout.sequence_parallel is not None and layout.tp_size > 1:
         handles += SequenceParallel(ctx, layout.sequence_parallel).install(model)
