@@ -32,7 +32,8 @@ anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError`
 ``moe_tp_experts``, ``packed_colwise`` on     style, the rule and the module
 MoE experts, ``packed_rowwise``,
 ``mla_kv_a_proj``, ``all_reduce``,
-``local_params``, ``embedding_colwise``,
+``local_params`` without a per-head
+parameter, ``embedding_colwise``, other
 parameter-level rules)
 ============================================  ===================================================
 
@@ -63,9 +64,14 @@ Refused (:class:`~tpify.recipe.RecipeError`): a parameter inside a head-split at
 that holds values for all heads (cohere's ``q_norm`` with ``use_qk_norm``, weight
 ``(num_heads, head_dim)``): HF's plan splits the heads and would leave it whole (tpify cannot
 split it yet), which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
-whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width),
-doge and neomme (a per-head parameter of the attention module itself), embedding_gemma2_text
-(a single KV head on some layers, split).
+whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width;
+tpify ships a recipe), doge (dt_proj mixes every KV head's values into each head's mask),
+neomme (a per-head parameter and value embeddings left whole; tpify ships a recipe),
+embedding_gemma2_text (a single KV head on some layers, split).
+
+HF's ``local_params`` on a module with a ``colwise`` rule on its one-dimensional parameter of a
+head count (attention sinks, ``(num_attention_heads,)``) becomes a ``per_head`` rule splitting
+that parameter with the heads.
 """
 
 from __future__ import annotations
@@ -115,19 +121,22 @@ _REFUSED_FAMILIES = {
     "gemma3n_text": lambda config: (
         "its MLPs with activation sparsity (activation_sparsity_pattern > 0: Gemma3nTextMLP._gaussian_topk) take "
         "the mean and standard deviation of gate_proj's output over the full intermediate width, which HF's plan "
-        "splits (colwise gate_proj): each rank would keep a different top of its own half. Keep the MLPs whole "
-        "(replicate gate_proj, up_proj, down_proj)"
+        "splits (colwise gate_proj): each rank would keep a different top of its own half. tpify ships a recipe "
+        "that keeps the MLPs whole (recipes/gemma3n_text.toml): parallelize(model) uses it"
         if any(v for v in (getattr(config, "activation_sparsity_pattern", None) or []) if v) else None),
     "doge": lambda config: (
-        "its attention holds a parameter per KV head outside any linear layer (DogeAttention.A, shape "
-        "(num_key_value_heads,)) that scales dt_proj's output for every head, while HF's plan splits the heads "
-        "(colwise q/k/v_proj): the parameter would stay whole against split heads. Keep the attention whole "
+        "its attention mixes the heads outside the split projections: dt_proj reads the values of ALL KV heads "
+        "(input num_key_value_heads * head_dim) to give one value per KV head, which scales the per-KV-head "
+        "parameter DogeAttention.A (num_key_value_heads,) into a dynamic mask repeated over each KV head's query "
+        "heads; split by heads, a rank would need every rank's values (HF's plan, rowwise dt_proj, gives every "
+        "rank all KV heads' mask against its own query heads: a shape error). Keep the attention whole "
         "(replicate q_proj, k_proj, v_proj, dt_proj, o_proj)"),
     "neomme": lambda config: (
         "its exclusive self-attention holds a parameter per head outside any linear layer "
-        "(NeoMMEExclusiveSelfAttention.alpha, shape (num_attention_heads,)) and repeats the KV heads by the full "
-        "head count, while HF's plan splits the heads (colwise q/k/v_proj): the parameter would stay whole against "
-        "split heads. Keep the attention whole (replicate q_proj, k_proj, v_proj, output_projection.*)"),
+        "(NeoMMEExclusiveSelfAttention.alpha, shape (num_attention_heads,)) and its value embeddings "
+        "(model.value_embeddings, num_key_value_heads * head_dim columns) are added to the split value states, "
+        "while HF's plan splits the heads and leaves both whole. tpify ships a recipe that splits them with the "
+        "heads (recipes/neomme.toml): parallelize(model) uses it"),
     "embedding_gemma2_text": lambda config: (
         "its per_layer_config gives some layers a single KV head (num_key_value_heads = 1 on the full-attention "
         "layers), which HF's plan splits over the ranks (colwise k_proj, v_proj) although one head cannot be "
