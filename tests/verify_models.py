@@ -102,3 +102,57 @@ _NEOMME_NOISE = ("alpha", "value_embeddings.weight")
 NoisyNeoMMEModel = _noisy(_neomme.NeoMMEModel, _NEOMME_NOISE)
 NoisyNeoMMEForMaskedLM = _noisy(_neomme.NeoMMEForMaskedLM, _NEOMME_NOISE)
 NoisyNeoMMEForRetrieval = _noisy(_neomme.NeoMMEForRetrieval, _NEOMME_NOISE)
+
+
+# ---------------------------------------------------------------------------------------------
+# A parameter per KV head (as doge's DogeAttention.A): Llama whose attention scales each KV head's
+# values by its own ``kv_gate`` value. At tp_size above the KV heads each value is held by the
+# ranks whose query heads read that KV head, its gradient summed over them (tpify.hooks.per_head).
+
+from transformers import LlamaForCausalLM  # noqa: E402
+from transformers.models.llama import modeling_llama as _llama  # noqa: E402
+
+
+class KVGatedLlamaAttention(_llama.LlamaAttention):
+    """LlamaAttention with ``kv_gate (num_key_value_heads,)``: each KV head's values times its gate."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.kv_gate = nn.Parameter(torch.randn(config.num_key_value_heads))
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, n, T, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, kv, T, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = value_states * self.kv_gate.view(1, -1, 1, 1).to(value_states.dtype)
+        cos, sin = position_embeddings
+        query_states, key_states = _llama.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attn_output, attn_weights = _llama.eager_attention_forward(
+            self, query_states, key_states, value_states, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+def _kv_gated(model: nn.Module, config) -> None:
+    for i, layer in enumerate(model.layers):
+        layer.self_attn = KVGatedLlamaAttention(config, i)
+
+
+class KVGatedLlamaModel(LlamaModel):
+    """LlamaModel whose attention holds a parameter per KV head (KVGatedLlamaAttention)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        _kv_gated(self, config)
+
+
+class KVGatedLlamaForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM whose attention holds a parameter per KV head (KVGatedLlamaAttention)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        _kv_gated(self.model, config)
