@@ -137,6 +137,9 @@ def _timings(report, tp):
 # Recipes proved only in the slow jobs (the quick suite is at its time limit):
 # test_sequence_parallel_recipes_are_exact_tp2 and test_every_shipped_recipe_is_exact_tp4.
 _SLOW_ONLY = ("qwen3", "gemma2", "gemma3_text")
+# Recipes with per-head parameters, proved in tests/distributed/test_per_head.py's slow jobs, with
+# their zero-initialised parameters (biases, sinks, gates) made random (tests/verify_models.py).
+_PER_HEAD_JOBS = ("gpt_oss", "neomme", "gemma3n_text")
 
 
 def _without_sequence_parallel(model_type: str) -> dict:
@@ -199,7 +202,7 @@ def tp2_report(tmp_path_factory):
     import verify_models as vm
 
     tmp_path = tmp_path_factory.mktemp("verify")
-    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY]
+    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY + _PER_HEAD_JOBS]
     # A directory target: its config.json is used as it is (here a small Llama with tied embeddings).
     config = small_config(resolve_config("llama"), (2,))
     config.tie_word_embeddings = True
@@ -221,7 +224,7 @@ def tp2_report(tmp_path_factory):
 
 def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tp2_report):
     report = tp2_report
-    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY]
+    families = [m for m in available_recipes() if not _is_moe(m) and m not in _SLOW_ONLY + _PER_HEAD_JOBS]
     assert {"gpt2", "bert", "llama"} <= set(families)
     _timings(report, 2)
     _check_families(report, families, 2)
@@ -324,7 +327,7 @@ def _moe_targets(tensor_parallel: bool = True) -> list:
     """Every MoE recipe with expert parallelism (``ep_size = tp``, the causal LM, labelled
     ``<family> (ep)``), and with ``tensor_parallel`` also with tensor-parallel experts (every head
     class). Their small configs have 8 experts, top-k at most 4 (:func:`small_config`)."""
-    moe = [m for m in available_recipes() if _is_moe(m)]
+    moe = [m for m in available_recipes() if _is_moe(m) and m not in _PER_HEAD_JOBS]
     return (([Target(m) for m in moe] if tensor_parallel else [])
             + [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True) for m in moe])
 
@@ -332,7 +335,7 @@ def _moe_targets(tensor_parallel: bool = True) -> list:
 def _check_moe(report, tp, tensor_parallel: bool = True):
     """Every MoE family verified with expert parallelism (and, with ``tensor_parallel``, every head
     class with tensor-parallel experts), the aux loss in the causal LM's loss."""
-    moe = [m for m in available_recipes() if _is_moe(m)]
+    moe = [m for m in available_recipes() if _is_moe(m) and m not in _PER_HEAD_JOBS]
     assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"} <= set(moe), moe
     if tensor_parallel:
         _check_families(report, moe, tp)
@@ -390,7 +393,7 @@ def test_every_shipped_recipe_is_exact_tp4():
             families.append(m)
         except ShrinkError as e:
             print(f"{m} left out at tp = 4: {e}")
-    dense = [m for m in families if not _is_moe(m)]
+    dense = [m for m in families if not _is_moe(m) and m not in _PER_HEAD_JOBS]
     variants = _sequence_parallel_variants(4)
     report = verify_many([Target(m) for m in dense] + _moe_targets(tensor_parallel=False) + variants, (4,),
                          timeout_s=2400)
@@ -477,8 +480,9 @@ def test_small_configs_have_the_sizes_asked_for(tp):
     families = sorted(set(available_recipes()) | {"t5", "bloom", "falcon", "gpt_bigcode"})
     for family in families:
         config = small_config(resolve_config(family), (tp,))
+        layers = 3 if family == "neomme" else 2  # neomme: sliding layers and a last global one (its config's rule)
         assert (config.num_attention_heads, config.hidden_size, config.num_hidden_layers, config.vocab_size) == \
-            (4, 32, 2, 101), family
+            (4, 32, layers, 101), family
         for name in ("num_key_value_heads", "num_kv_heads"):
             kv = getattr(config, name, None)
             if isinstance(kv, int) and kv != 1:  # 1: multi-query (gpt_bigcode), kept
