@@ -3,16 +3,16 @@
 All slow (the quick suite is at its time limit), in TWO spawned jobs and one process:
 
 * ``tpify verify`` at tp = 2, ONE job: gpt_oss (every head class, tensor-parallel experts; its
-  causal LM again with expert parallelism, ep_size = 2), neomme (every head class), gemma3n_text
-  (every head class) and a Llama whose attention holds a parameter per KV head
-  (tests/verify_models.py ``KVGatedLlama*``, 2 KV heads: split). gpt_oss and neomme run as
+  causal LM again with expert parallelism, ep_size = 2), neomme (every head class) and
+  gemma3n_text (every head class). gpt_oss and neomme run as
   their ``Noisy*`` classes (tests/verify_models.py): their own init sets the attention sinks, the
   experts' biases, the router bias, neomme's ``alpha`` and value embeddings to zero, which would
   leave what a split of them does untested (a bias counted tp times adds tp * 0).
 * at tp = 4, ONE job: gpt_oss's causal LM with tensor-parallel experts (each rank 1 of 4 query
   heads and its sinks, a KV head held by 2 ranks) and with expert parallelism (ep_size = 4), and
-  the KV-gated Llama's causal LM (its per-KV-head parameter held by groups of 2 ranks, its
-  gradient summed over each group: tpify.hooks.per_head).
+  the causal LM of a Llama whose attention holds a parameter per KV head (tests/verify_models.py
+  ``KVGatedLlama*``, 2 KV heads over 4 ranks: each value held by 2 ranks, its gradient summed
+  over each group: tpify.hooks.per_head; without the sum its gradient is off by 0.016, measured).
 * In one process (meta models, no ranks): what would be silently wrong is refused by name (a
   per-head parameter left whole by a recipe, gpt-oss's interleaved gate/up split as two parts,
   its down_proj_bias split or left out, the intermediate dimension named wrong, per_head on the
@@ -47,6 +47,7 @@ def _kv_gated_target(head_classes) -> Target:
     data = tomllib.loads(next(d / "llama.toml" for d in recipe_dirs() if (d / "llama.toml").is_file()).read_text())
     data["rule"].append({"match": "layers.*.self_attn", "style": "per_head", "params": {"kv_gate": {"dim": 0}},
                          "kv_heads": "num_key_value_heads"})
+    data.pop("sequence_parallel")  # proved with llama's recipe elsewhere; here the per-KV-head gradient sum
     config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     config._attn_implementation = "eager"
@@ -79,11 +80,10 @@ def test_per_head_families_are_exact_tp2():
     neomme = [vm.NoisyNeoMMEModel, vm.NoisyNeoMMEForMaskedLM, vm.NoisyNeoMMEForRetrieval]
     targets = [Target("gpt_oss", head_classes=gpt_oss),
                Target("gpt_oss", head_classes=[vm.NoisyGptOssForCausalLM], expert_parallel=True, label="gpt_oss (ep)"),
-               Target("neomme", head_classes=neomme), Target("gemma3n_text"),
-               _kv_gated_target([vm.KVGatedLlamaModel, vm.KVGatedLlamaForCausalLM])]
+               Target("neomme", head_classes=neomme), Target("gemma3n_text")]
     report = verify_many(targets, (2,), timeout_s=900)
     _timings(report, 2)
-    labels = ["gpt_oss", "gpt_oss (ep)", "neomme", "gemma3n_text", "kv-gated llama"]
+    labels = ["gpt_oss", "gpt_oss (ep)", "neomme", "gemma3n_text"]
     problems = _problems(report, labels)
     heads = {label: {r.head for r in report.rows if r.target == label} for label in labels}
     assert heads["gpt_oss"] == {c.__name__ for c in gpt_oss}, heads
