@@ -401,10 +401,14 @@ class _Experts(Style):
     hooks exchange the tokens with all-to-all.
 
     The module must compute a sum over the split dimension (what ``tpify verify`` proves). What
-    would count ``p`` times or see a partial sum is refused: a parameter the rule does not name
-    (a ``down_proj`` bias), a child with parameters (a norm after each expert), transformers'
-    ``has_bias``, ``has_post_expert_norm``, interleaved ``[gate, up]`` (``is_concatenated``
-    false).
+    would count ``p`` times or see a partial sum is refused: a parameter the rule does not name,
+    a child with parameters (a norm after each expert), transformers' ``has_post_expert_norm``.
+    transformers' experts interface (``is_concatenated``, ``is_transposed``, ``has_bias``) is
+    checked against the split: concatenated ``[gate | up]`` in 2 parts, interleaved ``[g0, u0,
+    g1, u1, ...]`` (gpt-oss) in ONE contiguous part (each rank's range holds whole pairs, in the
+    order the forward reads them), each parameter along its intermediate dimension, and
+    ``down_proj_bias`` (added to each expert's output) named ``{ after_sum = true }``: kept whole,
+    counted once after the sum (:class:`tpify.hooks.experts.TensorParallelExperts`).
     """
 
     name = "experts"

@@ -51,12 +51,18 @@ _ALIASES = {"router_indices": "top_k_index", "routing_weights": "top_k_weights"}
 class TensorParallelExperts(comm.SharesProcessGroups):
     """The pre-hook / hook pair of one tensor-parallel experts module (see the module docstring).
 
+    ``biases``: the module's whole biases added to each expert's output (gpt-oss's
+    ``down_proj_bias (E, H)``, the rule's ``after_sum``): each rank's partial output holds
+    ``sum_k w_k b[e_k]`` once, so after the all-reduce it is subtracted ``p - 1`` times
+    (:meth:`bias_term`), which leaves every value and gradient the dense one.
+
     Shapes: inputs ``hidden_states (N, H)``, ``top_k_index (N, k)``, ``top_k_weights (N, k)``,
     replicated; output ``(N, H)``, the module's partial sum in, the total out (every rank).
     Communication: forward one all-reduce of ``N * H`` values; backward one all-reduce of the
     floating inputs' gradients together (``N * (H + k)`` values), none when no input needs one.
     Raises:
-        TypeError: the module returned something other than one tensor (it could not be summed).
+        TypeError: the module returned something other than one tensor (it could not be summed);
+            with ``biases``, a call without the routing arguments.
     """
 
     def __init__(self, group, biases: tuple[str, ...] = ()):
