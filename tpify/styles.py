@@ -385,7 +385,29 @@ class _Rowwise(Style):
                                             sequence_parallel=entry.sequence_parallel, context=ctx)
 
 
-class _Experts(Style):
+class _Params(Style):
+    """A style splitting named parameters (the rule's ``params``) of a module no layer style knows."""
+
+    kind = "params"
+
+    def accepts(self, module):
+        return module_kind(module) is None
+
+    def _named(self, ctx, fqn, module, rule, holds: str) -> tuple[dict, list[str]] | None:
+        """``(the module's own parameters, problems with the rule's params)``: a parameter it lacks,
+        a dimension it lacks; None after recording an error when the module is a layer."""
+        if not self.accepts(module):
+            ctx.errors.append(f"{fqn} is a {type(module).__name__}; style {self.name!r} ({rule.describe()}) splits "
+                              f"the named parameters of {holds}, not an {SHARDABLE_TYPES} layer")
+            return None
+        own = dict(module.named_parameters(recurse=False))
+        problems = [f"it holds no parameter {name!r}" for name, _, _ in rule.params if name not in own]
+        problems += [f"{name} has {own[name].dim()} dimensions, so it has no dimension {dim}"
+                     for name, dim, _ in rule.params if name in own and own[name].dim() <= dim]
+        return own, problems
+
+
+class _Experts(_Params):
     """``experts``: a module holding fused expert weights (transformers' ``*Experts``:
     ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), its named parameters split.
 
@@ -412,26 +434,18 @@ class _Experts(Style):
     """
 
     name = "experts"
-    kind = "params"
     sequence_parallel = False
     sequence_parallel_refusal = ("the router would run on the gathered tokens inside the MoE block, whose input "
                                  "gradient the gather sums over the ranks, or on T/p tokens, where its load-balancing "
                                  "loss is not the dense one; not supported yet (docs/parallelize.md)")
 
-    def accepts(self, module):
-        return module_kind(module) is None
-
     def _check_module(self, ctx, fqn, module, rule, entry):
         cls = type(module).__name__
-        if not self.accepts(module):
-            ctx.errors.append(f"{fqn} is a {cls}; style 'experts' ({rule.describe()}) splits the named parameters of "
-                              f"a module holding fused expert weights, not an {SHARDABLE_TYPES} layer")
+        named = self._named(ctx, fqn, module, rule, "a module holding fused expert weights")
+        if named is None:
             return False
-        own = dict(module.named_parameters(recurse=False))
+        own, problems = named
         names = [name for name, _, _ in rule.params]
-        problems = [f"it holds no parameter {name!r}" for name in names if name not in own]
-        problems += [f"{name} has {own[name].dim()} dimensions, so it has no dimension {dim}"
-                     for name, dim, _ in rule.params if name in own and own[name].dim() <= dim]
         extra = sorted(set(own) - set(names))
         if extra:
             problems.append(f"it holds parameters {extra} that the rule does not split: the experts' output is "
@@ -578,7 +592,7 @@ def _interface_problems(module: nn.Module, own: dict, params, expert_parallel: b
     return problems
 
 
-class _PerHead(Style):
+class _PerHead(_Params):
     """``per_head``: named parameters of a module (an attention module or a part of it) that hold one
     value per head, split with the heads: attention sinks ``(num_heads,)`` (gpt-oss, Xiao et al.,
     arXiv:2309.17453), neomme's exclusive-attention ``alpha (num_heads,)``.
@@ -599,21 +613,13 @@ class _PerHead(Style):
     """
 
     name = "per_head"
-    kind = "params"
-
-    def accepts(self, module):
-        return module_kind(module) is None
 
     def _check_module(self, ctx, fqn, module, rule, entry):
         cls = type(module).__name__
-        if not self.accepts(module):
-            ctx.errors.append(f"{fqn} is a {cls}; style 'per_head' ({rule.describe()}) splits named parameters of a "
-                              f"module holding values per head (attention sinks), not an {SHARDABLE_TYPES} layer")
+        named = self._named(ctx, fqn, module, rule, "a module holding values per head (attention sinks)")
+        if named is None:
             return False
-        own = dict(module.named_parameters(recurse=False))
-        problems = [f"it holds no parameter {name!r}" for name, _, _ in rule.params if name not in own]
-        problems += [f"{name} has {own[name].dim()} dimensions, so it has no dimension {dim}"
-                     for name, dim, _ in rule.params if name in own and own[name].dim() <= dim]
+        own, problems = named
         problems += [f"{name}: parts = {parts} (a per-head parameter is one run of heads)"
                      for name, _, parts in rule.params if parts != 1]
         extra = sorted(set(own) - {name for name, _, _ in rule.params})
