@@ -60,10 +60,10 @@ Completed here (HF's plans say nothing of them):
 * a tied LM head follows its embedding: ``colwise_rep`` with ``embedding_rowwise``, ``replicate``
   with ``replicate``.
 
-Refused (:class:`~tpify.recipe.RecipeError`): a parameter inside a head-split attention module
-that holds values for all heads (cohere's ``q_norm`` with ``use_qk_norm``, weight
-``(num_heads, head_dim)``): HF's plan splits the heads and would leave it whole (tpify cannot
-split it yet), which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
+Refused (:class:`~tpify.recipe.RecipeError`): a parameter of a head-split attention module or
+of its parts that holds values for all heads and that the plan does not split (cohere's
+``q_norm`` with ``use_qk_norm``, weight ``(num_heads, head_dim)``; a ``(num_heads,)`` gate): HF's
+plan would leave it whole, which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
 whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width;
 tpify ships a recipe), doge (dt_proj mixes every KV head's values into each head's mask),
 neomme (a per-head parameter and value embeddings left whole; tpify ships a recipe),

@@ -9,7 +9,8 @@
   the mixture-of-experts recipes, those with an ``experts`` rule, in a slow job of their own at
   tp = 2, every head class with tensor-parallel experts and the causal LM again with expert
   parallelism, the router's load-balancing loss in the loss; at tp = 4 their causal LMs with expert
-  parallelism): outputs with
+  parallelism; gpt_oss, neomme and gemma3n_text, whose per-head parameters and biases their
+  own init sets to zero, in tests/distributed/test_per_head.py with those drawn at random): outputs with
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
   save/load round trip, and for the recipes with a ``[sequence_parallel]`` table the outputs,
   loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10,
