@@ -441,10 +441,10 @@ class _Planner:
         layers'). The attention modules are the parents of a column-split layer whose width is a
         head count times the head size (a layer whose K/V heads are each held by a group of ranks
         included)."""
-        counts = {v for v in (getattr(self.config, a, None) for a in ("num_attention_heads", "num_key_value_heads"))
+        counts = {v for v in (_config_value(self.config, a) for a in ("num_attention_heads", "num_key_value_heads"))
                   if isinstance(v, int) and not isinstance(v, bool) and v > 1}
-        hd = getattr(self.config, "head_dim", None)
-        hidden = getattr(self.config, "hidden_size", None)
+        hd = _config_value(self.config, "head_dim")
+        hidden = _config_value(self.config, "hidden_size")
         if not isinstance(hd, int) and isinstance(hidden, int) and counts:
             hd = hidden // max(counts)
         if not counts or not isinstance(hd, int) or hd < 1:
@@ -467,7 +467,7 @@ class _Planner:
                     rel = relative_fqn(self.model, name)
                     count = param.shape[dims[0]]
                     which = " / ".join(a for a in ("num_attention_heads", "num_key_value_heads")
-                                       if getattr(self.config, a, None) == count)
+                                       if _config_value(self.config, a) == count)
                     self.errors.append(
                         f"{name}.{pname} ({type(module).__name__}, shape {list(param.shape)}) holds one value per head "
                         f"(dim {dims[0]} = config.{which} = {count}), but {parent}'s projections are split by heads "
@@ -559,6 +559,15 @@ class _Planner:
                             f"tp_size = {self.tp_size}:\n  - " + "\n  - ".join(errors) + ("\n" + hint if hint else ""))
         self.layout.unmatched_rules = [r for r in self.recipe.rules if r.index not in self.matched and not r.optional]
         return self.layout
+
+
+def _config_value(config, name: str):
+    """``config.<name>``, or None where the config has none or refuses a global value (a
+    per-layer attribute of a heterogeneous config raises on access: gemma4's ``head_dim``)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
 
 
 def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: list[str]) -> dict | None:
