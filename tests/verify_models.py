@@ -60,3 +60,99 @@ class NaNLlamaModel(LlamaModel):
         super().__init__(config)
         with torch.no_grad():
             self.norm.weight.fill_(float("nan"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Families whose own init sets some parameters to zero (biases, attention sinks, per-head gates):
+# verify's random model would then not exercise what a split of them does in the forward (a bias
+# counted tp times adds tp * 0). These subclasses give those parameters random values at init
+# (after the family's own, under the seed verify sets), nothing else changed: the checkpoint is
+# the family's own.
+
+def _noise(model: nn.Module, names: tuple[str, ...], std: float = 0.5) -> None:
+    """Every parameter whose name ends with one of ``names`` (dotted suffixes) drawn from N(0, std^2)
+    (on the meta device: nothing)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(name == n or name.endswith("." + n) for n in names) and not param.is_meta:
+                param.normal_(0.0, std)
+
+
+def _noisy(base: type, names: tuple[str, ...]) -> type:
+    def __init__(self, config):
+        base.__init__(self, config)
+        _noise(self, names)
+
+    return type(f"Noisy{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__,
+                                                   "__doc__": f"{base.__name__} with {list(names)} random."})
+
+
+from transformers.models.gpt_oss import modeling_gpt_oss as _gpt_oss  # noqa: E402
+
+_GPT_OSS_NOISE = ("sinks", "gate_up_proj_bias", "down_proj_bias", "bias")
+NoisyGptOssModel = _noisy(_gpt_oss.GptOssModel, _GPT_OSS_NOISE)
+NoisyGptOssForCausalLM = _noisy(_gpt_oss.GptOssForCausalLM, _GPT_OSS_NOISE)
+NoisyGptOssForSequenceClassification = _noisy(_gpt_oss.GptOssForSequenceClassification, _GPT_OSS_NOISE)
+NoisyGptOssForTokenClassification = _noisy(_gpt_oss.GptOssForTokenClassification, _GPT_OSS_NOISE)
+
+
+from transformers.models.neomme import modeling_neomme as _neomme  # noqa: E402
+
+_NEOMME_NOISE = ("alpha", "value_embeddings.weight")
+NoisyNeoMMEModel = _noisy(_neomme.NeoMMEModel, _NEOMME_NOISE)
+NoisyNeoMMEForMaskedLM = _noisy(_neomme.NeoMMEForMaskedLM, _NEOMME_NOISE)
+NoisyNeoMMEForRetrieval = _noisy(_neomme.NeoMMEForRetrieval, _NEOMME_NOISE)
+
+
+# ---------------------------------------------------------------------------------------------
+# A parameter per KV head (as doge's DogeAttention.A): Llama whose attention scales each KV head's
+# values by its own ``kv_gate`` value. At tp_size above the KV heads each value is held by the
+# ranks whose query heads read that KV head, its gradient summed over them (tpify.hooks.per_head).
+
+from transformers import LlamaForCausalLM  # noqa: E402
+from transformers.models.llama import modeling_llama as _llama  # noqa: E402
+
+
+class KVGatedLlamaAttention(_llama.LlamaAttention):
+    """LlamaAttention with ``kv_gate (num_key_value_heads,)``: each KV head's values times its gate."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.kv_gate = nn.Parameter(torch.randn(config.num_key_value_heads))
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, n, T, d)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, kv, T, d)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = value_states * self.kv_gate.view(1, -1, 1, 1).to(value_states.dtype)
+        cos, sin = position_embeddings
+        query_states, key_states = _llama.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attn_output, attn_weights = _llama.eager_attention_forward(
+            self, query_states, key_states, value_states, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+def _kv_gated(model: nn.Module, config) -> None:
+    for i, layer in enumerate(model.layers):
+        layer.self_attn = KVGatedLlamaAttention(config, i)
+
+
+class KVGatedLlamaModel(LlamaModel):
+    """LlamaModel whose attention holds a parameter per KV head (KVGatedLlamaAttention)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        _kv_gated(self, config)
+
+
+class KVGatedLlamaForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM whose attention holds a parameter per KV head (KVGatedLlamaAttention)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        _kv_gated(self.model, config)

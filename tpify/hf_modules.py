@@ -13,7 +13,8 @@ from torch import nn
 
 __all__ = ["SHARDABLE_TYPES", "is_conv1d", "module_kind", "dense_dims", "overrides_forward", "qualname",
            "base_model_and_prefix", "relative_name", "base_model", "relative_fqn", "is_peft", "config_get",
-           "config_set", "config_has"]
+           "config_set", "config_has",
+           "head_dims"]
 
 #: What the recipe styles split (and what must be covered by a rule).
 SHARDABLE_TYPES = "nn.Linear, transformers Conv1D, nn.Embedding"
@@ -141,3 +142,14 @@ def config_set(config, path: str, value) -> None:
     if target is _MISSING or target is None:
         raise AttributeError(f"config has no sub-config {owner!r} (setting {path!r})")
     setattr(target, name, value)
+
+
+def head_dims(shape, counts, head_dim: int | None) -> list[int]:
+    """The dimensions of a parameter of ``shape`` that index heads: of a size in ``counts`` (the
+    model's head counts above 1: query heads, KV heads), unless the parameter is one head's width
+    (``(head_dim,)``: a q/k norm shared by every head, whatever the counts). Empty: nothing per
+    head. A count equal to the head width is ambiguous and read as the width."""
+    shape = tuple(shape)
+    if head_dim is not None and shape == (head_dim,):
+        return []
+    return [i for i, size in enumerate(shape) if size in counts and size > 1]

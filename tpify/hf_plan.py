@@ -34,8 +34,8 @@ attention's ``kv_a_proj_with_mqa``)           (whole; the rotary key's gradient 
 anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
 ``moe_tp_experts``, ``packed_colwise`` on     style, the rule and the module
 MoE experts, ``packed_rowwise``,
-``all_reduce``, ``local_params``,
-``embedding_colwise``,
+``all_reduce``, ``local_params`` without a per-head
+parameter, ``embedding_colwise``, other
 parameter-level rules)
 ============================================  ===================================================
 
@@ -62,13 +62,18 @@ Completed here (HF's plans say nothing of them):
 * a tied LM head follows its embedding: ``colwise_rep`` with ``embedding_rowwise``, ``replicate``
   with ``replicate``.
 
-Refused (:class:`~tpify.recipe.RecipeError`): a parameter inside a head-split attention module
-that holds values for all heads (cohere's ``q_norm`` with ``use_qk_norm``, weight
-``(num_heads, head_dim)``): HF's plan splits the heads and would leave it whole (tpify cannot
-split it yet), which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
-whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width),
-doge and neomme (a per-head parameter of the attention module itself), embedding_gemma2_text
-(a single KV head on some layers, split).
+Refused (:class:`~tpify.recipe.RecipeError`): a parameter of a head-split attention module or
+of its parts that holds values for all heads and that the plan does not split (cohere's
+``q_norm`` with ``use_qk_norm``, weight ``(num_heads, head_dim)``; a ``(num_heads,)`` gate): HF's
+plan would leave it whole, which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
+whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width;
+tpify ships a recipe), doge (dt_proj mixes every KV head's values into each head's mask),
+neomme (a per-head parameter and value embeddings left whole; tpify ships a recipe),
+embedding_gemma2_text (a single KV head on some layers, split).
+
+HF's ``local_params`` on a module with a ``colwise`` rule on its one-dimensional parameter of a
+head count (attention sinks, ``(num_attention_heads,)``) becomes a ``per_head`` rule splitting
+that parameter with the heads.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .hf_modules import base_model_and_prefix, module_kind, overrides_forward, relative_name
+from .hf_modules import base_model_and_prefix, head_dims, module_kind, overrides_forward, relative_name
 from .recipe import Recipe, RecipeError, _compile_glob, logit_ops_of, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
@@ -117,19 +122,22 @@ _REFUSED_FAMILIES = {
     "gemma3n_text": lambda config: (
         "its MLPs with activation sparsity (activation_sparsity_pattern > 0: Gemma3nTextMLP._gaussian_topk) take "
         "the mean and standard deviation of gate_proj's output over the full intermediate width, which HF's plan "
-        "splits (colwise gate_proj): each rank would keep a different top of its own half. Keep the MLPs whole "
-        "(replicate gate_proj, up_proj, down_proj)"
+        "splits (colwise gate_proj): each rank would keep a different top of its own half. tpify ships a recipe "
+        "that keeps the MLPs whole (recipes/gemma3n_text.toml): parallelize(model) uses it"
         if any(v for v in (getattr(config, "activation_sparsity_pattern", None) or []) if v) else None),
     "doge": lambda config: (
-        "its attention holds a parameter per KV head outside any linear layer (DogeAttention.A, shape "
-        "(num_key_value_heads,)) that scales dt_proj's output for every head, while HF's plan splits the heads "
-        "(colwise q/k/v_proj): the parameter would stay whole against split heads. Keep the attention whole "
+        "its attention mixes the heads outside the split projections: dt_proj reads the values of ALL KV heads "
+        "(input num_key_value_heads * head_dim) to give one value per KV head, which scales the per-KV-head "
+        "parameter DogeAttention.A (num_key_value_heads,) into a dynamic mask repeated over each KV head's query "
+        "heads; split by heads, a rank would need every rank's values (HF's plan, rowwise dt_proj, gives every "
+        "rank all KV heads' mask against its own query heads: a shape error). Keep the attention whole "
         "(replicate q_proj, k_proj, v_proj, dt_proj, o_proj)"),
     "neomme": lambda config: (
         "its exclusive self-attention holds a parameter per head outside any linear layer "
-        "(NeoMMEExclusiveSelfAttention.alpha, shape (num_attention_heads,)) and repeats the KV heads by the full "
-        "head count, while HF's plan splits the heads (colwise q/k/v_proj): the parameter would stay whole against "
-        "split heads. Keep the attention whole (replicate q_proj, k_proj, v_proj, output_projection.*)"),
+        "(NeoMMEExclusiveSelfAttention.alpha, shape (num_attention_heads,)) and its value embeddings "
+        "(model.value_embeddings, num_key_value_heads * head_dim columns) are added to the split value states, "
+        "while HF's plan splits the heads and leaves both whole. tpify ships a recipe that splits them with the "
+        "heads (recipes/neomme.toml): parallelize(model) uses it"),
     "embedding_gemma2_text": lambda config: (
         "its per_layer_config gives some layers a single KV head (num_key_value_heads = 1 on the full-attention "
         "layers), which HF's plan splits over the ranks (colwise k_proj, v_proj) although one head cannot be "
@@ -303,6 +311,8 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         for n in names:
             styles[n] = style
 
+    per_head: dict[str, list[str]] = {}  # owner key -> its parameters HF splits by heads (attention sinks)
+    heads = head_counts(config)
     for key, hf_style in plan.items():
         names = by_key.get(key, [])
         if not names:
@@ -310,6 +320,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                 if hf_style in ("replicate", "replicated_with_grad_allreduce"):
                     continue
                 pname, shape = param_keys[key]
+                owner, _, leaf = key.rpartition(".")
+                if hf_style == "colwise" and len(shape) == 1 and shape[0] in heads.values() and owner in by_key:
+                    per_head.setdefault(owner, []).append(leaf)  # one value per head: split with the heads
+                    continue
                 what = (_MOE if len(shape) == 3
                         else "tpify splits only whole nn.Linear / Conv1D / nn.Embedding modules")
                 raise _error(model, f"HF rule {key!r} = {hf_style!r} applies to the parameter {pname} of shape "
@@ -319,6 +333,9 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         kinds = {module_kind(modules[n]) for n in names}
         first = names[0]
         where = f"HF rule {key!r} = {hf_style!r} (module {first}, a {type(modules[first]).__name__})"
+        if hf_style == "local_params" and any(k.rpartition(".")[0] == key and v == "colwise" and k in param_keys
+                                              for k, v in plan.items()):
+            continue  # HF runs the module with its split parameters as local tensors: the per_head rule below
         if hf_style in _UNSUPPORTED:
             raise _error(model, f"{where}: {_UNSUPPORTED[hf_style]}")
         if hf_style == "packed_colwise" and kinds != {"linear"}:
@@ -384,8 +401,13 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                             f"tell from the whole one of kv_a_layernorm (the latent style ends the sharded region "
                             f"before both); not supported. Keep the attention whole (replicate q_a_proj, q_b_proj, "
                             f"kv_a_proj_with_mqa, kv_b_proj, o_proj)")
+    for owner, leaves in per_head.items():
+        holders = [n for n in by_key[owner] if all(isinstance(getattr(modules[n], leaf, None), nn.Parameter)
+                                                    for leaf in leaves)]
+        add_rule(owner, holders, "per_head", f"HF colwise on {leaves} (one value per head) with local_params: split "
+                                             f"with the heads", params={leaf: {"dim": 0} for leaf in sorted(leaves)})
     _tie_heads(model, modules, styles, rules, add_rule)
-    _check_per_head_params(model, modules, styles)
+    _check_per_head_params(model, modules, styles, per_head)
 
     # Everything the plan leaves out stays whole; the task heads of other head classes too.
     covered = set(styles)
@@ -409,7 +431,6 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                       "task heads of other head classes: a full copy (optional)"))
 
     # Head counts: a column-parallel layer as wide as a head count times the head size splits heads.
-    heads = head_counts(config)
     hd = _head_dim(config)
     widths = {n * hd for n in heads.values()} if hd else set()
     attention = sorted({r.rpartition(".")[0] for r, s in styles.items()
@@ -522,13 +543,16 @@ def _tie_heads(model, modules, styles, rules, add_rule):
             add_rule(wildcard(h), [h], want, note, optional=True)
 
 
-def _check_per_head_params(model, modules, styles):
-    """Refuse a parameter holding all heads inside an attention module whose projections split heads."""
+def _check_per_head_params(model, modules, styles, per_head=None):
+    """Refuse a parameter holding all heads inside an attention module whose projections split heads
+    (the module's own parameters and its parts', those a ``per_head`` rule splits excepted)."""
     config = getattr(model, "config", None)
     heads = head_counts(config)
     hd = _head_dim(config)
     if not heads or not hd:
         return
+    split = {(n, leaf) for owner, leaves in (per_head or {}).items() for n in modules if wildcard(n) == owner
+             for leaf in leaves}
     widths = {n * hd for n in heads.values()}
     parents = {r.rpartition(".")[0] for r, s in styles.items()
                if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
@@ -536,21 +560,25 @@ def _check_per_head_params(model, modules, styles):
         # the attention module's own head dim (gemma4's full-attention layers: twice the config's)
         own = getattr(modules.get(parent), "head_dim", None)
         for rel, module in modules.items():
-            if not rel.startswith(parent + ".") or module_kind(module) is not None:
+            if not (rel == parent or rel.startswith(parent + ".")) or module_kind(module) is not None:
                 continue
             for pname, param in module.named_parameters(recurse=False):
+                if (rel, pname) in split:
+                    continue
                 shape = tuple(param.shape)
                 if isinstance(own, int) and shape == (own,) and own not in heads.values():
                     continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
                 per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
                 # (head_dim,) is one head's width, not all heads', even when a count is 1 (one KV head):
                 # q/k norms over head_dim are the same for every head and stay replicated
+                per_head = per_head or bool(head_dims(shape, set(heads.values()), own if isinstance(own, int) else hd))
                 if per_head or any(s in widths and s != hd for s in shape):
                     raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or "
                                         f"the full projection width), but HF's plan splits the heads of "
-                                        f"{parent}'s projections; tpify cannot split such a parameter yet (HF's "
-                                        f"plan would leave it whole, which is not the dense model). Keep the "
-                                        f"attention whole (replicate its projections) in a recipe")
+                                        f"{parent}'s projections and does not split it (it would stay whole, "
+                                        f"which is not the dense model). Split it with the heads (style "
+                                        f"'per_head') or keep the attention whole (replicate its projections) in "
+                                        f"a recipe")
 
 
 def _forward_source(module: nn.Module) -> str:

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .agree import digest
-from .hf_modules import SHARDABLE_TYPES, base_model, config_get, config_has, is_peft, module_kind, relative_fqn
+from .hf_modules import (SHARDABLE_TYPES, base_model, config_get, config_has, dense_dims, head_dims, is_peft,
+                         module_kind, relative_fqn)
 from .recipe import Recipe, Rule, RuleIndex, compose
 from .sharding import ShardSpec, valid_tp_sizes
-from .styles import ModuleLayout, PlanContext, style_of
+from .styles import AFTER_SUM, ModuleLayout, PlanContext, style_of
 
 __all__ = ["PlanError", "ModuleLayout", "Layout", "build_layout", "relative_fqn", "SHARDABLE_TYPES"]
 
@@ -232,6 +233,7 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     planner = _Planner(model, recipe, tp_size, pad_vocab_multiple, ep_size)
     planner.config_counts()
     planner.match_modules()
+    planner.per_head_parameters()
     planner.large_parameters()
     planner.finish(sequence_parallel, lm_loss_chunk)
     return planner.result()
@@ -442,6 +444,50 @@ class _Planner:
             if entry is not None:
                 self.layout.modules[fqn] = entry
 
+    def per_head_parameters(self) -> None:
+        """A parameter holding one value per head (a dimension of ``config.num_attention_heads`` or
+        ``num_key_value_heads``: attention sinks) inside an attention module whose projections a
+        column style splits by heads must be split with them (``per_head``): left whole, each
+        rank would apply all heads' values to its own heads (a shape error at best). Found by the
+        parameters, not only the modules: the attention module's own and its parts' (not the
+        layers'). The attention modules are the parents of a column-split layer whose width is a
+        head count times the head size (a layer whose K/V heads are each held by a group of ranks
+        included)."""
+        counts = {v for v in (_config_value(self.config, a) for a in ("num_attention_heads", "num_key_value_heads"))
+                  if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+        hd = _config_value(self.config, "head_dim")
+        hidden = _config_value(self.config, "hidden_size")
+        if not isinstance(hd, int) and isinstance(hidden, int) and counts:
+            hd = hidden // max(counts)
+        if not counts or not isinstance(hd, int) or hd < 1:
+            return
+        widths = {c * hd for c in counts}
+        parents = sorted({fqn.rpartition(".")[0] for fqn, m in self.layout.modules.items()
+                          if m.style in ("colwise", "packed_colwise") and "." in fqn
+                          and dense_dims(self.model.get_submodule(fqn))[1] in widths})
+        for parent in parents:
+            attention = self.model.get_submodule(parent)
+            own_hd = getattr(attention, "head_dim", hd)
+            for name, module in attention.named_modules(prefix=parent):
+                if module_kind(module) is not None:
+                    continue
+                split = self.layout.modules[name].specs if name in self.layout.modules else {}
+                for pname, param in module.named_parameters(recurse=False):
+                    dims = head_dims(param.shape, counts, own_hd if isinstance(own_hd, int) else hd)
+                    if not dims or split.get(pname) is not None:
+                        continue
+                    rel = relative_fqn(self.model, name)
+                    count = param.shape[dims[0]]
+                    which = " / ".join(a for a in ("num_attention_heads", "num_key_value_heads")
+                                       if _config_value(self.config, a) == count)
+                    self.errors.append(
+                        f"{name}.{pname} ({type(module).__name__}, shape {list(param.shape)}) holds one value per head "
+                        f"(dim {dims[0]} = config.{which} = {count}), but {parent}'s projections are split by heads "
+                        f"and no rule splits it: each rank would apply every head's values to its own heads. Give "
+                        f"{rel or '<base model>'} style 'per_head' with params = {{ {pname} = {{ dim = {dims[0]} }} }}"
+                        f"{' and kv_heads' if which == 'num_key_value_heads' else ''} (docs/recipes.md), or keep the "
+                        f"attention whole (replicate its projections)")
+
     def large_parameters(self) -> None:
         """Every parameter of :func:`coverage_threshold` elements or more that no styled module holds
         and no replicated container encloses is uncovered (a module no style knows, holding fused
@@ -527,6 +573,15 @@ class _Planner:
         return self.layout
 
 
+def _config_value(config, name: str):
+    """``config.<name>``, or None where the config has none or refuses a global value (a
+    per-layer attribute of a heterogeneous config raises on access: gemma4's ``head_dim``)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
+
+
 def _sequence_layout(model: nn.Module, recipe: Recipe, layout: Layout, errors: list[str]) -> dict | None:
     """Resolve the recipe's ``[sequence_parallel]`` globs to FQNs and check that every column- and
     row-parallel layer lies inside a module whose input is gathered (elsewhere it would receive
@@ -607,6 +662,12 @@ def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], erro
                           + f" beside its experts {fqn}; tpify reduce-scatters the block's output as the experts' "
                             f"partial sum, which a shared expert's output would join once per rank (not supported: "
                             f"run without sequence_parallel)")
+            continue
+        biases = [name for name, dim, _ in entry.params if dim == AFTER_SUM]
+        if biases and not entry.expert_parallel:
+            errors.append(f"sequence parallelism: the fused experts {fqn} add whole biases {biases} after their sum "
+                          f"(after_sum), which tpify counts once in the all-reduce, not in the block's reduce-scatter "
+                          f"(not supported: run without sequence_parallel, or with ep_size)")
             continue
         container, experts = model.get_submodule(block), model.get_submodule(fqn)
         count = getattr(experts, entry.params[0][0]).shape[0]  # E: dim 0 of the fused expert weights

@@ -144,10 +144,22 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
     buffers are recomputed. Called on the dense meta model, before surgery divides any config
     value (rotary tables read the head count from the config). Local; no communication.
     """
-    owners = [m for m in model.modules()
+    owners = [(fqn, m) for fqn, m in model.named_modules()
               if any(m._buffers.get(name) is not None for name in m._non_persistent_buffers_set)]
     if not owners or not hasattr(model, "_init_weights"):
         return
+    # transformers initialises each module with its innermost PreTrainedModel's _init_weights (a base
+    # model inside a head class: Gemma3nTextModel's reads its own hidden_size, which the head lacks)
+    holders = {fqn: m for fqn, m in model.named_modules() if hasattr(m, "_init_weights")}
+
+    def init_of(fqn: str):
+        parts = fqn.split(".") if fqn else []
+        for i in range(len(parts), -1, -1):
+            holder = holders.get(".".join(parts[:i]))
+            if holder is not None:
+                return holder._init_weights
+        return model._init_weights
+
     persistent = set(persistent_buffers(model))
     marked = [t for t in model.parameters()] + [model.get_buffer(f) for f in persistent]
     flags = [(t, getattr(t, "_is_hf_initialized", None)) for t in marked]
@@ -155,8 +167,8 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
         t._is_hf_initialized = True
     try:
         with torch.no_grad():
-            for module in owners:
-                model._init_weights(module)
+            for fqn, module in owners:
+                init_of(fqn)(module)
     finally:
         for t, old in flags:
             if old is None:

@@ -38,6 +38,8 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
     ``latent``: a low-rank down projection of multi-head latent attention, a full copy on every
         rank; the last ``shared`` output features (the rotary key every head reads) get their
         gradient summed over the ranks.
+    ``per_head``: the named parameters of a module holding one value per head (attention sinks)
+        split with the heads (``params``; ``kv_heads`` for one value per KV head).
     ``replicate``: left as it is, a full copy on every rank.
 
 Every key, with an example per feature, is in ``docs/recipes.md``.
@@ -52,6 +54,7 @@ from pathlib import Path
 
 from .hf_modules import base_model_and_prefix, config_get, config_has
 from .loss import LOGIT_OPS
+from .styles import AFTER_SUM
 from .styles import STYLES as _STYLE_OBJECTS
 
 __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "load_recipe", "recipe_dirs",
@@ -388,12 +391,13 @@ class Recipe:
                      f"'kv_counts' (attributes holding the KV heads) need 'kv_heads' (the KV heads, a config attribute "
                      f"name or a positive integer) and no 'style'")
             if kv_heads is not None and not kv_groups and not kv_counts and (
-                    style not in ("colwise", "packed_colwise") or (style == "packed_colwise" and not replicated_parts)
+                    style not in ("colwise", "packed_colwise", "per_head")
+                    or (style == "packed_colwise" and not replicated_parts)
                     or not ((isinstance(kv_heads, str) and kv_heads)
                             or (isinstance(kv_heads, int) and not isinstance(kv_heads, bool) and kv_heads >= 1))):
                 fail(f"{where} (match={patterns}): 'kv_heads' (a config attribute name or a positive integer: the KV "
-                     f"heads of a 'colwise' layer, or of a 'packed_colwise' layer's replicated_parts) is for those "
-                     f"styles only")
+                     f"heads of a 'colwise' layer, of a 'packed_colwise' layer's replicated_parts, or of a "
+                     f"'per_head' rule's parameters) is for those styles only")
             params = _rule_params(raw.get("params"), style, f"{where} (match={patterns})", fail)
             shared = raw.get("shared")
             if shared is not None and (style != "latent" or not (
@@ -438,24 +442,39 @@ def _includes(raw, fail) -> tuple[Include, ...]:
 
 def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ...]:
     """A rule's ``params`` table: ``{ name = { dim = d, parts = n } }`` -> ``((name, d, n), ...)``
-    sorted by name (``parts`` 1 when not given). Only the ``experts`` style takes it, and needs it."""
+    sorted by name (``parts`` 1 when not given); ``{ after_sum = true }`` (``experts`` only: a bias
+    added to each expert's output, kept whole and counted once) -> ``(name, AFTER_SUM, 1)``. The
+    ``experts`` and ``per_head`` styles take it, and need it."""
     if raw is None:
         if style == "experts":
             fail(f"{where}: style 'experts' needs 'params', the parameters it splits and how: params = "
                  f"{{ gate_up_proj = {{ dim = 1, parts = 2 }}, down_proj = {{ dim = 2 }} }}")
+        if style == "per_head":
+            fail(f"{where}: style 'per_head' needs 'params', the parameters holding one value per head and their head "
+                 f"dimension: params = {{ sinks = {{ dim = 0 }} }}")
         return ()
-    if style != "experts":
-        fail(f"{where}: 'params' is only for style 'experts'")
+    if style not in ("experts", "per_head"):
+        fail(f"{where}: 'params' is only for styles 'experts' and 'per_head'")
+
+    def split(spec) -> bool:
+        return (set(spec) <= _PARAM_KEYS and "dim" in spec
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values())
+                and spec["dim"] >= 0 and spec.get("parts", 1) >= 1)
+
+    def after_sum(spec) -> bool:
+        return style == "experts" and spec == {"after_sum": True}
+
     ok = isinstance(raw, dict) and raw and all(
         isinstance(name, str) and name and "." not in name and isinstance(spec, dict) and spec
-        and set(spec) <= _PARAM_KEYS and "dim" in spec
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values())
-        and spec["dim"] >= 0 and spec.get("parts", 1) >= 1 for name, spec in raw.items())
+        and (split(spec) or after_sum(spec)) for name, spec in raw.items())
     if not ok:
         fail(f"{where}: 'params' must be a table of parameter name = {{ dim = the dimension split over the ranks "
              f"(an integer >= 0), parts = the number of equal packed parts along it, each split alike (optional, "
-             f"an integer >= 1) }}")
-    return tuple(sorted((name, spec["dim"], spec.get("parts", 1)) for name, spec in raw.items()))
+             f"an integer >= 1) }}" + (", or {{ after_sum = true }} (a bias added to each expert's output: kept "
+                                       "whole, counted once after the sum over the ranks)" if style == "experts"
+                                       else ""))
+    return tuple(sorted((name, AFTER_SUM, 1) if "after_sum" in spec else (name, spec["dim"], spec.get("parts", 1))
+                        for name, spec in raw.items()))
 
 
 def loss_terms_of(config) -> list[dict]:

@@ -50,7 +50,8 @@ class ModuleLayout:
             (``weight``, ``bias``), as :meth:`Style.param_specs` gives them.
         sequence_parallel: the module lies in a sequence-parallel stretch (inside a module whose
             input is gathered along ``T``): its layer is built with ``sequence_parallel=True``.
-        params: ``experts`` only: the rule's ``(parameter name, split dimension, packed parts)``.
+        params: ``experts`` and ``per_head``: the rule's ``(parameter name, split dimension, packed
+            parts)`` (dimension :data:`AFTER_SUM`: an experts bias kept whole, counted once).
         expert_parallel: ``experts`` only: whole experts per rank (``parallelize(..., ep_size=)``),
             every parameter split along dim 0 (the experts), the tokens exchanged between ranks.
         shared_features: ``latent`` only: the trailing output features every head reads directly
@@ -387,7 +388,29 @@ class _Rowwise(Style):
                                             sequence_parallel=entry.sequence_parallel, context=ctx)
 
 
-class _Experts(Style):
+class _Params(Style):
+    """A style splitting named parameters (the rule's ``params``) of a module no layer style knows."""
+
+    kind = "params"
+
+    def accepts(self, module):
+        return module_kind(module) is None
+
+    def _named(self, ctx, fqn, module, rule, holds: str) -> tuple[dict, list[str]] | None:
+        """``(the module's own parameters, problems with the rule's params)``: a parameter it lacks,
+        a dimension it lacks; None after recording an error when the module is a layer."""
+        if not self.accepts(module):
+            ctx.errors.append(f"{fqn} is a {type(module).__name__}; style {self.name!r} ({rule.describe()}) splits "
+                              f"the named parameters of {holds}, not an {SHARDABLE_TYPES} layer")
+            return None
+        own = dict(module.named_parameters(recurse=False))
+        problems = [f"it holds no parameter {name!r}" for name, _, _ in rule.params if name not in own]
+        problems += [f"{name} has {own[name].dim()} dimensions, so it has no dimension {dim}"
+                     for name, dim, _ in rule.params if name in own and own[name].dim() <= dim]
+        return own, problems
+
+
+class _Experts(_Params):
     """``experts``: a module holding fused expert weights (transformers' ``*Experts``:
     ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), its named parameters split.
 
@@ -404,29 +427,26 @@ class _Experts(Style):
     the module is gathered (:func:`tpify.layout._moe_blocks`, :mod:`tpify.hooks.sequence_parallel`).
 
     The module must compute a sum over the split dimension (what ``tpify verify`` proves). What
-    would count ``p`` times or see a partial sum is refused: a parameter the rule does not name
-    (a ``down_proj`` bias), a child with parameters (a norm after each expert), transformers'
-    ``has_bias``, ``has_post_expert_norm``, interleaved ``[gate, up]`` (``is_concatenated``
-    false).
+    would count ``p`` times or see a partial sum is refused: a parameter the rule does not name,
+    a child with parameters (a norm after each expert), transformers' ``has_post_expert_norm``.
+    transformers' experts interface (``is_concatenated``, ``is_transposed``, ``has_bias``) is
+    checked against the split: concatenated ``[gate | up]`` in 2 parts, interleaved ``[g0, u0,
+    g1, u1, ...]`` (gpt-oss) in ONE contiguous part (each rank's range holds whole pairs, in the
+    order the forward reads them), each parameter along its intermediate dimension, and
+    ``down_proj_bias`` (added to each expert's output) named ``{ after_sum = true }``: kept whole,
+    counted once after the sum (:class:`tpify.hooks.experts.TensorParallelExperts`).
     """
 
     name = "experts"
     kind = "params"
 
-    def accepts(self, module):
-        return module_kind(module) is None
-
     def _check_module(self, ctx, fqn, module, rule, entry):
         cls = type(module).__name__
-        if not self.accepts(module):
-            ctx.errors.append(f"{fqn} is a {cls}; style 'experts' ({rule.describe()}) splits the named parameters of "
-                              f"a module holding fused expert weights, not an {SHARDABLE_TYPES} layer")
+        named = self._named(ctx, fqn, module, rule, "a module holding fused expert weights")
+        if named is None:
             return False
-        own = dict(module.named_parameters(recurse=False))
+        own, problems = named
         names = [name for name, _, _ in rule.params]
-        problems = [f"it holds no parameter {name!r}" for name in names if name not in own]
-        problems += [f"{name} has {own[name].dim()} dimensions, so it has no dimension {dim}"
-                     for name, dim, _ in rule.params if name in own and own[name].dim() <= dim]
         extra = sorted(set(own) - set(names))
         if extra:
             problems.append(f"it holds parameters {extra} that the rule does not split: the experts' output is "
@@ -436,11 +456,10 @@ class _Experts(Style):
         if children:
             problems.append(f"its children {children} hold parameters (a norm after each expert would see a partial "
                             f"sum)")
-        flags = {"has_bias": True, "has_post_expert_norm": True, "_is_expert_parallel": True}
-        if any(parts > 1 for _, _, parts in rule.params):
-            flags["is_concatenated"] = False  # [gate0, up0, gate1, up1, ...]: not two contiguous parts
+        flags = {"has_post_expert_norm": True, "_is_expert_parallel": True}
         problems += [f"{flag} = {value} (transformers' experts interface)" for flag, value in flags.items()
                      if getattr(module, flag, not value) is value]
+        problems += _interface_problems(module, own, rule.params, ctx.ep_size > 1)
         if ctx.ep_size > 1:
             problems += self._expert_parallel_problems(module, own, names)
         if problems:
@@ -465,7 +484,7 @@ class _Experts(Style):
             signature = list(inspect.signature(type(module).forward).parameters)[1:4]
         except (TypeError, ValueError):
             signature = []
-        if signature != list(_EXPERTS_ARGUMENTS):
+        if [_EXPERTS_ALIASES.get(name, name) for name in signature] != list(_EXPERTS_ARGUMENTS):
             problems.append(f"expert parallelism exchanges the arguments {list(_EXPERTS_ARGUMENTS)} of its forward, "
                             f"which takes {signature}")
         return problems
@@ -476,7 +495,13 @@ class _Experts(Style):
             return True
         ok = True
         for name, dim, parts in rule.params:
+            if dim == AFTER_SUM:
+                continue
             size = getattr(module, name).shape[dim]
+            if name in _GATE_UP and getattr(module, "is_concatenated", True) is False:
+                # interleaved [g0, u0, g1, u1, ...]: each rank's contiguous slice must hold whole (g, u) pairs
+                ctx.need_divisible(f"{fqn}.{name} dimension {dim} (interleaved gate/up pairs)", size // 2)
+                continue
             if size % parts:
                 ctx.errors.append(f"{fqn}.{name}: dimension {dim} of size {size} cannot hold {parts} equal parts")
                 ok = False
@@ -491,6 +516,8 @@ class _Experts(Style):
             shape = getattr(module, name).shape
             if entry.expert_parallel:
                 specs[name] = ShardSpec(0, (shape[0],), tp_size)
+            elif dim == AFTER_SUM:
+                specs[name] = None  # replicated, counted once after the sum (tpify.hooks.experts)
             else:
                 specs[name] = ShardSpec(dim, (shape[dim] // parts,) * parts, tp_size)
         return specs
@@ -498,12 +525,7 @@ class _Experts(Style):
     def build(self, module, entry, ctx):
         """``module`` itself, each split parameter replaced by this rank's slice (carrying its spec);
         with expert parallelism its ``num_experts`` divided. Works on the meta device."""
-        with torch.no_grad():
-            for name, spec in entry.specs.items():
-                dense = getattr(module, name)
-                shard = nn.Parameter(spec.slice_dense(dense, ctx.rank), requires_grad=dense.requires_grad)
-                shard.tp_shard_spec = spec
-                setattr(module, name, shard)
+        _slice_params(module, entry.specs, ctx.rank)
         if entry.expert_parallel:
             module.num_experts //= ctx.size
         return module
@@ -559,12 +581,150 @@ class _Latent(Style):
         return True
 
 
+def _slice_params(module: nn.Module, specs: dict, rank: int) -> None:
+    """Each parameter of ``module`` that has a spec replaced by this rank's slice (carrying the
+    spec); parameters without one (``None``) stay whole. Works on the meta device."""
+    with torch.no_grad():
+        for name, spec in specs.items():
+            if spec is None:
+                continue
+            dense = getattr(module, name)
+            shard = nn.Parameter(spec.slice_dense(dense, rank), requires_grad=dense.requires_grad)
+            shard.tp_shard_spec = spec
+            setattr(module, name, shard)
+
+
+#: ``dim`` of an ``experts`` rule's parameter that is not split: a bias added to every expert's
+#: output (``down_proj_bias (E, H)``), kept whole and counted once after the sum over the ranks.
+AFTER_SUM = -1
+#: transformers' experts interface (integrations/moe.py): the packed gate/up parameters, the
+#: dimension of ``I`` in each parameter (by ``is_transposed``), and the bias added after ``down_proj``.
+_GATE_UP = ("gate_up_proj", "gate_up_proj_bias")
+_INTERMEDIATE_DIM = {"gate_up_proj": {False: 1, True: 2}, "gate_up_proj_bias": {False: 1, True: 1},
+                     "up_proj": {False: 1, True: 2}, "up_proj_bias": {False: 1, True: 1},
+                     "down_proj": {False: 2, True: 1}}
+_DOWN_BIAS = "down_proj_bias"
+
+
+def _interface_problems(module: nn.Module, own: dict, params, expert_parallel: bool) -> list[str]:
+    """What would split a transformers experts module wrong, from its interface flags
+    (``is_concatenated``, ``is_transposed``, ``has_bias``) and the names it uses: the packed
+    ``[gate | up]`` (concatenated) split as 2 parts, interleaved ``[g0, u0, g1, u1, ...]`` as one
+    contiguous range (whole pairs per rank), each parameter along its intermediate dimension, and
+    ``down_proj_bias`` (added after ``down_proj``) kept whole and counted once (``after_sum``)."""
+    problems = []
+    transposed = getattr(module, "is_transposed", None)
+    concatenated = getattr(module, "is_concatenated", None)
+    for name, dim, parts in params:
+        if dim == AFTER_SUM:
+            if name != _DOWN_BIAS or getattr(module, "has_bias", False) is not True:
+                problems.append(f"{name}: after_sum is for transformers' {_DOWN_BIAS} (has_bias = True), the bias "
+                                f"added to each expert's output")
+            continue
+        if expert_parallel:
+            continue
+        if name == _DOWN_BIAS:
+            problems.append(f"{name} is added to each expert's output after down_proj: split, it would be added "
+                            f"tp_size times; give it after_sum = true")
+        if name in _GATE_UP and concatenated is True and parts != 2:
+            problems.append(f"{name} holds [gate | up] concatenated (is_concatenated = True): split it as parts = 2")
+        if name in _GATE_UP and concatenated is False and parts != 1:
+            problems.append(f"{name} holds gate and up interleaved [g0, u0, g1, u1, ...] (is_concatenated = "
+                            f"False): two contiguous parts would cut it wrong; split it as one part (each rank a "
+                            f"contiguous range of whole (gate, up) pairs)")
+        want = _INTERMEDIATE_DIM.get(name, {}).get(transposed) if isinstance(transposed, bool) else None
+        if want is not None and dim != want:
+            problems.append(f"{name} has its intermediate dimension at dim {want} (is_transposed = {transposed}), "
+                            f"not {dim}")
+    named = {name for name, _, _ in params}
+    if (not expert_parallel and getattr(module, "has_bias", False) is True and _DOWN_BIAS in own
+            and _DOWN_BIAS not in named):
+        problems.append(f"has_bias = True: name {_DOWN_BIAS} in params with after_sum = true")
+    return problems
+
+
+class _PerHead(_Params):
+    """``per_head``: named parameters of a module (an attention module or a part of it) that hold one
+    value per head, split with the heads: attention sinks ``(num_heads,)`` (gpt-oss, Xiao et al.,
+    arXiv:2309.17453), neomme's exclusive-attention ``alpha (num_heads,)``.
+
+    Each parameter of the rule's ``params`` is split along its ``dim`` in ``tp_size`` contiguous
+    ranges, as the column-parallel ``q_proj`` splits the heads (rank ``r`` holds heads ``[r n/p,
+    (r+1) n/p)``), so each rank's slice is read by its own heads only: its gradient is complete on
+    the rank that holds it, and no collective is issued. With the rule's ``kv_heads`` the
+    parameters hold one value per KV head: split by KV heads when ``tp_size`` divides them, else
+    (``tp_size`` a multiple of them) each KV head's value held by the ``tp_size / kv_heads`` ranks
+    whose query heads read it, its gradient summed over that group in backward (one all-reduce of
+    the parameter's gradient per backward, :mod:`tpify.hooks.per_head`), as the K/V weights'.
+    The module keeps its own forward and its other parameters (norms over ``head_dim``) whole.
+
+    Raises (as plan errors): the module holds no such parameter or it has no such dimension; its
+    size along ``dim`` is not divisible by ``tp_size`` (or, with ``kv_heads``, differs from the KV
+    heads or fits the ranks neither way).
+    """
+
+    name = "per_head"
+
+    def _check_module(self, ctx, fqn, module, rule, entry):
+        cls = type(module).__name__
+        named = self._named(ctx, fqn, module, rule, "a module holding values per head (attention sinks)")
+        if named is None:
+            return False
+        own, problems = named
+        problems += [f"{name}: parts = {parts} (a per-head parameter is one run of heads)"
+                     for name, _, parts in rule.params if parts != 1]
+        extra = sorted(set(own) - {name for name, _, _ in rule.params})
+        if extra:
+            problems.append(f"it also holds parameters {extra} that the rule does not name (a module whose "
+                            f"parameters a style splits gets no replicated-gradient hook: tpify.hooks.region_grads)")
+        if problems:
+            ctx.errors.append(f"{fqn} ({cls}): style 'per_head' ({rule.describe()}) cannot split it: "
+                              + "; ".join(problems))
+            return False
+        entry.params = rule.params
+        return True
+
+    def _sizes(self, ctx, fqn, module, rule, entry):
+        sizes = {name: getattr(module, name).shape[dim] for name, dim, _ in rule.params}
+        if rule.kv_heads is None:
+            for name, size in sizes.items():
+                ctx.need_divisible(f"{fqn}.{name} heads ({type(module).__name__}, per_head)", size)
+            return True
+        kv = ctx.kv_heads(rule, fqn)
+        if kv is None:
+            return False
+        wrong = {name: size for name, size in sizes.items() if size != kv}
+        if wrong:
+            ctx.errors.append(f"{fqn} ({type(module).__name__}, per_head, kv_heads = {rule.kv_heads}): parameters "
+                              f"{wrong} do not hold one value per KV head ({kv})")
+            return False
+        shards = ctx.kv_placement(f"{fqn} ({type(module).__name__}, per_head, kv_heads = {rule.kv_heads})", kv)
+        if shards is False:  # the error is recorded; the specs hold (whole on every rank)
+            entry.replicated_parts = (0,)
+        elif shards is not None:
+            entry.replicated_parts, entry.replica_shards = (0,), shards
+        return True
+
+    def param_specs(self, module, entry, tp_size):
+        return {name: ShardSpec(dim, (getattr(module, name).shape[dim],), tp_size, None, entry.replicated_parts,
+                                entry.replica_shards)
+                for name, dim, _ in entry.params}
+
+    def build(self, module, entry, ctx):
+        """``module`` itself, each named parameter replaced by this rank's slice (carrying its spec).
+        Works on the meta device."""
+        _slice_params(module, entry.specs, ctx.rank)
+        return module
+
+
 #: The arguments of transformers' experts forward (integrations/moe.py), in order.
 _EXPERTS_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+#: Other names of the same arguments (gpt-oss's experts forward: router_indices, routing_weights).
+_EXPERTS_ALIASES = {"router_indices": "top_k_index", "routing_weights": "top_k_weights"}
 
 
 STYLES: dict[str, Style] = {s.name: s for s in (_Colwise(), _PackedColwise(), _ColwiseRep(), _Rowwise(),
-                                                _EmbeddingRowwise(), _EmbeddingColwise(), _Experts(), _Latent(),
+                                                _EmbeddingRowwise(), _EmbeddingColwise(), _Experts(), _Latent(), _PerHead(),
                                                 _Replicate())}
 
 

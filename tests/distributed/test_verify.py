@@ -9,7 +9,8 @@
   the mixture-of-experts recipes, those with an ``experts`` rule, in a slow job of their own at
   tp = 2, every head class with tensor-parallel experts and the causal LM again with expert
   parallelism, the router's load-balancing loss in the loss; at tp = 4 their causal LMs with expert
-  parallelism): outputs with
+  parallelism; gpt_oss, neomme and gemma3n_text, whose per-head parameters and biases their
+  own init sets to zero, in tests/distributed/test_per_head.py with those drawn at random): outputs with
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
   save/load round trip, and for the recipes with a ``[sequence_parallel]`` table the outputs,
   loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10,
@@ -147,7 +148,10 @@ _QUICK_FAMILIES = ("bert", "bloom", "distilbert", "falcon", "gemma", "gpt2", "gp
 # job of tests/distributed/test_vision_language.py (a tower alone takes no token ids).
 _VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "clip_vision_model", "siglip_vision_model",
                     "qwen2_vl_vision", "qwen2_5_vl_vision")
-_OWN_JOBS = _VISION_LANGUAGE
+# Recipes with per-head parameters, proved in tests/distributed/test_per_head.py's slow jobs, with
+# their zero-initialised parameters (biases, sinks, gates) made random (tests/verify_models.py).
+_PER_HEAD_JOBS = ("gpt_oss", "neomme", "gemma3n_text")
+_OWN_JOBS = _VISION_LANGUAGE + _PER_HEAD_JOBS
 
 
 def _later_families() -> list:
@@ -350,7 +354,7 @@ def _moe_targets(tensor_parallel: bool = True) -> list:
     """Every MoE recipe with expert parallelism (``ep_size = tp``, the causal LM, labelled
     ``<family> (ep)``), and with ``tensor_parallel`` also with tensor-parallel experts (every head
     class). Their small configs have 8 experts, top-k at most 4 (:func:`small_config`)."""
-    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m)]
+    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m) and m not in _PER_HEAD_JOBS]
     return (([Target(m) for m in moe] if tensor_parallel else [])
             + [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True) for m in moe])
 
@@ -358,7 +362,7 @@ def _moe_targets(tensor_parallel: bool = True) -> list:
 def _check_moe(report, tp, tensor_parallel: bool = True):
     """Every MoE family verified with expert parallelism (and, with ``tensor_parallel``, every head
     class with tensor-parallel experts), the aux loss in the causal LM's loss."""
-    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m)]
+    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m) and m not in _PER_HEAD_JOBS]
     assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"} <= set(moe), moe
     if tensor_parallel:
         _check_families(report, moe, tp)
@@ -545,7 +549,7 @@ def test_every_shipped_recipe_is_exact_tp4():
             families.append(m)
         except ShrinkError as e:
             print(f"{m} left out at tp = 4: {e}")
-    dense = [m for m in families if not _is_moe(m) and not _is_mla(m)]
+    dense = [m for m in families if not _is_moe(m) and not _is_mla(m) and m not in _PER_HEAD_JOBS]
     variants = _sequence_parallel_variants(4)
     mla = [Target("deepseek_v3", head_classes=["causal-lm"]),
            Target("deepseek_v3", head_classes=["causal-lm"], label="deepseek_v3 (ep)", expert_parallel=True)]
@@ -636,8 +640,9 @@ def test_small_configs_have_the_sizes_asked_for(tp):
     families = sorted(set(available_recipes()) - set(_VISION_LANGUAGE) | {"t5", "bloom", "falcon", "gpt_bigcode"})
     for family in families:
         config = small_config(resolve_config(family), (tp,))
+        layers = 3 if family == "neomme" else 2  # neomme: sliding layers and a last global one (its config's rule)
         assert (config.num_attention_heads, config.hidden_size, config.num_hidden_layers, config.vocab_size) == \
-            (4, 32, 2, 101), family
+            (4, 32, layers, 101), family
         for name in ("num_key_value_heads", "num_kv_heads"):
             kv = getattr(config, name, None)
             if isinstance(getattr(config, "kv_lora_rank", None), int):  # latent attention: one KV head per head

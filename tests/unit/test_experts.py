@@ -96,7 +96,7 @@ def test_params_is_read_for_experts_and_refused_elsewhere():
     assert recipe.rules[0].params == PARAMS
     with pytest.raises(RecipeError, match=r"style 'experts' needs 'params'"):
         Recipe.from_dict({"model_type": "x", "rule": [{"match": "e", "style": "experts"}]})
-    with pytest.raises(RecipeError, match=r"'params' is only for style 'experts'"):
+    with pytest.raises(RecipeError, match=r"'params' is only for styles 'experts' and 'per_head'"):
         Recipe.from_dict({"model_type": "x", "rule": [{"match": "e", "style": "colwise", "params": {"w": {"dim": 0}}}]})
     for bad in ({"w": {"dim": -1}}, {"w": {"parts": 2}}, {"w": {"dim": 0, "parts": 0}}, {"w": {"dim": 0, "x": 1}},
                 {"w": {"dim": True}}, {"a.b": {"dim": 0}}, {}):
@@ -150,7 +150,7 @@ class _Fused(nn.Module):
 @pytest.mark.parametrize("module, needle", [
     (_Fused(bias=True), "holds parameters ['down_proj_bias'] that the rule does not split"),
     (_Fused(norm=True), "its children ['post_expert_norm'] hold parameters"),
-    (_Fused(has_bias=True), "has_bias = True"),
+    (_Fused(bias=True, has_bias=True), "has_bias = True: name down_proj_bias in params with after_sum"),
     (_Fused(has_post_expert_norm=True), "has_post_expert_norm = True"),
     (_Fused(is_concatenated=False), "is_concatenated = False"),
 ], ids=["bias", "norm", "has_bias", "post_norm", "interleaved"])
@@ -285,8 +285,10 @@ def test_every_shipped_recipe_still_plans_its_default_config(model_type):
     config = resolve_config(model_type)
     for part in (config, getattr(config, "text_config", None), getattr(config, "vision_config", None)):
         for name in ("num_hidden_layers", "num_layers", "n_layer", "num_decoder_layers", "depth"):
-            if part is not None and isinstance(getattr(part, name, None), int):
-                setattr(part, name, 2)  # the same modules per layer, planned faster (a composite's parts too)
+            # the same modules per layer, planned faster (a composite's parts too; gemma3n_text's
+            # per-layer lists and KV sharing need its 35)
+            if part is not None and isinstance(getattr(part, name, None), int) and model_type != "gemma3n_text":
+                setattr(part, name, 2)
     heads = head_classes(model_type)
     cls = (heads.get("causal-lm") or heads.get("masked-lm") or heads.get("seq2seq-lm") or heads.get("base")
            or next(iter(family_head_classes(config).values())))  # a part: qwen2_vl_vision's tower

@@ -110,6 +110,7 @@ STYLE_FACTS = {  # name: (kind, region, lm_head, vocab_rows, sequence_parallel, 
     "embedding_colwise": ("embedding", "start", False, False, False, True),
     "experts": ("params", None, False, False, True, True),
     "latent": ("linear", None, False, False, False, False),
+    "per_head": ("params", None, False, False, True, True),
     "replicate": (None, None, False, False, True, False),
 }
 
@@ -125,7 +126,7 @@ def test_each_style_declares_its_kind_region_and_roles():
 # plan: what each style accepts and refuses
 
 def _accepted(style):
-    if style == "experts":  # tests/unit/test_experts.py: the fused experts modules it splits
+    if style in ("experts", "per_head"):  # tests/unit/test_experts.py, tests/distributed/test_per_head.py
         return []
     if style == "replicate":
         return [nn.Linear(8, 12), Conv1D(12, 8), nn.Embedding(10, 8), nn.LayerNorm(8), nn.Sequential(nn.Linear(2, 2))]

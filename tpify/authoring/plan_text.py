@@ -89,8 +89,10 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
         if m.get("expert_parallel"):
             notes.append("whole experts per rank (dim 0), tokens exchanged")
         elif m.get("split_params"):
-            notes.append("; ".join(f"{q['name']} dim {q['dim']}" + (f" in {q['parts']} parts" if q["parts"] > 1 else "")
-                                   for q in m["split_params"]) + "; output all-reduced")
+            notes.append("; ".join(f"{q['name']} whole, counted once after the sum" if q["dim"] < 0 else
+                                   f"{q['name']} dim {q['dim']}" + (f" in {q['parts']} parts" if q["parts"] > 1 else "")
+                                   for q in m["split_params"])
+                         + ("; output all-reduced" if m["style"] == "experts" else "; with the heads"))
         for i, p in enumerate(m["params"]):
             pnotes = list(notes) if i == 0 else []
             if p["tied_to"]:

@@ -9,6 +9,8 @@ each owned by one module and testable on its own:
   reduced, or their tokens exchanged);
 * :mod:`~tpify.hooks.latent`: multi-head latent attention's whole down projections (the rotary
   key's gradient summed, the sharded region ended before them);
+* :mod:`~tpify.hooks.per_head`: per-KV-head parameters held by groups of ranks (their gradients
+  summed within each group);
 * :mod:`~tpify.hooks.region_grads`: gradients of replicated parameters used inside a sharded
   region or a sequence-parallel stretch, summed over the TP group;
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
@@ -26,7 +28,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..context import TPContext
-from . import dropout, experts, head_inputs, latent, lm_loss, region_grads
+from . import dropout, experts, head_inputs, latent, lm_loss, per_head, region_grads
 from .sequence_parallel import SequenceParallel
 
 __all__ = ["install"]
@@ -40,6 +42,7 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
     handles += head_inputs.install(model, layout, ctx.group)
     handles += experts.install(model, layout, ctx)
     handles += latent.install(model, layout, ctx)  # before region_grads: its pre-hooks see the region ended
+    per_head.install(model, layout, ctx, handles)
     handles += dropout.install(model, layout, ctx.rng)
     if layout.sequence_parallel is not None and layout.tp_size > 1:
         handles += SequenceParallel(ctx, layout.sequence_parallel).install(model)

@@ -39,14 +39,22 @@ from torch import nn
 
 from .. import comm
 from ..context import TPContext
+from ..styles import AFTER_SUM
 
 __all__ = ["TensorParallelExperts", "ExpertParallelDispatch", "install"]
 
 _ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+#: Other names of the same arguments (gpt-oss's experts forward).
+_ALIASES = {"router_indices": "top_k_index", "routing_weights": "top_k_weights"}
 
 
 class TensorParallelExperts(comm.SharesProcessGroups):
     """The pre-hook / hook pair of one tensor-parallel experts module (see the module docstring).
+
+    ``biases``: the module's whole biases added to each expert's output (gpt-oss's
+    ``down_proj_bias (E, H)``, the rule's ``after_sum``): each rank's partial output holds
+    ``sum_k w_k b[e_k]`` once, so after the all-reduce it is subtracted ``p - 1`` times
+    (:meth:`bias_term`), which leaves every value and gradient the dense one.
 
     Shapes: inputs ``hidden_states (N, H)``, ``top_k_index (N, k)``, ``top_k_weights (N, k)``,
     replicated; output ``(N, H)``, the module's partial sum in, the total out (every rank).
@@ -58,11 +66,19 @@ class TensorParallelExperts(comm.SharesProcessGroups):
     (:mod:`tpify.hooks.sequence_parallel`); only the routing weights' gradient is all-reduced
     here (``N * k`` values), since the router's own gradient must be complete on every rank.
     Raises:
-        TypeError: the module returned something other than one tensor (it could not be summed).
+        TypeError: the module returned something other than one tensor (it could not be summed);
+            with ``biases``, a call without the routing arguments.
     """
 
-    def __init__(self, group, state):
+    def __init__(self, group, state, biases: tuple[str, ...] = ()):
         self.group, self.state = group, state
+        self.biases = biases  # whole biases added to each expert's output (down_proj_bias): counted once
+        self.pending = None  # the call's routing (top_k_index, top_k_weights), as given, for the biases
+
+    def __deepcopy__(self, memo):  # a copy of the module runs its own calls
+        new = super().__deepcopy__(memo)
+        new.pending = None
+        return new
 
     def enter(self, module, args, kwargs):
         """Megatron's ``f`` on every floating input that needs a gradient (one all-reduce in backward).
@@ -72,6 +88,9 @@ class TensorParallelExperts(comm.SharesProcessGroups):
         anyway, so the forward is unchanged, and each rank's partial gradient of the weights is
         summed before it is rounded to their own dtype, as the dense model rounds the whole one
         (rounded per rank, the float32 gradient of the router would differ by its rounding)."""
+        if self.biases:
+            bound = _bind(args, kwargs)
+            self.pending = (bound.get("top_k_index"), bound.get("top_k_weights"))
         if not torch.is_grad_enabled():
             return None
         args, kwargs = _widen_weights(module, args, kwargs)
@@ -97,16 +116,43 @@ class TensorParallelExperts(comm.SharesProcessGroups):
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"{type(module).__name__} (style 'experts') returned a {type(output).__name__}; tpify sums "
                             f"one output tensor over the TP group")
-        if self.state.moe_gathered:
+        if self.state.moe_gathered:  # partial sum, reduce-scattered by the block (no after-sum biases: layout)
             return None
-        return comm.reduce_from_tp_region(output, self.group)
+        total = comm.reduce_from_tp_region(output, self.group)
+        if self.biases:
+            (index, weights), self.pending = self.pending, None
+            total = total - (comm.group_size(self.group) - 1) * self.bias_term(module, index, weights, total.dtype)
+        return total
+
+    def bias_term(self, module, index: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+        """``sum_k w_k b[e_k]`` per token ``(N, H)``: what the module's whole biases add to its
+        output. Every rank's partial output holds it once, so the sum over the ranks holds it
+        ``p`` times; the hook subtracts it ``p - 1`` times, computed from the routing as given
+        (not the region copy: its gradient reaches the routing weights once per rank, which with
+        the copy's summed ``p`` times leaves the dense one) and the biases detached (their gradient
+        comes whole, on every rank, from the rank's own output)."""
+        if index is None or weights is None:
+            raise TypeError(f"{type(module).__name__} (style 'experts', biases {list(self.biases)} after the sum): "
+                            f"called without {list(_ARGUMENTS[1:])}, from which tpify counts the biases once")
+        term = 0
+        for name in self.biases:
+            bias = getattr(module, name).detach()  # (E, H)
+            term = term + (weights.to(dtype).unsqueeze(-1) * bias[index].to(dtype)).sum(dim=1)
+        return term
+
+
+def _bind(args: tuple, kwargs: dict) -> dict:
+    """The call's transformers experts arguments by name (positional ones by position, keyword
+    ones by their name or an alias of it: gpt-oss's ``router_indices``, ``routing_weights``)."""
+    bound = dict(zip(_ARGUMENTS, args))
+    bound.update({_ALIASES.get(k, k): v for k, v in kwargs.items() if _ALIASES.get(k, k) in _ARGUMENTS})
+    return bound
 
 
 def _widen_weights(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``top_k_weights`` cast to ``promote_types(its dtype, hidden_states' dtype)``, for a call with
     transformers' experts arguments; other calls unchanged."""
-    bound = dict(zip(_ARGUMENTS, args))
-    bound.update({k: v for k, v in kwargs.items() if k in _ARGUMENTS})
+    bound = _bind(args, kwargs)
     hidden, weights = bound.get("hidden_states"), bound.get("top_k_weights")
     if not (isinstance(hidden, torch.Tensor) and isinstance(weights, torch.Tensor) and hidden.is_floating_point()
             and weights.is_floating_point()):
@@ -114,8 +160,9 @@ def _widen_weights(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     wide = torch.promote_types(weights.dtype, hidden.dtype)
     if wide == weights.dtype:
         return args, kwargs
-    if "top_k_weights" in kwargs:
-        return args, {**kwargs, "top_k_weights": weights.to(wide)}
+    key = next((k for k in kwargs if _ALIASES.get(k, k) == "top_k_weights"), None)
+    if key is not None:
+        return args, {**kwargs, key: weights.to(wide)}
     position = _ARGUMENTS.index("top_k_weights")
     return args[:position] + (weights.to(wide),) + args[position + 1:], kwargs
 
@@ -150,9 +197,8 @@ class ExpertParallelDispatch(comm.SharesProcessGroups):
         return new
 
     def dispatch(self, module, args, kwargs):
-        bound = dict(zip(_ARGUMENTS, args))
-        bound.update({k: v for k, v in kwargs.items() if k in _ARGUMENTS})
-        rest = {k: v for k, v in kwargs.items() if k not in _ARGUMENTS}
+        bound = _bind(args, kwargs)
+        rest = {k: v for k, v in kwargs.items() if _ALIASES.get(k, k) not in _ARGUMENTS}
         hidden, index, weights = (bound[name] for name in _ARGUMENTS)  # (N, H), (N, k), (N, k)
         rows, top_k = index.shape
         a, b = comm.row_range(rows, self.size, self.rank)
@@ -202,7 +248,8 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
             hooks = ExpertParallelDispatch(ctx.group, module.num_experts)
             pre, post = hooks.dispatch, hooks.combine
         else:
-            hooks = TensorParallelExperts(ctx.group, ctx.state)
+            hooks = TensorParallelExperts(ctx.group, ctx.state,
+                                          tuple(n for n, dim, _ in entry.params if dim == AFTER_SUM))
             pre, post = hooks.enter, hooks.leave
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
