@@ -570,7 +570,7 @@ class _Latent(Style):
 
     def _sizes(self, ctx, fqn, module, rule, entry):
         _, out_f, _ = dense_dims(module)
-        shared = rule.shared if not isinstance(rule.shared, str) else getattr(ctx.config, rule.shared, None)
+        shared = rule.shared if not isinstance(rule.shared, str) else config_get(ctx.config, rule.shared)
         if shared is None and rule.shared is None:
             shared = 0
         if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < out_f:
