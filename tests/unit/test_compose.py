@@ -82,7 +82,8 @@ def test_sequence_parallelism_is_scoped_to_the_language_model():
         layout = build_layout(model, load_recipe("llava"), 2, sequence_parallel=True)
         assert layout.sequence_parallel == {"split": "model.language_model.layers.0", "exit": "model.language_model.norm",
                                             "gather": ["model.language_model.layers.0.self_attn",
-                                                       "model.language_model.layers.0.mlp"]}
+                                                       "model.language_model.layers.0.mlp"],
+                                            "moe_blocks": {}}
         assert not layout.modules["model.vision_tower.encoder.layers.0.self_attn.out_proj"].sequence_parallel
         assert not layout.modules["model.multi_modal_projector.linear_1"].sequence_parallel
         assert layout.modules["model.language_model.layers.0.mlp.down_proj"].sequence_parallel
