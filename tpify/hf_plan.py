@@ -31,13 +31,34 @@ attention's ``kv_a_proj_with_mqa``)           (whole; the rotary key's gradient 
 ``replicated_with_grad_allreduce``            no rule: a replicated norm inside a sharded region;
                                               tpify finds it by construction and all-reduces its
                                               gradient (``tpify.hooks.region_grads.ReplicatedInRegion``)
+``moe_tp_experts`` on a fused experts       one ``experts`` rule for the module (below); a
+module, with ``packed_colwise`` /           module beside it holding bare parameters (the
+``colwise`` / ``rowwise`` /                 router) ``replicate``
+``packed_rowwise`` on its 3-D parameters
 anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
-``moe_tp_experts``, ``packed_colwise`` on     style, the rule and the module
-MoE experts, ``packed_rowwise``,
-``all_reduce``, ``local_params`` without a per-head
-parameter, ``embedding_colwise``, other
-parameter-level rules)
+``moe_identity_expert``, ``packed_rowwise``   style, the rule and the module
+on a layer, ``all_reduce``, a parameter rule
+outside ``moe_tp_experts``, ``local_params``
+without a per-head parameter,
+``embedding_colwise``, other parameter-level
+rules)
 ============================================  ===================================================
+
+Fused MoE experts (HF's ``moe_tp_experts``: each rank runs every expert on its slice of the
+intermediate dimension, the module's output all-reduced, its input's gradient summed) become one
+``experts`` rule per experts module (tpify.styles ``experts``, tpify.hooks.experts), its
+``params`` the parameters HF's plan splits, each along its intermediate dimension: from
+transformers' experts interface where the module has it (``is_transposed``: ``gate_up_proj
+(E, 2I, H)`` and ``down_proj (E, H, I)`` split along dims 1 and 2, transposed ``(E, H, 2I)`` /
+``(E, I, H)`` along 2 and 1; ``is_concatenated``: ``[gate | up]`` as ``parts = 2``, interleaved
+pairs as one part), else from HF's style (``colwise``: the output features, ``rowwise``: the
+input, ``packed_*``: 2 parts); ``gate_up_proj_bias`` / ``up_proj_bias`` split with their weight,
+``down_proj_bias`` kept whole and counted once (``after_sum``). The ``experts`` style then checks
+the split against the interface and refuses any parameter the rule leaves out. Shared experts
+are the column / row rules HF's plan gives them; the router's aux loss is a ``[loss] terms``
+entry (``loss_terms_of``). Refused by name: zero-computation identity experts
+(``moe_identity_expert``, longcat_flash), HF's ``all_reduce`` on a module of 3-D parameters
+outside the experts interface (inkling_text's shared experts).
 
 A gathered column-parallel layer inside the base model (``colwise_gather_output``, e.g. olmo2's
 ``q_proj``/``k_proj``/``v_proj`` whose ``q_norm`` normalises over all heads, glm's packed
@@ -339,6 +360,11 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                     continue
                 what = (_MOE if len(shape) == 3
                         else "tpify splits only whole nn.Linear / Conv1D / nn.Embedding modules")
+                if plan.get(owner) == "all_reduce":
+                    what = (f"HF splits the 3-D parameters of {owner} and sums its output ('all_reduce'), a module "
+                            f"outside transformers' experts interface (not 'moe_tp_experts'), whose forward tpify "
+                            f"has not proved a sum over the split dimension; keep it whole (replicate) or write an "
+                            f"'experts' rule in a recipe and prove it with tpify verify")
                 raise _error(model, f"HF rule {key!r} = {hf_style!r} applies to the parameter {pname} of shape "
                                     f"{shape}, not to a module: {what}")
             dropped.append(f"{key} = {hf_style}")
