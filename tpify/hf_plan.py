@@ -344,6 +344,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     for key, hf_style in plan.items():
         names = by_key.get(key, [])
         if hf_style == "moe_tp_experts" and names:
+            if {module_kind(modules[n]) for n in names} != {None}:
+                raise _error(model, f"HF rule {key!r} = 'moe_tp_experts' (module {names[0]}, a "
+                                    f"{type(modules[names[0]]).__name__}): it applies to a module holding fused 3-D "
+                                    f"expert parameters, not to a layer")
             experts.setdefault(key, {})
             continue
         if not names:
@@ -534,8 +538,9 @@ def _experts_params(model, modules, names, key, hf_params) -> tuple[dict, str]:
     module = modules[names[0]]
     own = dict(module.named_parameters(recurse=False))
     if not hf_params:
-        raise _error(model, f"HF rule {key!r} = 'moe_tp_experts' sums the experts' outputs over the ranks, but the "
-                            f"plan splits none of its parameters {sorted(own)} (each rank would add a whole copy)")
+        raise _error(model, f"HF rule {key!r} = 'moe_tp_experts' (module {names[0]}, a {type(module).__name__}) sums "
+                            f"the experts' outputs over the ranks, but the plan splits none of its parameters "
+                            f"{sorted(own)} (each rank would add a whole copy)")
     transposed = getattr(module, "is_transposed", None)
     concatenated = getattr(module, "is_concatenated", None)
     params: dict[str, dict] = {}
