@@ -291,7 +291,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
 
     Raises:
         RecipeError: the model has no HF plan; a style tpify cannot express matches a module
-            (sequence parallel, MoE experts, ``local_params``, ...; the message names the style,
+            (sequence parallel, identity experts, ``local_params``, ...; the message names the style,
             the rule and the module); a style on a module of the wrong type; a parameter-level
             rule; a per-head parameter in a head-split attention module.
     """
