@@ -31,13 +31,34 @@ attention's ``kv_a_proj_with_mqa``)           (whole; the rotary key's gradient 
 ``replicated_with_grad_allreduce``            no rule: a replicated norm inside a sharded region;
                                               tpify finds it by construction and all-reduces its
                                               gradient (``tpify.hooks.region_grads.ReplicatedInRegion``)
+``moe_tp_experts`` on a fused experts       one ``experts`` rule for the module (below); a
+module, with ``packed_colwise`` /           module beside it holding bare parameters (the
+``colwise`` / ``rowwise`` /                 router) ``replicate``
+``packed_rowwise`` on its 3-D parameters
 anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
-``moe_tp_experts``, ``packed_colwise`` on     style, the rule and the module
-MoE experts, ``packed_rowwise``,
-``all_reduce``, ``local_params`` without a per-head
-parameter, ``embedding_colwise``, other
-parameter-level rules)
+``moe_identity_expert``, ``packed_rowwise``   style, the rule and the module
+on a layer, ``all_reduce``, a parameter rule
+outside ``moe_tp_experts``, ``local_params``
+without a per-head parameter,
+``embedding_colwise``, other parameter-level
+rules)
 ============================================  ===================================================
+
+Fused MoE experts (HF's ``moe_tp_experts``: each rank runs every expert on its slice of the
+intermediate dimension, the module's output all-reduced, its input's gradient summed) become one
+``experts`` rule per experts module (tpify.styles ``experts``, tpify.hooks.experts), its
+``params`` the parameters HF's plan splits, each along its intermediate dimension: from
+transformers' experts interface where the module has it (``is_transposed``: ``gate_up_proj
+(E, 2I, H)`` and ``down_proj (E, H, I)`` split along dims 1 and 2, transposed ``(E, H, 2I)`` /
+``(E, I, H)`` along 2 and 1; ``is_concatenated``: ``[gate | up]`` as ``parts = 2``, interleaved
+pairs as one part), else from HF's style (``colwise``: the output features, ``rowwise``: the
+input, ``packed_*``: 2 parts); ``gate_up_proj_bias`` / ``up_proj_bias`` split with their weight,
+``down_proj_bias`` kept whole and counted once (``after_sum``). The ``experts`` style then checks
+the split against the interface and refuses any parameter the rule leaves out. Shared experts
+are the column / row rules HF's plan gives them; the router's aux loss is a ``[loss] terms``
+entry (``loss_terms_of``). Refused by name: zero-computation identity experts
+(``moe_identity_expert``, longcat_flash), HF's ``all_reduce`` on a module of 3-D parameters
+outside the experts interface (inkling_text's shared experts).
 
 A gathered column-parallel layer inside the base model (``colwise_gather_output``, e.g. olmo2's
 ``q_proj``/``k_proj``/``v_proj`` whose ``q_norm`` normalises over all heads, glm's packed
@@ -97,15 +118,21 @@ HEAD_COUNT_ATTRS = ("num_attention_heads", "num_key_value_heads")
 # Small task heads of the head classes, kept whole (optional: a head class may lack them).
 TASK_HEADS = ("score", "qa_outputs", "classifier")
 
-# What the import says of fused MoE experts: tpify splits them, by a recipe rule the plan does not give.
-_MOE = ("MoE experts (fused 3-D expert weights) are not imported from transformers' plan: write a recipe rule "
-        "with style 'experts' (docs/recipes.md, as the shipped mixtral, qwen2_moe, qwen3_moe and olmoe recipes do)")
+# What the import says of fused MoE experts it cannot translate: a recipe rule with style 'experts' can.
+_MOE = ("tpify imports fused MoE experts only as HF's moe_tp_experts module with rules on its own 3-D "
+        "parameters: write a recipe rule with style 'experts' (docs/recipes.md, as the shipped mixtral, qwen2_moe, "
+        "qwen3_moe and olmoe recipes do)")
+_IDENTITY = ("zero-computation experts (an identity expert inside the experts module, longcat_flash) give every "
+             "rank the whole input inside the experts' partial sum, which HF pre-divides by tp_size; tpify has no "
+             "such style. Keep the MoE block whole (replicate its experts) in a recipe")
+# HF styles on a fused experts parameter -> (tpify dim counted from the end, packed): colwise splits the
+# output features (dim -2 of a 3-D weight (E, out, in), dim -1 of a bias (E, out)), rowwise the input.
+_EXPERT_PARAM_STYLES = {"colwise": False, "packed_colwise": True, "rowwise": False, "packed_rowwise": True}
 
 # HF styles tpify cannot express, and why (the message of the RecipeError).
 _UNSUPPORTED = {
     "sequence_parallel": "sequence parallelism (activations split along tokens) is not implemented in tpify",
-    "moe_tp_experts": _MOE,
-    "moe_identity_expert": _MOE,
+    "moe_identity_expert": _IDENTITY,
     "packed_rowwise": "a row-parallel layer over packed input parts has no tpify style",
     "all_reduce": "an all-reduce of a module's partial output (shared MoE experts) has no tpify style",
     "local_params": "a module run with local shards of bare parameters (attention sinks) has no tpify style",
@@ -264,7 +291,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
 
     Raises:
         RecipeError: the model has no HF plan; a style tpify cannot express matches a module
-            (sequence parallel, MoE experts, ``local_params``, ...; the message names the style,
+            (sequence parallel, identity experts, ``local_params``, ...; the message names the style,
             the rule and the module); a style on a module of the wrong type; a parameter-level
             rule; a per-head parameter in a head-split attention module.
     """
@@ -312,20 +339,36 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
             styles[n] = style
 
     per_head: dict[str, list[str]] = {}  # owner key -> its parameters HF splits by heads (attention sinks)
+    experts: dict[str, dict[str, str]] = {}  # moe_tp_experts module key -> {its parameter: HF style}
     heads = head_counts(config)
     for key, hf_style in plan.items():
         names = by_key.get(key, [])
+        if hf_style == "moe_tp_experts" and names:
+            if {module_kind(modules[n]) for n in names} != {None}:
+                raise _error(model, f"HF rule {key!r} = 'moe_tp_experts' (module {names[0]}, a "
+                                    f"{type(modules[names[0]]).__name__}): it applies to a module holding fused 3-D "
+                                    f"expert parameters, not to a layer")
+            experts.setdefault(key, {})
+            continue
         if not names:
             if key in param_keys:
                 if hf_style in ("replicate", "replicated_with_grad_allreduce"):
                     continue
                 pname, shape = param_keys[key]
                 owner, _, leaf = key.rpartition(".")
+                if plan.get(owner) == "moe_tp_experts" and len(shape) in (2, 3) and hf_style in _EXPERT_PARAM_STYLES:
+                    experts.setdefault(owner, {})[leaf] = hf_style  # one 'experts' rule per module, below
+                    continue
                 if hf_style == "colwise" and len(shape) == 1 and shape[0] in heads.values() and owner in by_key:
                     per_head.setdefault(owner, []).append(leaf)  # one value per head: split with the heads
                     continue
                 what = (_MOE if len(shape) == 3
                         else "tpify splits only whole nn.Linear / Conv1D / nn.Embedding modules")
+                if plan.get(owner) == "all_reduce":
+                    what = (f"HF splits the 3-D parameters of {owner} and sums its output ('all_reduce'), a module "
+                            f"outside transformers' experts interface (not 'moe_tp_experts'), whose forward tpify "
+                            f"has not proved a sum over the split dimension; keep it whole (replicate) or write an "
+                            f"'experts' rule in a recipe and prove it with tpify verify")
                 raise _error(model, f"HF rule {key!r} = {hf_style!r} applies to the parameter {pname} of shape "
                                     f"{shape}, not to a module: {what}")
             dropped.append(f"{key} = {hf_style}")
@@ -401,6 +444,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                             f"tell from the whole one of kv_a_layernorm (the latent style ends the sharded region "
                             f"before both); not supported. Keep the attention whole (replicate q_a_proj, q_b_proj, "
                             f"kv_a_proj_with_mqa, kv_b_proj, o_proj)")
+    for key, hf_params in experts.items():
+        params, note = _experts_params(model, modules, by_key[key], key, hf_params)
+        add_rule(key, by_key[key], "experts", note, params=params)
+        _replicate_routers(modules, styles, by_key[key], add_rule)
     for owner, leaves in per_head.items():
         holders = [n for n in by_key[owner] if all(isinstance(getattr(modules[n], leaf, None), nn.Parameter)
                                                     for leaf in leaves)]
@@ -470,6 +517,66 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     source = (f"transformers' tp_plan of {type(model).__name__} (model_type {data['model_type']!r}), imported by "
               f"tpify.hf_plan")
     return ImportedPlan(data, [n for _, n in rules], review, dict(plan), source)
+
+
+def _experts_params(model, modules, names, key, hf_params) -> tuple[dict, str]:
+    """The ``params`` of the ``experts`` rule for HF's ``moe_tp_experts`` module ``key`` whose own
+    3-D parameters HF splits (``hf_params``: leaf -> HF style), and the rule's note.
+
+    Each named parameter is split along its intermediate dimension: from transformers' experts
+    interface flags where the module has them (``is_transposed``: ``gate_up_proj (E, 2I, H)`` along
+    dim 1, or ``(E, H, 2I)`` along dim 2; ``is_concatenated``: ``[gate | up]`` in 2 parts, or
+    interleaved pairs in one), else from HF's style (colwise: the output features, rowwise: the input;
+    ``packed_*``: 2 parts). Biases HF's plan does not name: ``gate_up_proj_bias`` / ``up_proj_bias``
+    split with their weight along dim 1, ``down_proj_bias`` kept whole and counted once
+    (``after_sum``). Any other parameter is left out of the rule, which the ``experts`` style refuses
+    by name (a parameter each rank would apply whole to a partial sum). Pure.
+
+    Raises:
+        RecipeError: HF's plan marks ``key`` moe_tp_experts but splits none of its parameters.
+    """
+    module = modules[names[0]]
+    own = dict(module.named_parameters(recurse=False))
+    if not hf_params:
+        raise _error(model, f"HF rule {key!r} = 'moe_tp_experts' (module {names[0]}, a {type(module).__name__}) sums "
+                            f"the experts' outputs over the ranks, but the plan splits none of its parameters "
+                            f"{sorted(own)} (each rank would add a whole copy)")
+    transposed = getattr(module, "is_transposed", None)
+    concatenated = getattr(module, "is_concatenated", None)
+    params: dict[str, dict] = {}
+    for leaf, hf_style in hf_params.items():
+        packed = _EXPERT_PARAM_STYLES[hf_style]
+        ndim = own[leaf].dim() if leaf in own else 3
+        column = hf_style.endswith("colwise")
+        dim = (ndim - 2 if column else ndim - 1) if ndim == 3 else 1
+        if isinstance(transposed, bool) and leaf in ("gate_up_proj", "up_proj", "down_proj") and ndim == 3:
+            dim = {("down_proj", False): 2, ("down_proj", True): 1}.get((leaf, transposed), 2 if transposed else 1)
+        parts = 2 if packed else 1
+        if leaf == "gate_up_proj" and isinstance(concatenated, bool):
+            parts = 2 if concatenated else 1
+        params[leaf] = {"dim": dim, **({"parts": parts} if parts > 1 else {})}
+    for leaf, weight in (("gate_up_proj_bias", "gate_up_proj"), ("up_proj_bias", "up_proj")):
+        if leaf in own and leaf not in params and weight in params:
+            params[leaf] = {"dim": 1, **({"parts": params[weight]["parts"]} if "parts" in params[weight] else {})}
+    if "down_proj_bias" in own and "down_proj_bias" not in params:
+        params["down_proj_bias"] = {"after_sum": True}
+    note = (f"HF moe_tp_experts with {hf_params} ({type(module).__name__}, is_transposed = {transposed}, "
+            f"is_concatenated = {concatenated}): every expert's intermediate dimension split, output all-reduced")
+    return params, note
+
+
+def _replicate_routers(modules, styles, names, add_rule):
+    """A full copy of the modules beside an experts module that hold bare parameters and no rule (the
+    router, ``MixtralTopKRouter`` ``weight (E, H)``): they read the replicated hidden states."""
+    found: dict[str, list[str]] = {}
+    for name in names:
+        parent = name.rpartition(".")[0]
+        for rel, module in modules.items():
+            if (rel.rpartition(".")[0] == parent and rel != name and rel not in styles and module_kind(module) is None
+                    and any(True for _ in module.parameters(recurse=False))):
+                found.setdefault(wildcard(rel), []).append(rel)
+    for key, rels in found.items():
+        add_rule(key, rels, "replicate", "beside the experts (a router): a full copy")
 
 
 _KV_HEADS = "num_key_value_heads"

@@ -21,6 +21,16 @@ passes validation but splits the packed ``[gate | up]`` contiguously (rank 0 hol
 its logits must FAIL, silently wrong numbers caught. This is why the import maps them to
 ``replicate``.
 
+MoE experts imported (a second spawned job, its own fixture): HF's ``moe_tp_experts`` module with
+its ``packed_colwise`` / ``rowwise`` (or, transposed, ``packed_rowwise`` / ``colwise``) parameter
+rules becomes one ``experts`` rule, through ``tpify.parallelize(model)`` with no recipe:
+granitemoe (concatenated ``[gate | up]`` (E, 2I, H), parts 2, router ``block_sparse_moe.router``
+replicated), glm4_moe (shared experts column / row as HF marks them, dense first layer), llama4_text
+(transposed experts (E, H, 2I): ``gate_up_proj`` split along dim 2, ``down_proj`` along dim 1;
+a shared expert). Every case's loss includes the router aux loss (``output_router_logits``) where
+the config declares one. Refusals kept by name (pure, no spawn): longcat_flash (an identity
+expert inside the experts' partial sum) and inkling_text (HF's ``all_reduce`` on the shared experts).
+
 Each case compares, against the dense float64 model: every output with a left-padding mask,
 the ``labels=`` loss, every gathered gradient, greedy ``generate`` (identical token ids), and a
 save / sharded-load round trip. Tolerance ``atol=1e-10, rtol=1e-9`` (tpify.authoring.compare.ATOL/RTOL): in
@@ -177,3 +187,65 @@ def test_naive_gathered_pair_is_caught(results):
     logits = next(r for r in rows if r.check == "forward logits")
     print(f"measured: naive glm import, max |logits - dense| = {logits.max_diff:.3g}")
     assert not logits.passed and logits.max_diff > 1e-3, logits
+
+
+MOE_CASES = {  # label -> (model_type, task, config changes, the experts rule's params expected)
+    "granitemoe": ("granitemoe", "causal-lm", {"output_router_logits": True},
+                   {"gate_up_proj": {"dim": 1, "parts": 2}, "down_proj": {"dim": 2}}),
+    "glm4_moe": ("glm4_moe", "causal-lm", {}, {"gate_up_proj": {"dim": 1, "parts": 2}, "down_proj": {"dim": 2}}),
+    "llama4_text": ("llama4_text", "causal-lm", {}, {"gate_up_proj": {"dim": 2, "parts": 2}, "down_proj": {"dim": 1}}),
+}
+
+
+def _imported(model_type, changes):
+    import torch
+
+    from tpify.authoring.target import head_classes
+    from tpify.hf_plan import import_hf_plan
+
+    with torch.device("meta"):
+        return import_hf_plan(head_classes(model_type)["causal-lm"](_config(model_type, changes)))
+
+
+def _moe_body(rank, world, workdir):
+    from transformers.utils import logging as hf_logging
+
+    from tpify.authoring.checks import check_case
+    from tpify.authoring.target import head_classes
+
+    hf_logging.set_verbosity_error()
+    out = {}
+    for label, (model_type, task, changes, _) in MOE_CASES.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = check_case(head_classes(model_type)[task], _config(model_type, changes), world, workdir=workdir,
+                              target=label, task=task)
+        out[label] = (rows, sorted({str(w.message) for w in caught if "no shipped recipe" in str(w.message)}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_results(tmp_path_factory):
+    return tputil.spawn(_moe_body, 2, str(tmp_path_factory.mktemp("hf_moe") / "work"), timeout=600)[0]
+
+
+@pytest.mark.parametrize("label", list(MOE_CASES))
+def test_imported_moe_experts_are_exact(moe_results, label):
+    """HF's moe_tp_experts plan imported as one 'experts' rule: outputs, loss, gradients, generate exact."""
+    model_type, _, changes, params = MOE_CASES[label]
+    experts = [r for r in _imported(model_type, changes).data["rule"] if r.get("style") == "experts"]
+    assert [r["params"] for r in experts] == [params], experts
+    rows, notices = moe_results[label]
+    _assert_rows(label, rows)
+    checks = " | ".join(r.check for r in rows)
+    assert "gradients" in checks and "labels= loss" in checks and "generate" in checks, checks
+    assert any(n.startswith(f"tpify: no shipped recipe for {model_type}; ") for n in notices), notices
+
+
+@pytest.mark.parametrize("model_type, reason", [("longcat_flash", "zero-computation experts"),
+                                                ("inkling_text", r"sums its output \('all_reduce'\), a module outside transformers' experts")])
+def test_moe_plan_tpify_cannot_express_is_refused_by_name(model_type, reason):
+    from tpify.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=reason):
+        _imported(model_type, {})

@@ -5,7 +5,7 @@ without ranks: models on the meta device or small random ones on the CPU.
   embedding_rowwise, the head's colwise_gather_output -> colwise_rep, gathered pairs inside the
   model -> replicate, packed_colwise on an nn.Linear -> packed_colwise parts 2,
   replicated_with_grad_allreduce -> no rule; every unsupported style -> RecipeError naming the
-  style and the module; real families with MoE experts / MLA refused; cohere's per-head
+  style and the module; real MoE plans import the shipped recipes' experts rule; cohere's per-head
   ``q_norm`` (use_qk_norm) refused.
 * The imported recipe builds a layout at tp = 2 for every head class of qwen3, olmo2, granite,
   starcoder2, cohere, glm (every linear / embedding covered), says it was imported, and a tied
@@ -97,15 +97,24 @@ def test_wrong_module_types_and_parameter_rules_are_refused():
         recipe_from_hf_plan(_with_plan({BASE + "q_norm.weight": "colwise"}))
 
 
-@pytest.mark.parametrize("model_type,what", [("qwen2_moe", "MoE experts"), ("mixtral", "MoE experts"),
-                                             ("deepseek_v2", "MoE experts")])
-def test_real_families_tpify_cannot_express_are_refused(model_type, what):
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral", "deepseek_v2"])
+def test_real_moe_plans_import_the_shipped_recipes_experts_rule(model_type):
+    """HF's moe_tp_experts (packed_colwise gate_up_proj, rowwise down_proj) imports as the experts
+    rule the shipped recipe writes (the families verified exact through the import:
+    tests/distributed/test_hf_plan_families.py), the router replicated."""
+    from tpify.recipe import load_recipe
+
     config = resolve_config(model_type)  # the family's default config, on the meta device (no memory)
     config.num_hidden_layers = 2
+    config.first_k_dense_replace = 0  # deepseek_v2: a sparse layer among the two
     with torch.device("meta"):
         model = head_classes(model_type)["causal-lm"](config)
-    with pytest.raises(RecipeError, match=what):
-        recipe_from_hf_plan(model)
+    rules = {r.patterns: r for r in recipe_from_hf_plan(model).rules}
+    shipped = {r.patterns: r for r in load_recipe(model_type).rules}
+    experts = ("layers.*.mlp.experts",)
+    assert rules[experts].style == shipped[experts].style == "experts"
+    assert sorted(rules[experts].params) == sorted(shipped[experts].params)
+    assert rules[("layers.*.mlp.gate",)].style == "replicate"
 
 
 def test_per_head_norm_is_refused():
