@@ -130,6 +130,7 @@ def _run(world, tmp_path):
     print(f"measured, tp = {world}: max |gradient - dense| per case:", worst)
 
 
+@pytest.mark.slow  # the quick subset is at its 3-minute limit; the same cases run at tp = 4 too (slow)
 def test_recipe_features_match_dense_tp2(tmp_path):
     _run(2, tmp_path)
 
