@@ -350,11 +350,17 @@ def test_a_dense_reference_that_is_not_finite_is_reported_as_such(tp2_report):
     assert not any(r.target == "gpt2 (c_attn colwise)" for r in tp2_report.dense_failures())
 
 
+def _moe_families() -> list:
+    """The MoE recipes this file's MoE jobs prove (the latent-attention ones and those of
+    ``_OWN_JOBS`` have jobs of their own)."""
+    return [m for m in available_recipes() if _is_moe(m) and not _is_mla(m) and m not in _OWN_JOBS]
+
+
 def _moe_targets(tensor_parallel: bool = True) -> list:
     """Every MoE recipe with expert parallelism (``ep_size = tp``, the causal LM, labelled
     ``<family> (ep)``), and with ``tensor_parallel`` also with tensor-parallel experts (every head
     class). Their small configs have 8 experts, top-k at most 4 (:func:`small_config`)."""
-    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m) and m not in _PER_HEAD_JOBS]
+    moe = _moe_families()
     return (([Target(m) for m in moe] if tensor_parallel else [])
             + [Target(m, head_classes=["causal-lm"], label=f"{m} (ep)", expert_parallel=True) for m in moe])
 
@@ -362,7 +368,7 @@ def _moe_targets(tensor_parallel: bool = True) -> list:
 def _check_moe(report, tp, tensor_parallel: bool = True):
     """Every MoE family verified with expert parallelism (and, with ``tensor_parallel``, every head
     class with tensor-parallel experts), the aux loss in the causal LM's loss."""
-    moe = [m for m in available_recipes() if _is_moe(m) and not _is_mla(m) and m not in _PER_HEAD_JOBS]
+    moe = _moe_families()
     assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"} <= set(moe), moe
     if tensor_parallel:
         _check_families(report, moe, tp)
@@ -542,14 +548,14 @@ def test_every_shipped_recipe_is_exact_tp4():
     suite's time: 20 s more on the 2-core machine)."""
     families = []
     for m in available_recipes():
-        if m in _VISION_LANGUAGE:
+        if m in _OWN_JOBS:
             continue
         try:
             small_config(resolve_config(m), (4,))
             families.append(m)
         except ShrinkError as e:
             print(f"{m} left out at tp = 4: {e}")
-    dense = [m for m in families if not _is_moe(m) and not _is_mla(m) and m not in _PER_HEAD_JOBS]
+    dense = [m for m in families if not _is_moe(m) and not _is_mla(m)]
     variants = _sequence_parallel_variants(4)
     mla = [Target("deepseek_v3", head_classes=["causal-lm"]),
            Target("deepseek_v3", head_classes=["causal-lm"], label="deepseek_v3 (ep)", expert_parallel=True)]
