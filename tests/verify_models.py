@@ -54,12 +54,14 @@ class Float64RefusingGPT2Model(GPT2Model):
 
 
 class NaNLlamaModel(LlamaModel):
-    """LlamaModel whose final norm weight is NaN: NaN outputs on every input."""
+    """LlamaModel with a NaN in its final norm weight: NaN outputs on every input (one element:
+    a parameter NaN throughout would be taken for one the init left uninitialised and drawn again,
+    tpify.authoring.reference.build_seeded)."""
 
     def __init__(self, config):
         super().__init__(config)
         with torch.no_grad():
-            self.norm.weight.fill_(float("nan"))
+            self.norm.weight[0] = float("nan")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -751,12 +751,17 @@ def test_the_size_bound_refuses_before_building():
     assert check_build_size(small_config(resolve_config("llama"), (2,)), [LlamaModel]) == {"LlamaModel": 18_760}
 
 
-def test_vision_towers_are_refused_before_building():
+def test_vision_towers_are_small_and_a_class_verify_cannot_feed_is_refused_before_building():
     """What once grew past 18 GB: llama4_vision_model's 'head classes' included
     Llama4ForConditionalGeneration, built from the vision config with a full-size default text
     config. Classes of another config are not the family's; the vision towers' own size
-    attributes are shrunk (tens of thousands of elements); a head class without token ids is refused without ranks."""
-    from transformers import Llama4VisionConfig
+    attributes are shrunk (tens of thousands of elements). Verify feeds the towers their pixels
+    (tpify.authoring.inputs.tower_inputs: each layout once, the shapes their composites pass)
+    and embedding-only parts their embeddings; a class it still cannot feed (an audio tower's
+    input_features) is refused without ranks, with a message naming what verify feeds."""
+    from transformers import Qwen2AudioEncoder
+
+    from tpify.authoring.inputs import main_input, make_inputs
 
     for model_type in ("llama4_vision_model", "gemma4_vision"):  # the towers' own sizes are shrunk too
         small = small_config(resolve_config(model_type), (2,))
@@ -766,13 +771,27 @@ def test_vision_towers_are_refused_before_building():
         {"Llama4VisionModel"}
     gemma3 = {c.__name__ for c in family_head_classes(resolve_config("gemma3_text")).values()}
     assert "Gemma3ForCausalLM" in gemma3 and "Gemma3ForConditionalGeneration" not in gemma3, gemma3
-    tiny = Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
-                              image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
-                              projector_output_dim=32)
-    report = verify_many([Target("llama4_vision_model", config=tiny, shrink=False, label="tiny vision")], (2,))
+    expected = {  # model_type -> {argument: shape} of what verify feeds (B = 2 images or rows, T = 10)
+        "llama4_vision_model": {"pixel_values": (2, 3, 8, 8)},  # (B, C, S, S), S the image_size
+        "qwen2_vl_vision": {"hidden_states": (32, 24), "grid_thw": (2, 3)},  # 4x4 patches of C t p^2 each
+        "muse_glimmer_vision": {"pixel_values": (32, 24), "grid_thw": (2, 3)},
+        "gemma4_vision": {"pixel_values": (2, 36, 12), "pixel_position_ids": (2, 36, 2)},  # 6x6 patches, pooled 3x3
+        "deepseek_ocr2_encoder": {"inputs_embeds": (2, 10, 32), "num_patches": None},
+        "muse_glimmer_assistant": {"noise_embeds": (2, 10, 32), "context_hidden_states": (2, 10, 128),
+                                   "attention_mask": (2, 20)},
+        "qwen3_omni_moe_talker_text": {"inputs_embeds": (2, 10, 32), "attention_mask": (2, 10)}}
+    for model_type, shapes in expected.items():
+        small = small_config(resolve_config(model_type), (2,))
+        task, cls = next(iter(family_head_classes(small).items()))
+        inputs, labels, gen = make_inputs(task, cls, small)
+        got = {k: tuple(v.shape) if torch.is_tensor(v) else None for k, v in inputs.items()}
+        assert got == shapes and labels == {} and gen is None, (model_type, got)
+        assert main_input(cls, small) in inputs and "input_ids" not in inputs, model_type
+    assert main_input(Qwen2AudioEncoder, resolve_config("qwen2_audio_encoder")) is None
+    report = verify_many([Target("qwen2_audio_encoder")], (2,))
     assert report.job_seconds == {} and [(r.head, r.check, r.passed) for r in report.rows] == \
-        [("Llama4VisionModel", "setup", False)]
-    assert "feeds token ids (input_ids)" in report.rows[0].message and "pixel_values" in report.rows[0].message
+        [("Qwen2AudioEncoder", "setup", False)]
+    assert "input_features" in report.rows[0].message and "pixel_values" in report.rows[0].message, report.rows[0]
 
 
 def test_dense_reference_choices_without_ranks():

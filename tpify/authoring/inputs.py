@@ -5,7 +5,9 @@
   of experts' router logits and load-balancing loss on);
 * :func:`make_inputs`: a batch ``(B, T) = (2, 10)`` whose second row is padded, the head's
   labels and greedy ``generate`` arguments, the same on every rank; for a vision-language
-  model (:func:`image_inputs`), one image per row and its image tokens in the text;
+  model (:func:`image_inputs`), one image per row and its image tokens in the text; for a part
+  of a composite, what the composite passes it (:func:`main_input`: its embeddings instead of
+  token ids; :data:`_PART_INPUTS`); for a vision tower alone, its pixels (:func:`tower_inputs`);
 * :func:`case_loss`: the model's loss with labels, else a fixed random projection of its
   outputs (:func:`synthetic_loss`), so that every parameter gets a gradient.
 """
@@ -20,7 +22,8 @@ import torch
 from .target import head_classes
 
 __all__ = ["case_config", "make_inputs", "text_config", "case_loss", "float_outputs", "synthetic_loss", "loss_of", "accepts",
-           "GENERATIVE_TASKS", "BATCH", "TOKENS", "CHOICES", "DECODER_TOKENS", "NEW_TOKENS", "PAD_TOKENS", "image_inputs"]
+           "GENERATIVE_TASKS", "BATCH", "TOKENS", "CHOICES", "DECODER_TOKENS", "NEW_TOKENS", "PAD_TOKENS", "image_inputs",
+           "main_input", "tower_layout", "tower_inputs", "patch_grid", "square_images"]
 
 # The shape of the inputs every case feeds: batch, tokens, choices (multiple choice), decoder tokens.
 BATCH, TOKENS, CHOICES, DECODER_TOKENS = 2, 10, 2, 6
@@ -63,10 +66,158 @@ def accepts(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
 
 
-# Parts of a composite model whose layers read a conditioning vector the composite computes and
-# passes down through **kwargs: class name -> keyword (Voxtral-Realtime's text model: its decoder
-# layers scale by ada_rms_norm(t_cond), t_cond the composite's time embedding, (1, hidden)).
-_PART_CONDITIONS = {"VoxtralRealtimeTextModel": "t_cond"}
+def _embeddings(config, tokens: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, tokens, hidden)`` random embeddings (``hidden`` of the text part), in ``dtype``."""
+    hidden = text_config(config).hidden_size
+    return torch.randn(BATCH, tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _condition(config, tokens: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``(1, hidden)``: a conditioning vector broadcast over the batch."""
+    return torch.randn(1, text_config(config).hidden_size, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _draft_context(config, tokens: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, tokens, hidden * len(target_layer_ids))``: a drafter's context, the target model's
+    hidden states of the layers it reads, concatenated."""
+    width = config.hidden_size * len(config.target_layer_ids)
+    return torch.randn(BATCH, tokens, width, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _draft_mask(config, tokens: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, 2 tokens)``: a drafter's mask over its context then its own tokens; the second row's
+    first :data:`PAD_TOKENS` context positions masked (the padded row)."""
+    mask = torch.ones(BATCH, 2 * tokens, dtype=torch.long)
+    mask[1, :PAD_TOKENS] = 0
+    return mask
+
+
+# What a composite model passes one of its parts where no rule of the signature says it:
+# class name -> {argument: make(config, tokens, generator, dtype)}. An argument of
+# _EMBEDDING_INPUTS here is fed instead of the token ids (the part takes the composite's embeddings).
+_PART_INPUTS = {
+    # Voxtral-Realtime's text model: its decoder layers scale by ada_rms_norm(t_cond), t_cond the
+    # composite's time embedding, (1, hidden)
+    "VoxtralRealtimeTextModel": {"t_cond": _condition},
+    # Qwen3-Omni's talker: the composite embeds the codec ids and projects the thinker's states
+    # itself and passes inputs_embeds (the model's own forward would embed token ids with an
+    # embed_tokens it does not have); its code predictor refuses input_ids (the talker's hidden
+    # state and the codec embeddings come in as inputs_embeds)
+    "Qwen3OmniMoeTalkerModel": {"inputs_embeds": _embeddings},
+    "Qwen3OmniMoeTalkerCodePredictorModel": {"inputs_embeds": _embeddings},
+    "Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration": {"inputs_embeds": _embeddings},
+    # DeepSeek-OCR 2's encoder: the SAM patches first (attended to bidirectionally), the learned
+    # queries after them (causally): half the sequence each
+    "DeepseekOcr2VisionEncoder": {"num_patches": lambda config, tokens, g, dtype: tokens // 2},
+    # MuseGlimmer's assistant (a block drafter): the target model's hidden states as its context,
+    # and a mask over context then block
+    "MuseGlimmerAssistantModel": {"context_hidden_states": _draft_context, "attention_mask": _draft_mask},
+}
+# The arguments by which a part takes its sequence as embeddings (B, T, hidden) instead of token ids.
+_EMBEDDING_INPUTS = ("inputs_embeds", "noise_embeds")
+
+
+def main_input(cls: type, config) -> str | None:
+    """The argument by which verify feeds ``cls`` its sequence, or None when it cannot.
+
+    * an argument of :data:`_EMBEDDING_INPUTS` that :data:`_PART_INPUTS` names for the class
+      (the composite passes it embeddings although its ``forward`` takes ``input_ids``);
+    * ``input_ids`` where the ``forward`` takes it (token ids);
+    * else the first of :data:`_EMBEDDING_INPUTS` it takes (``inputs_embeds``, ``noise_embeds``:
+      ``(B, T, hidden)``, a part fed its composite's embeddings);
+    * else a vision tower's pixel argument (:func:`tower_layout`: ``pixel_values``, or
+      Qwen2-VL-style flattened patches as ``hidden_states``);
+    * else None (an audio tower's ``input_features``: not fed).
+    """
+    params = inspect.signature(cls.forward).parameters
+    named = next((n for n in _PART_INPUTS.get(cls.__name__, {}) if n in _EMBEDDING_INPUTS), None)
+    if named is not None:
+        return named
+    if "input_ids" in params:
+        return "input_ids"
+    embeds = next((n for n in _EMBEDDING_INPUTS if n in params), None)
+    if embeds is not None:
+        return embeds
+    layout = tower_layout(cls, config)
+    return None if layout is None else layout[0]
+
+
+def tower_layout(cls: type, config) -> tuple[str, str] | None:
+    """``(pixel argument, layout)`` of a vision tower verified alone (a ``forward`` without
+    ``input_ids``), or None when verify cannot feed it. The layout, from the signature and the
+    config (each tower's own, the one its composite's processor produces):
+
+    * ``"grid"``: flattened patches ``(N, C * t * p^2)`` and a grid ``(images, 3)`` of
+      ``(t, h, w)`` patches, the ``forward`` taking ``grid_thw`` (or ``image_grid_thw``) beside
+      ``pixel_values`` (Dots3-Note, MuseGlimmer) or ``hidden_states`` (Qwen2-VL, Qwen2.5-VL,
+      ERNIE 4.5-VL);
+    * ``"positions"``: patches in sequence ``(B, P, C * p^2)`` and each patch's ``(x, y)``,
+      the ``forward`` taking ``pixel_position_ids`` (Gemma 4);
+    * ``"images"``: ``(B, C, S, S)`` images, the config giving ``image_size`` (CLIP, SigLIP,
+      Llama 4).
+    """
+    params = inspect.signature(cls.forward).parameters
+    if "input_ids" in params or not isinstance(getattr(config, "patch_size", None), int):
+        return None
+    grid = next((n for n in ("grid_thw", "image_grid_thw") if n in params), None)
+    pixels = "pixel_values" if "pixel_values" in params else "hidden_states" if grid and "hidden_states" in params \
+        else None
+    if pixels is None:
+        return None
+    if grid is not None:
+        return pixels, "grid"
+    if "pixel_position_ids" in params and isinstance(getattr(config, "pooling_kernel_size", None), int):
+        return pixels, "positions"
+    return (pixels, "images") if isinstance(getattr(config, "image_size", None), int) else None
+
+
+def _config_int(config, names: tuple[str, ...], default: int) -> int:
+    """The first of ``names`` that ``config`` holds as an int, else ``default``."""
+    return next((v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)), default)
+
+
+def patch_grid(vision, g: torch.Generator, dtype: torch.dtype, images: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(patches, grid)`` of ``images`` random images for a tower taking flattened patches:
+    each image a grid ``(1, 2m, 2m)`` of patches (``m`` the spatial merge size, so that its
+    merger takes whole ``m x m`` blocks), ``patches`` ``(images * 4m^2, C * t * p^2)`` (channels,
+    default 3; temporal patch, default 1; patch size), ``grid`` ``(images, 3)``."""
+    merge = _config_int(vision, ("spatial_merge_size", "merge_size"), 1)
+    channels = _config_int(vision, ("in_channels", "num_channels"), 3)
+    temporal = _config_int(vision, ("temporal_patch_size", "patch_temporal"), 1)
+    side = 2 * merge
+    width = channels * temporal * vision.patch_size ** 2
+    patches = torch.randn(images * side * side, width, generator=g, dtype=torch.float64).to(dtype)
+    return patches, torch.tensor([[1, side, side]] * images)
+
+
+def square_images(vision, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, C, S, S)`` random images, ``S`` the tower's ``image_size`` (``C`` default 3)."""
+    size, channels = vision.image_size, _config_int(vision, ("num_channels",), 3)
+    return torch.randn(BATCH, channels, size, size, generator=g, dtype=torch.float64).to(dtype)
+
+
+def tower_inputs(cls: type, config, g: torch.Generator, dtype: torch.dtype) -> dict | None:
+    """The pixel inputs of a vision tower verified alone, as :func:`tower_layout` says (None
+    when it says nothing): :data:`BATCH` random images (``grid``: the patches of
+    :func:`patch_grid` and the grid; ``positions``: a ``2k x 2k`` grid of patches, ``k`` the
+    pooling kernel, so that the tower pools them to 4 tokens, ``(B, 4k^2, C * p^2)`` and the
+    ``(x, y)`` of each ``(B, 4k^2, 2)``; ``images``: :func:`square_images`)."""
+    layout = tower_layout(cls, config)
+    if layout is None:
+        return None
+    pixels, kind = layout
+    if kind == "grid":
+        grid = "grid_thw" if accepts(cls, "grid_thw") else "image_grid_thw"
+        patches, thw = patch_grid(config, g, dtype)
+        return {pixels: patches, grid: thw}
+    if kind == "positions":
+        side = 2 * config.pooling_kernel_size
+        width = _config_int(config, ("num_channels",), 3) * config.patch_size ** 2
+        ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([xs.flatten(), ys.flatten()], dim=-1).expand(BATCH, -1, -1).contiguous()
+        patches = torch.rand(BATCH, side * side, width, generator=g, dtype=torch.float64).to(dtype)
+        return {pixels: patches, "pixel_position_ids": positions}
+    return {pixels: square_images(config, g, dtype)}
 
 
 def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str = "left",
@@ -80,8 +231,12 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     for multiple choice; ``decoder_input_ids`` ``(B, 6)`` for the base and LM classes of
     encoder-decoders; for a decoder that is part of a composite model (task ``part:...``, such as
     ``T5Gemma2Decoder``) whose ``forward`` takes ``encoder_hidden_states``: ``(B, tokens, hidden)``
-    of ``dtype`` (the reference's), the encoder's output it cross-attends to, and its mask; for a
-    part whose layers read a conditioning vector (:data:`_PART_CONDITIONS`): ``(1, hidden)``.
+    of ``dtype`` (the reference's), the encoder's output it cross-attends to, and its mask; what
+    a composite passes a part besides (:data:`_PART_INPUTS`: a conditioning vector ``(1, hidden)``,
+    a drafter's context, ...). A part fed embeddings (:func:`main_input`: ``inputs_embeds``,
+    ``noise_embeds``) gets ``(B, T, hidden)`` of ``dtype`` instead of the token ids, the same
+    mask, no ``generate``. A vision tower verified alone (:func:`tower_inputs`) gets its pixel
+    inputs only: no labels, no ``generate``.
     For a vision-language model (:func:`image_inputs`: LLaVA, Qwen2-VL, Qwen2.5-VL, Gemma 3), one image
     per row: its pixel inputs (``dtype``) and, at position 4 of every row (past the left
     padding), a block of its image tokens, filled up with text tokens to a multiple of 8 (so
@@ -90,8 +245,11 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     the image block's image and vision marker tokens).
     """
     g = torch.Generator().manual_seed(1)
+    fed = main_input(cls, config)
+    if fed is not None and fed != "input_ids" and fed not in _EMBEDDING_INPUTS:  # a vision tower alone
+        return tower_inputs(cls, config, g, dtype), {}, None
     text = text_config(config)
-    vocab = text.vocab_size
+    vocab = getattr(text, "vocab_size", None) or 2  # (a part fed embeddings may have none: its ids shape the mask)
     pad = text.pad_token_id
     specials = [v for part in {id(config): config, id(text): text}.values() for k, v in part.to_dict().items()
                 if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool)
@@ -119,7 +277,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     eos = text.eos_token_id if isinstance(getattr(text, "eos_token_id", None), int) else None
     if encdec and eos is not None:
         ids[..., -1] = eos  # encoder-decoder classifiers pool at the (single) eos token
-    inputs = {"input_ids": ids}
+    inputs = {"input_ids": ids} if fed in (None, "input_ids") else {fed: _embeddings(config, ids.shape[-1], g, dtype)}
     if accepts(cls, "attention_mask"):
         inputs["attention_mask"] = mask
     if images is not None:
@@ -141,9 +299,9 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     labels = _task_labels(task, token_labels, dec_labels, mask, getattr(config, "num_labels", 2), tokens, g)
     if task == "double-heads":
         inputs["mc_token_ids"] = torch.full((BATCH, CHOICES), tokens - 1)
-    if task.startswith("part:") and cls.__name__ in _PART_CONDITIONS:  # (1, hidden), broadcast over the batch
-        inputs[_PART_CONDITIONS[cls.__name__]] = torch.randn(1, text.hidden_size, generator=g,
-                                                            dtype=torch.float64).to(dtype)
+    for name, make in _PART_INPUTS.get(cls.__name__, {}).items():
+        if name != fed:
+            inputs[name] = make(config, tokens, g, dtype)
     if task.startswith("part:") and accepts(cls, "encoder_hidden_states"):
         hidden = text.hidden_size
         inputs["encoder_hidden_states"] = torch.randn(BATCH, tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
@@ -151,7 +309,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
             inputs["encoder_attention_mask"] = torch.ones(BATCH, tokens, dtype=torch.long)
     labels = {k: v for k, v in labels.items() if accepts(cls, k)}
     gen = None
-    if task in GENERATIVE_TASKS:
+    if task in GENERATIVE_TASKS and "input_ids" in inputs:
         gen = dict(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=pad)
         if "attention_mask" in inputs:
             gen["attention_mask"] = mask
@@ -195,20 +353,15 @@ def image_inputs(cls: type, config, g: torch.Generator, dtype: torch.dtype) -> t
     if vision is None or not isinstance(image, int) or not accepts(cls, "pixel_values") or family not in _IMAGE_FAMILIES:
         return None
     if family in ("qwen2_vl", "qwen2_5_vl"):
-        merge = vision.spatial_merge_size
-        side = 2 * merge
         start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
         if not (isinstance(start, int) and isinstance(end, int)):
             return None
-        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-        pixels = torch.randn(BATCH * side * side, width, generator=g, dtype=torch.float64).to(dtype)
-        grid = torch.tensor([[1, side, side]] * BATCH)
-        return [start] + [image] * (side * side // merge ** 2) + [end], {"pixel_values": pixels,
-                                                                          "image_grid_thw": grid}
+        pixels, grid = patch_grid(vision, g, dtype)  # (1, 2m, 2m) patches per image: 4 merged image tokens
+        return [start] + [image] * 4 + [end], {"pixel_values": pixels, "image_grid_thw": grid}
     if vision.model_type not in ("clip_vision_model", "siglip_vision_model"):
         return None
     size = vision.image_size
-    pixels = torch.randn(BATCH, vision.num_channels, size, size, generator=g, dtype=torch.float64).to(dtype)
+    pixels = square_images(vision, g, dtype)
     if family == "gemma3":  # its projector pools the patches to mm_tokens_per_image, between boi and eoi
         return ([config.boi_token_id] + [image] * config.mm_tokens_per_image + [config.eoi_token_id],
                 {"pixel_values": pixels})

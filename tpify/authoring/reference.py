@@ -27,7 +27,7 @@ from .compare import ATOL, RTOL, TOLERANCE, float32_tolerance
 from .inputs import float_outputs, loss_of, make_inputs, synthetic_loss, text_config
 from .verify_report import DENSE_REFERENCE
 
-__all__ = ["DenseNotFinite", "Reference", "dense_reference", "float64_loss_function", "use_eager_experts"]
+__all__ = ["DenseNotFinite", "Reference", "build_seeded", "dense_reference", "float64_loss_function", "use_eager_experts"]
 
 def float64_loss_function(loss_type: str):
     """Hugging Face's loss for ``loss_type`` computed in the logits' dtype, or None if HF's own does.
@@ -246,14 +246,57 @@ def use_eager_experts(model: torch.nn.Module) -> bool:
     ``grouped_mm`` by default, whose kernel accepts float32, bfloat16 and float16 only.
     ``experts_implementation="eager"`` is the family's own loop over the experts: the same
     function (each token's experts, weighted by the router) in any dtype, so the reference stays
-    float64. A model without such experts is left as it is.
+    float64; experts built from a per-layer config (Dots3-Note's vision tower), which
+    ``set_experts_implementation`` does not reach, are switched too. A model without such
+    experts is left as it is.
     """
     has_experts = any(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
     if not has_experts or not hasattr(model, "set_experts_implementation"):
         return False
     if any(v not in (None, "eager") for v in model.get_experts_implementation().values()):
         model.set_experts_implementation("eager")
+    for module in model.modules():  # experts built from a per-layer config (Dots3-Note's vision
+        config = getattr(module, "config", None)  # tower), which the model's setting does not reach
+        if hasattr(module, "has_gate") and getattr(config, "_experts_implementation", "eager") != "eager":
+            config._experts_implementation = "eager"
     return True
+
+
+def build_seeded(cls: type, config, seed: int) -> tuple[torch.nn.Module, list[str]]:
+    """``(cls(config) built after torch.manual_seed(seed), the parameters its init left
+    uninitialised)``, the same on every rank.
+
+    Some families' ``_init_weights`` skip a module that a composite's checkpoint fills
+    (Qwen3-Omni's talker built alone: its experts and router are ``torch.empty``), so that its
+    values are whatever memory held: different on every rank, often NaN. The model is built
+    with torch's fill of uninitialised memory on (``torch.use_deterministic_algorithms(True)``,
+    ``warn_only``; ``torch.utils.deterministic.fill_uninitialized_memory``: NaN), both restored
+    after; a parameter entirely NaN after the family's init was never initialised and is drawn
+    from ``N(0, initializer_range)`` (0.02 where the config has none) with a generator seeded by
+    ``seed``. A parameter the family sets to NaN in part (tests/verify_models.py's
+    ``NaNLlamaModel``) is left as it is.
+    """
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.manual_seed(seed)
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        model = cls(config)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    std = getattr(config, "initializer_range", None)
+    std = std if isinstance(std, float) else 0.02
+    g = torch.Generator().manual_seed(seed)
+    uninitialised = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.numel() and bool(torch.isnan(p).all()):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
+                uninitialised.append(name)
+    return model, uninitialised
 
 
 def _not_finite(model, inputs: dict, labels: dict) -> tuple[list[str], tuple[tuple[str, ...], tuple[str, ...]]]:
@@ -281,8 +324,10 @@ def _not_finite(model, inputs: dict, labels: dict) -> tuple[list[str], tuple[tup
 def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dtype | None = None) -> Reference:
     """The dense reference of one case: float64 where its kernels allow, inputs where it is finite.
 
-    1. ``torch.manual_seed(seed); cls(config).eval()``; fused MoE experts switched to their eager
-       implementation (:func:`use_eager_experts`: ``grouped_mm`` refuses float64).
+    1. ``torch.manual_seed(seed); cls(config).eval()`` (:func:`build_seeded`: parameters the
+       family's init leaves uninitialised drawn at random, the same on every rank); fused MoE
+       experts switched to their eager implementation (:func:`use_eager_experts`: ``grouped_mm``
+       refuses float64).
     2. For dtype float64, then float32: one forward and backward (the case's loss) on the
        batch of :func:`make_inputs` with its padded row on the left, else on the right, else
        no padding, until outputs, loss and every gradient are finite. Left first: it is what
@@ -308,10 +353,14 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
         DenseNotFinite: no padding gives finite values (names what is NaN / infinite for each).
         Exception: anything else the dense model raises (it is not the parallel model's fault).
     """
-    torch.manual_seed(seed)
-    base = cls(config).eval()
+    base, uninitialised = build_seeded(cls, config, seed)
+    base.eval()
     eager = use_eager_experts(base)
     notes = []
+    if uninitialised:
+        notes.append(f"{len(uninitialised)} parameters ({', '.join(uninitialised[:3])}"
+                     f"{' ...' if len(uninitialised) > 3 else ''}) are left uninitialised by the family's own init "
+                     f"(torch.empty: a composite's checkpoint fills them); drawn from N(0, initializer_range)")
     if eager:
         notes.append("fused MoE experts run with experts_implementation='eager' (the family's loop over experts, "
                      "the same function; transformers' default grouped_mm kernel refuses float64)")

@@ -415,6 +415,11 @@ def _set_family_sizes(d: dict, sizes: _SmallSizes) -> None:
                 "ext_pw_out_channel", "depthwise_separable_out_channel"):
         if isinstance(d.get(key), int):  # the widths that connect a composite model's parts
             d[key] = sizes.hidden
+    ratio = d.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(d.get("intermediate_size"), int):
+        # Llama 4's vision adapter takes the pixel-shuffled patches, hidden / ratio^2 wide, into a
+        # Linear of intermediate_size inputs (1408 / 0.5^2 = 5632 at full size)
+        d["intermediate_size"] = round(sizes.hidden / ratio ** 2)
     heads, expand = d.get("mamba_n_heads"), d.get("mamba_expand")
     if isinstance(d.get("mamba_d_head"), int) and isinstance(heads, int) and isinstance(expand, int):
         d["mamba_d_head"] = expand * sizes.hidden // heads

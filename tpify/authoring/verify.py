@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..recipe import RecipeError, available_recipes, load_recipe
-from .inputs import accepts, case_config
+from .inputs import case_config, main_input
 from .launcher import run_job
 from .small import MAX_SMALL_ELEMENTS, RANK_MEMORY_LIMIT_GIB, check_build_size, small_config
 from .target import family_head_classes, resolve_config, task_of
@@ -89,9 +89,9 @@ def _recipe_for(recipe, config):
 def _prepare(spec: Target, tp_sizes: Sequence[int]):
     """``(config, recipe, fed heads, unfed heads)`` of one target, before any rank starts.
 
-    The head classes are selected and split by whether their ``forward`` takes ``input_ids``
-    (verify feeds token ids only; a target none of whose classes does is returned as it is, not
-    made small); the config is resolved and made small for ``tp_sizes`` (:func:`small_config`;
+    The head classes are selected and split by whether verify can feed them
+    (:func:`~tpify.authoring.inputs.main_input`: token ids, a part's embeddings, a vision tower's
+    pixels; a target none of whose classes it can feed is returned as it is, not made small); the config is resolved and made small for ``tp_sizes`` (:func:`small_config`;
     ``spec.shrink`` None: for a model_type yes, for a directory or a given config no), the recipe
     found (:func:`_recipe_for`); the fed ones are built on the meta device and
     refused when larger than the bound (:func:`check_build_size`: ``spec.max_elements``, default
@@ -102,7 +102,7 @@ def _prepare(spec: Target, tp_sizes: Sequence[int]):
     """
     config = spec.config if spec.config is not None else resolve_config(str(spec.target))
     shrink = spec.shrink if spec.shrink is not None else (spec.config is None and not Path(str(spec.target)).is_dir())
-    fed, unfed = _fed_heads(_select_heads(config, spec.head_classes))  # before shrinking: by class only
+    fed, unfed = _fed_heads(_select_heads(config, spec.head_classes), config)  # before shrinking
     if not fed:
         return config, None, fed, unfed
     if shrink:
@@ -117,7 +117,7 @@ def _prepare(spec: Target, tp_sizes: Sequence[int]):
 
 def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
     """The cases of one target at one tp size (:func:`_prepare`), and a failed ``setup`` row for
-    each head class whose ``forward`` takes no ``input_ids`` (a vision tower fed ``pixel_values``).
+    each head class verify cannot feed (:func:`_unfed_message`: an audio tower's ``input_features``).
     A target that fails any step of :func:`_prepare` is one failed ``setup`` row."""
     label = spec.label or str(spec.target)
     try:
@@ -131,16 +131,17 @@ def _plan_cases(spec: Target, tp: int) -> tuple[list[_Case], list[Row]]:
     return [_Case(label, cls, task, config, recipe, spec.expert_parallel) for task, cls in fed], failed
 
 
-def _fed_heads(heads: list[tuple[str, type]]) -> tuple[list[tuple[str, type]], list[tuple[str, type]]]:
-    """``(heads whose forward takes input_ids, the others)``: verify feeds token ids only."""
-    fed = [(t, c) for t, c in heads if accepts(c, "input_ids")]
+def _fed_heads(heads: list[tuple[str, type]], config) -> tuple[list[tuple[str, type]], list[tuple[str, type]]]:
+    """``(heads verify can feed, the others)`` (:func:`~tpify.authoring.inputs.main_input`)."""
+    fed = [(t, c) for t, c in heads if main_input(c, config) is not None]
     return fed, [(t, c) for t, c in heads if (t, c) not in fed]
 
 
 def _unfed_message(cls: type) -> str:
     params = [p for p in inspect.signature(cls.forward).parameters if p != "self"][:4]
-    return (f"not verified: tpify verify feeds token ids (input_ids) and {cls.__name__}.forward takes none "
-            f"({', '.join(params)}, ...)")
+    return (f"not verified: tpify verify feeds token ids (input_ids), embeddings (inputs_embeds, noise_embeds) "
+            f"or a vision tower's pixels (pixel_values of the config's image_size, patches with grid_thw or "
+            f"pixel_position_ids), and {cls.__name__}.forward takes none of them ({', '.join(params)}, ...)")
 
 
 def _select_heads(config, requested) -> list[tuple[str, type]]:
@@ -239,7 +240,7 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
         ShrinkError: the family's config cannot be made small, or a head class built from it
             would have more than ``max_elements`` parameter and buffer elements (checked on the
             meta device, nothing is built).
-        ValueError: a head class that is not the family's, or none that takes token ids; a tp
+        ValueError: a head class that is not the family's, or none that verify can feed; a tp
             size that is not a positive integer.
     """
     spec = Target(str(target), recipe, head_classes, shrink=shrink, max_elements=max_elements,
