@@ -3,16 +3,17 @@
 The families: every ``model_type`` whose config class declares a tensor-parallel plan
 (``base_model_tp_plan``) in the installed transformers, and every recipe tpify ships. Each is
 verified as ``tpify verify MODEL_TYPE --tp 2`` does (:func:`tpify.authoring.verify.verify_many`:
-the family's default config made small, every head class that takes token ids, a float64 dense
-reference against ``tpify.parallelize`` of a copy) and comes out as one row:
+the family's default config made small, every head class verify can feed (token ids; a part's
+embeddings; a tower's pixels), a float64 dense reference against ``tpify.parallelize`` of a
+copy) and comes out as one row:
 
 * ``exact``: every check of every head class passed (outputs, loss, every gradient, generate,
   save/load);
 * ``refused``: tpify refused the recipe before anything ran (a ``RecipeError`` / ``PlanError``
   naming the module and the reason, on every rank);
 * ``cannot build``: verify could not build a small model, or the dense model itself fails
-  (raises, or is not finite on any input), or no head class takes token ids; the reason is
-  given;
+  (raises, or is not finite on any input), or verify can feed no head class (an audio tower);
+  the reason is given;
 * ``fails``: a step of the parallel model raised something other than a refusal;
 * ``wrong``: the parallel model computed different numbers (the worst defect).
 
