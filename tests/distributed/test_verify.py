@@ -32,13 +32,17 @@
   against 2.3e-5); a Llama with a NaN weight gives one ``dense reference not finite`` row, not a
   difference of the parallel model.
 * The vision-language recipes (llava, qwen2_vl, qwen2_5_vl, gemma3) and the tower recipes they include are
-  left out of these jobs: tests/distributed/test_vision_language.py verifies them with images.
+  left out of these jobs: tests/distributed/test_vision_language.py verifies them with images;
+  clip_vision_model's recipe is verified alone too, fed images, in the slow job of the families
+  verify could not build or feed before (with a pixel tower of the sweep and a part fed embeddings).
 * The CLI once end to end (``python -m tpify.cli verify gpt2 --tp 2``).
 * Without ranks: the small configs of the shipped families and of t5 / falcon / bloom /
   gpt_bigcode have the sizes asked for; a family that cannot be shrunk raises ``ShrinkError``;
   a config above the size bound is refused on the meta device, naming the family and the
   attribute, with no rank started (and the process does not grow); llama4_vision_model and
-  gemma4_vision are made small (their towers' own sizes); the groups verify could not build
+  gemma4_vision are made small (their towers' own sizes), each input layout of the towers and
+  parts has the shapes their composites pass, and an audio tower (which verify does not feed)
+  is refused with no rank started; the groups verify could not build
   before (per-layer lists, cycles, mrope, composite, MLA sizes) have small, consistent configs
   (slow: one family of each verified exact in one job); the choices of the
   dense reference (gemma2 right-padded, olmoe's experts eager, float32 for the real
@@ -145,7 +149,8 @@ def _timings(report, tp):
 _QUICK_FAMILIES = ("bert", "bloom", "distilbert", "falcon", "gemma", "gpt2", "gpt_bigcode", "gpt_neo", "gptj",
                    "llama", "mistral", "opt", "phi", "phi3", "qwen2", "roberta", "t5")
 # The vision-language recipes and the tower recipes they include: verified with images in the slow
-# job of tests/distributed/test_vision_language.py (a tower alone takes no token ids).
+# job of tests/distributed/test_vision_language.py (clip_vision_model alone too, in
+# test_newly_buildable_families_are_exact_tp2).
 _VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "clip_vision_model", "siglip_vision_model",
                     "qwen2_vl_vision", "qwen2_5_vl_vision")
 # Recipes with per-head parameters, proved in tests/distributed/test_per_head.py's slow jobs, with
@@ -573,13 +578,20 @@ def test_every_shipped_recipe_is_exact_tp4():
 # rotary parameters per layer kind (and the modeling code's mrope default), per-layer overrides
 # of the head dim, mrope sections, a composite config (whose float32 attention takes a rounding
 # tie differently), layer cycles, multi-head latent attention sizes (youtu: attention whole, MLP
-# split), a composite's decoder fed what the composite passes it. (The linear-attention families build too; at this size their conv1d is above the
+# split), a composite's decoder fed what the composite passes it; and of those verify could not
+# feed before: a pixel tower of the sweep (flattened patches with a grid; experts built from
+# per-layer configs, run eagerly), a shipped tower recipe alone (both head classes, the projection
+# replicated), an embedding-only part (its experts left uninitialised by its own init, drawn at
+# random). (The linear-attention families build too; at this size their conv1d is above the
 # coverage threshold of imported plans, 1% of the model: refused, see docs/families.md.)
 NEWLY_BUILDABLE = {"cohere_compass_text": "layer_types with rope_parameters per layer kind",
                    "gemma4_text": "per_layer_config (head dim 16 on full-attention layers)",
                    "glm4v_text": "mrope_section rescaled", "muse_glimmer": "composite (text + vision configs)",
                    "hrm_text": "H/L cycles", "youtu": "MLA ranks and head dims",
-                   "t5gemma2_decoder": "a composite's part, fed the encoder's hidden states"}
+                   "t5gemma2_decoder": "a composite's part, fed the encoder's hidden states",
+                   "dots3_note_vision_encoder": "a vision tower fed patches and grid_thw (MoE, per-layer configs)",
+                   "clip_vision_model": "a shipped tower recipe alone, fed (B, C, S, S) images",
+                   "qwen3_omni_moe_talker_text": "a part fed inputs_embeds (its composite's embeddings)"}
 
 
 @pytest.mark.slow
@@ -587,7 +599,10 @@ def test_newly_buildable_families_are_exact_tp2():
     """ONE spawned job over :data:`NEWLY_BUILDABLE`: every head class of each, every check passed
     (outputs, loss, gradients, generate, save/load). Outputs and losses at the float64 tolerance;
     gradients at the float64 tolerance, except muse_glimmer's few whose float32 section took a
-    rounding tie differently (the row says how many, at the float32 tolerance of the depth)."""
+    rounding tie differently (the row says how many, at the float32 tolerance of the depth) and
+    dots3's router weights, which its own code casts to float32 (the float32 tolerance of the
+    depth, the row says so). The towers and the part are fed what their composites pass them
+    (no token ids), their loss the fixed projection of their outputs."""
     families = sorted(NEWLY_BUILDABLE)
     report = verify_many([Target(m) for m in families], (2,), timeout_s=900)
     _timings(report, 2)
@@ -595,6 +610,11 @@ def test_newly_buildable_families_are_exact_tp2():
     for family in families:
         outputs = [r for r in _compared(_rows(report, family)) if not r.check.startswith(("gradients", "dense"))]
         assert outputs and {r.tolerance for r in outputs} == {TOLERANCE}, (family, {r.tolerance for r in outputs})
+    for family in ("dots3_note_vision_encoder", "clip_vision_model", "qwen3_omni_moe_talker_text"):
+        losses = [r for r in _rows(report, family) if r.check == "outputs x fixed weights (no labels)"]
+        assert losses and all(r.passed for r in losses), (family, losses)
+    notes = " ".join(r.message for r in _rows(report, "qwen3_omni_moe_talker_text") if r.check.startswith("dense"))
+    assert "left uninitialised" in notes and "eager" in notes, notes
     relaxed = [r for r in _rows(report, "muse_glimmer") if "through float32 sections" in (r.tolerance or "")]
     print(f"measured: muse_glimmer gradients through float32 sections: {[(r.head, r.max_diff) for r in relaxed]}")
 
