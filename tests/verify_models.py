@@ -7,7 +7,7 @@ ranks ``tpify.authoring.verify.verify_many`` launches can unpickle them by name.
   kernel does (``torch.nn.functional.grouped_mm`` raises ``RuntimeError: Expected mat_a to be
   Float32, BFloat16 or Float16 matrix, got Double``): each MLP activation raises that error on a
   float64 input and is the family's own activation otherwise. verify must fall back to float32.
-* ``NaNLlamaModel``: a Llama whose final norm weight is NaN: the dense model is not finite on any
+* ``NaNLlamaModel``: a Llama with a NaN in its final norm weight: the dense model is not finite on any
   input, which verify must report as such (``dense reference not finite``), not as a difference
   of the parallel model.
 """
