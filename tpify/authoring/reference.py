@@ -267,7 +267,7 @@ def build_seeded(cls: type, config, seed: int) -> tuple[torch.nn.Module, list[st
     uninitialised)``, the same on every rank.
 
     Some families' ``_init_weights`` skip a module that a composite's checkpoint fills
-    (Qwen3-Omni's talker built alone: its experts and router are ``torch.empty``), so that its
+    (Qwen3-Omni's talker built alone: its fused experts are ``torch.empty``), so that their
     values are whatever memory held: different on every rank, often NaN. The model is built
     with torch's fill of uninitialised memory on (``torch.use_deterministic_algorithms(True)``,
     ``warn_only``; ``torch.utils.deterministic.fill_uninitialized_memory``: NaN), both restored
