@@ -82,6 +82,16 @@ def _wrong_gpt2_recipe() -> dict:
     return data
 
 
+def _wrong_tower_recipe() -> dict:
+    """qwen2_vl_vision's recipe with the packed [Q|K|V] qkv split contiguously: valid, silently wrong."""
+    data = _recipe_toml("qwen2_vl_vision")
+    for rule in data["rule"]:
+        if rule["match"] == "blocks.*.attn.qkv":
+            rule["style"] = "colwise"
+            rule.pop("parts")
+    return data
+
+
 def _wrong_llama_recipe() -> dict:
     """llama's recipe with o_proj replicated after column-parallel q/k/v: valid, cannot run."""
     data = _recipe_toml("llama")
@@ -602,9 +612,12 @@ def test_newly_buildable_families_are_exact_tp2():
     rounding tie differently (the row says how many, at the float32 tolerance of the depth) and
     dots3's router weights, which its own code casts to float32 (the float32 tolerance of the
     depth, the row says so). The towers and the part are fed what their composites pass them
-    (no token ids), their loss the fixed projection of their outputs."""
+    (no token ids), their loss the fixed projection of their outputs. Negative control in the same
+    job: qwen2_vl_vision's recipe with its packed qkv split contiguously, fed patches alone, must
+    FAIL on the outputs (measured 9.7e-3 on last_hidden_state)."""
     families = sorted(NEWLY_BUILDABLE)
-    report = verify_many([Target(m) for m in families], (2,), timeout_s=900)
+    wrong = Target("qwen2_vl_vision", recipe=_wrong_tower_recipe(), label="qwen2_vl_vision (qkv colwise)")
+    report = verify_many([Target(m) for m in families] + [wrong], (2,), timeout_s=900)
     _timings(report, 2)
     _check_families(report, families, 2)
     for family in families:
@@ -613,6 +626,8 @@ def test_newly_buildable_families_are_exact_tp2():
     for family in ("dots3_note_vision_encoder", "clip_vision_model", "qwen3_omni_moe_talker_text"):
         losses = [r for r in _rows(report, family) if r.check == "outputs x fixed weights (no labels)"]
         assert losses and all(r.passed for r in losses), (family, losses)
+    caught = [r for r in _rows(report, wrong.label) if r.check == "forward last_hidden_state"]
+    assert caught and not caught[0].passed and caught[0].max_diff > 1e-4, caught
     notes = " ".join(r.message for r in _rows(report, "qwen3_omni_moe_talker_text") if r.check.startswith("dense"))
     assert "left uninitialised" in notes and "eager" in notes, notes
     relaxed = [r for r in _rows(report, "muse_glimmer") if "through float32 sections" in (r.tolerance or "")]
