@@ -72,24 +72,25 @@ def _recipe_toml(model_type: str) -> dict:
     return tomllib.loads(path.read_text())
 
 
-def _wrong_gpt2_recipe() -> dict:
-    """gpt2's recipe with the packed [Q|K|V] c_attn split contiguously: valid, silently wrong."""
-    data = _recipe_toml("gpt2")
+def _packed_split_contiguously(model_type: str, match: str) -> dict:
+    """``model_type``'s recipe with its packed [Q|K|V] layer ``match`` split contiguously
+    (``colwise``: rank 0 holds all of Q and part of K): valid, silently wrong."""
+    data = _recipe_toml(model_type)
     for rule in data["rule"]:
-        if rule["match"] == "h.*.attn.c_attn":
+        if rule["match"] == match:
             rule["style"] = "colwise"
             rule.pop("parts")
     return data
+
+
+def _wrong_gpt2_recipe() -> dict:
+    """gpt2's recipe with the packed c_attn split contiguously."""
+    return _packed_split_contiguously("gpt2", "h.*.attn.c_attn")
 
 
 def _wrong_tower_recipe() -> dict:
-    """qwen2_vl_vision's recipe with the packed [Q|K|V] qkv split contiguously: valid, silently wrong."""
-    data = _recipe_toml("qwen2_vl_vision")
-    for rule in data["rule"]:
-        if rule["match"] == "blocks.*.attn.qkv":
-            rule["style"] = "colwise"
-            rule.pop("parts")
-    return data
+    """qwen2_vl_vision's recipe with the packed qkv split contiguously."""
+    return _packed_split_contiguously("qwen2_vl_vision", "blocks.*.attn.qkv")
 
 
 def _wrong_llama_recipe() -> dict:
