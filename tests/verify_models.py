@@ -10,6 +10,10 @@ ranks ``tpify.authoring.verify.verify_many`` launches can unpickle them by name.
 * ``NaNLlamaModel``: a Llama whose final norm weight is NaN: the dense model is not finite on any
   input, which verify must report as such (``dense reference not finite``), not as a difference
   of the parallel model.
+* ``BiasOnEveryRankGPT2LMHeadModel``: gpt2 whose MLP output gets its ``c_proj`` bias ``tp_size``
+  times once that layer is tpify's ``RowParallelLinear``: the effect of a row-parallel layer
+  adding its bias on every rank before the all-reduce instead of once after it. Its own init
+  sets that bias to zero, so verify catches it only with the constants perturbed.
 """
 
 from __future__ import annotations
@@ -156,3 +160,31 @@ class KVGatedLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         _kv_gated(self.model, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# A mistake only a non-zero bias reveals: a row-parallel layer's bias added on every rank (before
+# the all-reduce) instead of once. Simulated by a forward hook on gpt2's MLP, active only when its
+# c_proj is tpify's RowParallelLinear (the dense model is gpt2's own): the output gets the bias
+# tp_size - 1 more times, what the all-reduce of tp_size partial sums each holding the bias gives.
+# Detached, as in that mistake: each rank's bias still gets the output's gradient once (the
+# all-reduce's backward is the identity), so only the forward is wrong, by (tp_size - 1) * bias.
+
+from transformers import GPT2LMHeadModel  # noqa: E402
+
+
+def _bias_on_every_rank(mlp: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    from tpify.layers import RowParallelLinear
+
+    if isinstance(mlp.c_proj, RowParallelLinear) and mlp.c_proj.bias is not None:
+        return output + (mlp.c_proj.tp_size - 1) * mlp.c_proj.bias.detach()
+    return output
+
+
+class BiasOnEveryRankGPT2LMHeadModel(GPT2LMHeadModel):
+    """gpt2's causal LM whose row-parallel MLP ``c_proj`` adds its bias on every rank (see above)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.transformer.h:
+            block.mlp.register_forward_hook(_bias_on_every_rank)
