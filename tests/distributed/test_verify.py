@@ -11,7 +11,7 @@
   tp = 2, every head class with tensor-parallel experts and the causal LM again with expert
   parallelism, the router's load-balancing loss in the loss; at tp = 4 their causal LMs with expert
   parallelism; gpt_oss, neomme and gemma3n_text, whose per-head parameters and biases their
-  own init sets to zero, in tests/distributed/test_per_head.py with those drawn at random): outputs with
+  own init sets to zero, in tests/distributed/test_per_head.py): outputs with
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
   save/load round trip, and for the recipes with a ``[sequence_parallel]`` table the outputs,
   loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10,
@@ -149,8 +149,8 @@ _QUICK_FAMILIES = ("bert", "bloom", "distilbert", "falcon", "gemma", "gpt2", "gp
 # job of tests/distributed/test_vision_language.py (a tower alone takes no token ids).
 _VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "clip_vision_model", "siglip_vision_model",
                     "qwen2_vl_vision", "qwen2_5_vl_vision")
-# Recipes with per-head parameters, proved in tests/distributed/test_per_head.py's slow jobs, with
-# their zero-initialised parameters (biases, sinks, gates) made random (tests/verify_models.py).
+# Recipes with per-head parameters, proved in tests/distributed/test_per_head.py's slow jobs (their
+# zero-initialised biases, sinks and gates perturbed by verify, as every family's constants are).
 _PER_HEAD_JOBS = ("gpt_oss", "neomme", "gemma3n_text")
 _OWN_JOBS = _VISION_LANGUAGE + _PER_HEAD_JOBS
 
