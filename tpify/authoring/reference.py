@@ -275,7 +275,7 @@ def _is_constant(t: torch.Tensor) -> bool:
     """A floating tensor with at least one element, every element the same finite value."""
     if not t.is_floating_point() or t.numel() == 0 or t.is_meta:
         return False
-    first = t.reshape(-1)[0]
+    first = t.detach().reshape(-1)[0]
     return bool(torch.isfinite(first)) and bool((t == first).all())
 
 
@@ -318,7 +318,7 @@ def perturb_constants(model: torch.nn.Module, seed: int = 0, std: float = PERTUR
     names = []
 
     def perturb(name: str, t: torch.Tensor) -> None:
-        c = float(t.reshape(-1)[0])
+        c = float(t.detach().reshape(-1)[0])
         z = torch.randn(t.shape, generator=gen, dtype=torch.float64)
         with torch.no_grad():
             t.copy_((c + std * max(1.0, abs(c)) * z).to(t.dtype))
