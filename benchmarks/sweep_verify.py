@@ -8,7 +8,9 @@ embeddings; a tower's pixels), a float64 dense reference against ``tpify.paralle
 copy) and comes out as one row:
 
 * ``exact``: every check of every head class passed (outputs, loss, every gradient, generate,
-  save/load);
+  save/load), with every tensor the family's init leaves constant perturbed
+  (:func:`tpify.authoring.reference.perturb_constants`; the row gives how many, the most of any
+  head class);
 * ``refused``: tpify refused the recipe before anything ran (a ``RecipeError`` / ``PlanError``
   naming the module and the reason, on every rank);
 * ``cannot build``: verify could not build a small model, or the dense model itself fails
@@ -28,8 +30,9 @@ model is counted on the meta device and refused above verify's 2M-element bound.
 Writes ``benchmarks/out/sweep_verify.json`` (resumable: families already there are skipped unless
 ``--again``) and ``benchmarks/out/sweep_verify.md`` (the table; docs/families.md holds a copy).
 
-Run: ``python benchmarks/sweep_verify.py`` (17 minutes for the 155 types of transformers 5.23 on
-2 shared CPU cores, 2026-11-24; ``--types llama,gemma2`` for a few, ``--again`` to redo them).
+Run: ``python benchmarks/sweep_verify.py`` (10 minutes for the 164 types of transformers 5.23 and
+tpify's recipes on 2 shared CPU cores, 2026-11-24; ``--types llama,gemma2`` for a few,
+``--again`` to redo them).
 This is a measurement, not a test; docs/families.md holds the table and its reading.
 """
 
@@ -50,6 +53,8 @@ OUT = ROOT / "benchmarks" / "out"
 
 _REFUSALS = ("RecipeError", "PlanError")
 _ORDER = {"wrong": 0, "fails": 1, "cannot build": 2, "refused": 3, "exact": 4}
+# The dense reference row's note of tpify.authoring.reference.perturb_constants: how many tensors.
+_PERTURBED = re.compile(r"(\d+) tensors the family's init leaves constant")
 
 
 def sweep_types() -> list[str]:
@@ -110,10 +115,12 @@ def classify(label: str, rows: list, seconds: float) -> dict:
                 and r.tolerance not in ("bitwise", "identical", "exact", "-")]
     worst = max((r.max_diff for r in compared), default=None)
     dtype = "float32" if any(r.check.startswith("dense reference: float32") for r in rows) else "float64"
-    notes = sorted({r.check.removeprefix("dense reference: ") for r in rows
-                    if r.passed and r.check.startswith("dense reference: ")})
+    stated = [r for r in rows if r.passed and r.check.startswith("dense reference: ")]
+    notes = sorted({r.check.removeprefix("dense reference: ") for r in stated} - {"float64, left-padded batch"})
+    perturbed = [int(m.group(1)) for r in stated for m in [_PERTURBED.search(r.message)] if m]
     return {"type": label, "outcome": outcome, "reason": reason, "max_diff": worst, "dtype": dtype,
-            "heads": {h: v[0] for h, v in per_head.items()}, "notes": notes, "seconds": round(seconds, 1)}
+            "heads": {h: v[0] for h, v in per_head.items()}, "notes": notes,
+            "perturbed": max(perturbed) if perturbed else None, "seconds": round(seconds, 1)}
 
 
 def _worker(types: list[str], per_type_s: float, memory_gib: float, result: Path) -> None:
@@ -172,15 +179,17 @@ def format_table(results: dict[str, dict]) -> str:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     lines = [f"{len(results)} families: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in sorted(_ORDER,
                                                                                                 key=_ORDER.get)[::-1]),
-             "", "| model_type | outcome | max diff | dtype | head classes | reason / notes | s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| model_type | outcome | max diff | dtype | head classes | constants perturbed | reason / notes | s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in sorted(results):
         r = results[t]
         diff = "-" if r["max_diff"] is None else f"{r['max_diff']:.1e}"
         heads = len(r["heads"]) if r["heads"] else 0
         text = r["reason"] or "; ".join(r["notes"])
         text = text.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {t} | {r['outcome']} | {diff} | {r['dtype']} | {heads} | {text[:240]} | {r['seconds']} |")
+        perturbed = "-" if r.get("perturbed") is None else r["perturbed"]
+        lines.append(f"| {t} | {r['outcome']} | {diff} | {r['dtype']} | {heads} | {perturbed} | {text[:240]} "
+                     f"| {r['seconds']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,10 @@ ranks ``tpify.authoring.verify.verify_many`` launches can unpickle them by name.
 * ``NaNLlamaModel``: a Llama with a NaN in its final norm weight: the dense model is not finite on any
   input, which verify must report as such (``dense reference not finite``), not as a difference
   of the parallel model.
+* ``BiasOnEveryRankGPT2LMHeadModel``: gpt2 whose MLP output gets its ``c_proj`` bias ``tp_size``
+  times once that layer is tpify's ``RowParallelLinear``: the effect of a row-parallel layer
+  adding its bias on every rank before the all-reduce instead of once after it. Its own init
+  sets that bias to zero, so verify catches it only with the constants perturbed.
 """
 
 from __future__ import annotations
@@ -65,48 +69,6 @@ class NaNLlamaModel(LlamaModel):
 
 
 # ---------------------------------------------------------------------------------------------
-# Families whose own init sets some parameters to zero (biases, attention sinks, per-head gates):
-# verify's random model would then not exercise what a split of them does in the forward (a bias
-# counted tp times adds tp * 0). These subclasses give those parameters random values at init
-# (after the family's own, under the seed verify sets), nothing else changed: the checkpoint is
-# the family's own.
-
-def _noise(model: nn.Module, names: tuple[str, ...], std: float = 0.5) -> None:
-    """Every parameter whose name ends with one of ``names`` (dotted suffixes) drawn from N(0, std^2)
-    (on the meta device: nothing)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if any(name == n or name.endswith("." + n) for n in names) and not param.is_meta:
-                param.normal_(0.0, std)
-
-
-def _noisy(base: type, names: tuple[str, ...]) -> type:
-    def __init__(self, config):
-        base.__init__(self, config)
-        _noise(self, names)
-
-    return type(f"Noisy{base.__name__}", (base,), {"__init__": __init__, "__module__": __name__,
-                                                   "__doc__": f"{base.__name__} with {list(names)} random."})
-
-
-from transformers.models.gpt_oss import modeling_gpt_oss as _gpt_oss  # noqa: E402
-
-_GPT_OSS_NOISE = ("sinks", "gate_up_proj_bias", "down_proj_bias", "bias")
-NoisyGptOssModel = _noisy(_gpt_oss.GptOssModel, _GPT_OSS_NOISE)
-NoisyGptOssForCausalLM = _noisy(_gpt_oss.GptOssForCausalLM, _GPT_OSS_NOISE)
-NoisyGptOssForSequenceClassification = _noisy(_gpt_oss.GptOssForSequenceClassification, _GPT_OSS_NOISE)
-NoisyGptOssForTokenClassification = _noisy(_gpt_oss.GptOssForTokenClassification, _GPT_OSS_NOISE)
-
-
-from transformers.models.neomme import modeling_neomme as _neomme  # noqa: E402
-
-_NEOMME_NOISE = ("alpha", "value_embeddings.weight")
-NoisyNeoMMEModel = _noisy(_neomme.NeoMMEModel, _NEOMME_NOISE)
-NoisyNeoMMEForMaskedLM = _noisy(_neomme.NeoMMEForMaskedLM, _NEOMME_NOISE)
-NoisyNeoMMEForRetrieval = _noisy(_neomme.NeoMMEForRetrieval, _NEOMME_NOISE)
-
-
-# ---------------------------------------------------------------------------------------------
 # A parameter per KV head (as doge's DogeAttention.A): Llama whose attention scales each KV head's
 # values by its own ``kv_gate`` value. At tp_size above the KV heads each value is held by the
 # ranks whose query heads read that KV head, its gradient summed over them (tpify.hooks.per_head).
@@ -158,3 +120,31 @@ class KVGatedLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         _kv_gated(self.model, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# A mistake only a non-zero bias reveals: a row-parallel layer's bias added on every rank (before
+# the all-reduce) instead of once. Simulated by a forward hook on gpt2's MLP, active only when its
+# c_proj is tpify's RowParallelLinear (the dense model is gpt2's own): the output gets the bias
+# tp_size - 1 more times, what the all-reduce of tp_size partial sums each holding the bias gives.
+# Detached, as in that mistake: each rank's bias still gets the output's gradient once (the
+# all-reduce's backward is the identity), so only the forward is wrong, by (tp_size - 1) * bias.
+
+from transformers import GPT2LMHeadModel  # noqa: E402
+
+
+def _bias_on_every_rank(mlp: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    from tpify.layers import RowParallelLinear
+
+    if isinstance(mlp.c_proj, RowParallelLinear) and mlp.c_proj.bias is not None:
+        return output + (mlp.c_proj.tp_size - 1) * mlp.c_proj.bias.detach()
+    return output
+
+
+class BiasOnEveryRankGPT2LMHeadModel(GPT2LMHeadModel):
+    """gpt2's causal LM whose row-parallel MLP ``c_proj`` adds its bias on every rank (see above)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.transformer.h:
+            block.mlp.register_forward_hook(_bias_on_every_rank)

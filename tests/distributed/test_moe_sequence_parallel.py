@@ -8,7 +8,9 @@ asserting one:
   expert parallelism (``ep_size = tp``), at tp = 4 (2 KV heads: each held by 2 ranks) and at
   tp = 2 (each TP group of a ``dp = 2 x tp = 2`` mesh): logits, the ``labels=`` loss with the
   router's load-balancing loss (``output_router_logits=True``), the aux loss itself and every
-  gathered gradient, the router's included, against the dense float64 model; the collectives
+  gathered gradient, the router's included, against the dense float64 model (every dense model
+  here with the tensors its init leaves constant, norm weights and biases, perturbed as ``tpify
+  verify`` does: :func:`_dense_ref`); the collectives
   of one MoE layer counted against sequence parallelism's own budget; Mixtral at tp = 2 again
   with gradient checkpointing (the block's hooks run again in the recomputation);
 * refused, naming the module: a shared expert beside the experts (qwen2_moe), a module with
@@ -83,13 +85,18 @@ def _phi3(kv=2, seed=0):
     torch.manual_seed(seed)
     return _dense_ref(Phi3ForCausalLM(Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
                                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=kv,
-                                                 max_position_embeddings=32, pad_token_id=0)).double())
+                                                 max_position_embeddings=32, pad_token_id=0)).double(), seed)
 
 
-def _dense_ref(model):
-    from tpify.authoring.reference import float64_loss_function
+def _dense_ref(model, seed: int = 0):
+    """``model`` with its loss in float64 and every tensor its init leaves constant (norm weights
+    of ones; qwen2_moe's q/k/v biases, zero) given seeded noise as ``tpify verify`` does
+    (tpify.authoring.reference.perturb_constants): with ones and zeros a bias or norm weight held
+    by the wrong ranks would compute the dense result."""
+    from tpify.authoring.reference import float64_loss_function, perturb_constants
 
     model.loss_function = float64_loss_function("ForCausalLM")
+    perturb_constants(model, seed)
     return model
 
 
@@ -246,7 +253,7 @@ def _kv_dense(kind: str, kv: int = 2, seed: int = 0):
     torch.manual_seed(seed)
     return _dense_ref(LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
                                                    num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=kv,
-                                                   max_position_embeddings=32)).double())
+                                                   max_position_embeddings=32)).double(), seed)
 
 
 def _batch(step):

@@ -5,18 +5,19 @@
   (:func:`tpify.authoring.small.small_config`), at tp = 2 in ONE spawned job for the fixed list
   ``_QUICK_FAMILIES`` (tp = 4: slow; every later recipe without experts, qwen3, gemma2 and
   gemma3_text first, only in a slow job of their own at tp = 2 with a Llama 3 rope-scaled config, a Mistral-Nemo-style ``head_dim`` and a
-  Gemma 2 softcap that changes the logits, and in the tp = 4 job;
+  Gemma 2 softcap that changes the logits, and in the tp = 4 job (in that tp = 2 job too, the
+  negative control of the constants verify perturbs: a row-parallel bias added on every rank);
   the mixture-of-experts recipes, those with an ``experts`` rule, in a slow job of their own at
   tp = 2, every head class with tensor-parallel experts and the causal LM again with expert
   parallelism, the router's load-balancing loss in the loss; at tp = 4 their causal LMs with expert
   parallelism; gpt_oss, neomme and gemma3n_text, whose per-head parameters and biases their
-  own init sets to zero, in tests/distributed/test_per_head.py with those drawn at random): outputs with
+  own init sets to zero, in tests/distributed/test_per_head.py): outputs with
   a left-padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, the
   save/load round trip, and for the recipes with a ``[sequence_parallel]`` table the outputs,
   loss and gradients again with ``sequence_parallel=True``. Tolerance ``atol=1e-10,
   rtol=1e-9`` in float64: both sides compute the same thing and only the order of the sums
   differs (a few ulps: measured <= 9.1e-13, phi's base model gradients); a wrong shard gives >= 1e-3
-  (the negative control below measures 0.12). A directory target (a small tied-embedding Llama
+  (the negative control below measures 0.014 in the logits). A directory target (a small tied-embedding Llama
   config.json, used as it is) runs in the same job.
 * Negative controls in the same job: a gpt2 recipe that passes validation but splits the packed
   ``c_attn`` contiguously (``colwise``: rank 0 holds all of Q and half of K) must FAIL on the
@@ -28,7 +29,7 @@
   transformers' eager experts (``grouped_mm`` refuses float64), its load-balancing loss in the
   ``labels=`` loss; a Llama whose kernel refuses float64 as ``grouped_mm`` does (tests/verify_models.py)
   is verified in float32 with the stated float32 tolerance, every compared row saying
-  ``float32``, and gpt2's contiguous ``c_attn`` split still fails in float32 (measured 2.1,
+  ``float32``, and gpt2's contiguous ``c_attn`` split still fails in float32 (measured 0.27,
   against 2.3e-5); a Llama with a NaN weight gives one ``dense reference not finite`` row, not a
   difference of the parallel model.
 * The vision-language recipes (llava, qwen2_vl, qwen2_5_vl, gemma3) and the tower recipes they include are
@@ -164,8 +165,8 @@ _QUICK_FAMILIES = ("bert", "bloom", "distilbert", "falcon", "gemma", "gpt2", "gp
 # test_newly_buildable_families_are_exact_tp2).
 _VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "clip_vision_model", "siglip_vision_model",
                     "qwen2_vl_vision", "qwen2_5_vl_vision")
-# Recipes with per-head parameters, proved in tests/distributed/test_per_head.py's slow jobs, with
-# their zero-initialised parameters (biases, sinks, gates) made random (tests/verify_models.py).
+# Recipes with per-head parameters, proved in tests/distributed/test_per_head.py's slow jobs (their
+# zero-initialised biases, sinks and gates perturbed by verify, as every family's constants are).
 _PER_HEAD_JOBS = ("gpt_oss", "neomme", "gemma3n_text")
 _OWN_JOBS = _VISION_LANGUAGE + _PER_HEAD_JOBS
 
@@ -290,7 +291,8 @@ def test_every_shipped_recipe_is_exact_tp2_and_wrong_recipes_fail(tp2_report):
     assert not any(r.passed for c, r in bad.items() if c.startswith(("labels=", "gradients"))), bad
     print(f"measured: the contiguous c_attn split is off by {bad['forward logits'].max_diff:.3g} in the logits")
     llama = [r for r in report.rows if r.target == "llama (o_proj replicate)"]
-    assert llama and not any(r.passed for r in llama) and "raised" in llama[-1].check, llama
+    assert llama and not any(r.passed for r in llama if not r.check.startswith("dense reference:")) \
+        and "raised" in llama[-1].check, llama
 
 
 def _rows(report, label):
@@ -537,11 +539,21 @@ def test_later_recipes_are_exact_tp2():
     Mistral-Nemo's head_dim, a softcap that bites): ONE spawned job at tp = 2. Gemma's RMSNorm
     computes its weight's gradient in float32 inside the float64 model (transformers' code): those
     gradients alone are compared at the float32 tolerance, the row's tolerance saying so
-    (tpify.authoring.reference.float32_parameters); everything else at atol=1e-10, rtol=1e-9."""
+    (tpify.authoring.reference.float32_parameters); everything else at atol=1e-10, rtol=1e-9.
+
+    Negative control in the same job: gpt2 whose row-parallel MLP ``c_proj`` adds its bias on every
+    rank instead of once (tests/verify_models.py ``BiasOnEveryRankGPT2LMHeadModel``: the forward off
+    by ``(tp - 1) * bias``, the gradients as they should be) must FAIL on the logits. gpt2's init
+    sets that bias to zero: before verify perturbed the constants (tpify.authoring.reference
+    ``perturb_constants``) every row of it passed (measured 1.7e-16, 2026-11-24); now the logits are
+    off by 0.096."""
+    import verify_models as vm
+
     variants = _sequence_parallel_variants(2)
     later = _later_families()
     assert {"qwen3", "gemma2", "gemma3_text"} <= set(later), later
-    report = verify_many([Target(m) for m in later] + variants, (2,), timeout_s=1500)
+    bias_twice = Target("gpt2", head_classes=[vm.BiasOnEveryRankGPT2LMHeadModel], label="gpt2 (c_proj bias on every rank)")
+    report = verify_many([Target(m) for m in later] + variants + [bias_twice], (2,), timeout_s=1500)
     _timings(report, 2)
     _check_families(report, later, 2)
     _check_sequence_parallel(report, [m for m in later if "sequence_parallel" in _recipe_toml(m)]
@@ -550,6 +562,12 @@ def test_later_recipes_are_exact_tp2():
     assert gemma and all("used in float32" in r.tolerance for r in gemma), gemma
     qwen3 = [r for r in report.rows if r.target == "qwen3" and r.check.startswith("gradients")]
     assert qwen3 and not any("float32" in r.tolerance for r in qwen3), qwen3  # its norms stay float64
+    bad = {r.check.split(" (")[0]: r for r in _rows(report, bias_twice.label)}
+    assert "constant" in bad["dense reference: float64, left-padded batch"].message, bad
+    assert not bad["forward logits"].passed and bad["forward logits"].max_diff > 1e-3, bad
+    assert not bad["generate"].passed and not bad["save/load logits"].passed, bad
+    print(f"measured: a row-parallel bias added on every rank is off by {bad['forward logits'].max_diff:.3g} "
+          f"in the logits (0 before the constants were perturbed)")
 
 
 @pytest.mark.slow
@@ -833,12 +851,14 @@ def test_vision_towers_are_small_and_a_class_verify_cannot_feed_is_refused_befor
 def test_dense_reference_choices_without_ranks():
     """The choices of the dense reference, in one process: gemma2 right-padded, olmoe's experts
     eager in float64, float32 for a kernel that refuses float64 (the real grouped_mm error is
-    recognised as such), DenseNotFinite for a model NaN on every input."""
+    recognised as such), DenseNotFinite for a model NaN on every input; every tensor the
+    family's init leaves constant perturbed (no constant parameter left, norms and biases
+    among them, the rotary table untouched, the note saying how many)."""
     import verify_models as vm
     from transformers import Gemma2ForCausalLM, OlmoeForCausalLM
 
     from tpify.authoring.inputs import case_config as _case_config
-    from tpify.authoring.reference import _refuses_float64
+    from tpify.authoring.reference import _is_constant, _refuses_float64
     from tpify.authoring.reference import dense_reference as _dense_reference
 
     def config(model_type, task):
@@ -846,13 +866,20 @@ def test_dense_reference_choices_without_ranks():
 
     gemma2 = _dense_reference(Gemma2ForCausalLM, config("gemma2", "causal-lm"), "causal-lm")
     assert (gemma2.dtype, gemma2.padding, gemma2.eager_experts) == (torch.float64, "right", False)
-    assert "not finite with left padding (loss (1 of 1), logits (" in gemma2.notes[0], gemma2.notes
+    assert "not finite with left padding (loss (1 of 1), logits (" in gemma2.notes[1], gemma2.notes
     olmoe = _dense_reference(OlmoeForCausalLM, config("olmoe", "causal-lm"), "causal-lm")
     assert (olmoe.dtype, olmoe.padding, olmoe.eager_experts) == (torch.float64, "left", True)
     assert olmoe.model.config._experts_implementation == "eager"
+    for ref in (gemma2, olmoe):
+        assert not [n for n, p in ref.model.named_parameters() if _is_constant(p)], ref.perturbed
+        assert f"{len(ref.perturbed)} tensors the family's init leaves constant" in ref.notes[0], ref.notes
+    assert {"model.norm.weight", "model.layers.0.self_attn.q_norm.weight"} <= set(olmoe.perturbed), olmoe.perturbed
+    assert not any("rotary" in n for n in gemma2.perturbed + olmoe.perturbed)
+    rotary = type(olmoe.model.model.rotary_emb)(olmoe.model.config)
+    torch.testing.assert_close(olmoe.model.model.rotary_emb.inv_freq, rotary.inv_freq.double(), rtol=0, atol=0)
     refusing = _dense_reference(vm.Float64RefusingLlamaModel, config("llama", "base"), "base")
     assert (refusing.dtype, refusing.padding) == (torch.float32, "left") and refusing.tolerance[2] == FLOAT32_TOLERANCE
-    assert refusing.summary() == "dense reference: float32, left-padded batch" and "refuse float64" in refusing.notes[0]
+    assert refusing.summary() == "dense reference: float32, left-padded batch" and "refuse float64" in refusing.notes[-1]
     assert next(p for p in refusing.model.parameters()).dtype == torch.float32
     with pytest.raises(RuntimeError, match="got Double"):
         _dense_reference(vm.Float64RefusingLlamaModel, config("llama", "base"), "base", dtype=torch.float64)

@@ -1,6 +1,8 @@
 """What ``tpify verify`` checks: one head class at one tp size, on every rank (:func:`check_case`).
 
-A seeded dense reference (:mod:`tpify.authoring.reference`) against ``tpify.parallelize`` of a
+A seeded dense reference (:mod:`tpify.authoring.reference`; every tensor its init leaves
+constant, zero biases, unit norms, sinks and gates, given seeded noise first, so that a bias or a
+norm handled wrongly cannot compute the dense result) against ``tpify.parallelize`` of a
 deep copy, step by step: forward outputs, the loss, every gathered gradient, the same with
 sequence parallelism where the recipe has it, greedy ``generate``, a ``save_pretrained`` /
 ``from_pretrained`` round trip. Each step is a function of the case's shared state
@@ -345,13 +347,19 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
 
     1. ``dense reference``: ``torch.manual_seed(seed)``; ``ref = cls(config).double().eval()``,
        the dense float64 reference, and its batch
-       (:func:`~tpify.authoring.reference.dense_reference`: fused MoE experts run eagerly; the
+       (:func:`~tpify.authoring.reference.dense_reference`: every floating parameter, and
+       persistent buffer outside rotary modules, whose elements are all equal first becomes
+       ``c + 0.1 max(1, |c|) N(0, 1)``, seeded from ``seed``, the same on every rank
+       (:func:`~tpify.authoring.reference.perturb_constants`: with the zeros and ones of HF's
+       init a bias counted ``tp`` times or taken from the wrong slice would compute the dense
+       result); fused MoE experts run eagerly; the
        padded row moves from the left to the right, or the padding goes, when the dense model is
        not finite with it; float32 when its kernels refuse float64; ``dtype``
        forces one dtype, with no fallback). When no batch gives finite values the case ends with
        a failed ``dense reference not finite`` row: nothing is compared, and it is not the
-       parallel model's fault. A choice other than float64 with left padding is stated in a
-       passing ``dense reference: ...`` row (its message says why).
+       parallel model's fault. The perturbation (how many tensors) and a choice other than
+       float64 with left padding are stated in a passing ``dense reference: ...`` row (its
+       message says why).
        ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe, ep_size=ep_size)``
        on a process group ``G`` made for this case (``ep_size = tp_size``: the fused MoE experts
        whole per rank, expert parallelism). A mixture of experts runs with its router logits

@@ -13,6 +13,13 @@ compared, and the parallel model is not at fault.
 
 Where HF's loss would upcast to float32 only (causal / masked LM, token classification), the
 reference gets it in float64 (:func:`float64_loss_function`; the tests use it too).
+
+Before anything else, every parameter the family's own init leaves constant (Linear biases,
+norm weights and biases, attention sinks, gating scalars, zero-init residual gates, layer
+scales) gets seeded noise (:func:`perturb_constants`): with zeros or ones, a bias added on every
+rank of a row-parallel layer instead of once, a bias or norm weight taken from the wrong slice,
+or a per-head parameter left whole compute the dense result, and verify would call a wrong
+recipe exact. The ``dense reference: ...`` row says how many tensors were perturbed.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from .compare import ATOL, RTOL, TOLERANCE, float32_tolerance
 from .inputs import float_outputs, loss_of, make_inputs, synthetic_loss, text_config
 from .verify_report import DENSE_REFERENCE
 
-__all__ = ["DenseNotFinite", "Reference", "build_seeded", "dense_reference", "float64_loss_function", "use_eager_experts"]
+__all__ = ["DenseNotFinite", "PERTURB_STD", "Reference", "build_seeded", "dense_reference", "float64_loss_function",
+           "perturb_constants", "use_eager_experts"]
 
 def float64_loss_function(loss_type: str):
     """Hugging Face's loss for ``loss_type`` computed in the logits' dtype, or None if HF's own does.
@@ -114,6 +122,8 @@ class Reference:
             cast to float32 in the float64 model: a norm, a softmax); an output, loss or gradient
             outside the float64 tolerance is compared again with the float32 one
             (:meth:`output_fallback_tolerance`, :meth:`fallback_tolerance`).
+        perturbed: the tensors the family's init left constant, given seeded noise before
+            anything was compared (:func:`perturb_constants`).
     """
 
     model: torch.nn.Module
@@ -125,6 +135,7 @@ class Reference:
     float32_parameters: tuple[str, ...] = ()
     through_float32: tuple[str, ...] = ()
     outputs_through_float32: bool = False
+    perturbed: tuple[str, ...] = ()
 
     @property
     def tolerance(self) -> tuple[float, float, str]:
@@ -299,6 +310,82 @@ def build_seeded(cls: type, config, seed: int) -> tuple[torch.nn.Module, list[st
     return model, uninitialised
 
 
+PERTURB_STD = 0.1  # the noise of perturb_constants: std s, times max(1, |c|) for a constant c
+PERTURB_SEED_OFFSET = 0x9E3779B9  # perturb_constants' generator: seeded apart from the model's init
+
+
+def _is_constant(t: torch.Tensor) -> bool:
+    """A floating tensor with at least one element, every element the same finite value."""
+    if not t.is_floating_point() or t.numel() == 0 or t.is_meta:
+        return False
+    first = t.detach().reshape(-1)[0]
+    return bool(torch.isfinite(first)) and bool((t == first).all())
+
+
+def _is_rotary(module: torch.nn.Module) -> bool:
+    """A rotary-embedding module (its tables, and what parameterises them, are computed, not learned)."""
+    return hasattr(module, "inv_freq") or re.search(r"rotary|rope", type(module).__name__, re.IGNORECASE) is not None
+
+
+def perturb_constants(model: torch.nn.Module, seed: int = 0, std: float = PERTURB_STD) -> list[str]:
+    """Give every constant floating tensor of ``model`` seeded noise, in place; return their names.
+
+    Which: every floating parameter whose elements are all equal (a zero bias, a norm weight of
+    ones, an attention sink, a gating scalar, a zero-init output projection), and every floating
+    *persistent* buffer whose elements are all equal, except those of rotary-embedding modules.
+    Persistent buffers are checkpoint values the model learns or is given (a router's
+    ``e_score_correction_bias``, gemma 4's ``layer_scalar``, an audio encoder's normalisation
+    statistics): a save or load that drops one is invisible while it holds its init value.
+    Non-persistent buffers are what the constructor computes (rotary ``inv_freq``, causal masks,
+    ``embed_scale``, ``position_ids``) and a rotary module's persistent ones parameterise such a
+    table (mistral_large4's ``alpha``): these are left alone, as are integer and boolean tensors
+    and tensors that vary already.
+
+    How: a constant ``c`` becomes ``c + std * max(1, |c|) * z`` with ``z ~ N(0, 1)`` per element
+    (zeros: ``N(0, std^2)``), drawn in float64 from a generator of its own seeded with
+    ``seed + PERTURB_SEED_OFFSET`` (not the stream the model's init drew from), in the order of
+    ``named_parameters()`` then ``named_modules()``' persistent buffers: the same values on every
+    rank, and the global random state untouched. ``std`` = :data:`PERTURB_STD` (0.1) moves a sink, a
+    gate or a bias enough that handling it wrongly changes outputs by far more than verify's
+    tolerance, and keeps norm weights near 1 and log-parameterised values (``A_log``, ``dt_bias``)
+    in range. Tied parameters are perturbed once (they stay tied).
+
+    Why: transformers' ``_init_weights`` sets these to zeros or ones, and with zeros or ones a
+    bias added on every rank of a row-parallel layer instead of once, a bias split along the
+    wrong dimension, a per-head parameter left whole, an ``after_sum`` expert bias counted
+    ``tp`` times or a split norm's weight taken from the wrong slice all compute the dense result.
+
+    Returns the perturbed names (parameters, then buffers). Local; no communication.
+    """
+    gen = torch.Generator().manual_seed(seed + PERTURB_SEED_OFFSET)
+    names = []
+
+    def perturb(name: str, t: torch.Tensor) -> None:
+        c = float(t.detach().reshape(-1)[0])
+        z = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            t.copy_((c + std * max(1.0, abs(c)) * z).to(t.dtype))
+        names.append(name)
+
+    for name, param in model.named_parameters():
+        if _is_constant(param):
+            perturb(name, param)
+    for module_name, module in model.named_modules():
+        if _is_rotary(module):
+            continue
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer_name not in module._non_persistent_buffers_set and _is_constant(buffer):
+                perturb(f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer)
+    return names
+
+
+def _perturbed_note(names: list[str], std: float) -> str:
+    """The note of :func:`perturb_constants`: how many tensors, a few of their names."""
+    shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+    return (f"{len(names)} tensors the family's init leaves constant ({shown}) perturbed: c + {std:g} * max(1, |c|) "
+            f"* N(0, 1), seeded (zero biases, unit norms, sinks and gates then exercise their split)")
+
+
 def _not_finite(model, inputs: dict, labels: dict) -> tuple[list[str], tuple[tuple[str, ...], tuple[str, ...]]]:
     """``(what is not finite in one forward and backward of model (outputs, loss, gradients),
     the parameters its graph uses in float32 and those whose gradients pass through float32
@@ -325,9 +412,11 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
     """The dense reference of one case: float64 where its kernels allow, inputs where it is finite.
 
     1. ``torch.manual_seed(seed); cls(config).eval()`` (:func:`build_seeded`: parameters the
-       family's init leaves uninitialised drawn at random, the same on every rank); fused MoE
-       experts switched to their eager implementation (:func:`use_eager_experts`: ``grouped_mm``
-       refuses float64).
+       family's init leaves uninitialised drawn at random, the same on every rank); every tensor
+       the family's init leaves constant given seeded noise (:func:`perturb_constants`; the note
+       says how many), before anything is copied or compared, so the parallel copy, the save /
+       load round trip and every check see the same values; fused MoE experts switched to their
+       eager implementation (:func:`use_eager_experts`: ``grouped_mm`` refuses float64).
     2. For dtype float64, then float32: one forward and backward (the case's loss) on the
        batch of :func:`make_inputs` with its padded row on the left, else on the right, else
        no padding, until outputs, loss and every gradient are finite. Left first: it is what
@@ -346,8 +435,8 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
        gemma3's norms): their gradients are compared with :func:`float32_tolerance`, the
        others (and every output) with the float64 one; the note names the modules.
 
-    ``dtype`` forces one dtype (no fallback). Every choice that is not float64 with left padding
-    is stated in ``notes``.
+    ``dtype`` forces one dtype (no fallback). Every choice that is not float64 with left padding,
+    and the perturbation, is stated in ``notes``.
 
     Raises:
         DenseNotFinite: no padding gives finite values (names what is NaN / infinite for each).
@@ -355,12 +444,15 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
     """
     base, uninitialised = build_seeded(cls, config, seed)
     base.eval()
+    perturbed = perturb_constants(base, seed)
     eager = use_eager_experts(base)
     notes = []
     if uninitialised:
         notes.append(f"{len(uninitialised)} parameters ({', '.join(uninitialised[:3])}"
                      f"{' ...' if len(uninitialised) > 3 else ''}) are left uninitialised by the family's own init "
                      f"(torch.empty: a composite's checkpoint fills them); drawn from N(0, initializer_range)")
+    if perturbed:
+        notes.append(_perturbed_note(perturbed, PERTURB_STD))
     if eager:
         notes.append("fused MoE experts run with experts_implementation='eager' (the family's loop over experts, "
                      "the same function; transformers' default grouped_mm kernel refuses float64)")
@@ -379,7 +471,8 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
                                      + "; ".join(tried))
                     if in_float32[0]:
                         notes.append(_float32_note(model, in_float32[0], config))
-                    return Reference(model, dt, padding, eager, notes, _depth(config), *in_float32)
+                    return Reference(model, dt, padding, eager, notes, _depth(config), *in_float32,
+                                     perturbed=tuple(perturbed))
                 tried.append(f"{_PADDINGS[padding]} ({', '.join(problems)})")
         except Exception as e:  # noqa: BLE001 - a refusal of float64 switches dtype, anything else propagates
             if dt == torch.float64 and len(dtypes) > 1 and _refuses_float64(e):

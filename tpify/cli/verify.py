@@ -1,12 +1,14 @@
 """``tpify verify MODEL_TYPE_OR_DIR [--recipe FILE] [--tp 2,4] [--head-class ...] [--ep]``: prove a recipe exact.
 
 Runs :func:`tpify.authoring.verify.verify` on this machine's CPU: for every head class of the family (or
-those named) and every tp size, a small random float64 model against ``tpify.parallelize`` of a
+those named) and every tp size, a small random float64 model (the tensors its init leaves
+constant, zero biases and unit norms, given seeded noise) against ``tpify.parallelize`` of a
 copy on gloo ranks it launches itself (no torchrun). Prints one row per comparison (outputs
 with a padding mask, the ``labels=`` loss, every gathered gradient, greedy ``generate``, a
 save/load round trip) with the largest difference and pass/fail, then the time it took. Where
 a family's kernels refuse float64 the case runs in float32 and its rows say so, with their
-tolerance; a ``dense reference: ...`` row states such a choice and why. Exit status: 0 when
+tolerance; a ``dense reference: ...`` row states such a choice and why, and how many
+constant tensors were perturbed. Exit status: 0 when
 every check passed, 1 when one failed (the last line says whether the parallel model differs
 or the dense reference itself could not be computed), 2 when the target, recipe or arguments
 are unusable (a config that cannot be made small enough included).
