@@ -120,7 +120,7 @@ def classify(label: str, rows: list, seconds: float) -> dict:
     perturbed = [int(m.group(1)) for r in stated for m in [_PERTURBED.search(r.message)] if m]
     return {"type": label, "outcome": outcome, "reason": reason, "max_diff": worst, "dtype": dtype,
             "heads": {h: v[0] for h, v in per_head.items()}, "notes": notes,
-            "perturbed": max(perturbed) if perturbed else None, "seconds": round(seconds, 1)}
+            "perturbed": max(perturbed) if perturbed else (0 if stated else None), "seconds": round(seconds, 1)}
 
 
 def _worker(types: list[str], per_type_s: float, memory_gib: float, result: Path) -> None:
