@@ -107,7 +107,9 @@ def _body(rank, world):
     return "ok"
 
 
-@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
+# tp = 4 is proved by tpify verify's tp = 4 job (tests/distributed/test_verify.py: every head class
+# of gpt2 and bert, vocabularies of 101 padded at tp = 2 and 4, gradients, generate, save/load).
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_gpt2_and_bert_match_dense(tp):
     assert tputil.spawn(_body, tp) == ["ok"] * tp
 
