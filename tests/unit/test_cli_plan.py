@@ -202,3 +202,13 @@ def test_rank_shapes_replicated_parts():
     entry.replicated_parts = (1, 2)
     lin = nn.Linear(6, 12, device="meta")
     assert rank_shapes(lin, entry, 2) == {"weight": ((12, 6), (8, 6), True), "bias": ((12,), (8,), True)}
+
+
+@pytest.mark.slow  # the default Qwen2-VL tower on the meta device: 3.4 s
+def test_a_tower_without_a_standard_head_class_is_planned_with_its_own_class():
+    """qwen2_vl_vision has no base / LM head class in transformers' auto classes; the plan takes
+    the class the family builds from that config (Qwen2VisionTransformerPretrainedModel), as
+    ``tpify verify`` does, instead of asking for ``--head-class``."""
+    report = plan_report("qwen2_vl_vision", 2)
+    assert report["head_class"] == "Qwen2VisionTransformerPretrainedModel"
+    assert 0.50 < report["memory"]["ratio"] < 0.51

@@ -28,7 +28,7 @@ from ..hf_modules import config_get, relative_fqn
 from ..styles import STYLES
 from ..layout import build_layout
 from ..recipe import Rule, RuleIndex
-from .target import HEAD_TASKS, head_classes, resolve_config
+from .target import HEAD_TASKS, family_head_classes, head_classes, resolve_config
 
 __all__ = ["PlanReportError", "plan_report", "rank_shapes"]
 
@@ -50,7 +50,9 @@ def _dtype_of(config):
 
 def _head_class(config, head_class: str | None):
     """The class to build: ``head_class`` as a task of ``HEAD_TASKS`` or a transformers class name;
-    by default the family's masked LM, else its causal LM, else its seq2seq LM, else its base model."""
+    by default the family's masked LM, else its causal LM, else its seq2seq LM, else its base model,
+    else (a part of a composite, a vision tower: ``Qwen2VisionTransformerPretrainedModel``) the
+    first class :func:`~tpify.authoring.target.family_head_classes` builds from the config."""
     import transformers
 
     found = head_classes(config.model_type)
@@ -60,6 +62,9 @@ def _head_class(config, head_class: str | None):
         for task in ("masked-lm", "causal-lm", "seq2seq-lm", "base"):
             if task in found:
                 return found[task]
+        others = family_head_classes(config)
+        if others:
+            return next(iter(others.values()))
         raise PlanReportError(f"transformers defines no base model or LM head for model_type "
                               f"{config.model_type!r}; pass --head-class with a class name")
     if head_class in HEAD_TASKS:
