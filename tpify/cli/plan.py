@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     plan.add_argument("--head-class", default=None,
                       help="head class name or task (causal-lm, masked-lm, base, ...; default: the masked LM, "
                            "else the causal LM, else the seq2seq LM, else the base model, else the one "
-                                "class the config builds: a vision tower, a part of a composite)")
+                           "class the config builds: a vision tower, a part of a composite)")
     plan.add_argument("--ep-size", type=flag(POSITIVE_INT), default=1,
                       help="expert parallelism: 1 (default, tensor-parallel experts) or the tp size (whole experts "
                            "per rank)")
