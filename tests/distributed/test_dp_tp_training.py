@@ -23,6 +23,7 @@ import torch
 from transformers import BertForMaskedLM, GPT2LMHeadModel
 
 import tputil
+from tpify.authoring.reference import perturb_constants
 from test_core_equivalence import bert_config, gpt2_config
 
 pytestmark = pytest.mark.slow  # real models / long end-to-end runs: not in the quick subset
@@ -38,6 +39,7 @@ def _train(cls, config, rank):
 
     torch.manual_seed(0)
     ref = cls(config).double()
+    perturb_constants(ref)  # zero biases, unit norms: seeded noise
     par = tpify.parallelize(copy.deepcopy(ref), tp_size=2)
     info = tpify.get_tp_info(par)
     dp_rank = dist.get_rank(info.dp_group)

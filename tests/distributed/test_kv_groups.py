@@ -60,9 +60,13 @@ def _ids(seed=1, shape=(2, 16)):
 
 
 def _dense_ref(model):
-    from tpify.authoring.reference import float64_loss_function
+    """The float64 dense reference: HF's loss in float64, and every constant tensor of the init
+    (zero K/V biases, unit norm weights) given seeded noise (tpify.authoring.reference
+    ``perturb_constants``), so that a bias or a norm weight taken from the wrong KV group shows."""
+    from tpify.authoring.reference import float64_loss_function, perturb_constants
 
     model.loss_function = float64_loss_function("ForCausalLM")
+    perturb_constants(model)
     return model
 
 

@@ -16,6 +16,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForQuestionAnsweri
                           LlamaForSequenceClassification, LlamaForTokenClassification, LlamaModel)
 
 import tputil
+from tpify.authoring.reference import perturb_constants
 
 TOL = dict(atol=1e-10, rtol=1e-9)
 
@@ -38,6 +39,7 @@ def _causal_lm_body(rank, world):
         config = llama_config(tie)
         torch.manual_seed(0)
         ref = LlamaForCausalLM(config).double()
+        perturb_constants(ref)  # zero biases, unit norms: seeded noise
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=world)
         emb, head = par.model.embed_tokens.weight, par.lm_head.weight
         assert (emb is head) == tie, f"tie_word_embeddings={tie} but tied={emb is head}"
@@ -72,6 +74,7 @@ def _causal_lm_body(rank, world):
     for cls in (LlamaModel, LlamaForSequenceClassification, LlamaForTokenClassification, LlamaForQuestionAnswering):
         torch.manual_seed(0)
         ref = cls(config).double().eval()
+        perturb_constants(ref)  # zero biases, unit norms: seeded noise
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=world)
         a, b = ref(ids), par(ids)
         key = next(k for k in ("last_hidden_state", "logits", "start_logits") if k in a)

@@ -27,6 +27,7 @@ import torch
 from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
 import tputil
+from tpify.authoring.reference import perturb_constants
 from test_core_equivalence import bert_config, gpt2_config
 from test_llama import llama_config
 
@@ -70,6 +71,7 @@ def _check_family(family, rank, tmp):
     cls, config_fn, targets, causal = FAMILIES[family]
     torch.manual_seed(0)
     base = cls(config_fn()).double()
+    perturb_constants(base)  # zero biases, unit norms: seeded noise
     vocab = base.config.vocab_size
     dense_base = copy.deepcopy(base)
     par = tpify.parallelize(copy.deepcopy(base), tp_size=2)

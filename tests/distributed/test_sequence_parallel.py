@@ -29,6 +29,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import tputil
+from tpify.authoring.reference import perturb_constants
 
 TOL = dict(atol=1e-10, rtol=1e-9)
 B, T, H, L = 2, 8, 32, 2
@@ -51,6 +52,7 @@ def _body(rank, world):
     torch.manual_seed(0)
     for name, model in _models(world):
         ref = model.double()
+        perturb_constants(ref)  # zero biases, unit norms: seeded noise, so a bias added per rank shows
         ref.loss_function = tputil.float64_loss_function(causal=True)
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=world, sequence_parallel=True)
         ids = torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1))
@@ -154,6 +156,7 @@ def _with_lora_and_checkpointing_body(rank, world):
     torch.manual_seed(0)
     for name, model in _models(world):
         ref = model.double()
+        perturb_constants(ref)
         ref.loss_function = tputil.float64_loss_function(causal=True)
         # LoRA on every parallel linear layer, against dense PEFT
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=world, sequence_parallel=True)
