@@ -303,8 +303,7 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
         if name != fed:
             inputs[name] = make(config, tokens, g, dtype)
     if task.startswith("part:") and accepts(cls, "encoder_hidden_states"):
-        hidden = text.hidden_size
-        inputs["encoder_hidden_states"] = torch.randn(BATCH, tokens, hidden, generator=g, dtype=torch.float64).to(dtype)
+        inputs["encoder_hidden_states"] = _embeddings(config, tokens, g, dtype)  # the encoder's output
         if accepts(cls, "encoder_attention_mask"):
             inputs["encoder_attention_mask"] = torch.ones(BATCH, tokens, dtype=torch.long)
     labels = {k: v for k, v in labels.items() if accepts(cls, k)}
