@@ -1,10 +1,13 @@
-"""Gradient checkpointing with dropout: gradients bitwise equal to the run without checkpointing.
+"""Gradient checkpointing with dropout: the gradients of the run without checkpointing.
 
 GPT-2, BERT and Llama with every dropout at 0.1, train mode, tp = 2, float64. The same model
 with ``gradient_checkpointing_enable()`` (HF's API; tpify makes it non-reentrant with a
 ``context_fn`` that restores the dropout streams for the recomputed forward) and without, from
-the same ``tpify.manual_seed``: the loss and every gradient must be bitwise equal (the same
-operations on the same values). A negative control runs HF's own checkpointing (no tpify
+the same ``tpify.manual_seed``: the loss must be bitwise equal and every gradient equal within
+``CKPT_TOL`` (float64). Bitwise gradients are not a property of torch itself: HF's dense GPT-2
+with dropout 0.1, with and without its own checkpointing, one process, differs by up to 1.1e-16
+in float64 on an AMD EPYC with torch 2.13 (the recomputed backward sums in another order). A
+wrong dropout mask moves a gradient by about 1e-2, so 1e-13 keeps every tooth. A negative control runs HF's own checkpointing (no tpify
 context) and must differ: the recomputed attention-dropout masks come from an advanced TP
 stream, which is the silent error this guards against.
 """
@@ -17,6 +20,10 @@ from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 import tputil
 from test_core_equivalence import bert_config, gpt2_config
 from test_llama import llama_config
+
+
+#: float64: 1e3 times the rounding HF's own checkpointing shows, 1e10 below what one wrong mask gives.
+CKPT_TOL = dict(atol=1e-13, rtol=0)
 
 
 def _configs():
@@ -60,7 +67,7 @@ def _body(rank, world):
         assert torch.equal(loss_a, loss_b), family
         assert grads_a.keys() == grads_b.keys() and grads_a
         for name in grads_a:
-            assert torch.equal(grads_a[name], grads_b[name]), f"{family} {name}"
+            torch.testing.assert_close(grads_b[name], grads_a[name], **CKPT_TOL, msg=lambda m: f"{family} {name}: {m}")
         # Negative control: HF's checkpointing without tpify's context.
         for m in ckpt.modules():
             if getattr(m, "gradient_checkpointing", False):
@@ -71,7 +78,7 @@ def _body(rank, world):
     return report
 
 
-def test_gradient_checkpointing_with_dropout_is_bitwise():
+def test_gradient_checkpointing_with_dropout_gives_the_gradients_without_it():
     for report in tputil.spawn(_body, 2, timeout=240):
         print(f"measured: without tpify's context the gradients would differ by up to {report}")
 

@@ -184,8 +184,10 @@ def test_parallelize_picks_the_imported_plan_with_a_notice():
 def test_no_recipe_and_no_plan_names_tpify_draft():
     from tpify.api import prepare
 
-    model = _meta("stablelm")  # transformers defines no TP plan for stablelm
+    model = _meta("stablelm")
     model.config.model_type = "tpify-test-unshipped"
+    model._tp_plan, model.config.base_model_tp_plan = {}, None  # no plan, whatever this transformers declares
+    assert not has_hf_plan(model)
     with pytest.raises(RecipeError) as e:
         prepare(model, 1, None, None)
     msg = str(e.value)
@@ -203,7 +205,7 @@ def _core(recipe):
 def test_draft_gpt2_by_trace_matches_the_shipped_recipe():
     from tpify.authoring.draft import draft
 
-    d = draft("gpt2")
+    d = draft("gpt2", method="trace")  # traced, whether or not this transformers declares a plan
     assert d.method == "trace"
     shipped = load_recipe("gpt2")
     mine = d.recipe()
@@ -216,10 +218,21 @@ def test_draft_gpt2_by_trace_matches_the_shipped_recipe():
     assert not any("does not fit" in line for line in d.review), d.review
 
 
-def test_draft_llama_from_the_hf_plan_matches_the_shipped_recipe():
+#: Llama's plan as transformers 5.0 to 5.24 declare it: the input of the import tests, fixed here.
+LLAMA_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+              "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+              "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+              "layers.*.mlp.down_proj": "rowwise"}
+
+
+def test_draft_llama_from_the_hf_plan_matches_the_shipped_recipe(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from tpify.authoring.draft import draft
 
-    d = draft("llama")
+    monkeypatch.setattr(LlamaConfig, "base_model_tp_plan", LLAMA_PLAN)
+    monkeypatch.setattr(LlamaForCausalLM, "_tp_plan", {"lm_head": "colwise_gather_output"})
+    d = draft("llama", ["causal-lm"])
     assert d.method == "hf-plan"
     assert _core(d.recipe()) == _core(load_recipe("llama"))
     assert tomllib.loads(d.toml()) == d.data
@@ -267,14 +280,17 @@ def test_traced_phi3_finds_packed_gqa_parts_and_forward_time_sizes():
 
 
 def test_traced_constant_size_keeps_the_layer_whole():
-    """codegen reshapes qkv_proj's output with a constant mp_num = 4, equal to the small config's
-    head count only by chance: the second trace (8 heads) shows it does not follow, so qkv_proj
-    stays whole instead of a recipe that divides num_attention_heads."""
-    from tpify.authoring.draft import draft
+    """A fused qkv_proj reshaped into a constant 4 chunks (CodeGen's attention up to transformers
+    5.23, defined in tests/toy_models.py so that the subject does not change with transformers),
+    4 being the small config's head count only by chance: the second trace (6 heads) shows it does
+    not follow, so qkv_proj stays whole instead of a recipe that divides num_attention_heads."""
+    from toy_models import ConstantReshapeConfig, ConstantReshapeForCausalLM
 
-    d = draft("codegen", ["causal-lm"])
+    from tpify.authoring.trace_recipe import draft_from_trace
+
+    d = draft_from_trace(ConstantReshapeConfig(), {"causal-lm": ConstantReshapeForCausalLM})
     styles = _styles(d.recipe())
-    assert styles["h.*.attn.qkv_proj"] == "replicate" and styles["h.*.mlp.fc_in"] == "colwise"
+    assert styles["layers.*.attn.qkv_proj"] == "replicate" and styles["layers.*.fc_in"] == "colwise"
     assert not any(r.divide for r in d.recipe().rules)
     assert any("qkv_proj" in line and "a constant?" in line for line in d.review), d.review
 

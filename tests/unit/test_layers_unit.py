@@ -46,6 +46,10 @@ WORLD = 2
 F64 = torch.float64
 TOL = dict(atol=1e-12, rtol=1e-12)
 EXACT = dict(atol=0, rtol=0)
+#: One float64 rounding of the largest output (|y| < 8 here: 8.9e-16), where the layer and the
+#: dense module reach the same sum through other kernels (a row-parallel Conv1D adds its bias
+#: after the matmul, Conv1D inside ``addmm``); relative to a small output it is no bound.
+ONE_ROUNDING = dict(atol=2e-15, rtol=0)
 
 
 def _t(seed, shape, dtype=F64):
@@ -645,7 +649,7 @@ def test_one_rank_layers_are_the_dense_module(make):
     for layer in (ColumnParallelLinear.from_dense(dense, None), ColumnParallelLinear.from_dense(dense, None,
                   gather_output=True), RowParallelLinear.from_dense(dense, None, input_is_parallel=False)):
         assert layer.tp_size == 1
-        torch.testing.assert_close(layer(x), dense(x), **EXACT)
+        torch.testing.assert_close(layer(x), dense(x), **ONE_ROUNDING)
     emb = _dense(nn.Embedding(7, 4, padding_idx=2), 122)
     ids = torch.tensor([[0, 2, 6]])
     torch.testing.assert_close(VocabParallelEmbedding.from_dense(emb, None)(ids), emb(ids), **EXACT)
