@@ -279,7 +279,9 @@ def parallelize(
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
     ``DistributedDataParallel`` over other ranks than its DP group raises
-    (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards.
+    (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards, tagged with
+    their tp rank and layout; ``load_state_dict`` loads a rank's own, slices dense tensors to this
+    rank's shard and refuses other ranks' shards on every rank (:mod:`tpify.hooks.state_dict`).
 
     Communication: first one agreement (:func:`tpify.agree.agree`: the rendezvous store, or one
     all-gather of a small object over the world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
