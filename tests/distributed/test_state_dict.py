@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 import tputil
 
+pytestmark = pytest.mark.slow  # about 20 s (one spawn of 2 ranks, 2 families); tests/unit/test_state_dict_unit.py is quick
+
 F64 = dict(atol=1e-10, rtol=1e-9)  # float64, the same sums in another order
 
 
