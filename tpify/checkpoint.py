@@ -3,7 +3,8 @@
 A parallelized model's ``state_dict()`` holds each rank's *shards* under the dense names
 (``transformer.h.0.attn.c_attn.weight`` of shape ``[768, 2304 / tp]`` on every rank), tagged with
 the rank and layout they belong to (:mod:`tpify.hooks.state_dict`, which makes ``load_state_dict``
-refuse them on another rank): neither the dense tensor nor a description DCP can reshard. This module gives two views instead:
+refuse them on another rank): neither the dense tensor nor a description DCP can reshard. This
+module gives two views instead:
 
 * :func:`dense_state_dict`: the dense Hugging Face tensors, gathered (what
   :func:`tpify.save_pretrained` writes), on every rank;

@@ -307,7 +307,8 @@ def replica_drift_under_fsdp2_raises_on_every_rank(c):
     if c.rank == 1:
         with torch.no_grad():
             par.model.norm.weight.to_local().add_(1e-7)
-    with pytest.raises(AgreementError, match=r"model\.norm\.weight differs between TP ranks \(ranks \[0\], ranks \[1\]\)"):
+    drift = r"model\.norm\.weight differs between TP ranks \(ranks \[0\], ranks \[1\]\)"
+    with pytest.raises(AgreementError, match=drift):
         check_replicas(par)
     dist.barrier()
 

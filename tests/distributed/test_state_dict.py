@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 import tputil
 
-pytestmark = pytest.mark.slow  # about 20 s (one spawn of 2 ranks, 2 families); tests/unit/test_state_dict_unit.py is quick
+# about 20 s (one spawn of 2 ranks, 2 families); the quick subset has tests/unit/test_state_dict_unit.py
+pytestmark = pytest.mark.slow
 
 F64 = dict(atol=1e-10, rtol=1e-9)  # float64, the same sums in another order
 
@@ -127,7 +128,8 @@ def rank0_state_dict_is_refused_on_every_rank(c):
         with pytest.raises(expected[0], match=expected[1]) as refused:
             par.load_state_dict(torch.load(file))
         message = str(refused.value)
-        for part in ("tpify.save_pretrained", "tpify.dense_state_dict", "tpify.sharded_state_dict", "Nothing was loaded"):
+        for part in ("tpify.save_pretrained", "tpify.dense_state_dict", "tpify.sharded_state_dict",
+                     "Nothing was loaded"):
             assert part in message, f"{family}: the refusal does not name {part!r}: {message}"
         name = "transformer.h.0.attn.c_attn.weight" if family == "gpt2" else "model.layers.0.self_attn.q_proj.weight"
         assert name in message, message  # which tensor
@@ -154,7 +156,8 @@ def dense_state_dict_loads_sliced(c):
         table, padded = par.get_output_embeddings().weight, FAMILIES[family][2]
         assert table.shape[0] == padded // 2, table.shape  # this rank's rows of the padded table
         if c.rank == 1:  # the padding rows, all on the last rank, are zeros
-            assert torch.equal(table[-(padded - dense.config.vocab_size):], torch.zeros_like(table[-(padded - dense.config.vocab_size):]))
+            padding = table[-(padded - dense.config.vocab_size):]
+            assert torch.equal(padding, torch.zeros_like(padding))
         gathered = tpify.dense_state_dict(_par(family))
         other = _par(family, seed=4)
         other.load_state_dict(gathered, strict=family != "gpt2")  # GPT-2's tied lm_head.weight is left out
