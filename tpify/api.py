@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,7 +279,9 @@ def parallelize(
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
     ``DistributedDataParallel`` over other ranks than its DP group raises
-    (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards.
+    (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards, tagged with
+    their tp rank and layout; ``load_state_dict`` loads a rank's own, slices dense tensors to this
+    rank's shard and refuses other ranks' shards on every rank (:mod:`tpify.hooks.state_dict`).
 
     Communication: first one agreement (:func:`tpify.agree.agree`: the rendezvous store, or one
     all-gather of a small object over the world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
@@ -322,7 +325,7 @@ def from_pretrained(
     tp_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     dp_group: "dist.ProcessGroup | None | str" = "infer",
-    torch_dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | str | None = None,
     model_class: type | None = None,
     recipe=None,
     pad_vocab_multiple: int = 1,
@@ -331,6 +334,7 @@ def from_pretrained(
     lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
+    torch_dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
 
@@ -362,8 +366,12 @@ def from_pretrained(
             in config.json, then ``model.safetensors``, then the index), and only its files.
         tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk, mesh, ep_size:
             as in :func:`tpify.parallelize` (default: the whole world).
-        torch_dtype: dtype of the floating parameters; each slice is converted as it is read.
-            Default (``None``/``"auto"``): ``config.dtype``, else the checkpoint's dtype.
+        dtype: dtype of the floating parameters (a ``torch.dtype``, its name, or ``"auto"``), as in
+            transformers 5; each slice is converted as it is read, and ``config.dtype`` says it
+            (what :func:`save_pretrained` writes). Default (``None``/``"auto"``): ``config.dtype``,
+            else the checkpoint's dtype.
+        torch_dtype: the deprecated name of ``dtype`` (transformers 4's), accepted with a
+            ``FutureWarning``; passing both is an error.
         model_class: the ``transformers`` class to build; default ``config.architectures[0]``.
             A head class loads a base-model checkpoint (keys without ``bert.``) and vice versa.
             Head parameters absent from a base checkpoint are initialised by the model's
@@ -385,6 +393,7 @@ def from_pretrained(
 
     Raises:
         FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
+        ValueError: ``dtype`` and ``torch_dtype`` both given; a dtype that is not floating.
         CheckpointError: no safetensors weights; a truncated/corrupt file (named); tensors the
             model needs that the checkpoint lacks; tensors whose shape differs from the model's;
             an index that lists a tensor in two files, a tensor stored in two files, a file the
@@ -394,11 +403,13 @@ def from_pretrained(
             checkpoints or arguments differ.
     Warns:
         UserWarning: checkpoint tensors the model does not use (like transformers' "unexpected").
+        FutureWarning: ``torch_dtype=`` (use ``dtype=``).
     """
     path = Path(path)
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
-        load = _prepare_load(path, model_class, torch_dtype, recipe, tp_size, tp_group,
+        dtype, argument = _dtype_argument(dtype, torch_dtype)
+        load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
                              (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group)
         checked.fingerprint = load.fingerprint
     model = load.model
@@ -412,6 +423,23 @@ def from_pretrained(
     finally:
         load.snap.close()
     return model
+
+
+def _dtype_argument(dtype, torch_dtype) -> tuple[object, str]:
+    """``(the dtype asked for, the name of the argument it came in)``: ``dtype=``, or its deprecated
+    name ``torch_dtype=`` (transformers 5 renamed it; a ``FutureWarning`` at the caller's line).
+
+    Raises:
+        ValueError: both given.
+    """
+    if torch_dtype is None:
+        return dtype, "dtype"
+    if dtype is not None:
+        raise ValueError(f"from_pretrained: dtype={dtype!r} and torch_dtype={torch_dtype!r} both given; torch_dtype is "
+                         f"the deprecated name of dtype (transformers 5): pass dtype= alone")
+    warnings.warn("tpify.from_pretrained: torch_dtype is deprecated, use dtype= (its name in transformers 5)",
+                  FutureWarning, stacklevel=3)  # the line that called from_pretrained
+    return torch_dtype, "torch_dtype"
 
 
 @dataclass
@@ -430,8 +458,9 @@ class _Load:
     fingerprint: dict
 
 
-def _prepare_load(path: Path, model_class, torch_dtype, recipe, tp_size, tp_group, options, agree_group) -> _Load:
-    """The local part of :func:`from_pretrained`: config, the checkpoint's files and headers, the
+def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, options, agree_group) -> _Load:
+    """The local part of :func:`from_pretrained` (``asked``: the dtype asked for and the name of its
+    argument, :func:`_dtype_argument`): config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
     sequence_parallel, dp_group, lm_loss_chunk, mesh and ep_size), the key map, and the fingerprint every rank must share (the
     checkpoint's and :func:`tpify.api.fingerprint`). No collective; the files are closed again
@@ -450,7 +479,7 @@ def _prepare_load(path: Path, model_class, torch_dtype, recipe, tp_size, tp_grou
     cls = resolve_class(config, model_class)
     snap, weight_map, headers = open_checkpoint(path)  # every file opened once, for the whole load
     try:
-        dtype = resolve_dtype(config, stored_float_dtype(headers, weight_map), torch_dtype)
+        dtype = resolve_dtype(config, stored_float_dtype(headers, weight_map), *asked)
         model = build_meta_model(config, cls, dtype)
         size, layout = prepare(model, tp_size, tp_group, recipe, *options)
         source, to_init = match_checkpoint(model, headers, dense_shapes(model), path, cls.__name__, layout.renames,

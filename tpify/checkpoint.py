@@ -1,8 +1,10 @@
 """Training checkpoints that load at any layout, with torch.distributed.checkpoint (DCP).
 
 A parallelized model's ``state_dict()`` holds each rank's *shards* under the dense names
-(``transformer.h.0.attn.c_attn.weight`` of shape ``[768, 2304 / tp]`` on every rank): neither
-the dense tensor nor a description DCP can reshard. This module gives two views instead:
+(``transformer.h.0.attn.c_attn.weight`` of shape ``[768, 2304 / tp]`` on every rank), tagged with
+the rank and layout they belong to (:mod:`tpify.hooks.state_dict`, which makes ``load_state_dict``
+refuse them on another rank): neither the dense tensor nor a description DCP can reshard. This
+module gives two views instead:
 
 * :func:`dense_state_dict`: the dense Hugging Face tensors, gathered (what
   :func:`tpify.save_pretrained` writes), on every rank;

@@ -15,9 +15,11 @@ would silently do the wrong thing on shards, so :func:`install` (called by
   state (whether the tokens were split) in the recomputed forward.
 
 :func:`check_before_parallelize` refuses a model whose HF state tpify cannot take over.
-``model.state_dict()`` is not changed: it returns this rank's shards (sharded parameters carry
-their :class:`~tpify.sharding.ShardSpec` as ``tp_shard_spec``), so loading it into the dense
-model fails on the shapes instead of loading wrong values.
+``model.state_dict()`` is torch's: this rank's shards (sharded parameters carry their
+:class:`~tpify.sharding.ShardSpec` as ``tp_shard_spec``), so loading it into the dense model fails
+on the shapes instead of loading wrong values; :mod:`tpify.hooks.state_dict` tags it with the
+rank and layout of its shards, and ``model.load_state_dict`` loads a rank's own, slices a dense
+one and refuses another rank's on every rank.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ gradients; FSDP2 shards over ``"dp_shard"`` and, with ``dp_replicate > 1``, repl
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import warnings
@@ -37,6 +38,22 @@ INFER = "infer"
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 _meshes: dict[tuple[int, int, int], DeviceMesh] = {}
+_logger = logging.getLogger(__name__)
+_said_no_process_group: list[bool] = []  # set once this process has said it (once per process)
+
+#: What :func:`resolve_tp_size` logs, once per process, when tp 1 comes from a missing process group.
+NO_PROCESS_GROUP = ("tpify: torch.distributed is not initialized, so the model is not split: tp_size = 1, this "
+                    "process holds it whole. The usual cause is a script started with `python` instead of "
+                    "`torchrun --nproc-per-node N` (which starts N processes; call "
+                    "torch.distributed.init_process_group() in each before tpify). Pass tp_size=1 to say that one "
+                    "process is meant (then nothing is logged).")
+
+
+def _say_no_process_group() -> None:
+    """Log :data:`NO_PROCESS_GROUP` (a warning of the ``tpify.mesh`` logger), the first time only."""
+    if not _said_no_process_group:
+        _said_no_process_group.append(True)
+        _logger.warning(NO_PROCESS_GROUP)
 
 
 def _device_type() -> str:
@@ -46,7 +63,9 @@ def _device_type() -> str:
 def resolve_tp_size(tp_size: int | None, tp_group: dist.ProcessGroup | None) -> int:
     """The tp size implied by the arguments; local, issues no collective.
 
-    ``tp_group`` wins; else ``tp_size``; else the whole world (1 without torch.distributed).
+    ``tp_group`` wins; else ``tp_size``; else the whole world (1 without torch.distributed, which
+    it logs once per process, :data:`NO_PROCESS_GROUP`: the usual cause is ``python`` run instead of
+    ``torchrun``).
 
     Raises:
         ValueError: ``tp_group`` does not contain this rank; ``tp_size`` and ``tp_group``
@@ -65,6 +84,8 @@ def resolve_tp_size(tp_size: int | None, tp_group: dist.ProcessGroup | None) -> 
             raise ValueError(f"tp_size = {tp_size} but tp_group has {size} ranks; pass one of them")
         return size
     if tp_size is None:
+        if not initialized:
+            _say_no_process_group()
         return world
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")

@@ -48,9 +48,11 @@ def resolve_class(config, model_class: type | None) -> type:
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
-def resolve_dtype(config, headers_dtype: torch.dtype, torch_dtype) -> torch.dtype:
-    """The floating dtype to load parameters in: ``torch_dtype``; for ``None`` or ``"auto"``,
-    ``config.dtype``, else ``headers_dtype`` (the checkpoint's), else float32.
+def resolve_dtype(config, headers_dtype: torch.dtype, torch_dtype, argument: str = "torch_dtype") -> torch.dtype:
+    """The floating dtype to load parameters in: ``torch_dtype`` (the value of ``from_pretrained``'s
+    ``dtype=``, or of its deprecated name ``torch_dtype=``, which ``argument`` names in the error);
+    for ``None`` or ``"auto"``, ``config.dtype``, else ``headers_dtype`` (the checkpoint's), else
+    float32.
 
     Raises:
         ValueError: ``torch_dtype`` names no torch floating dtype (``"float33"``) or a
@@ -63,7 +65,7 @@ def resolve_dtype(config, headers_dtype: torch.dtype, torch_dtype) -> torch.dtyp
         return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     dtype = getattr(torch, torch_dtype, None) if isinstance(torch_dtype, str) else torch_dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"from_pretrained: torch_dtype={torch_dtype!r} is not a floating dtype; use one of "
+        raise ValueError(f"from_pretrained: {argument}={torch_dtype!r} is not a floating dtype; use one of "
                          f"{list(_FLOAT_DTYPES)} (or a torch.dtype, or 'auto'); quantized loading is not supported")
     return dtype
 
@@ -114,7 +116,7 @@ def _meta_params_skip_init():
 
 def build_meta_model(config, cls: type, dtype: torch.dtype) -> nn.Module:
     """``cls`` built from ``config`` with its parameters on the meta device (``dtype`` as the
-    default dtype, as transformers builds it), ties restored, in eval mode, its non-persistent
+    default dtype and ``config.dtype``, as transformers builds it), ties restored, in eval mode, its non-persistent
     buffers computed as transformers computes them.
 
     Touches the process's default dtype and ``nn.Module.register_parameter`` while the
@@ -122,6 +124,7 @@ def build_meta_model(config, cls: type, dtype: torch.dtype) -> nn.Module:
     """
     from accelerate import init_empty_weights
 
+    config.dtype = dtype  # the dtype the model is built in, as transformers' from_pretrained records it
     with init_empty_weights(include_buffers=False), _default_dtype(dtype), _meta_params_skip_init():
         model = cls._from_config(config)  # picks the attention implementation as from_pretrained does
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them

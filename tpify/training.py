@@ -263,11 +263,14 @@ def check_replicas(model: nn.Module) -> None:
 
     Communication: one ``all_gather_object`` of the digests over the TP group, one over the DP
     group (under HSDP: over the replicate group instead); with KV heads held by groups of ranks,
-    one over each rank's KV group and one more over the TP group (the problems found). Cost: hashing every parameter once on
-    the host.
+    one over each rank's KV group; then the problems found, one ``all_gather_object`` over the TP
+    group and one over the DP group, so that every rank of the model learns them (under FSDP2 a
+    drift in one TP group is seen by that group's ranks only: the DP side compares no slices).
+    Cost: hashing every parameter once on the host.
 
     Raises:
-        AgreementError: on every rank, naming the parameters that differ and the ranks.
+        AgreementError: on every rank of the model (every TP group, every DP replica), naming the
+            parameters that differ and the ranks.
     """
     import torch.distributed as dist
 
@@ -312,8 +315,12 @@ def check_replicas(model: nn.Module) -> None:
                 for r, v in zip(ranks, values):
                     groups.setdefault(v, []).append(r)
                 problems.append(f"{n} differs between {what} ({', '.join(f'ranks {g}' for g in groups.values())})")
-    if kv_groups:  # a drift inside one KV group is found by its ranks only: every TP rank learns it
-        problems = sorted({p for found in comm.all_gather_objects(problems, tp_group) for p in found})
+    # A drift is found by the ranks of the group it happened in only (one TP group, one KV group,
+    # one DP group): every rank of the model learns every rank's findings, over TP then over DP
+    # (each DP group holds one rank of every TP group), so every rank raises here, none goes on alone.
+    for group in (tp_group, dp_group):
+        if group is not None and comm.group_size(group) > 1:
+            problems = sorted({p for found in comm.all_gather_objects(problems, group) for p in found})
     if problems:
         raise AgreementError(f"replicated parameters differ across ranks: {problems[:10]}"
                              f"{' ...' if len(problems) > 10 else ''}; the replicas have drifted apart")

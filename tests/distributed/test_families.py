@@ -204,7 +204,7 @@ def _padding_body(rank, world, tmp):
     saved = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float64)
     assert saved.transformer.wte.weight.shape == (101, 32)
     assert torch.equal(saved.transformer.wte.weight, ref.transformer.wte.weight)
-    back = tpify.from_pretrained(tmp, tp_size=world, torch_dtype="float64", pad_vocab_multiple=64).eval()
+    back = tpify.from_pretrained(tmp, tp_size=world, dtype="float64", pad_vocab_multiple=64).eval()
     assert tuple(back.transformer.wte.weight.shape) == (64, 32)
     diffs["reloaded logits"] = compare(back(ids).logits, ref(ids).logits)
     bad = {k: d for k, d in diffs.items() if not d[1]}

@@ -115,7 +115,7 @@ def tp8_four_kv_heads_llama(c):
     got = dict(loaded.named_parameters())
     for name, w in trained.items():
         assert torch.equal(got[name], w), f"saved {name} differs from the parallel model's"
-    again = tpify.from_pretrained(c.tmp / "llama-kv4", tp_size=8, torch_dtype=torch.float64)  # each rank its head
+    again = tpify.from_pretrained(c.tmp / "llama-kv4", tp_size=8, dtype=torch.float64)  # each rank its head
     copied = copy.deepcopy(par)  # shares the groups, the KV replica groups included
     ids = _ids(6)
     with torch.no_grad():

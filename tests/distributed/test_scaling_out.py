@@ -23,7 +23,8 @@ same number of labelled tokens):
   and its checkpoint resumed bitwise; TPAccelerator with ``ParallelismConfig(dp_shard_size=2,
   tp_size=2)`` and ``accumulate`` against plain Accelerator; ``tpify finetune`` with
   ``dp_shard=2`` against ``dp_shard=1``;
-* bad input refused on every rank before any collective.
+* bad input refused on every rank before any collective;
+* ``check_replicas`` under FSDP2 x TP with a drift in one TP group raises on every rank.
 
 Tolerances (float64): losses and gradient norms ``rtol=1e-9`` (summation order only: the
 reduce-scatter and all-reduce sum in another order than one process); weights after the Adam
@@ -289,6 +290,29 @@ def fsdp2_mixed_precision_policy_is_passed_through(c):
     torch.testing.assert_close((everyone[0] + everyone[2]) / 2, float(dense), rtol=2e-2, atol=0)
 
 
+@_check
+def replica_drift_under_fsdp2_raises_on_every_rank(c):
+    """check_replicas at dp_shard 2 x tp 2 under FSDP2 with a replicated weight drifted on rank 1 only:
+    TP group [0, 1] finds it; TP group [2, 3] holds the other DP half of that weight, whose copies are
+    equal, and FSDP2's DP side compares no slices, so ranks 2 and 3 used to pass and go on into the
+    next collective alone. Every rank raises the same error."""
+    from tpify import AgreementError
+    from tpify.training import check_replicas
+
+    import tpify
+
+    par = tpify.parallelize(_llama(), tp_size=2)
+    tpify.shard_data_parallel(par)
+    check_replicas(par)
+    if c.rank == 1:
+        with torch.no_grad():
+            par.model.norm.weight.to_local().add_(1e-7)
+    drift = r"model\.norm\.weight differs between TP ranks \(ranks \[0\], ranks \[1\]\)"
+    with pytest.raises(AgreementError, match=drift):
+        check_replicas(par)
+    dist.barrier()
+
+
 def _trainer_args(out, batch, **kw):
     from transformers import TrainingArguments
 
@@ -489,7 +513,8 @@ def _ok(job, name):
 @pytest.mark.parametrize("name", ["ddp_x_tp_matches_dense", "fsdp2_x_tp_matches_dense_generates_and_saves",
                                   "hsdp_x_tp_matches_dense", "lora_on_fsdp2_x_tp_matches_dense_peft",
                                   "fsdp2_mixed_precision_policy_is_passed_through",
-                                  "finetune_with_dp_shard_matches_ddp", "bad_input_is_refused_on_every_rank"])
+                                  "finetune_with_dp_shard_matches_ddp", "bad_input_is_refused_on_every_rank",
+                                  "replica_drift_under_fsdp2_raises_on_every_rank"])
 def test_composition(job, name):
     _ok(job, name)
     for label, figures in job[0][0][1].items():

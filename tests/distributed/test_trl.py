@@ -229,7 +229,7 @@ def _train(kind, out, tp, dp, model_dir, per_process, save=False, resume_from=No
         from transformers import AutoModelForCausalLM
 
         model = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype) if tp == 0
-                 else tpify.from_pretrained(model_dir, tp_size=tp, torch_dtype=dtype))
+                 else tpify.from_pretrained(model_dir, tp_size=tp, dtype=dtype))
         trainer = wrap(GRPOTrainer)(model=model, reward_funcs=_reward_len, train_dataset=_grpo_data(),
                                     args=_grpo_args(out, batch, bf16=bf16, **GRPO_OPTIONS.get(kind, {})),
                                     processing_class=tok)

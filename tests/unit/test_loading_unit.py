@@ -49,7 +49,7 @@ def test_legacy_names_prefix_dtype_buffers(tmp_path):
     ref = BertModel.from_pretrained(path).eval()
     for name, buf in ref.named_buffers():
         assert torch.equal(loaded.get_buffer(name), buf), name
-    half = tpify.from_pretrained(path, torch_dtype=torch.bfloat16)
+    half = tpify.from_pretrained(path, dtype=torch.bfloat16)
     for k, v in model.state_dict().items():
         if v.is_floating_point():
             assert torch.equal(half.state_dict()[k], v.to(torch.bfloat16)), k
@@ -60,6 +60,52 @@ def test_legacy_names_prefix_dtype_buffers(tmp_path):
         head = tpify.from_pretrained(path, model_class=BertForSequenceClassification)
     assert torch.equal(head.bert.embeddings.word_embeddings.weight, model.embeddings.word_embeddings.weight)
     assert not head.classifier.weight.is_meta
+
+
+def test_bfloat16_model_saves_config_dtype_bfloat16(tmp_path):
+    """A float32 checkpoint loaded with dtype=torch.bfloat16, or a parallelized model converted with
+    .to(torch.bfloat16): save_pretrained writes bfloat16 tensors and ``"dtype": "bfloat16"`` in
+    config.json (as transformers' own save_pretrained), so plain transformers reloads it in
+    bfloat16 (it used to say float32: a reload at twice the memory), bitwise the saved tensors."""
+    import json
+
+    from transformers import AutoModel
+
+    model, path = _bert_base(tmp_path)
+    assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
+    loaded = tpify.from_pretrained(path, dtype=torch.bfloat16)
+    assert loaded.config.dtype == torch.bfloat16  # as transformers' from_pretrained records it
+    converted = tpify.parallelize(BertModel(model.config).eval(), tp_size=1).to(torch.bfloat16)
+    converted.load_state_dict(model.state_dict())
+    for name, tp_model in (("loaded", loaded), ("converted", converted)):
+        tpify.save_pretrained(tp_model, tmp_path / name)
+        assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == "bfloat16", name
+        back = AutoModel.from_pretrained(tmp_path / name)
+        assert back.dtype == torch.bfloat16, name
+        for k, v in model.state_dict().items():
+            want = v.to(torch.bfloat16) if v.is_floating_point() else v
+            assert torch.equal(back.state_dict()[k], want), (name, k)
+    assert converted.config.dtype in ("float32", torch.float32)  # the save writes the dtype, the model's config is as it was
+
+
+def test_from_pretrained_takes_dtype_and_torch_dtype_is_deprecated(tmp_path):
+    """``dtype=`` (transformers 5's name) loads in that dtype; ``torch_dtype=`` still does, with a
+    FutureWarning at the caller's line; both given is a ValueError naming both."""
+    import warnings
+
+    _, path = _bert_base(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert tpify.from_pretrained(path, dtype=torch.bfloat16).embeddings.word_embeddings.weight.dtype == torch.bfloat16
+        assert tpify.from_pretrained(path, dtype="float64").pooler.dense.weight.dtype == torch.float64
+    with pytest.warns(FutureWarning, match="torch_dtype is deprecated, use dtype=") as seen:
+        old = tpify.from_pretrained(path, torch_dtype=torch.bfloat16)
+    assert old.pooler.dense.weight.dtype == torch.bfloat16
+    assert [w.filename for w in seen if w.category is FutureWarning] == [__file__]
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16 and torch_dtype=torch.float16 both given"):
+        tpify.from_pretrained(path, dtype=torch.bfloat16, torch_dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype='int8' is not a floating dtype"):
+        tpify.from_pretrained(path, dtype="int8")
 
 
 _INTERRUPTED = textwrap.dedent("""

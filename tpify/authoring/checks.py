@@ -308,7 +308,7 @@ def _sharded_load(case: _CaseRun, dense_back: torch.nn.Module) -> None:
     """tpify's sharded load of the checkpoint computes what transformers' dense load of it computes
     (buffers made at load time included, such as GPT-J's rotary table)."""
     chosen = case.reference
-    back = tpify.from_pretrained(case.save_dir, tp_size=case.tp_size, tp_group=case.group, torch_dtype=chosen.dtype,
+    back = tpify.from_pretrained(case.save_dir, tp_size=case.tp_size, tp_group=case.group, dtype=chosen.dtype,
                                  model_class=case.cls, recipe=case.recipe, ep_size=case.ep_size).eval()
     if chosen.eager_experts:
         use_eager_experts(back)
@@ -382,7 +382,7 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
        and seq2seq LMs: identical token ids.
     7. ``save``/``save/load``: ``tpify.save_pretrained`` to ``workdir``; the checkpoint read by
        plain transformers (``cls.from_pretrained(dtype=float64)``; the reference's dtype) holds
-       the dense weights bit for bit; ``tpify.from_pretrained(tp_size=..., torch_dtype="float64")`` of it gives the
+       the dense weights bit for bit; ``tpify.from_pretrained(tp_size=..., dtype="float64")`` of it gives the
        outputs that transformers' own dense load of it gives (the loaded model is compared with
        what a user of the checkpoint gets from transformers, buffers computed at load time
        included); and for each ``divide_config`` value, the saved ``config.json`` holds the

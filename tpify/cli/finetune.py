@@ -503,7 +503,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     files = cfg.data or [str(p) for p in default_text_files()]
     data = pack_texts(tokenizer, files, cfg.seq_len)
     tpify.manual_seed(cfg.seed)
-    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, torch_dtype=getattr(torch, cfg.dtype)).to(device)
+    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, dtype=getattr(torch, cfg.dtype)).to(device)
     trainable = None
     if cfg.lora_r:
         model, trainable, total = add_lora(model, cfg)

@@ -16,7 +16,8 @@ each owned by one module and testable on its own:
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
 * :mod:`~tpify.hooks.lm_loss`: the ``labels=`` loss from the vocabulary shards;
 * :mod:`~tpify.hooks.guards`: what the model refuses (inputs that differ between ranks, a
-  foreign DDP, TRL's fused LM head); kept by :func:`tpify.remove_hooks`.
+  foreign DDP, TRL's fused LM head; with :mod:`~tpify.hooks.state_dict`, another rank's shards
+  in ``load_state_dict``); kept by :func:`tpify.remove_hooks`.
 
 :func:`install` installs the behaviour hooks (the guards: :func:`tpify.hooks.guards.install`).
 The per-call decisions they share live in the model's :class:`~tpify.context.CallState`; the

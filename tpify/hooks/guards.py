@@ -9,7 +9,10 @@ removes the hooks that compute like the dense model, never these):
   group (what ``transformers.Trainer`` and ``accelerate.Accelerator.prepare`` build over the
   world) would have broadcast rank 0's shards and would average gradients of different shards;
 * :func:`refuse_fused_lm_head`: TRL's fused LM head multiplies by ``lm_head.weight``, a vocabulary
-  shard here.
+  shard here;
+* :mod:`tpify.hooks.state_dict` (``state_dict`` and ``load_state_dict`` hooks, not forward ones):
+  the state dict tagged with the rank and layout of its shards; another rank's shards refused on
+  every rank, dense tensors loaded sliced.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 
 from .. import comm
 from ..info import TPUsageError
+from . import state_dict
 
 __all__ = ["BatchCheck", "refuse_foreign_ddp", "refuse_fused_lm_head", "install"]
 
@@ -109,8 +113,9 @@ def refuse_fused_lm_head(model: nn.Module, args, kwargs):
 def install(model: nn.Module, info) -> list:
     """Register the guards on a freshly parallelized model, each before every other hook
     (``prepend``): the inputs check (tp > 1), TRL's fused LM head refused (a vocabulary-split
-    head), a foreign DDP refused. Returns the handles (:attr:`tpify.info.TPInfo.guards`)."""
-    handles = []
+    head), a foreign DDP refused; the state dict's tag and load check (:mod:`tpify.hooks.state_dict`).
+    Returns the handles (:attr:`tpify.info.TPInfo.guards`)."""
+    handles = state_dict.install(model, info)
     if info.tp_size > 1:
         handles += BatchCheck(type(model).__name__, info.tp_group).install(model)
     if info.tp_size > 1 and info.layout.lm_head is not None:

@@ -173,7 +173,9 @@ class _DenseAdapterSlices:
     """``load_state_dict`` pre-hook of a tpify model under PEFT: each dense adapter tensor (as in a
     standard adapter file, which PEFT's ``set_peft_model_state_dict`` passes on) is replaced by
     this rank's slice, read through its parameter's ShardSpec (vocabulary padding added). A tensor
-    already of the parameter's local shape is left as it is. No communication.
+    already of the parameter's local shape is left as it is. No communication. The model's own
+    check (:class:`tpify.hooks.state_dict.CheckShards`, registered first) has usually sliced them
+    already; this one also covers adapters whose spec PEFT's upcast dropped before it runs.
 
     Raises:
         TPUsageError: (every rank alike: the same file) an adapter tensor of neither the dense nor
@@ -290,7 +292,9 @@ def load_peft_adapter(model: nn.Module, model_id, adapter_name: str = "default",
     as :func:`get_peft_model` returns one (``load_adapter`` / ``set_adapter`` for more adapters,
     ``save_pretrained`` dense). ``kwargs`` go to ``PeftModel.from_pretrained``.
 
-    Communication: none; DoRA on row-parallel layers: one all-reduce of ``out`` values per layer.
+    Communication: the agreement of the model's ``load_state_dict`` (the store, no collective:
+    :mod:`tpify.hooks.state_dict`; every rank calls it); DoRA on row-parallel layers: one all-reduce
+    of ``out`` values per layer.
 
     Raises:
         ValueError: ``model`` was not parallelized by tpify; an option :class:`LoraTPLinear` refuses.
@@ -352,7 +356,8 @@ def load_adapter_(peft_model: PeftModel, path, adapter_name: str = "default") ->
     """Read a dense adapter directory (as :func:`save_adapter` writes it) into the existing adapter
     ``adapter_name`` in place, each rank its slices (PEFT's ``set_peft_model_state_dict``).
 
-    Communication: none.
+    Communication: the agreement of the model's ``load_state_dict`` (the store, no collective:
+    :mod:`tpify.hooks.state_dict`); every rank of the model calls it.
 
     Raises:
         TPUsageError: a tensor the adapter needs is missing from the file, or the file holds one the

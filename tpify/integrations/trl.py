@@ -320,7 +320,7 @@ def _reference_loader(policy: nn.Module, original):
                                f"loads it tensor-parallel from a local directory only; save the initial policy with "
                                f"tpify.save_pretrained and load the policy from there, or pass ref_model= (DPO)")
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        return from_pretrained(path, tp_group=info.tp_group, dp_group=info.dp_group, torch_dtype=dtype,
+        return from_pretrained(path, tp_group=info.tp_group, dp_group=info.dp_group, dtype=dtype,
                                model_class=type(policy), pad_vocab_multiple=info.layout.pad_vocab_multiple,
                                sequence_parallel=info.layout.sequence_parallel is not None)
 

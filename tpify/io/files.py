@@ -303,6 +303,6 @@ def open_checkpoint(path: Path, attempts: int = 10) -> tuple[Snapshot, dict[str,
 def stored_float_dtype(headers: dict[str, TensorHeader], weight_map: dict[str, str]) -> torch.dtype:
     """The dtype of the first floating tensor (float32, float16, bfloat16 or float64) of the
     checkpoint's first file (by name), as stored; float32 when that file holds none. What
-    ``torch_dtype="auto"`` falls back to when ``config.json`` names no dtype."""
+    ``dtype="auto"`` falls back to when ``config.json`` names no dtype."""
     first = sorted(set(weight_map.values()))[0]
     return next((h.dtype for h in headers.values() if h.file == first and h.dtype in _FLOATING), torch.float32)

@@ -217,11 +217,18 @@ def _write_configs(model: nn.Module, directory: Path) -> None:
 @contextlib.contextmanager
 def _dense_config(model: nn.Module):
     """The model's config as it must be written: the values the layout divided per rank put back
-    dense, and ``architectures`` naming the model's class (as transformers' save_pretrained sets it)."""
+    dense; ``architectures`` naming the model's class and ``dtype`` the dtype of its first floating
+    parameter (the dtype of the tensors written), both as transformers' ``save_pretrained`` sets them
+    (a model loaded from a float32 checkpoint with ``dtype=torch.bfloat16``, or converted with
+    ``.to(torch.bfloat16)``, keeps the config's ``"float32"``, and transformers would reload the
+    bfloat16 files at twice the memory). Restored afterwards."""
     info = getattr(model, "tp_info", None)
     divided = dict(info.layout.config_divides) if info is not None else {}
     config = model.config
     divided["architectures"] = [type(model).__name__]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        divided["dtype"] = str(dtype).split(".")[1]
     per_rank = {name: config_get(config, name) for name in divided}
     try:
         for name, dense in divided.items():
