@@ -144,12 +144,36 @@ def _unfed_message(cls: type) -> str:
             f"pixel_position_ids), and {cls.__name__}.forward takes none of them ({', '.join(params)}, ...)")
 
 
+# When transformers lists one class under several tasks (llama4's Llama4ForConditionalGeneration is
+# its base model and its image-text-to-text head; bart's BartForConditionalGeneration its masked LM
+# and its seq2seq LM), verify runs it once, as the task whose checks include the others' (labels
+# and generate before a bare forward); the rows name the class, so a second case would repeat them.
+_TASK_PREFERENCE = ("image-text-to-text", "seq2seq-lm", "causal-lm", "masked-lm")
+
+
+def _task_rank(task: str) -> int:
+    if task in _TASK_PREFERENCE:
+        return _TASK_PREFERENCE.index(task)
+    return len(_TASK_PREFERENCE) + (1 if task == "base" else 0)
+
+
+def _one_case_per_class(heads: list[tuple[str, type]]) -> list[tuple[str, type]]:
+    """``heads`` with each class once, under its preferred task (:data:`_TASK_PREFERENCE`, then
+    any other task, ``base`` last), at the place of its first listing."""
+    best: dict[type, str] = {}
+    for task, cls in heads:
+        if cls not in best or _task_rank(task) < _task_rank(best[cls]):
+            best[cls] = task
+    return [(best[cls], cls) for cls in dict.fromkeys(cls for _, cls in heads)]
+
+
 def _select_heads(config, requested) -> list[tuple[str, type]]:
-    """``[(task, class)]`` for the requested head classes (names, task names or classes; None: all)."""
+    """``[(task, class)]`` for the requested head classes (names, task names or classes; None:
+    all), each class once (:func:`_one_case_per_class`): its rows are named by the class."""
     available = family_head_classes(config)
     if not requested:
-        return list(available.items())
-    by_name = {cls.__name__: (task, cls) for task, cls in available.items()}
+        return _one_case_per_class(list(available.items()))
+    by_name = {cls.__name__: (task, cls) for task, cls in _one_case_per_class(list(available.items()))}
     out = []
     for item in requested:
         if isinstance(item, type):
@@ -162,7 +186,7 @@ def _select_heads(config, requested) -> list[tuple[str, type]]:
         else:
             raise ValueError(f"{item!r} is not a head class of model_type {config.model_type!r}; its head classes "
                              f"(class name or task): {[f'{c.__name__} ({t})' for t, c in available.items()]}")
-    return out
+    return _one_case_per_class(out)
 
 
 def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,), *, timeout_s: float = 1800.0,
