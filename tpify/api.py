@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,7 +179,8 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
-                  mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups)
+                  mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups,
+                  model_ref=weakref.ref(model))  # the repr's bytes per rank; a weakref: no cycle through the model
     model.tp_info = info
     record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
