@@ -39,7 +39,7 @@ from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
-from .io.save import gather_dense, plan_shards, staged
+from .io.save import gather_dense, plan_shards, shard_size_limit, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
 from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, replica_groups,
@@ -574,7 +574,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     failure on any rank raises on every rank instead of hanging them.
 
     Raises:
-        ValueError: ``path`` is an existing file.
+        ValueError: ``path`` is an existing file; ``max_shard_size`` is not a positive size (an
+            int of bytes, or a string such as ``"2GB"``, ``"500MB"``, ``"5GiB"``), on every rank
+            before any communication.
         AgreementError: on the other ranks, when ``path`` is a file on one rank; when the ranks
             hold different models (the first communication compares them, :func:`tpify.agree.agree`).
         RuntimeError: on the other ranks, when a rank failed writing its files (that rank raises
@@ -587,6 +589,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     with agreement("tpify.save_pretrained") as checked:  # every local check first
         if path.exists() and not path.is_dir():
             raise ValueError(f"save_pretrained: {path} exists and is not a directory; pass a directory path")
+        shard_size_limit(max_shard_size)  # a positive size, before anything is gathered or written
 
         specs = param_specs(model)
         checked.fingerprint = {"saved tensors": digest([(k, list(t.shape), str(t.dtype)) for k, t in entries]),

@@ -391,3 +391,20 @@ def test_a_dead_save_folder_that_vanishes_during_the_cleanup_is_skipped(tmp_path
     model = tpify.parallelize(_gpt2(1), tp_size=1)
     tpify.save_pretrained(model, path)
     assert _which(_state(AutoModelForCausalLM.from_pretrained(path)), {"saved": _state(_gpt2(1))}) == "saved"
+
+
+@pytest.mark.parametrize("size", [-1, 0, "0GB", "-5MB", "2 XB", "lots", 1.5, True, None])
+def test_save_refuses_a_shard_size_that_is_not_a_positive_size(tmp_path, size):
+    """``max_shard_size=-1`` wrote a file per tensor (31 for this model's kind): a size that is not
+    a positive int or a string transformers parses is refused before anything is written."""
+    model = tpify.parallelize(_gpt2(1), tp_size=1)
+    with pytest.raises(ValueError, match=r"max_shard_size is the largest file in bytes: a positive int, or a string"):
+        tpify.save_pretrained(model, tmp_path / "ckpt", max_shard_size=size)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("size,files", [(6000, 4), ("6KB", 4), ("6kB", 4), ("48Kb", 4), ("1GiB", 1), (" 1GB ", 1)])
+def test_save_takes_shard_sizes_as_transformers_does(tmp_path, size, files):
+    model = tpify.parallelize(_gpt2(1), tp_size=1)
+    tpify.save_pretrained(model, tmp_path / "ckpt", max_shard_size=size)
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) == files

@@ -35,7 +35,7 @@ from ..hf_modules import config_get, config_set
 from ..sharding import ShardSpec, is_dtensor, shard_spec_of
 from .files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID
 
-__all__ = ["ShardPlan", "plan_shards", "gather_dense", "staged"]
+__all__ = ["ShardPlan", "plan_shards", "shard_size_limit", "gather_dense", "staged"]
 
 
 def _spec(specs: dict[int, ShardSpec | None], t: torch.Tensor) -> ShardSpec | None:
@@ -66,17 +66,41 @@ class ShardPlan:
                 "weight_map": dict(sorted(weight_map.items()))}
 
 
+def shard_size_limit(max_shard_size: int | str) -> int:
+    """``max_shard_size`` in bytes: a positive ``int``, or a string transformers parses
+    (``"2GB"``, ``"500MB"``, ``"5GiB"``, ``"300KB"``; ``"...Gb"`` in bits; its
+    ``convert_file_size_to_int``). Local.
+
+    Raises:
+        ValueError: not a positive int nor such a string, or a size of 0 bytes or less (every
+            tensor would get a file of its own: a model of 300 tensors written as 300 files).
+    """
+    from transformers.utils.hub import convert_file_size_to_int
+
+    usage = ("max_shard_size is the largest file in bytes: a positive int, or a string with a unit as "
+             "transformers takes it ('2GB', '500MB', '5GiB', '300KB')")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
+        raise ValueError(f"save_pretrained: {usage}; got {max_shard_size!r} ({type(max_shard_size).__name__})")
+    try:
+        limit = convert_file_size_to_int(max_shard_size.strip() if isinstance(max_shard_size, str) else max_shard_size)
+    except ValueError:
+        raise ValueError(f"save_pretrained: {usage}; got {max_shard_size!r}") from None
+    if limit <= 0:
+        parsed = f" = {limit} bytes" if isinstance(max_shard_size, str) else ""
+        raise ValueError(f"save_pretrained: {usage}; got {max_shard_size!r}{parsed}, which would give every tensor a "
+                         f"file of its own")
+    return limit
+
+
 def plan_shards(entries: list[tuple[str, torch.Tensor]], specs: dict, max_shard_size: int | str) -> ShardPlan:
     """Group ``entries`` (key, local tensor), in order, into files of at most ``max_shard_size``
     dense bytes (``"2GB"``, ``"300KB"`` or a number; a larger tensor gets a file of its own).
     Local: sizes from the shapes and the specs, no communication.
 
     Raises:
-        ValueError: ``max_shard_size`` is not a size (from transformers' parser).
+        ValueError: ``max_shard_size`` is not a positive size (:func:`shard_size_limit`).
     """
-    from transformers.utils.hub import convert_file_size_to_int
-
-    limit = convert_file_size_to_int(max_shard_size)
+    limit = shard_size_limit(max_shard_size)
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = total = 0
     for key, t in entries:
