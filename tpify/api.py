@@ -250,7 +250,8 @@ def parallelize(
         pad_vocab_multiple: pad vocabulary-split tables (embedding, LM head) to a multiple of
             ``pad_vocab_multiple * tp_size`` rows (Megatron-LM's ``make_vocab_size_divisible_by``,
             128 there, keeps every rank's GEMM width a multiple of a tile; 64 suits current
-            GPUs). Default 1: the least padding that makes the rows divisible. The padded rows
+            GPUs). Default 1: the least padding that makes the rows divisible; at most 65,536
+            (:data:`tpify.layout.MAX_PAD_VOCAB_MULTIPLE`). The padded rows
             are zeros no id reaches, never in the loss, stripped from gathered logits and saves.
         sequence_parallel: also split along the tokens what tensor parallelism leaves
             replicated (LayerNorms, dropout, residual adds; Korthikanti et al.,
@@ -293,7 +294,8 @@ def parallelize(
         TPUsageError: gradient checkpointing enabled before parallelizing (enable it after).
         PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules,
             indivisible head counts or features (the message names the module, the numbers and
-            the tp sizes that would work).
+            the tp sizes that would work); a ``pad_vocab_multiple`` outside 1 to 65,536 (on
+            every rank, before anything is allocated or communicated).
         TPUsageError: a model whose parameters are already DTensors (FSDP2's ``fully_shard``
             or a DTensor TP plan applied before ``parallelize``: shard with FSDP after it).
         ValueError: inconsistent ``tp_size``/``tp_group``, ``tp_size > 1`` without
