@@ -41,7 +41,8 @@ from .launch import world_mismatch
 from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check, output_problem
 
 __all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices", "finetune",
-           "default_text_files", "add_lora", "lora_targets", "resume_point", "greedy_continuation", "memory_report"]
+           "default_text_files", "add_lora", "lora_targets", "resume_point", "check_resume_files",
+           "greedy_continuation", "memory_report"]
 
 # The prompt whose greedy continuation is shown before and after training: the default text is
 # the GNU GPL, so what the model learnt shows in the continuation.
@@ -391,6 +392,41 @@ def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
     return ckpt, state
 
 
+def check_resume_files(ckpt: Path, cfg: FinetuneConfig) -> None:
+    """Every file the resume reads from ``ckpt`` (:func:`resume_point`'s) is whole: the adapter (LoRA;
+    ``adapter/adapter_model.safetensors``) and the training state's ``.distcp`` files against
+    its ``.metadata`` (:func:`tpify.checkpoint.read_metadata`). Local: run on every rank before
+    the agreement, so a truncated file stops every rank with its name, not PEFT's
+    ``SafetensorError`` or DCP's ``CheckpointException`` around an ``EOFError`` on some.
+
+    Raises:
+        ValueError: a missing or truncated file, named, with the fix (resume from the checkpoint
+            before it, whose name is given when there is one).
+    """
+    from ..checkpoint import read_metadata
+    from ..io import CheckpointError
+    from ..io.files import check_safetensors
+
+    out_dir = Path(cfg.out_dir)
+    try:
+        if cfg.lora_r:
+            check_safetensors(ckpt / "adapter" / "adapter_model.safetensors")
+        read_metadata(ckpt / "trainer")
+    except CheckpointError as e:
+        earlier = [p for p in sorted(out_dir.glob("checkpoint-*"), key=_step_of) if 0 <= _step_of(p) < _step_of(ckpt)]
+        fix = (f"move {ckpt} away and run again with --resume to continue from {earlier[-1].name}" if earlier else
+               f"no earlier checkpoint is in {out_dir}: start again without --resume")
+        raise ValueError(f"--resume: {ckpt} is damaged: {e}. To resume from an earlier checkpoint, {fix}") from e
+
+
+def _step_of(path: Path) -> int:
+    """The step of a ``checkpoint-<step>`` folder; -1 for another name."""
+    import re
+
+    m = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(m.group(1)) if m and path.is_dir() else -1
+
+
 _NO_MATPLOTLIB = ('the loss curve of tpify finetune needs matplotlib, which is not installed; '
                   'pip install "tpify[cli]"')
 
@@ -463,7 +499,9 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             size, ``out_dir`` cannot be a directory (a file, or under one:
             :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
             written with another tp/dp layout (its optimizer shards would not fit), with other
-            run arguments (unless ``allow_changes``), or with a corrupt ``state.json``.
+            run arguments (unless ``allow_changes``), or with a corrupt ``state.json``, or a
+            missing or truncated adapter or ``.distcp`` file (:func:`check_resume_files`: named,
+            with the checkpoint to resume from instead); on every rank, before anything is read.
         ResumeError: ``resume`` finds a checkpoint whose optimizer state does not fit this run
             (another model or padding, other LoRA shapes or param groups, e.g. after
             ``allow_changes``; :func:`tpify.integrations.resume.check_resume`), or no manifest;
@@ -492,6 +530,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             _require_peft()
         if cfg.resume:
             ckpt, state = resume_point(cfg)
+            check_resume_files(ckpt, cfg)  # a truncated adapter or .distcp file, named on every rank
     except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
         error = e
     agree("tpify finetune", {"args": _run_args(cfg), "resume step": state["step"] if state else None}, error)

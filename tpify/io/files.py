@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from . import CheckpointError
 
-__all__ = ["Snapshot", "TensorHeader", "open_checkpoint", "stored_float_dtype", "STORED_DTYPES",
+__all__ = ["Snapshot", "TensorHeader", "open_checkpoint", "check_safetensors", "stored_float_dtype", "STORED_DTYPES",
            "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAVE_ID"]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -218,6 +218,19 @@ def _open(file: Path, where: str | None = None):
         size = file.stat().st_size if file.exists() else "missing"
         raise CheckpointError(f"cannot read safetensors file {file} ({size} bytes): {e}. The file is truncated or "
                               f"corrupt; re-download or re-save it.") from e
+
+
+def check_safetensors(file: Path) -> None:
+    """Whether ``file`` is a whole safetensors file: its header parses and its tensors cover the
+    file exactly (what safetensors checks when it opens one). Local.
+
+    Raises:
+        CheckpointError: missing, truncated or corrupt (named, with its size).
+    """
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(f"safetensors file {file} is missing")
+    _open(file)
 
 
 def _headers(snap: Snapshot, weight_map: dict[str, str],
