@@ -447,7 +447,7 @@ def _blob(value) -> io.BytesIO:
 
 
 _INCOMPLETE = ("the checkpoint is incomplete or damaged (interrupted while saving, copied in part, or changed "
-               "since): resume from an earlier checkpoint")
+               "since): resume from an earlier checkpoint.")
 
 
 def read_metadata(path):

@@ -77,7 +77,7 @@ def test_resume_names_a_truncated_adapter_or_distcp_file_and_the_checkpoint_befo
     adapter = tmp_path / "checkpoint-4" / "adapter" / "adapter_model.safetensors"
     _truncate(adapter)
     with pytest.raises(ValueError, match=rf"--resume: .*checkpoint-4 is damaged: cannot read safetensors file "
-                                         rf"{adapter} .*truncated.*move .*checkpoint-4 away and run again with "
+                                         rf"{adapter} .*truncated.*Move .*checkpoint-4 away and run again with "
                                          rf"--resume to continue from checkpoint-2"):
         check_resume_files(ckpt, cfg)
     full = FinetuneConfig(model_dir="m", out_dir=str(tmp_path), lora_r=0, resume=True)
@@ -89,6 +89,6 @@ def test_resume_names_a_truncated_adapter_or_distcp_file_and_the_checkpoint_befo
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoint-4")
-    with pytest.raises(ValueError, match=rf"checkpoint-2 is damaged: load_checkpoint: {shard} is truncated: .*no "
+    with pytest.raises(ValueError, match=rf"checkpoint-2 is damaged: load_checkpoint: {shard} is truncated: .*No "
                                          rf"earlier checkpoint is in {tmp_path}: start again without --resume"):
         check_resume_files(resume_point(full)[0], full)
