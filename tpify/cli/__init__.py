@@ -31,7 +31,11 @@ The loss curve of ``tpify finetune`` needs matplotlib: ``pip install "tpify[cli]
 
 # The command line, apart from the library core (``import tpify`` imports none of it):
 #   tpify/cli/__init__.py     this parser and the embed worker (``python -m tpify.cli`` runs main)
-#   tpify/cli/launch.py       torchrun self-launch, process-group setup
+#   tpify/cli/options.py      finetune's limits and defaults: all the parser needs (nothing heavy before parsing)
+#   tpify/cli/checks.py       numeric flags and output paths, for the parser and for Python
+#   tpify/cli/text.py         docstrings as plain text for --help
+#   tpify/cli/preflight.py    what the ranks would refuse, checked before any starts (the tp size against the model)
+#   tpify/cli/launch.py       torchrun's launcher in-process, process-group setup, a failed rank reported once
 #   tpify/cli/finetune.py     the fine-tuning loop behind ``tpify finetune``
 #   tpify/cli/plan.py         tpify plan: a recipe's coverage report on a meta model (no ranks)
 #   tpify/cli/verify.py       tpify verify: a recipe against the dense model in float64 (its own ranks)
