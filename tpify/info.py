@@ -140,11 +140,13 @@ class TPInfo(SharesProcessGroups):
         lines.append(f"recipe: {getattr(recipe, 'source', '-')} (model_type {getattr(recipe, 'model_type', '-')}), "
                      f"model class {getattr(layout, 'model_class', '') or '-'}, "
                      f"pad_vocab_multiple {getattr(layout, 'pad_vocab_multiple', 1)}")
-        lines.append(f"LM head: {getattr(layout, 'lm_head', None) or '-'}, loss: {getattr(layout, 'loss_kind', None) or '-'}"
-                     f", sequence parallel: {'yes' if getattr(layout, 'sequence_parallel', None) else 'no'}, "
+        lines.append(f"LM head: {getattr(layout, 'lm_head', None) or '-'}, "
+                     f"loss: {getattr(layout, 'loss_kind', None) or '-'}, "
+                     f"sequence parallel: {'yes' if getattr(layout, 'sequence_parallel', None) else 'no'}, "
                      f"ep_size: {getattr(layout, 'ep_size', 1)}")
         replicas = ", ".join(f"{n} KV heads: ranks {_ranks(g)}" for n, g in self.replica_groups.items())
-        lines.append(f"hooks: {len(self.hooks)}, guards: {len(self.guards)}, mesh: {'yes' if self.mesh is not None else 'no'}"
+        lines.append(f"hooks: {len(self.hooks)}, guards: {len(self.guards)}, "
+                     f"mesh: {'yes' if self.mesh is not None else 'no'}"
                      + (f", KV replica groups: {replicas}" if replicas else ""))
         modules = getattr(layout, "modules", None) or {}
         lines.append(f"modules ({len(modules)}):")

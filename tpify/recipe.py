@@ -532,8 +532,8 @@ def load_recipe(recipe: "str | Path | dict | Recipe") -> Recipe:
     if isinstance(recipe, dict):
         return Recipe.from_dict(recipe)
     if not isinstance(recipe, (str, os.PathLike)):
-        raise RecipeError(f"recipe must be a name (a model_type such as 'llama'), a path to a .toml file, a mapping or a "
-                          f"Recipe, got {type(recipe).__name__}")
+        raise RecipeError(f"recipe must be a name (a model_type such as 'llama'), a path to a .toml file, a mapping "
+                          f"or a Recipe, got {type(recipe).__name__}")
     path = Path(recipe)
     if isinstance(recipe, str) and path.suffix != ".toml":
         if not _RECIPE_NAME.fullmatch(recipe):

@@ -35,6 +35,7 @@ def _both_ranks(rank, world):
     return "no error", ""
 
 
+@pytest.mark.slow  # 2 ranks, about 20 s: the check itself is local (build_layout), the quick test above has it
 def test_pad_vocab_multiple_out_of_range_raises_the_same_error_on_every_rank():
     results = tputil.spawn(_both_ranks, 2)
     assert [name for name, _ in results] == ["PlanError", "PlanError"], results

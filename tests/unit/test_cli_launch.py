@@ -91,7 +91,8 @@ def test_finetune_at_a_tp_the_heads_do_not_allow_is_one_error_before_any_rank_st
     assert "config.num_attention_heads (LlamaForCausalLM) = 9 is not divisible by tp_size = 2" in err
     assert "tp sizes that would work for this model: [1, 3]" in err
     assert not (tmp_path / "run").exists()
-    for argv, needle in ((["--model-dir", str(tmp_path / "none")], f"--model-dir {tmp_path / 'none'} is not a Hugging Face model directory"),
+    for argv, needle in ((["--model-dir", str(tmp_path / "none")],
+                          f"--model-dir {tmp_path / 'none'} is not a Hugging Face model directory"),
                          (["--model-dir", str(nine_heads), "--tp", "3", "--data", str(tmp_path / "no.txt")],
                           f"--data: {tmp_path / 'no.txt'} is not a file"),
                          (["--model-dir", str(nine_heads), "--tp", "3", "--resume"], "--resume: no checkpoint-<step>")):

@@ -179,9 +179,10 @@ class _Stage:
 
     @contextlib.contextmanager
     def still_there(self):
-        """Turn an error raised because this save's temporary directory is gone (``FileNotFoundError``,
-        safetensors' ``SafetensorError``) into a ``FileNotFoundError`` that says so: another process removed it while this save wrote into it (a save
-        into the same folder on a filesystem without ``flock``, a cleanup of hidden folders)."""
+        """Turn an error raised because this save's temporary directory is gone
+        (``FileNotFoundError``, safetensors' ``SafetensorError``) into a ``FileNotFoundError`` that
+        says so: another process removed it while this save wrote into it (a save into the same
+        folder on a filesystem without ``flock``, a cleanup of hidden folders)."""
         try:
             yield
         except Exception as e:  # FileNotFoundError, or safetensors' SafetensorError on a missing folder
@@ -243,7 +244,7 @@ def staged(path: Path, device: torch.device, several_writers: bool = True) -> It
             try:
                 _remove_dead_saves(stage.target)
                 stage.tmp.mkdir()
-                stage.held = _lock(stage.tmp, wait=True)  # until the save ends: later saves' _remove_dead_saves leave it
+                stage.held = _lock(stage.tmp, wait=True)  # until the save ends: other saves' cleanup leaves it
             finally:
                 _unlock(parent)
     if several_writers:
