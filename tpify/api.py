@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
-from .io.save import gather_dense, plan_shards, staged
+from .io.save import gather_dense, plan_shards, shard_size_limit, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
 from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, replica_groups,
@@ -179,7 +180,8 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
-                  mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups)
+                  mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups,
+                  model_ref=weakref.ref(model))  # the repr's bytes per rank; a weakref: no cycle through the model
     model.tp_info = info
     record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
@@ -249,7 +251,8 @@ def parallelize(
         pad_vocab_multiple: pad vocabulary-split tables (embedding, LM head) to a multiple of
             ``pad_vocab_multiple * tp_size`` rows (Megatron-LM's ``make_vocab_size_divisible_by``,
             128 there, keeps every rank's GEMM width a multiple of a tile; 64 suits current
-            GPUs). Default 1: the least padding that makes the rows divisible. The padded rows
+            GPUs). Default 1: the least padding that makes the rows divisible; at most 65,536
+            (:data:`tpify.layout.MAX_PAD_VOCAB_MULTIPLE`). The padded rows
             are zeros no id reaches, never in the loss, stripped from gathered logits and saves.
         sequence_parallel: also split along the tokens what tensor parallelism leaves
             replicated (LayerNorms, dropout, residual adds; Korthikanti et al.,
@@ -294,7 +297,8 @@ def parallelize(
         TPUsageError: gradient checkpointing enabled before parallelizing (enable it after).
         PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules,
             indivisible head counts or features (the message names the module, the numbers and
-            the tp sizes that would work).
+            the tp sizes that would work); a ``pad_vocab_multiple`` outside 1 to 65,536 (on
+            every rank, before anything is allocated or communicated).
         TPUsageError: a model whose parameters are already DTensors (FSDP2's ``fully_shard``
             or a DTensor TP plan applied before ``parallelize``: shard with FSDP after it).
         ValueError: inconsistent ``tp_size``/``tp_group``, ``tp_size > 1`` without
@@ -601,7 +605,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     failure on any rank raises on every rank instead of hanging them.
 
     Raises:
-        ValueError: ``path`` is an existing file.
+        ValueError: ``path`` is an existing file; ``max_shard_size`` is not a positive size (an
+            int of bytes, or a string such as ``"2GB"``, ``"500MB"``, ``"5GiB"``), on every rank
+            before any communication.
         AgreementError: on the other ranks, when ``path`` is a file on one rank; when the ranks
             hold different models (the first communication compares them, :func:`tpify.agree.agree`).
         RuntimeError: on the other ranks, when a rank failed writing its files (that rank raises
@@ -614,6 +620,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     with agreement("tpify.save_pretrained") as checked:  # every local check first
         if path.exists() and not path.is_dir():
             raise ValueError(f"save_pretrained: {path} exists and is not a directory; pass a directory path")
+        shard_size_limit(max_shard_size)  # a positive size, before anything is gathered or written
 
         specs = param_specs(model)
         checked.fingerprint = {"saved tensors": digest([(k, list(t.shape), str(t.dtype)) for k, t in entries]),

@@ -66,7 +66,8 @@ from .info import find_tp_model, get_tp_info, param_specs
 from .io import CheckpointError
 from .sharding import ShardSpec, copy_local_, is_dtensor
 
-__all__ = ["sharded_state_dict", "dense_state_dict", "save_checkpoint", "load_checkpoint", "checkpoint_layout"]
+__all__ = ["sharded_state_dict", "dense_state_dict", "save_checkpoint", "load_checkpoint", "checkpoint_layout",
+           "read_metadata"]
 
 _PART = ".part"
 _meshes: dict = {}
@@ -447,12 +448,69 @@ def _blob(value) -> io.BytesIO:
     return buffer
 
 
-def _load_objects(path, keys: list[str]) -> dict:
-    """Load the non-tensor entries ``keys`` (every rank asks for the same or its own)."""
+_INCOMPLETE = ("the checkpoint is incomplete or damaged (interrupted while saving, copied in part, or changed "
+               "since): resume from an earlier checkpoint.")
+
+
+def read_metadata(path):
+    """The DCP ``Metadata`` of the checkpoint in ``path``, once every file it points into is
+    there and long enough (each entry's ``offset + length`` within its file). Local: no
+    communication; the same result on every rank that sees the same files.
+
+    Raises:
+        CheckpointError: ``.metadata`` is missing or unreadable, or a ``.distcp`` file is missing or
+            shorter than the metadata says (truncated); the message names every such file, its
+            size and the size it needs, and says to resume from an earlier checkpoint.
+    """
     import torch.distributed.checkpoint as dcp
 
+    path = Path(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - FileNotFoundError, or pickle's errors on a truncated file
+        raise CheckpointError(f"load_checkpoint: cannot read {path / '.metadata'} ({type(e).__name__}: {e}); "
+                              f"{_INCOMPLETE}") from e
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), end)
+    problems = []
+    for name, end in sorted(needed.items()):
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None:
+            problems.append(f"{file} is missing")
+        elif size < end:
+            problems.append(f"{file} is truncated: {size:,} bytes, its .metadata places data up to byte {end:,}")
+    if problems:
+        raise CheckpointError(f"load_checkpoint: {'; '.join(problems)}; {_INCOMPLETE}")
+    return metadata
+
+
+def _dcp_load(state: dict, path) -> None:
+    """``dcp.load`` (a collective), a failure while reading named: DCP gathers every rank's
+    exception into a ``CheckpointException`` raised on every rank; this raises a
+    :class:`CheckpointError` naming the checkpoint and the first rank's error instead."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+    except CheckpointException as e:
+        failures = getattr(e, "failures", {}) or {}
+        first = next(iter(sorted(failures.items())), None)
+        cause = first[1] if first is not None else e
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack summary)
+        ranks = f" on rank(s) {sorted(failures)}" if failures else ""
+        raise CheckpointError(f"load_checkpoint: reading {path} failed{ranks}: {type(cause).__name__}: {cause}; "
+                              f"{_INCOMPLETE}") from e
+
+
+def _load_objects(path, keys: list[str]) -> dict:
+    """Load the non-tensor entries ``keys`` (every rank asks for the same or its own)."""
     out = {k: None for k in keys}
-    dcp.load(out, checkpoint_id=str(path), no_dist=_no_dist())
+    _dcp_load(out, path)
     for k, v in out.items():
         if isinstance(v, io.BytesIO):  # what _blob wrote
             v.seek(0)
@@ -481,19 +539,20 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
     Raises:
         CheckpointError: on every rank, before any collective: a parameter of the models is not
             in the checkpoint or has another dense shape there (another model; the message names
-            up to three, with both shapes), the checkpoint is unreadable. After the first load,
+            up to three, with both shapes), the checkpoint is unreadable: its ``.metadata`` missing or
+            damaged, a ``.distcp`` file missing or truncated (:func:`read_metadata`: named, with its
+            size and the size it needs). While reading, on every rank: what DCP failed to read
+            (its ``CheckpointException``, named). After the first load,
             alike on every rank (each reads the same objects): an optimizer's param groups list
             other parameters, the numbers of schedulers differ.
         AgreementError: on the other ranks, when one rank failed its checks.
     """
-    import torch.distributed.checkpoint as dcp
-
     models = _models(models)
     optimizers = [_optimizer(o) for o in optimizers]
     names, specs, ctx = _param_index(models)
     state, finish, by_name, error = {}, [], {}, None
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = read_metadata(path).state_dict_metadata  # every file there and long enough
         problems = []
         for i, model in enumerate(models):
             for name, p in _named_params(model):
@@ -552,7 +611,7 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
         optim_states.append((opt, built, groups))
-    dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+    _dcp_load(state, path)
     with torch.no_grad():
         for p, assemble in finish:
             copy_local_(p, assemble()) if is_dtensor(p) else p.copy_(assemble())

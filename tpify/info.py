@@ -10,6 +10,8 @@ method used on a tensor-parallel model in a way tpify does not support.
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -25,9 +27,14 @@ class TPUsageError(RuntimeError):
     """A tool or method was used on a tensor-parallel model in a way tpify does not support."""
 
 
-@dataclass
+@dataclass(repr=False)
 class TPInfo(SharesProcessGroups):
     """What tpify did to a model; stored as ``model.tp_info``.
+
+    ``repr(info)`` (what ``print(model.tp_info)`` shows) is one line: the tp size and rank, the
+    ranks of the TP and DP groups, the parallel modules counted by style and the bytes of this
+    rank's parameters; :meth:`describe` gives the whole layout (every module's style and rule,
+    every parameter's local shape and split).
 
     Attributes:
         tp_size, tp_rank: the TP group's size and this process's rank in it.
@@ -59,6 +66,9 @@ class TPInfo(SharesProcessGroups):
             back on the copy (a deep copy of a Parameter drops its attributes, and a shard without
             its spec would count as replicated in the gradient norm and be saved at its local
             shape).
+        model_ref: a ``weakref.ref`` to the model that holds this object (the repr's and
+            :meth:`describe`'s parameters), or None; a deep copy of the model points its copy at
+            the copied model.
     """
 
     tp_size: int
@@ -75,12 +85,117 @@ class TPInfo(SharesProcessGroups):
     mesh: object = None
     foreign_shards: list = field(default_factory=list)
     replica_groups: dict = field(default_factory=dict)
+    model_ref: object = field(default=None, compare=False)  # weakref.ref to the model holding this TPInfo
 
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)  # within a model's deepcopy: the copied model's parameters (memo)
         for param, spec in new.foreign_shards:
             param.tp_shard_spec = spec
+        old = self._model()
+        if old is not None and id(old) in memo:  # a weakref is copied as itself: point it at the copy
+            new.model_ref = weakref.ref(memo[id(old)])
         return new
+
+    def _model(self) -> nn.Module | None:
+        return self.model_ref() if isinstance(self.model_ref, weakref.ref) else None
+
+    def style_counts(self) -> dict[str, int]:
+        """``{style: modules}`` of the layout (``replicate`` included), most frequent first."""
+        modules = getattr(self.layout, "modules", None) or {}
+        return dict(Counter(m.style for m in modules.values()).most_common())
+
+    def param_bytes(self) -> tuple[int, int] | None:
+        """``(bytes of this rank's parameters, bytes of the dense model's)``, each parameter once
+        (tied ones once; under FSDP2 this rank's slice of its TP shard; the dense figure counts a
+        sharded parameter whole, unpadded); None once the model is gone. Local; no communication."""
+        model = self._model()
+        if model is None:
+            return None
+        local = dense = 0
+        for name, p in model.named_parameters():
+            spec = shard_spec_of(p) or self.specs.get(name)
+            size = p.element_size()
+            local += (p.to_local().numel() if is_dtensor(p) else p.numel()) * size
+            dense += (p.numel() // p.shape[spec.dim] * spec.global_size if spec is not None else p.numel()) * size
+        return local, dense
+
+    def __repr__(self) -> str:
+        styles = ", ".join(f"{style} {n}" for style, n in self.style_counts().items()) or "none"
+        nbytes = self.param_bytes()
+        memory = "" if nbytes is None else (
+            f", parameters {_mib(nbytes[0])} on this rank ({nbytes[0] / max(nbytes[1], 1):.3f} x dense)")
+        return (f"TPInfo(tp_size={self.tp_size}, tp_rank={self.tp_rank}, tp_group={_ranks(self.tp_group)}, "
+                f"dp_group={_ranks(self.dp_group, none='none')} ({self.dp_source}), modules: {styles}{memory}; "
+                f".describe() for the layout)")
+
+    def describe(self) -> str:
+        """The whole layout, as text: the groups, the recipe and what it set (LM head, loss,
+        sequence parallelism, vocabulary padding), the hooks, then every module tpify styled (its
+        style and recipe rule) and every parameter of this rank (its local shape and dtype, and
+        how it is split: dimension, dense size, packed parts, replicated parts). Local; no
+        communication."""
+        layout = self.layout
+        lines = [repr(self)]
+        recipe = getattr(layout, "recipe", None)
+        lines.append(f"recipe: {getattr(recipe, 'source', '-')} (model_type {getattr(recipe, 'model_type', '-')}), "
+                     f"model class {getattr(layout, 'model_class', '') or '-'}, "
+                     f"pad_vocab_multiple {getattr(layout, 'pad_vocab_multiple', 1)}")
+        lines.append(f"LM head: {getattr(layout, 'lm_head', None) or '-'}, "
+                     f"loss: {getattr(layout, 'loss_kind', None) or '-'}, "
+                     f"sequence parallel: {'yes' if getattr(layout, 'sequence_parallel', None) else 'no'}, "
+                     f"ep_size: {getattr(layout, 'ep_size', 1)}")
+        replicas = ", ".join(f"{n} KV heads: ranks {_ranks(g)}" for n, g in self.replica_groups.items())
+        lines.append(f"hooks: {len(self.hooks)}, guards: {len(self.guards)}, "
+                     f"mesh: {'yes' if self.mesh is not None else 'no'}"
+                     + (f", KV replica groups: {replicas}" if replicas else ""))
+        modules = getattr(layout, "modules", None) or {}
+        lines.append(f"modules ({len(modules)}):")
+        width = max((len(f) for f in modules), default=0)
+        for fqn, m in modules.items():
+            lines.append(f"  {fqn:<{width}}  {m.style:<18} rule #{m.rule}")
+        model = self._model()
+        if model is not None:
+            params = list(model.named_parameters())
+            lines.append(f"parameters on this rank ({len(params)}):")
+            width = max((len(n) for n, _ in params), default=0)
+            for name, p in params:
+                spec = shard_spec_of(p) or self.specs.get(name)
+                local = tuple(p.to_local().shape) if is_dtensor(p) else tuple(p.shape)
+                lines.append(f"  {name:<{width}}  {str(list(local)):<14} {str(p.dtype).removeprefix('torch.'):<9} "
+                             f"{_split(spec)}")
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _ranks(group, none: str = "world") -> str:
+    """``"[0, 1]"``: the global ranks of ``group`` (None: the default group, or ``none``);
+    ``"?"`` when they cannot be read (the process group is gone)."""
+    try:
+        if group is None:
+            if none != "world":
+                return none
+            group = dist.group.WORLD
+        if not (dist.is_available() and dist.is_initialized()):
+            return "?"
+        return str(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - a repr never raises
+        return "?"
+
+
+def _split(spec) -> str:
+    if spec is None:
+        return "replicated"
+    text = f"split on dim {spec.dim} over {spec.tp_size} (dense {spec.global_size}"
+    if len(spec.parts) > 1:
+        text += f" in parts {list(spec.parts)}"
+    if spec.padded_size is not None:
+        text += f", padded to {spec.padded_size}"
+    if spec.replicated:
+        text += f", parts {list(spec.replicated)} held by groups of {spec.replica_group_size}"
+    return text + ")"
 
 
 def foreign_shards(model: nn.Module) -> list:

@@ -264,6 +264,12 @@ def coverage_threshold(model: nn.Module) -> int:
     return max(1, min(COVERAGE_ELEMENTS, total // 100))
 
 
+# The largest vocabulary padding multiple: padding to a multiple of 65,536 * tp_size rows already adds up to
+# that many rows of the embedding and the LM head (Megatron-LM pads to 128); a larger one is a mistake, refused
+# before anything is allocated (2**40 failed in the allocator).
+MAX_PAD_VOCAB_MULTIPLE = 2**16
+
+
 def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, lm_loss_chunk=None, ep_size=1) -> None:
     """The arguments and the model can be planned at all (before anything is matched)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
@@ -272,9 +278,12 @@ def _check_arguments(model: nn.Module, tp_size, pad_vocab_multiple, lm_loss_chun
         raise PlanError(f"ep_size must be 1 (tensor-parallel experts) or tp_size = {tp_size} (expert parallelism over "
                         f"the TP group: whole experts per rank, tokens exchanged with all-to-all), got {ep_size!r}; an "
                         f"expert-parallel group inside or across the data-parallel groups is not supported yet")
-    if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) or pad_vocab_multiple < 1:
-        raise PlanError(f"pad_vocab_multiple must be a positive integer (the vocabulary is padded to a multiple of "
-                        f"pad_vocab_multiple * tp_size), got {pad_vocab_multiple!r}")
+    if not isinstance(pad_vocab_multiple, int) or isinstance(pad_vocab_multiple, bool) \
+            or not 1 <= pad_vocab_multiple <= MAX_PAD_VOCAB_MULTIPLE:
+        got = f"{pad_vocab_multiple:,}" if isinstance(pad_vocab_multiple, int) else repr(pad_vocab_multiple)
+        raise PlanError(f"pad_vocab_multiple must be an integer from 1 to {MAX_PAD_VOCAB_MULTIPLE:,} (the vocabulary is "
+                        f"padded to a multiple of pad_vocab_multiple * tp_size; Megatron-LM pads to a multiple of "
+                        f"128), got {got}")
     if lm_loss_chunk not in (None, "auto") and (not isinstance(lm_loss_chunk, int) or isinstance(lm_loss_chunk, bool)
                                                 or lm_loss_chunk < 1):
         raise PlanError(f"lm_loss_chunk must be a positive number of tokens per chunk, 'auto' (the chunk "

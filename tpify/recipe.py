@@ -47,6 +47,7 @@ Every key, with an example per feature, is in ``docs/recipes.md``.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -509,19 +510,37 @@ def available_recipes() -> list[str]:
     return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.toml")})
 
 
+# A recipe name is a model_type: letters, digits, "_", "-" and inner dots; never a path (no separator, no "..").
+_RECIPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*")
+
+
 def load_recipe(recipe: "str | Path | dict | Recipe") -> Recipe:
     """Load a recipe by ``model_type`` name, by path to a ``.toml`` file, or from a mapping.
 
+    A string ending in ``.toml``, or a ``pathlib.Path``, is a file path (read as given); any other
+    string is a name, looked up as ``<name>.toml`` in the recipe folders (:func:`recipe_dirs`)
+    only: it must be a name (letters, digits, ``_``, ``-``, inner dots), so a name can never
+    reach a file outside those folders (``../../x/evil`` is refused, not read).
+
     Raises:
-        RecipeError: no recipe for that name (the message lists the known ones and how to pass a
-            file), a file that is not valid TOML, or a malformed recipe.
+        RecipeError: a name that is not one (a path separator, ``..``), no recipe for that name
+            (the message lists the known ones and how to pass a file), a file that does not exist
+            or is not valid TOML, or a malformed recipe.
     """
     if isinstance(recipe, Recipe):
         return recipe
     if isinstance(recipe, dict):
         return Recipe.from_dict(recipe)
+    if not isinstance(recipe, (str, os.PathLike)):
+        raise RecipeError(f"recipe must be a name (a model_type such as 'llama'), a path to a .toml file, a mapping "
+                          f"or a Recipe, got {type(recipe).__name__}")
     path = Path(recipe)
-    if path.suffix != ".toml":
+    if isinstance(recipe, str) and path.suffix != ".toml":
+        if not _RECIPE_NAME.fullmatch(recipe):
+            raise RecipeError(
+                f"recipe {recipe!r} is not a recipe name (a model_type such as 'llama': letters, digits, '_', '-') "
+                f"and not a .toml path: a name is looked up in the recipe folders only. Pass a file as a path ending "
+                f"in .toml, or as a pathlib.Path")
         found = [d / f"{recipe}.toml" for d in recipe_dirs() if (d / f"{recipe}.toml").is_file()]
         if not found:
             raise RecipeError(

@@ -130,3 +130,36 @@ def test_readme_first_command(tmp_path):
     assert tuned < before - 0.05, (before, tuned)
     print(f"README command, 3 steps: loss on the text {before:.3f} -> {tuned:.3f}; losses {record['losses']}; "
           f"before {samples['before']}; after {after!r}")
+
+
+def test_damaged_checkpoints_and_failing_ranks_are_each_one_clean_error(tiny_gpt2, tmp_path):
+    """A truncated ``adapter/adapter_model.safetensors`` stopped both ranks with PEFT's
+    ``SafetensorError``, a truncated ``trainer/__1_0.distcp`` with DCP's ``CheckpointException``
+    around a bare ``EOFError``: now ``--resume`` names the file and the checkpoint to resume from
+    instead, once, before any rank starts (exit status 2). A failure the launcher cannot foresee
+    (the text is shorter than one sequence: every rank raises after loading) is printed once by
+    the launcher, naming the rank, without tracebacks or torchrun's ChildFailedError (exit 1)."""
+    out = tmp_path / "run"
+    common = ["--model-dir", str(tiny_gpt2), "--tp", "2", "--steps", "3", "--seq-len", "32", "--save-every", "1",
+              "--sample-tokens", "0", "--out", str(out)]
+    _finetune(*common)
+    for damaged in (out / "checkpoint-2" / "adapter" / "adapter_model.safetensors",
+                    out / "checkpoint-2" / "trainer" / "__1_0.distcp"):
+        whole = damaged.read_bytes()
+        damaged.write_bytes(whole[:-64])
+        run = subprocess.run([sys.executable, "-m", "tpify.cli", "finetune", *common, "--resume"], capture_output=True,
+                             text=True, timeout=300, env=ENV)
+        damaged.write_bytes(whole)
+        assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-4000:]
+        assert run.stderr.count("error") == 1 and "Traceback" not in run.stderr, run.stderr
+        assert f"{out / 'checkpoint-2'} is damaged" in run.stderr and str(damaged) in run.stderr, run.stderr
+        assert "truncated" in run.stderr and "run again with --resume to continue from checkpoint-1" in run.stderr
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words")
+    run = subprocess.run([sys.executable, "-m", "tpify.cli", "finetune", *common[:-1], str(tmp_path / "short"),
+                          "--data", str(short)], capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.fullmatch(r"tpify finetune: error on rank \d \(ranks 0, 1 alike\): ValueError: the "
+                                            r"text files hold \d+ tokens, fewer than one sequence of 32", lines[0]), \
+        run.stderr

@@ -57,3 +57,38 @@ def test_checkpoint_round_trip_and_state_dict_views(tmp_path):
             assert torch.equal(other_opt.state[q][key], value), (name, key)
     assert other_sched.state_dict() == sched.state_dict()
     assert other_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def _fresh(seed):
+    model = tpify.parallelize(_model(seed), tp_size=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.LinearLR(opt, total_iters=4)
+
+
+def test_a_truncated_or_missing_distcp_file_is_named_before_anything_is_read(tmp_path):
+    """A ``.distcp`` file cut short stopped the load with DCP's ``CheckpointException`` around a
+    bare ``EOFError``; now a :class:`CheckpointError` names the file, its size and the size its
+    ``.metadata`` needs, and says to resume from an earlier checkpoint; the model is untouched."""
+    import pytest
+
+    from tpify.io import CheckpointError
+
+    model = tpify.parallelize(_model(0), tp_size=1)
+    opt, sched = _train_step(model)
+    save_checkpoint(tmp_path / "ckpt", model, [opt], [sched], extra={"step": 1})
+    (shard,) = sorted((tmp_path / "ckpt").glob("*.distcp"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    other, other_opt, other_sched = _fresh(5)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is truncated: {size // 2:,} bytes, its \.metadata places "
+                                              rf"data up to byte [\d,]+; .*resume from an earlier checkpoint"):
+        load_checkpoint(tmp_path / "ckpt", other, [other_opt], [other_sched])
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is missing"):
+        load_checkpoint(tmp_path / "ckpt", other, [other_opt], [other_sched])
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"\x80\x04junk")
+    with pytest.raises(CheckpointError, match=r"cannot read .*\.metadata .*resume from an earlier checkpoint"):
+        load_checkpoint(tmp_path / "ckpt", other, [other_opt], [other_sched])

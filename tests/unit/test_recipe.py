@@ -229,3 +229,33 @@ def test_loss_terms_are_parsed_and_malformed_ones_refused():
     moe = SimpleNamespace(router_aux_loss_coef=0.01, output_router_logits=False)
     assert loss_terms_of(moe) == [{"output": "aux_loss", "coefficient": "router_aux_loss_coef"}]
     assert loss_terms_of(SimpleNamespace(hidden_size=8)) == []
+
+
+def test_a_recipe_name_with_path_separators_is_refused_not_read(tmp_path, monkeypatch):
+    """A recipe given by name is looked up in the recipe folders only: ``../../x/evil`` (which
+    loaded ``recipes/../../x/evil.toml``) is refused before any file is read; the same file
+    given as a path (ending in .toml, or a pathlib.Path) is read."""
+    import os
+    from pathlib import Path
+
+    from tpify.recipe import recipe_dirs
+
+    evil = tmp_path / "x" / "evil.toml"
+    evil.parent.mkdir()
+    evil.write_text(Path(recipe_dirs()[0] / "gpt2.toml").read_text())
+    monkeypatch.chdir(tmp_path)
+    relative = os.path.relpath(evil.with_suffix(""), recipe_dirs()[0])  # ../../.../x/evil from the recipe folder
+    for name in (relative, "../gpt2", "x/evil", "x\\evil", "..", ".hidden", "", "/etc/passwd", "gpt2/"):
+        with pytest.raises(tpify.RecipeError, match=r"is not a recipe name .* Pass a file as a path ending in \.toml"):
+            tpify.load_recipe(name)
+    assert tpify.load_recipe(str(evil)).model_type == "gpt2"  # a path, passed as one
+    assert tpify.load_recipe(evil).model_type == "gpt2"
+    assert tpify.load_recipe(Path("x/evil.toml")).source == "x/evil.toml"
+    no_suffix = tmp_path / "plain"
+    no_suffix.write_text(evil.read_text())
+    assert tpify.load_recipe(no_suffix).model_type == "gpt2"  # an existing file given as a Path
+    with pytest.raises(tpify.RecipeError, match="does not exist"):
+        tpify.load_recipe(Path("gpt2"))  # a Path is a path, never a name
+    assert tpify.load_recipe("gpt2").model_type == "gpt2"
+    with pytest.raises(tpify.RecipeError, match="no tpify recipe for model_type 'no_such_family'"):
+        tpify.load_recipe("no_such_family")

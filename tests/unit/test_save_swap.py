@@ -277,3 +277,134 @@ def test_next_save_removes_only_dead_temporary_directories(tmp_path):
         _unlock(held)
     tpify.save_pretrained(model, path)
     assert not live.exists() and all(d.exists() for d in others)
+
+
+def _save_in_a_loop(path: str, seed: int, start: float, saves: int, out) -> None:
+    """Body of one of two processes that save into one folder at the same time."""
+    import traceback
+
+    torch.set_num_threads(1)
+    model = tpify.parallelize(_gpt2(seed), tp_size=1)
+    while time.time() < start:
+        pass
+    errors = []
+    for i in range(saves):
+        try:
+            tpify.save_pretrained(model, path, max_shard_size="6KB" if i % 2 else "1GB")
+        except Exception:  # noqa: BLE001 - reported to the test
+            errors.append(traceback.format_exc())
+    out.put((seed, errors))
+
+
+@pytest.mark.slow  # about 30 s on the shared 2-core machine; the deterministic tests below are quick
+def test_two_saves_into_one_folder_at_once_both_succeed_and_leave_one_whole_checkpoint(tmp_path):
+    """Two processes saving into one folder at the same time, 25 saves each, sharded and not: no
+    save fails (before, one failed now and then with FileNotFoundError on a ``.NAME.tmp-<id>``
+    folder: the other save's cleanup listed it, then it was gone, or removed it between its
+    creation and its lock), and the folder holds one of the two models whole."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    path = tmp_path / "ckpt"
+    start = time.time() + 8  # both processes ready (imports) before the first save
+    procs = [ctx.Process(target=_save_in_a_loop, args=(str(path), seed, start, 25, out)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert results == {1: [], 2: []}, "\n".join(e for errors in results.values() for e in errors)
+    loaded = _state(AutoModelForCausalLM.from_pretrained(path))
+    _which(loaded, {"model 1": _state(_gpt2(1)), "model 2": _state(_gpt2(2))})
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
+
+
+def test_a_save_into_a_folder_another_save_creates_meanwhile_moves_into_it(tmp_path, monkeypatch):
+    """The target did not exist when the save began its move, and another save created it just
+    before the rename: the save moves into it as into any existing checkpoint (before: OSError,
+    directory not empty)."""
+    import tpify.io.save as save
+
+    path = tmp_path / "ckpt"
+    first, second = tpify.parallelize(_gpt2(1), tp_size=1), tpify.parallelize(_gpt2(2), tp_size=1)
+    real_rename, raced = os.rename, []
+
+    def rename(src, dst, *args, **kwargs):
+        if Path(dst) == path and not raced:  # the other save wins the race to create the folder
+            raced.append(True)
+            monkeypatch.setattr(os, "rename", real_rename)
+            tpify.save_pretrained(second, path)
+            monkeypatch.setattr(os, "rename", rename)
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    tpify.save_pretrained(first, path, max_shard_size="6KB")
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert raced
+    loaded = _state(AutoModelForCausalLM.from_pretrained(path))
+    assert _which(loaded, {"first": _state(_gpt2(1)), "second": _state(_gpt2(2))}) == "first"
+    assert _used_files(path) == _weight_files(path)  # the second save's model.safetensors removed
+
+
+def test_a_save_whose_temporary_folder_is_removed_says_so_and_leaves_the_target_whole(tmp_path, monkeypatch):
+    """Another process removes this save's temporary folder while it writes (a save on a
+    filesystem without flock, a cleanup): the error names the folder, says another process
+    removed it and that the target is untouched; the target still holds the old checkpoint."""
+    import tpify.io.save as save
+
+    path = tmp_path / "ckpt"
+    tpify.save_pretrained(tpify.parallelize(_gpt2(1), tp_size=1), path)
+    real = save.save_file
+
+    def removed_first(tensors, filename, *args, **kwargs):
+        shutil.rmtree(Path(filename).parent)
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(save, "save_file", removed_first)
+    with pytest.raises(FileNotFoundError) as e:
+        tpify.save_pretrained(tpify.parallelize(_gpt2(2), tp_size=1), path)
+    text = str(e.value)
+    assert "temporary folder" in text and ".ckpt.tmp-" in text and "another save into" in text, text
+    assert f"{path} is untouched" in text, text
+    loaded = _state(AutoModelForCausalLM.from_pretrained(path))
+    assert _which(loaded, {"old": _state(_gpt2(1)), "new": _state(_gpt2(2))}) == "old"
+
+
+def test_a_dead_save_folder_that_vanishes_during_the_cleanup_is_skipped(tmp_path, monkeypatch):
+    """A save lists ``.NAME.tmp-<id>`` folders beside its target to remove dead ones; one that its
+    own save removes (it ended) between the listing and the lock is skipped (before: the
+    FileNotFoundError stopped this save)."""
+    import tpify.io.save as save
+
+    path = tmp_path / "ckpt"
+    other = tmp_path / ".ckpt.tmp-0123abcd"
+    other.mkdir()
+    real = save._lock
+
+    def lock(directory, wait):
+        if Path(directory) == other:
+            shutil.rmtree(other)  # the other save ends just now
+        return real(directory, wait)
+
+    monkeypatch.setattr(save, "_lock", lock)
+    model = tpify.parallelize(_gpt2(1), tp_size=1)
+    tpify.save_pretrained(model, path)
+    assert _which(_state(AutoModelForCausalLM.from_pretrained(path)), {"saved": _state(_gpt2(1))}) == "saved"
+
+
+@pytest.mark.parametrize("size", [-1, 0, "0GB", "-5MB", "2 XB", "lots", 1.5, True, None])
+def test_save_refuses_a_shard_size_that_is_not_a_positive_size(tmp_path, size):
+    """``max_shard_size=-1`` wrote a file per tensor (31 for this model's kind): a size that is not
+    a positive int or a string transformers parses is refused before anything is written."""
+    model = tpify.parallelize(_gpt2(1), tp_size=1)
+    with pytest.raises(ValueError, match=r"max_shard_size is the largest file in bytes: a positive int, or a string"):
+        tpify.save_pretrained(model, tmp_path / "ckpt", max_shard_size=size)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("size,files", [(6000, 4), ("6KB", 4), ("6kB", 4), ("48Kb", 4), ("1GiB", 1), (" 1GB ", 1)])
+def test_save_takes_shard_sizes_as_transformers_does(tmp_path, size, files):
+    model = tpify.parallelize(_gpt2(1), tp_size=1)
+    tpify.save_pretrained(model, tmp_path / "ckpt", max_shard_size=size)
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) == files

@@ -144,12 +144,36 @@ def _unfed_message(cls: type) -> str:
             f"pixel_position_ids), and {cls.__name__}.forward takes none of them ({', '.join(params)}, ...)")
 
 
+# When transformers lists one class under several tasks (llama4's Llama4ForConditionalGeneration is
+# its base model and its image-text-to-text head; bart's BartForConditionalGeneration its masked LM
+# and its seq2seq LM), verify runs it once, as the task whose checks include the others' (labels
+# and generate before a bare forward); the rows name the class, so a second case would repeat them.
+_TASK_PREFERENCE = ("image-text-to-text", "seq2seq-lm", "causal-lm", "masked-lm")
+
+
+def _task_rank(task: str) -> int:
+    if task in _TASK_PREFERENCE:
+        return _TASK_PREFERENCE.index(task)
+    return len(_TASK_PREFERENCE) + (1 if task == "base" else 0)
+
+
+def _one_case_per_class(heads: list[tuple[str, type]]) -> list[tuple[str, type]]:
+    """``heads`` with each class once, under its preferred task (:data:`_TASK_PREFERENCE`, then
+    any other task, ``base`` last), at the place of its first listing."""
+    best: dict[type, str] = {}
+    for task, cls in heads:
+        if cls not in best or _task_rank(task) < _task_rank(best[cls]):
+            best[cls] = task
+    return [(best[cls], cls) for cls in dict.fromkeys(cls for _, cls in heads)]
+
+
 def _select_heads(config, requested) -> list[tuple[str, type]]:
-    """``[(task, class)]`` for the requested head classes (names, task names or classes; None: all)."""
+    """``[(task, class)]`` for the requested head classes (names, task names or classes; None:
+    all), each class once (:func:`_one_case_per_class`): its rows are named by the class."""
     available = family_head_classes(config)
     if not requested:
-        return list(available.items())
-    by_name = {cls.__name__: (task, cls) for task, cls in available.items()}
+        return _one_case_per_class(list(available.items()))
+    by_name = {cls.__name__: (task, cls) for task, cls in _one_case_per_class(list(available.items()))}
     out = []
     for item in requested:
         if isinstance(item, type):
@@ -162,7 +186,7 @@ def _select_heads(config, requested) -> list[tuple[str, type]]:
         else:
             raise ValueError(f"{item!r} is not a head class of model_type {config.model_type!r}; its head classes "
                              f"(class name or task): {[f'{c.__name__} ({t})' for t, c in available.items()]}")
-    return out
+    return _one_case_per_class(out)
 
 
 def verify_many(targets: Sequence[Target | str], tp_sizes: Sequence[int] = (2,), *, timeout_s: float = 1800.0,
@@ -242,6 +266,8 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
             meta device, nothing is built).
         ValueError: a head class that is not the family's, or none that verify can feed; a tp
             size that is not a positive integer.
+        PlanError: the recipe does not split a head class at a tp size (heads, KV heads or
+            features it does not divide), planned on the meta device before any rank starts.
     """
     spec = Target(str(target), recipe, head_classes, shrink=shrink, max_elements=max_elements,
                   expert_parallel=expert_parallel)
@@ -251,4 +277,41 @@ def verify(target: str, recipe=None, tp_sizes: Sequence[int] = (2,), head_classe
     if not fed:
         raise ValueError("; ".join(_unfed_message(cls) for _, cls in unfed) or
                          f"not verified: no model class of transformers is built from {target!r}'s config")
+    _check_plans(spec, tp_sizes)  # a tp size the model cannot be split at: one error, before any rank starts
     return verify_many([spec], tp_sizes, timeout_s=timeout_s, progress=progress, memory_limit_gib=memory_limit_gib)
+
+
+def _check_plans(spec: Target, tp_sizes: Sequence[int]) -> None:
+    """Plan every head class verify would run at every tp size, on the meta device, as
+    ``parallelize`` will on the ranks (the recipe, the config made small for that tp size):
+    raise the :class:`~tpify.layout.PlanError` the ranks would raise (a tp size that does not
+    divide the heads, KV heads or features) before any rank starts: the first refused case's
+    message, then the other refused cases by name.
+    Anything else the meta build or the plan raises is left to the ranks' rows."""
+    import warnings
+
+    import torch
+
+    from ..api import resolve_recipe
+    from ..layout import PlanError, build_layout
+    from .plan import _meta_model
+
+    refused: list[tuple[str, str]] = []  # (where, message)
+    for tp in tp_sizes:
+        try:
+            config, recipe, fed, _ = _prepare(spec, (tp,))
+        except Exception:  # noqa: BLE001 - reported by verify_many as a setup row
+            continue
+        for task, cls in fed:
+            try:
+                with warnings.catch_warnings():  # a family without a shipped recipe: the ranks give its notice
+                    warnings.simplefilter("ignore")
+                    model = _meta_model(case_config(config, task, config.model_type), cls, torch.float32)
+                    build_layout(model, resolve_recipe(model, recipe), tp, ep_size=tp if spec.expert_parallel else 1)
+            except PlanError as e:
+                refused.append((f"{cls.__name__} at tp = {tp}", str(e)))
+            except Exception:  # noqa: BLE001 - the ranks report it in the case's rows
+                continue
+    if refused:  # the first in full; the others (the same heads in other classes, mostly) by name
+        others = f"\n(refused alike: {'; '.join(w for w, _ in refused[1:])})" if len(refused) > 1 else ""
+        raise PlanError(refused[0][1] + others)

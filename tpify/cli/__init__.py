@@ -31,7 +31,11 @@ The loss curve of ``tpify finetune`` needs matplotlib: ``pip install "tpify[cli]
 
 # The command line, apart from the library core (``import tpify`` imports none of it):
 #   tpify/cli/__init__.py     this parser and the embed worker (``python -m tpify.cli`` runs main)
-#   tpify/cli/launch.py       torchrun self-launch, process-group setup
+#   tpify/cli/options.py      finetune's limits and defaults: all the parser needs (nothing heavy before parsing)
+#   tpify/cli/checks.py       numeric flags and output paths, for the parser and for Python
+#   tpify/cli/text.py         docstrings as plain text for --help
+#   tpify/cli/preflight.py    what the ranks would refuse, checked before any starts (the tp size against the model)
+#   tpify/cli/launch.py       torchrun's launcher in-process, process-group setup, a failed rank reported once
 #   tpify/cli/finetune.py     the fine-tuning loop behind ``tpify finetune``
 #   tpify/cli/plan.py         tpify plan: a recipe's coverage report on a meta model (no ranks)
 #   tpify/cli/verify.py       tpify verify: a recipe against the dense model in float64 (its own ranks)
@@ -127,10 +131,11 @@ def _embed_worker(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``tpify`` parser. Numeric flags are checked as they are parsed (:mod:`tpify.cli.checks`):
     a value out of range is a usage error (exit status 2) naming the flag, the value and the range."""
-    from .finetune import DEFAULT_PROMPT, LIMITS
     from .checks import POSITIVE_INT, flag
+    from .options import DEFAULT_PROMPT, LIMITS  # not .finetune: building the parser imports nothing heavy
+    from .text import plain
 
-    parser = argparse.ArgumentParser(prog="tpify", description=__doc__,
+    parser = argparse.ArgumentParser(prog="tpify", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ft = sub.add_parser("finetune", help="main job: fine-tune a causal LM (default: LoRA on the embedded SmolLM2) "
@@ -204,22 +209,28 @@ def _resolve_finetune(args) -> None:
         args.lr = 2e-3 if args.lora_r else 5e-5
 
 
+def _finetune_config(args):
+    """The :class:`~tpify.cli.finetune.FinetuneConfig` of the parsed ``tpify finetune`` flags."""
+    from .finetune import FinetuneConfig
+
+    return FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
+                          dp_shard=args.dp_shard, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                          warmup=args.warmup, steps=args.steps, clip=args.clip, save_every=args.save_every,
+                          resume=args.resume, seed=args.seed, dtype=args.dtype, lora_r=args.lora_r,
+                          lora_alpha=args.lora_alpha, allow_changes=args.allow_changes, prompt=args.prompt,
+                          sample_tokens=args.sample_tokens)
+
+
 def _finetune_worker(args) -> int:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from .finetune import FinetuneConfig, finetune
+    from .finetune import finetune
     from .launch import init_distributed
 
     hf_logging.disable_progress_bar()
     init_distributed()
-    cfg = FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
-                         dp_shard=args.dp_shard,
-                         seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-                         steps=args.steps, clip=args.clip, save_every=args.save_every, resume=args.resume,
-                         seed=args.seed, dtype=args.dtype, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                         allow_changes=args.allow_changes, prompt=args.prompt, sample_tokens=args.sample_tokens)
-    losses = finetune(cfg)
+    losses = finetune(_finetune_config(args))
     if dist.get_rank() == 0:
         print(f"losses: {' '.join(f'{v:.4f}' for v in losses)}")
         merged = " (LoRA merged)" if args.lora_r else ""
@@ -232,22 +243,42 @@ def _finetune_worker(args) -> int:
     return 0
 
 
+def _preflight(args) -> str | None:
+    """What the ranks would refuse before their first collective, checked once here
+    (:mod:`tpify.cli.preflight`): the model directory, the tp size against the model's config, and
+    for finetune the output folder, data files, extras and the checkpoint to resume from."""
+    from . import preflight
+
+    if args.command == "finetune":
+        return preflight.finetune_problem(_finetune_config(args))
+    if args.command == "embed":
+        return preflight.embed_problem(args.model_dir, args.tp)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tpify`` command; relaunches itself under torchrun when needed.
+    """Entry point of the ``tpify`` command; launches its ranks itself when needed.
 
-    Returns the exit status. Usage errors exit with status 2 before any rank starts: a numeric
-    flag out of range (argparse, :mod:`tpify.cli.checks`), ``--tp``/``--dp`` that do not fit the
-    ranks torchrun started or this host's GPUs, an ``--out`` that cannot be written.
+    Returns the exit status. Nothing heavy (torch, transformers) is imported before the
+    arguments are parsed, so ``--help`` and usage errors are immediate. Usage errors exit with
+    status 2 before any rank starts: a numeric flag out of range (argparse,
+    :mod:`tpify.cli.checks`), ``--tp``/``--dp`` that do not fit the ranks torchrun started or
+    this host's GPUs, an ``--out`` that cannot be written, and what the ranks would refuse before
+    their first collective (:func:`_preflight`: a model directory without ``config.json``, a tp
+    size the model's heads or KV heads do not allow, a damaged checkpoint to resume from), each
+    one line on stderr, no traceback. A rank that fails anyway is reported once by the launcher
+    (:func:`tpify.cli.launch.relaunch`), exit status 1.
     """
-    from .checks import output_problem
-    from .launch import launch_problem, relaunch, under_torchrun, world_mismatch
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with status 2 on a bad flag
     if getattr(args, "in_process", False):  # recipe-author commands (plan): no process group, no torchrun
         return args.worker(args)
-    if args.command == "finetune" and not under_torchrun():
+    from . import launch  # torch from here on
+    from .checks import output_problem
+
+    launched = launch.under_torchrun()
+    if args.command == "finetune" and not launched:
         problem = output_problem(args.out, "directory")
         if problem:  # before the model is converted and the ranks start; finetune() checks on every rank
             print(f"tpify finetune: error: {problem}", file=sys.stderr)
@@ -259,13 +290,20 @@ def main(argv: list[str] | None = None) -> int:
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
     dp = getattr(args, "dp", None)  # embed: any number of replicas of the tp ranks
-    if not under_torchrun():
-        problem = launch_problem(args.tp * (dp or 1))
+    if launched:
+        problem = launch.world_mismatch(args.tp, dp, int(os.environ["WORLD_SIZE"]))
+        if problem:
+            parser.error(problem)  # on every rank, before the process group starts
+    else:
+        problem = launch.launch_problem(args.tp * (dp or 1))
         if problem:
             parser.error(problem)
-        return relaunch(args.tp * (dp or 1), argv)
-    problem = world_mismatch(args.tp, dp, int(os.environ["WORLD_SIZE"]))
-    if problem:
-        parser.error(problem)  # on every rank, before the process group starts
-    return args.worker(args)
-
+    if not (launched and os.environ.get(launch.PREFLIGHT_ENV) == "1"):  # tpify's launcher checked already
+        problem = _preflight(args)
+        if problem:
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # once per host under torchrun
+                print(f"tpify {args.command}: error: {problem}", file=sys.stderr)
+            return 2
+    if not launched:
+        return launch.relaunch(args.tp * (dp or 1), argv, args.command)
+    return launch.run_rank(args.command, args.worker, args)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .checks import output_problem
+from .text import plain
 
 __all__ = ["add_parser", "run"]
 
@@ -22,7 +23,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``tpify draft`` on the ``tpify`` command's subparsers (in-process, no torchrun)."""
     p = sub.add_parser("draft", help="write a draft recipe (from transformers' TP plan, or a trace) to review",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="MODEL_TYPE_OR_DIR",
                    help="a transformers model_type (its default config) or a directory with a config.json")
     p.add_argument("--out", default=None, help="write the draft to this file (default: print it)")

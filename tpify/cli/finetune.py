@@ -38,43 +38,18 @@ import torch.distributed as dist
 from .. import comm
 from ..agree import agree
 from .launch import world_mismatch
-from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit, check, output_problem
+from .checks import check, output_problem
+from .options import DEFAULT_PROMPT, DTYPES, LIMITS
 
 __all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices", "finetune",
-           "default_text_files", "add_lora", "lora_targets", "resume_point", "greedy_continuation", "memory_report"]
-
-# The prompt whose greedy continuation is shown before and after training: the default text is
-# the GNU GPL, so what the model learnt shows in the continuation.
-DEFAULT_PROMPT = "The GNU General Public License is"
+           "default_text_files", "add_lora", "lora_targets", "resume_point", "check_resume_files", "check_run",
+           "greedy_continuation", "memory_report"]
 
 
 def default_text_files() -> list[Path]:
     """Real English text shipped with tpify's command line (``tpify/cli/data/``): the GNU GPL v3
     (its licence allows verbatim copies)."""
     return [Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"]
-
-
-# The values of each numeric option of FinetuneConfig; the `tpify finetune` flags are parsed with
-# the same limits (tpify/cli/__init__.py), so a value the parser refuses is refused from Python too.
-LIMITS = {
-    "tp": POSITIVE_INT,
-    "dp": POSITIVE_INT,
-    "dp_shard": Limit(low=1, note="ranks FSDP2 shards each TP shard over; 1: DDP, no sharding"),
-    "seq_len": Limit(low=2, note="a causal LM learns to predict each token from the ones before it, so a "
-                                 "sequence needs two"),
-    "batch_size": POSITIVE_INT,
-    "lr": Limit(integer=False, low=0),
-    "warmup": NON_NEGATIVE_INT,
-    "steps": POSITIVE_INT,
-    "clip": Limit(integer=False, low=0, note="the largest global gradient norm; 0 turns clipping off"),
-    "weight_decay": Limit(integer=False, low=0),
-    "save_every": Limit(low=0, note="0 writes the final model only"),
-    "seed": Limit(low=0, high=2**63),
-    "lora_r": Limit(low=0, note="0 fine-tunes every parameter"),
-    "lora_alpha": Limit(low=1, none=True, note="unset: twice the LoRA rank"),
-    "sample_tokens": Limit(low=0, note="0 shows no continuation"),
-}
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -391,6 +366,41 @@ def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
     return ckpt, state
 
 
+def check_resume_files(ckpt: Path, cfg: FinetuneConfig) -> None:
+    """Every file the resume reads from ``ckpt`` (:func:`resume_point`'s) is whole: the adapter (LoRA;
+    ``adapter/adapter_model.safetensors``) and the training state's ``.distcp`` files against
+    its ``.metadata`` (:func:`tpify.checkpoint.read_metadata`). Local: run on every rank before
+    the agreement, so a truncated file stops every rank with its name, not PEFT's
+    ``SafetensorError`` or DCP's ``CheckpointException`` around an ``EOFError`` on some.
+
+    Raises:
+        ValueError: a missing or truncated file, named, with the fix (resume from the checkpoint
+            before it, whose name is given when there is one).
+    """
+    from ..checkpoint import read_metadata
+    from ..io import CheckpointError
+    from ..io.files import check_safetensors
+
+    out_dir = Path(cfg.out_dir)
+    try:
+        if cfg.lora_r:
+            check_safetensors(ckpt / "adapter" / "adapter_model.safetensors", fix="resume from an earlier checkpoint")
+        read_metadata(ckpt / "trainer")
+    except CheckpointError as e:
+        earlier = [p for p in sorted(out_dir.glob("checkpoint-*"), key=_step_of) if 0 <= _step_of(p) < _step_of(ckpt)]
+        fix = (f"Move {ckpt} away and run again with --resume to continue from {earlier[-1].name}" if earlier else
+               f"No earlier checkpoint is in {out_dir}: start again without --resume")
+        raise ValueError(f"--resume: {ckpt} is damaged: {e} {fix}") from e
+
+
+def _step_of(path: Path) -> int:
+    """The step of a ``checkpoint-<step>`` folder; -1 for another name."""
+    import re
+
+    m = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(m.group(1)) if m and path.is_dir() else -1
+
+
 _NO_MATPLOTLIB = ('the loss curve of tpify finetune needs matplotlib, which is not installed; '
                   'pip install "tpify[cli]"')
 
@@ -438,6 +448,39 @@ def _plot(losses: list[float], path: Path) -> None:
     plt.close(fig)
 
 
+def check_run(cfg: FinetuneConfig) -> tuple[Path | None, dict | None]:
+    """The local checks of a run, before anything is loaded: ``(checkpoint, its state)`` to
+    resume from, or ``(None, None)``. Every rank runs them before the agreement in
+    :func:`finetune`; ``tpify finetune`` runs them once more before it starts the ranks, so a
+    bad argument or file is one clean error, not one per rank.
+
+    Raises:
+        ValueError: ``out_dir`` cannot be a directory (:func:`tpify.cli.checks.output_problem`),
+            a ``data`` file is missing or not a file, ``model_dir`` has no ``config.json``, or
+            ``resume`` finds no usable checkpoint (:func:`resume_point`,
+            :func:`check_resume_files`).
+        ImportError: matplotlib (the ``cli`` extra), or peft with ``lora_r > 0``, is not installed.
+    """
+    problem = output_problem(cfg.out_dir, "directory")
+    if problem:
+        raise ValueError(problem)
+    missing = [f for f in cfg.data if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"--data: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not a file; pass text "
+                         f"files (or no --data: the text shipped with tpify)")
+    if not (Path(cfg.model_dir) / "config.json").is_file():
+        raise ValueError(f"--model-dir {cfg.model_dir} is not a Hugging Face model directory (no config.json); pass a "
+                         f"local directory with config.json and safetensors weights (nothing is downloaded)")
+    _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
+    if cfg.lora_r:
+        _require_peft()
+    if not cfg.resume:
+        return None, None
+    ckpt, state = resume_point(cfg)
+    check_resume_files(ckpt, cfg)  # a truncated adapter or .distcp file, named on every rank
+    return ckpt, state
+
+
 def finetune(cfg: FinetuneConfig) -> list[float]:
     """Run the fine-tune described by ``cfg`` on the already initialised process group.
 
@@ -463,7 +506,9 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
             size, ``out_dir`` cannot be a directory (a file, or under one:
             :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
             written with another tp/dp layout (its optimizer shards would not fit), with other
-            run arguments (unless ``allow_changes``), or with a corrupt ``state.json``.
+            run arguments (unless ``allow_changes``), or with a corrupt ``state.json``, or a
+            missing or truncated adapter or ``.distcp`` file (:func:`check_resume_files`: named,
+            with the checkpoint to resume from instead); on every rank, before anything is read.
         ResumeError: ``resume`` finds a checkpoint whose optimizer state does not fit this run
             (another model or padding, other LoRA shapes or param groups, e.g. after
             ``allow_changes``; :func:`tpify.integrations.resume.check_resume`), or no manifest;
@@ -484,14 +529,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     start_step, losses, model_dir, trainer_dir = 0, [], Path(cfg.model_dir), None
     error, state, ckpt = None, None, None
     try:  # local checks, then one agreement: bad arguments or files on one rank stop every rank
-        problem = output_problem(out_dir, "directory")
-        if problem:
-            raise ValueError(problem)
-        _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
-        if cfg.lora_r:
-            _require_peft()
-        if cfg.resume:
-            ckpt, state = resume_point(cfg)
+        ckpt, state = check_run(cfg)
     except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
         error = e
     agree("tpify finetune", {"args": _run_args(cfg), "resume step": state["step"] if state else None}, error)

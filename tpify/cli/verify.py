@@ -21,6 +21,7 @@ import sys
 import time
 
 from .checks import Limit, flag, tp_list
+from .text import plain
 
 __all__ = ["add_parser", "run"]
 
@@ -28,7 +29,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``tpify verify`` on the ``tpify`` command's subparsers."""
     p = sub.add_parser("verify", help="prove a recipe exact: tensor-parallel vs dense in float64, every head class",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="MODEL_TYPE_OR_DIR",
                    help="a transformers model_type (its default config, made small) or a directory with a config.json")
     p.add_argument("--recipe", default=None, help="recipe .toml file (default: the shipped recipe of the model_type)")

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from . import CheckpointError
 
-__all__ = ["Snapshot", "TensorHeader", "open_checkpoint", "stored_float_dtype", "STORED_DTYPES",
+__all__ = ["Snapshot", "TensorHeader", "open_checkpoint", "check_safetensors", "stored_float_dtype", "STORED_DTYPES",
            "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAVE_ID"]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -209,15 +209,28 @@ def _weight_files(snap: Snapshot) -> tuple[dict[str, str], list]:
     return {key: name for key in _open(path / name, snap.where(name)).keys()}, []
 
 
-def _open(file: Path, where: str | None = None):
+def _open(file: Path, where: str | None = None, fix: str = "re-download or re-save it"):
     """``safe_open`` of ``file`` (read through ``where``, an opened descriptor's path), turning a
-    truncated or corrupt file into a clear error naming it."""
+    truncated or corrupt file into a clear error naming it and ``fix``."""
     try:
         return safe_open(where or str(file), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises SafetensorError (not exported) or OSError
         size = file.stat().st_size if file.exists() else "missing"
         raise CheckpointError(f"cannot read safetensors file {file} ({size} bytes): {e}. The file is truncated or "
-                              f"corrupt; re-download or re-save it.") from e
+                              f"corrupt; {fix}.") from e
+
+
+def check_safetensors(file: Path, fix: str = "re-download or re-save it") -> None:
+    """Whether ``file`` is a whole safetensors file: its header parses and its tensors cover the
+    file exactly (what safetensors checks when it opens one). Local.
+
+    Raises:
+        CheckpointError: missing, truncated or corrupt (named, with its size, and ``fix``).
+    """
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(f"safetensors file {file} is missing; {fix}.")
+    _open(file, fix=fix)
 
 
 def _headers(snap: Snapshot, weight_map: dict[str, str],

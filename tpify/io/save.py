@@ -15,6 +15,7 @@ instant, a kill included (:func:`tpify.agree.on_writing_rank` reports that step'
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from ..hf_modules import config_get, config_set
 from ..sharding import ShardSpec, is_dtensor, shard_spec_of
 from .files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID
 
-__all__ = ["ShardPlan", "plan_shards", "gather_dense", "staged"]
+__all__ = ["ShardPlan", "plan_shards", "shard_size_limit", "gather_dense", "staged"]
 
 
 def _spec(specs: dict[int, ShardSpec | None], t: torch.Tensor) -> ShardSpec | None:
@@ -65,17 +66,41 @@ class ShardPlan:
                 "weight_map": dict(sorted(weight_map.items()))}
 
 
+def shard_size_limit(max_shard_size: int | str) -> int:
+    """``max_shard_size`` in bytes: a positive ``int``, or a string transformers parses
+    (``"2GB"``, ``"500MB"``, ``"5GiB"``, ``"300KB"``; ``"...Gb"`` in bits; its
+    ``convert_file_size_to_int``). Local.
+
+    Raises:
+        ValueError: not a positive int nor such a string, or a size of 0 bytes or less (every
+            tensor would get a file of its own: a model of 300 tensors written as 300 files).
+    """
+    from transformers.utils.hub import convert_file_size_to_int
+
+    usage = ("max_shard_size is the largest file in bytes: a positive int, or a string with a unit as "
+             "transformers takes it ('2GB', '500MB', '5GiB', '300KB')")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, (int, str)):
+        raise ValueError(f"save_pretrained: {usage}; got {max_shard_size!r} ({type(max_shard_size).__name__})")
+    try:
+        limit = convert_file_size_to_int(max_shard_size.strip() if isinstance(max_shard_size, str) else max_shard_size)
+    except ValueError:
+        raise ValueError(f"save_pretrained: {usage}; got {max_shard_size!r}") from None
+    if limit <= 0:
+        parsed = f" = {limit} bytes" if isinstance(max_shard_size, str) else ""
+        raise ValueError(f"save_pretrained: {usage}; got {max_shard_size!r}{parsed}, which would give every tensor a "
+                         f"file of its own")
+    return limit
+
+
 def plan_shards(entries: list[tuple[str, torch.Tensor]], specs: dict, max_shard_size: int | str) -> ShardPlan:
     """Group ``entries`` (key, local tensor), in order, into files of at most ``max_shard_size``
     dense bytes (``"2GB"``, ``"300KB"`` or a number; a larger tensor gets a file of its own).
     Local: sizes from the shapes and the specs, no communication.
 
     Raises:
-        ValueError: ``max_shard_size`` is not a size (from transformers' parser).
+        ValueError: ``max_shard_size`` is not a positive size (:func:`shard_size_limit`).
     """
-    from transformers.utils.hub import convert_file_size_to_int
-
-    limit = convert_file_size_to_int(max_shard_size)
+    limit = shard_size_limit(max_shard_size)
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = total = 0
     for key, t in entries:
@@ -149,7 +174,26 @@ class _Stage:
         with on_every_rank(where):
             if mine is not None:
                 name, dense = mine
-                save_file(dense, str(self.tmp / name), metadata={"format": "pt", SAVE_ID: self.save_id})
+                with self.still_there():
+                    save_file(dense, str(self.tmp / name), metadata={"format": "pt", SAVE_ID: self.save_id})
+
+    @contextlib.contextmanager
+    def still_there(self):
+        """Turn an error raised because this save's temporary directory is gone
+        (``FileNotFoundError``, safetensors' ``SafetensorError``) into a ``FileNotFoundError`` that
+        says so: another process removed it while this save wrote into it (a save into the same
+        folder on a filesystem without ``flock``, a cleanup of hidden folders)."""
+        try:
+            yield
+        except Exception as e:  # FileNotFoundError, or safetensors' SafetensorError on a missing folder
+            if self.tmp.is_dir():
+                raise
+            raise FileNotFoundError(
+                f"save_pretrained: this save's temporary folder {self.tmp} disappeared while the save was writing "
+                f"into it: another process removed it (another save into {self.path} at the same time, or a "
+                f"cleanup of hidden folders). {self.path} is untouched: it holds what it held before this save. "
+                f"Save again, one save at a time into one folder (give concurrent jobs their own output "
+                f"folders)") from e
 
     def commit(self, model: nn.Module, index: dict | None) -> None:
         """Write ``model``'s dense config (and generation config) beside the weights, then move
@@ -160,8 +204,9 @@ class _Stage:
         """
         with on_writing_rank(f"moving {self.tmp} to {self.path}", self.device) as writing:
             if writing:
-                _write_configs(model, self.tmp)
-                _swap_into_place(self.tmp, self.target, index, self.save_id)
+                with self.still_there():
+                    _write_configs(model, self.tmp)
+                    _swap_into_place(self.tmp, self.target, index, self.save_id)
 
 
 @contextlib.contextmanager
@@ -179,17 +224,29 @@ def staged(path: Path, device: torch.device, several_writers: bool = True) -> It
     after the creation (:func:`on_writing_rank`), one all-gather of who sees the directory;
     every rank must enter the block.
 
+    Concurrent saves into one folder (other processes) each write their own temporary
+    directory; the removal of dead ones and the creation and locking of a new one happen under
+    a ``flock`` of the parent folder, so a save never removes another's directory between its
+    creation and its lock. Their moves into the target are serialised (:func:`_swap_into_place`);
+    the last to move wins, and the target holds one whole checkpoint throughout.
+
     Raises:
         OSError: creating the directory failed (on the writing rank; ``RuntimeError`` elsewhere).
+        FileNotFoundError: the temporary directory disappeared while the save wrote into it
+            (another process removed it); the message says so, and that the target is untouched.
     """
     stage = _Stage(path, device)
     with on_writing_rank(f"creating {stage.tmp}", device) as writing:
         stage.writing = writing
         if writing:
             stage.target.parent.mkdir(parents=True, exist_ok=True)
-            _remove_dead_saves(stage.target)
-            stage.tmp.mkdir()
-            stage.held = _lock(stage.tmp, wait=True)  # until the save ends: later saves' _remove_dead_saves leave it
+            parent = _lock(stage.target.parent, wait=True)  # another save's cleanup never sees an unlocked new dir
+            try:
+                _remove_dead_saves(stage.target)
+                stage.tmp.mkdir()
+                stage.held = _lock(stage.tmp, wait=True)  # until the save ends: other saves' cleanup leaves it
+            finally:
+                _unlock(parent)
     if several_writers:
         sees = all_gather_objects(stage.tmp.is_dir())
         stage.writers = [r for r, seen in enumerate(sees) if seen] or [0]
@@ -282,7 +339,10 @@ def _remove_dead_saves(target: Path) -> None:
     for entry in target.parent.iterdir():
         if not pattern.match(entry.name) or entry.is_symlink() or not entry.is_dir():
             continue
-        fd = _lock(entry, wait=False)
+        try:
+            fd = _lock(entry, wait=False)
+        except FileNotFoundError:  # its save ended and removed it since the listing: nothing to do
+            continue
         if fd is not None:
             try:
                 shutil.rmtree(entry, ignore_errors=True)
@@ -307,7 +367,8 @@ def _swap_into_place(tmp: Path, path: Path, index: dict | None, save_id: str) ->
     """Move the checkpoint written in ``tmp`` (its shards, configs; ``index``: the index to
     write, with ``tmp``'s file names, or ``None`` for one ``model.safetensors``) into ``path``.
 
-    A new ``path`` is ``tmp`` renamed (atomic). Into an existing directory, under an exclusive
+    A new ``path`` is ``tmp`` renamed (atomic; when another save made ``path`` since, as into an
+    existing directory). Into an existing directory, under an exclusive
     ``flock`` of it (two saves never interleave their moves), in this order:
 
     1. the shard files, under names no file in ``path`` has (:func:`_shard_names`; ``tmp``'s
@@ -333,8 +394,12 @@ def _swap_into_place(tmp: Path, path: Path, index: dict | None, save_id: str) ->
     if not path.exists():
         if index is not None:
             _write_index(tmp / SAFE_WEIGHTS_INDEX_NAME, index)
-        os.rename(tmp, path)
-        return
+        try:
+            os.rename(tmp, path)
+            return
+        except OSError as e:  # another save made path since: move into it as into any checkpoint
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not path.is_dir():
+                raise
     held = _lock(path, wait=True)
     try:
         if index is not None:
