@@ -15,6 +15,7 @@ were built from, so parameter names and layouts stay those of the checkpoint:
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -40,12 +41,18 @@ def _weight_shape(in_features: int, out_features: int, layout: str) -> tuple[int
     return (out_features, in_features) if layout == "linear" else (in_features, out_features)
 
 
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``(..., n) -> (N, n)``, the leading dimensions flattened; also for ``n = 0`` (the shard of a
+    rank that holds no feature of an uneven split), where ``reshape(-1, 0)`` is ambiguous."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     if layout == "linear":
         return F.linear(x, weight, bias)
     # Same kernel as transformers' Conv1D: addmm on the flattened tokens.
     out_shape = x.shape[:-1] + (weight.shape[1],)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _tokens(x)
     y = torch.addmm(bias, x2, weight) if bias is not None else x2 @ weight
     return y.view(out_shape)
 
@@ -252,12 +259,12 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad2 = _tokens(grad)
         work = None
         if need_x:  # linear: weight [out, in]; conv1d: [in, out]
             grad_x = grad.matmul(weight if ctx.layout == "linear" else weight.t())
             work = ctx.state.add(grad_x.to(ctx.input_dtype), ctx.group)
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _tokens(x)
         grad_w = None
         if need_w:
             grad_w = grad2.t().mm(x2) if ctx.layout == "linear" else x2.t().mm(grad2)
