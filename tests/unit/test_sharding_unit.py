@@ -14,7 +14,11 @@ What it proves, for tp sizes 1, 2 and 4 and without starting any rank:
   converts the dtype, zero-fills padding, and requests from the file only this rank's ranges, in
   blocks of at most ``block_bytes``;
 * the constructor, ``local_shape``, ``divide``, ``pad_vocab_size`` and ``valid_tp_sizes`` validate
-  and compute what their docstrings say.
+  and compute what their docstrings say;
+* uneven splits (``uneven=True``): each part's ranges are ``torch.chunk``'s pieces (the last ranks
+  fewer, or none), the local size depends on the rank (``local_size`` refuses to answer),
+  ``slice_dense``/``read``/``gather`` round-trip bitwise, the gather sending every rank's shard
+  padded to the largest (equal sizes, as NCCL needs) and stripping it; LoRA factors follow.
 
 Tolerance: none; every comparison is bitwise (``torch.equal``), since slicing, padding, reading
 and gathering move values and compute nothing.
