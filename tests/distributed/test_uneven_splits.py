@@ -6,7 +6,8 @@ tp 2 is 19 + 18, at tp 4 10 + 10 + 10 + 7; docs/mechanics.md, "Uneven splits"), 
 planner finds no attention head in it. One spawned job of 4 gloo ranks runs every check
 (``tputil.run_checks``), each test asserting one:
 
-* Llama (``nn.Linear``, gate/up/down; 2 KV heads), GPT-2 (``Conv1D``; ``n_inner = 37``) and
+* Llama (``nn.Linear``, gate/up/down; 2 KV heads; also with sequence parallelism), GPT-2
+  (``Conv1D``; ``n_inner = 37``) and
   Mixtral (fused experts, intermediate 37, the aux loss) at tp 2 (dp 2 x tp 2) and tp 4; Qwen3-MoE
   at tp 4 with ``moe_intermediate_size = 6`` (2 + 2 + 2 + 0: rank 3 holds no expert column) and a
   dense MLP of 37: logits, the ``labels=`` loss and every gathered gradient against the dense
@@ -115,14 +116,16 @@ def _max_diff(a, b) -> float:
     return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
 
 
-def _equivalent(c, name, make, tp, aux=False, split=()):
+def _equivalent(c, name, make, tp, aux=False, split=(), **kwargs):
     """Logits, loss (and aux loss), every gradient, the gradient norm against the dense model;
-    ``split``: module name suffixes that must be split unevenly (checked on the layout)."""
+    ``split``: module name suffixes that must be split unevenly (checked on the layout);
+    ``kwargs``: to ``parallelize``."""
     import tpify
     from tpify.training import check_replicas, grad_norm
 
     ref = make()
-    par = tpify.parallelize(copy.deepcopy(ref), tp_size=tp)
+    par = tpify.parallelize(copy.deepcopy(ref), tp_size=tp, **kwargs)
+    assert bool(par.tp_info.layout.sequence_parallel) == kwargs.get("sequence_parallel", False)
     uneven = {f for f, m in par.tp_info.layout.modules.items() if m.uneven}
     for suffix in split:
         assert any(f.endswith(suffix) for f in uneven), f"{name}: no uneven module ends with {suffix}: {uneven}"
@@ -169,6 +172,14 @@ def llama_mlp_of_37_is_exact_at_tp2_and_tp4(c):
         par = _equivalent(c, "llama", llama, tp, split=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
         sizes = [par.model.layers[0].mlp.down_proj.in_features_per_partition]
         assert sizes == [{2: (19, 18), 4: (10, 10, 10, 7)}[tp][c.rank % tp]], sizes
+
+
+@_check
+def llama_mlp_of_37_is_exact_under_sequence_parallelism(c):
+    """The tokens split along T (12 tokens: 6 or 3 per rank) and the MLP's features unevenly:
+    the two splits are independent (the MLP's all-reduce becomes a reduce-scatter of (B, T/p, H))."""
+    for tp in (2, 4):
+        _equivalent(c, "llama sequence parallel", llama, tp, split=("mlp.down_proj",), sequence_parallel=True)
 
 
 @_check
