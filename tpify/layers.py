@@ -404,8 +404,8 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError("a packed ColumnParallelLinear cannot gather its output in dense order")
         if gather_output and not spec.is_uniform:
             raise ValueError(f"an uneven ColumnParallelLinear ({out_features} output features over tp_size = "
-                             f"{self.tp_size}: {spec.local_sizes()} per rank) cannot gather its output; keep it sharded "
-                             f"(gather_output=False) for the row-parallel layer that reads it")
+                             f"{self.tp_size}: {spec.local_sizes()} per rank) cannot gather its output; keep it "
+                             f"sharded (gather_output=False) for the row-parallel layer that reads it")
         self.uneven = uneven
         self._local_sizes = spec.local_sizes()  # every rank's output features (they differ when uneven)
         replicated = spec.replicated

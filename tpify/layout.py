@@ -208,19 +208,19 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                  sequence_parallel: bool = False, lm_loss_chunk: int | str | None = None, ep_size: int = 1) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
-    Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
-    a style (``replicate`` counts); each module's style checks it and gives its per-parameter
-    specs (:mod:`tpify.styles`). A split size ``tp_size`` does not divide is split unevenly
-    (torch.chunk's rule) where the module holds no attention head (:meth:`_Planner.find_heads`:
-    MLPs, fused experts' intermediate size); heads stay whole: a head count, or the width of a
-    layer inside an attention module, that ``tp_size`` does not divide is refused. So must every parameter of another module (a norm, a router,
-    fused experts) of at least :func:`coverage_threshold` elements: by a style that splits it
-    (``experts``) or by ``replicate`` on it or a container. Rules that match nothing warn,
-    unless ``optional``. Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are
-    padded to a multiple of ``pad_vocab_multiple * tp_size`` rows. ``lm_loss_chunk``: tokens per
-    chunk of the chunked LM-head loss (needs a vocab-parallel LM head with an LM loss).
-    ``ep_size``: 1, or ``tp_size`` for expert parallelism (the ``experts`` modules hold whole
-    experts).
+    Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with a
+    style (``replicate`` counts); each module's style checks it and gives its per-parameter specs
+    (:mod:`tpify.styles`). A split size ``tp_size`` does not divide is split unevenly (torch.chunk's
+    rule) where the module holds no attention head (:meth:`_Planner.find_heads`: MLPs, fused
+    experts' intermediate size); heads stay whole: a head count, or the width of a layer inside an
+    attention module, that ``tp_size`` does not divide is refused. So must every parameter of
+    another module (a norm, a router, fused experts) of at least :func:`coverage_threshold`
+    elements: by a style that splits it (``experts``) or by ``replicate`` on it or a container.
+    Rules that match nothing warn, unless ``optional``. Vocabulary-split tables
+    (``embedding_rowwise``, ``colwise_rep``) are padded to a multiple of ``pad_vocab_multiple *
+    tp_size`` rows. ``lm_loss_chunk``: tokens per chunk of the chunked LM-head loss (needs a
+    vocab-parallel LM head with an LM loss). ``ep_size``: 1, or ``tp_size`` for expert parallelism (the
+    ``experts`` modules hold whole experts).
 
     Raises:
         PlanError: with every problem found, each naming the module and the numbers: modules and

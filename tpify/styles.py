@@ -444,17 +444,18 @@ class _Experts(_Params):
     ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), its named parameters split.
 
     Tensor-parallel experts (Megatron-LM's TP experts; Shazeer et al., arXiv:1701.06538, for the
-    layer): each parameter of the rule's ``params`` is split along its ``dim`` (``gate_up_proj``
-    by each of its 2 packed parts ``[gate | up]``, ``down_proj`` by its input), so rank ``r``
-    holds every expert's intermediate columns ``[r I/p, (r+1) I/p)`` (an intermediate size ``p``
-    does not divide: torch.chunk's ``ceil(I/p)`` columns per rank, fewer on the last ones; not
-    for interleaved gate/up pairs) and the module's output is a partial sum: the module keeps its own forward (``experts_implementation``), and
-    :mod:`tpify.hooks.experts` copies its inputs into the region (Megatron's ``f``: their
-    gradients all-reduced in backward) and all-reduces its output (``g``). With ``ep_size =
-    tp_size`` (expert parallelism): every parameter is split along dim 0 instead, rank ``r``
-    holds experts ``[r E/p, (r+1) E/p)`` whole (its ``num_experts`` becomes ``E/p``), and the
-    hooks exchange the tokens with all-to-all. Under sequence parallelism the MoE block holding
-    the module is gathered (:func:`tpify.layout._moe_blocks`, :mod:`tpify.hooks.sequence_parallel`).
+    layer): each parameter of the rule's ``params`` is split along its ``dim`` (``gate_up_proj`` by
+    each of its 2 packed parts ``[gate | up]``, ``down_proj`` by its input), so rank ``r`` holds
+    every expert's intermediate columns ``[r I/p, (r+1) I/p)`` (an intermediate size ``p`` does not
+    divide: torch.chunk's ``ceil(I/p)`` columns per rank, fewer on the last ones; not for
+    interleaved gate/up pairs) and the module's output is a partial sum: the module keeps its own
+    forward (``experts_implementation``), and :mod:`tpify.hooks.experts` copies its inputs into the
+    region (Megatron's ``f``: their gradients all-reduced in backward) and all-reduces its output
+    (``g``). With ``ep_size = tp_size`` (expert parallelism): every parameter is split along dim 0
+    instead, rank ``r`` holds experts ``[r E/p, (r+1) E/p)`` whole (its ``num_experts`` becomes
+    ``E/p``), and the hooks exchange the tokens with all-to-all. Under sequence parallelism the MoE
+    block holding the module is gathered (:func:`tpify.layout._moe_blocks`,
+    :mod:`tpify.hooks.sequence_parallel`).
 
     The module must compute a sum over the split dimension (what ``tpify verify`` proves). What
     would count ``p`` times or see a partial sum is refused: a parameter the rule does not name,

@@ -105,7 +105,8 @@ def _meta_model(config, cls, dtype):
     return model.eval()
 
 
-def rank_shapes(module, entry, tp_size: int, tp_rank: int = 0) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
+def rank_shapes(module, entry, tp_size: int,
+                tp_rank: int = 0) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
     """Per parameter of one layout entry: ``(dense shape, rank tp_rank's shape, sharded)``.
 
     ``module`` is the dense ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding`` or module
