@@ -496,6 +496,16 @@ def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, opt
         raise
 
 
+def _dense_shape(t: torch.Tensor, specs: dict) -> list[int]:
+    """The dense shape of a tensor this rank holds a shard of (the same on every rank, also where a
+    split is uneven and the shards differ), or its own shape."""
+    spec = specs.get(id(t), shard_spec_of(t))
+    shape = list(t.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.global_size
+    return shape
+
+
 def _checkpoint_digest(headers: dict[str, TensorHeader]) -> str:
     """A digest of the checkpoint's tensor names and shapes, for the agreement."""
     return digest(sorted((key, list(header.shape)) for key, header in headers.items()))
@@ -623,7 +633,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         shard_size_limit(max_shard_size)  # a positive size, before anything is gathered or written
 
         specs = param_specs(model)
-        checked.fingerprint = {"saved tensors": digest([(k, list(t.shape), str(t.dtype)) for k, t in entries]),
+        checked.fingerprint = {"saved tensors": digest([(k, _dense_shape(t, specs), str(t.dtype)) for k, t in entries]),
                                "max_shard_size": str(max_shard_size)}
     info = getattr(model, "tp_info", None)
     group = info.tp_group if info is not None else None

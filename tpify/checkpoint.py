@@ -17,12 +17,14 @@ How a :class:`~tpify.sharding.ShardSpec` becomes DCP entries (one tensor per log
 
 * no spec (replicated): the tensor itself under its name (DCP writes one copy: its planner
   keeps one of the identical entries every rank offers);
-* one part, split evenly (``ColumnParallelLinear``, ``RowParallelLinear``): ``DTensor.from_local``
-  with ``Shard(dim)`` on the TP mesh, no copy and no communication;
+* one part, split evenly (``ColumnParallelLinear``, ``RowParallelLinear``) or unevenly by
+  torch.chunk's rule (an intermediate size ``p`` does not divide: ``ceil(n / p)`` per rank, the
+  last ranks fewer, which is DTensor's own uneven ``Shard``): ``DTensor.from_local`` with
+  ``Shard(dim)`` on the TP mesh, no copy and no communication;
 * packed parts (GPT-2's fused ``c_attn`` ``[Q | K | V]``, ``gate_up_proj``): rank ``r`` holds
   ``[Q_r | K_r | V_r]``, which is no slice of the packed tensor, so each part is its own logical
-  tensor, ``NAME.part<i>``, split evenly as above; a replicated part (multi-query K/V) is a plain
-  tensor;
+  tensor, ``NAME.part<i>``, split as above (evenly, or unevenly part by part); a replicated part
+  (multi-query K/V) is a plain tensor;
 * a padded vocabulary (``V`` rows padded to ``Vp``, rank ``r`` holding rows ``[r Vp/p, (r+1)
   Vp/p)`` of which those ``>= V`` are padding): the logical tensor is the ``V`` real rows. When
   ``Vp / p == ceil(V / p)`` (``pad_vocab_multiple=1``, the default) these are exactly DTensor's
@@ -64,7 +66,7 @@ from torch import nn
 from .agree import agree
 from .info import find_tp_model, get_tp_info, param_specs
 from .io import CheckpointError
-from .sharding import ShardSpec, copy_local_, is_dtensor
+from .sharding import ShardSpec, chunk_range, copy_local_, is_dtensor
 
 __all__ = ["sharded_state_dict", "dense_state_dict", "save_checkpoint", "load_checkpoint", "checkpoint_layout",
            "read_metadata"]
@@ -107,10 +109,9 @@ def _context(model: nn.Module) -> _Context:
 
 def _canonical(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     """``(start, stop)``: the rows of a dimension of ``size`` DTensor's ``Shard`` gives ``tp_rank``
-    (``torch.chunk``'s sizes: ``ceil(size / tp_size)``, the last ones shorter or empty)."""
-    chunk = -(-size // tp_size)
-    start = min(size, chunk * tp_rank)
-    return start, min(size, start + chunk)
+    (``torch.chunk``'s sizes: ``ceil(size / tp_size)``, the last ones shorter or empty), the rule
+    an uneven :class:`~tpify.sharding.ShardSpec` splits by."""
+    return chunk_range(size, tp_size, tp_rank)
 
 
 @dataclass
@@ -149,7 +150,7 @@ def _parts(key: str, shard_shape: tuple[int, ...], spec: ShardSpec | None, ctx: 
                          not grouped))
         offset += size
         local += b - a
-    return out  # packed parts are unpadded: each split evenly by ShardSpec's own check (or KV heads per group)
+    return out  # packed parts are unpadded: each split evenly (or by torch.chunk's rule), or KV heads per group
 
 
 def _dtensor(local: torch.Tensor, part: _Part, ctx: _Context):
@@ -210,9 +211,10 @@ def _load_targets(key: str, shard_shape, dtype, device, spec: ShardSpec | None,
         if spec is None:
             return got[0]
         have = sum(t.shape[spec.dim] for t in got)
-        if have < spec.local_size:  # the padding rows of a vocabulary: zeros
+        size = spec.local_size_of(ctx.tp_rank)
+        if have < size:  # the padding rows of a vocabulary: zeros
             pad = list(shard_shape)
-            pad[spec.dim] = spec.local_size - have
+            pad[spec.dim] = size - have
             got.append(torch.zeros(pad, dtype=dtype, device=device))
         return torch.cat(got, dim=spec.dim) if len(got) > 1 else got[0]
 

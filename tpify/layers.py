@@ -15,6 +15,7 @@ were built from, so parameter names and layouts stay those of the checkpoint:
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -40,12 +41,18 @@ def _weight_shape(in_features: int, out_features: int, layout: str) -> tuple[int
     return (out_features, in_features) if layout == "linear" else (in_features, out_features)
 
 
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``(..., n) -> (N, n)``, the leading dimensions flattened; also for ``n = 0`` (the shard of a
+    rank that holds no feature of an uneven split), where ``reshape(-1, 0)`` is ambiguous."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     if layout == "linear":
         return F.linear(x, weight, bias)
     # Same kernel as transformers' Conv1D: addmm on the flattened tokens.
     out_shape = x.shape[:-1] + (weight.shape[1],)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _tokens(x)
     y = torch.addmm(bias, x2, weight) if bias is not None else x2 @ weight
     return y.view(out_shape)
 
@@ -252,12 +259,12 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad2 = _tokens(grad)
         work = None
         if need_x:  # linear: weight [out, in]; conv1d: [in, out]
             grad_x = grad.matmul(weight if ctx.layout == "linear" else weight.t())
             work = ctx.state.add(grad_x.to(ctx.input_dtype), ctx.group)
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _tokens(x)
         grad_w = None
         if need_w:
             grad_w = grad2.t().mm(x2) if ctx.layout == "linear" else x2.t().mm(grad2)
@@ -333,7 +340,10 @@ class ColumnParallelLinear(_ParallelLinear):
     the ``g`` ranks holding them in backward (:func:`tpify.comm.sum_grad_ranges` over the
     context's :meth:`~tpify.context.TPContext.replica_group`).
     A padded output (``padded_out_features``, for a vocabulary that ``p`` does not divide)
-    carries zero rows that are stripped when the output is gathered.
+    carries zero rows that are stripped when the output is gathered. With ``uneven`` a part that
+    ``p`` does not divide (an MLP's intermediate size, never heads: the planner decides) is split
+    by torch.chunk's rule, ``ceil(n / p)`` features per rank and fewer, possibly none, on the last
+    ones (:func:`tpify.sharding.chunk_range`); ``out_features_per_partition`` is then this rank's.
 
     Shapes:
         input: ``(B, T, in_features)``, replicated on every rank.
@@ -353,8 +363,10 @@ class ColumnParallelLinear(_ParallelLinear):
         the last layer reading it starts, overlapped with its weight gradient).
     Dtype: the parameters' dtype; no casting.
     Raises:
-        ValueError: a part of the output features is not divisible by ``tp_size``; a packed
-            layer asked to gather its output (the gathered order would not be the dense one);
+        ValueError: a part of the output features is not divisible by ``tp_size`` (without
+            ``uneven``); a packed layer, or one whose ranks hold different sizes, asked to gather
+            its output (the gathered order would not be the dense one; an all-gather takes equal
+            sizes), at construction or per call (``runtime_gather_output``, on every rank alike);
             replicated parts that are not distinct part indices; ``replica_shards`` not dividing
             ``tp_size`` or a replicated part; ``replica_shards > 1`` without the context's replica
             groups (a layer built alone).
@@ -374,6 +386,7 @@ class ColumnParallelLinear(_ParallelLinear):
         replica_shards: int = 1,
         weight_layout: str = "linear",
         sequence_parallel: bool = False,
+        uneven: bool = False,
         context: TPContext | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -386,13 +399,19 @@ class ColumnParallelLinear(_ParallelLinear):
         # the model's one region entry (layers reading one activation share it), or the layer's own
         self.region_input = self.ctx.region_input if self.ctx.region_input is not None else ColumnParallelInput()
         w_spec, spec = column_specs(out_features, self.tp_size, weight_layout, partition_sizes, padded_out_features,
-                                    tuple(replicated_parts), replica_shards)
+                                    tuple(replicated_parts), replica_shards, uneven)
         if gather_output and (len(spec.parts) > 1 or spec.replicated):
             raise ValueError("a packed ColumnParallelLinear cannot gather its output in dense order")
+        if gather_output and not spec.is_uniform:
+            raise ValueError(f"an uneven ColumnParallelLinear ({out_features} output features over tp_size = "
+                             f"{self.tp_size}: {spec.local_sizes()} per rank) cannot gather its output; keep it "
+                             f"sharded (gather_output=False) for the row-parallel layer that reads it")
+        self.uneven = uneven
+        self._local_sizes = spec.local_sizes()  # every rank's output features (they differ when uneven)
         replicated = spec.replicated
         # the ranks holding the same replicated slices (the same KV head), whose partial gradients are summed
         self.replica_group = self.ctx.replica_group(replica_shards) if replicated else None
-        self.out_features_per_partition = spec.local_size
+        self.out_features_per_partition = spec.local_size_of(self.tp_rank)
         # (tensor name, dim, local ranges) whose gradients are partial sums (replicated parts)
         self._partial_grads = ([("weight", w_spec.dim, w_spec.replicated_local_ranges()),
                                 ("bias", 0, spec.replicated_local_ranges())] if replicated else [])
@@ -446,14 +465,24 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
         """All-gather this layer's output shards ``(B, T, out/p)`` to ``(B, T, out_features)``,
-        padding stripped (one all-gather; backward keeps this rank's columns)."""
+        padding stripped (one all-gather; backward keeps this rank's columns).
+
+        Raises:
+            ValueError: the ranks hold different sizes (an uneven split), on every rank, before
+                the all-gather.
+        """
+        if len(set(self._local_sizes)) > 1:
+            raise ValueError(f"an uneven ColumnParallelLinear ({self.out_features} output features over tp_size = "
+                             f"{self.tp_size}: {self._local_sizes} per rank) cannot gather its output "
+                             f"(runtime_gather_output); keep it sharded")
         y = comm.gather_from_tp_region(y, self.tp_group)
         return y[..., : self.out_features] if y.shape[-1] != self.out_features else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"out_features_per_partition={self.out_features_per_partition}, tp_size={self.tp_size}, "
-                f"gather_output={self.gather_output}, weight_layout={self.weight_layout}")
+                f"gather_output={self.gather_output}, weight_layout={self.weight_layout}"
+                + (", uneven=True" if self.uneven else ""))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -462,6 +491,10 @@ class RowParallelLinear(_ParallelLinear):
     ``Y = reduce(X_r A_r) + b``, with ``A`` split along its input dimension (Megatron-LM,
     arXiv:1909.08053, section 3, eq. 3). The bias is replicated and added once, after the
     reduce (added before it, it would count ``p`` times).
+
+    With ``uneven``, ``in_features`` that ``tp_size`` does not divide (an MLP's intermediate size)
+    is split by torch.chunk's rule as the column-parallel layer before it splits its output
+    (:func:`tpify.sharding.chunk_range`); ``in_features_per_partition`` is then this rank's.
 
     Shapes:
         input: ``(B, T, in_features // tp_size)``, this rank's shard (``input_is_parallel``), or
@@ -474,7 +507,8 @@ class RowParallelLinear(_ParallelLinear):
         ``T`` forward, output ``(B, T/p, out_features)``; backward one all-gather of the output
         gradient and one all-reduce of the bias gradient.
     Raises:
-        ValueError: ``in_features`` is not divisible by ``tp_size``.
+        ValueError: ``in_features`` is not divisible by ``tp_size`` (without ``uneven``); an
+            uneven split with ``input_is_parallel=False`` (the scatter cuts equal chunks).
     """
 
     def __init__(
@@ -487,6 +521,7 @@ class RowParallelLinear(_ParallelLinear):
         input_is_parallel: bool = True,
         weight_layout: str = "linear",
         sequence_parallel: bool = False,
+        uneven: bool = False,
         context: TPContext | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -495,8 +530,15 @@ class RowParallelLinear(_ParallelLinear):
         self._init_common(in_features, out_features, tp_group, weight_layout, context)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
-        w_spec = row_spec(in_features, self.tp_size, weight_layout)
+        if not uneven:
+            divide(in_features, self.tp_size, "in_features")
+        w_spec = row_spec(in_features, self.tp_size, weight_layout, uneven)
+        if not w_spec.is_uniform and not input_is_parallel:
+            raise ValueError(f"an uneven RowParallelLinear ({in_features} input features over tp_size = "
+                             f"{self.tp_size}: {w_spec.local_sizes()} per rank) takes its input already split "
+                             f"(input_is_parallel=True); scattering it would cut equal chunks")
+        self.uneven = uneven
+        self.in_features_per_partition = w_spec.local_size_of(self.tp_rank)
         w_shape = _weight_shape(self.in_features_per_partition, out_features, weight_layout)
         self.weight = _new_param(w_shape, w_spec, device, dtype)
         if bias:
@@ -535,7 +577,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, in_features_per_partition={self.in_features_per_partition}, "
-                f"out_features={self.out_features}, tp_size={self.tp_size}, weight_layout={self.weight_layout}")
+                f"out_features={self.out_features}, tp_size={self.tp_size}, weight_layout={self.weight_layout}"
+                + (", uneven=True" if self.uneven else ""))
 
 
 class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):

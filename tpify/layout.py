@@ -150,7 +150,8 @@ class Layout:
         agreement compares on its own, so that a different size is reported as such)."""
         return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.replica_shards,
                                m.output_scale,
-                               m.params, m.expert_parallel, m.shared_features) for f, m in self.modules.items()),
+                               m.params, m.expert_parallel, m.shared_features, m.uneven)
+                              for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             sorted((f, list(a)) for f, a in self.kv_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),
@@ -207,22 +208,26 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
                  sequence_parallel: bool = False, lm_loss_chunk: int | str | None = None, ep_size: int = 1) -> Layout:
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
-    Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with
-    a style (``replicate`` counts); each module's style checks it and gives its per-parameter
-    specs (:mod:`tpify.styles`). So must every parameter of another module (a norm, a router,
-    fused experts) of at least :func:`coverage_threshold` elements: by a style that splits it
-    (``experts``) or by ``replicate`` on it or a container. Rules that match nothing warn,
-    unless ``optional``. Vocabulary-split tables (``embedding_rowwise``, ``colwise_rep``) are
-    padded to a multiple of ``pad_vocab_multiple * tp_size`` rows. ``lm_loss_chunk``: tokens per
-    chunk of the chunked LM-head loss (needs a vocab-parallel LM head with an LM loss).
-    ``ep_size``: 1, or ``tp_size`` for expert parallelism (the ``experts`` modules hold whole
-    experts).
+    Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with a
+    style (``replicate`` counts); each module's style checks it and gives its per-parameter specs
+    (:mod:`tpify.styles`). A split size ``tp_size`` does not divide is split unevenly (torch.chunk's
+    rule) where the module holds no attention head (:meth:`_Planner.find_heads`: MLPs, fused
+    experts' intermediate size); heads stay whole: a head count, or the width of a layer inside an
+    attention module, that ``tp_size`` does not divide is refused. So must every parameter of
+    another module (a norm, a router, fused experts) of at least :func:`coverage_threshold`
+    elements: by a style that splits it (``experts``) or by ``replicate`` on it or a container.
+    Rules that match nothing warn, unless ``optional``. Vocabulary-split tables
+    (``embedding_rowwise``, ``colwise_rep``) are padded to a multiple of ``pad_vocab_multiple *
+    tp_size`` rows. ``lm_loss_chunk``: tokens per chunk of the chunked LM-head loss (needs a
+    vocab-parallel LM head with an LM loss). ``ep_size``: 1, or ``tp_size`` for expert parallelism (the
+    ``experts`` modules hold whole experts).
 
     Raises:
         PlanError: with every problem found, each naming the module and the numbers: modules and
             large parameters no rule covers (listed by FQN), modules two rules claim, a style on
             the wrong module type, counts (config values, attributes to divide, features of
-            sharded layers) that ``tp_size`` does not divide, with the tp sizes that would work;
+            sharded layers holding heads) that ``tp_size`` does not divide, with the tp sizes that
+            would work;
             an ``ep_size`` other than 1 or ``tp_size``; ``lm_loss_chunk`` that is not a positive
             integer, or set for a model without a vocab-parallel LM loss or whose head is inside
             the sequence-parallel stretch; ``[loss] logits`` reading a config attribute the
@@ -232,6 +237,7 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     recipe = compose(recipe, model)
     planner = _Planner(model, recipe, tp_size, pad_vocab_multiple, ep_size)
     planner.config_counts()
+    planner.find_heads()
     planner.match_modules()
     planner.per_head_parameters()
     planner.large_parameters()
@@ -319,8 +325,11 @@ class _Planner:
         self.ctx = PlanContext(model, self.config, recipe, tp_size, pad_vocab_multiple, self.errors,
                                self.need_divisible,
                                lambda rule, out_f, owner, fqn: _packed_sizes(rule, out_f, self.config, owner, fqn,
-                                                                             self.errors), ep_size, self.kv_shards)
+                                                                             self.errors), ep_size, self.kv_shards,
+                               self.may_be_uneven)
         self.large_uncovered: list[str] = []
+        self.heads: set[str] = set()  # modules holding attention heads (find_heads): no uneven split inside
+        self.hits: dict[str, list[Rule]] = {}  # module FQN -> the active rules matching it (find_heads)
 
     def need_divisible(self, what: str, value: int) -> None:
         """Record a count ``tp_size`` must divide; an error when it does not."""
@@ -362,18 +371,76 @@ class _Planner:
                 if name in self.recipe.divide_config:
                     self.layout.config_divides[name] = value
 
-    def match_modules(self) -> None:
-        """Every module against the rules that apply (those whose ``when`` the config meets; the
-        others take no part and never warn): the rules' facts, then the module's style."""
+    def find_heads(self) -> None:
+        """The modules that hold attention heads (:attr:`heads`), found before any style plans, so
+        that no dimension inside them is split unevenly (heads stay whole on their ranks):
+
+        * a module the recipe says holds heads: a rule with ``divide``, ``kv_groups``,
+          ``kv_counts``, ``head_inputs`` or a bare ``kv_heads``, or style ``per_head``;
+        * the owner (parent) of a column-parallel layer split by KV heads (``kv_heads``), holding
+          replicated parts, or packing parts weighed by head counts;
+        * the owner of a column- or row-parallel layer whose split width is a head count times the
+          head size (:meth:`_head_widths`): an attention module the recipe says nothing of.
+
+        Matches the active rules (whose ``when`` the config meets) once per module, for
+        :meth:`match_modules` too."""
         active = [rule for rule in self.recipe.rules if rule.applies(self.config)]
         index = RuleIndex(active)
         self.matched = {rule.index for rule in self.recipe.rules} - {rule.index for rule in active}
+        widths = self._head_widths()
+        base = base_model(self.model)
+        for fqn, module in self.model.named_modules():
+            if not fqn and base is not self.model:
+                continue  # the head class's root: rules are written relative to the base model
+            hits = self.hits[fqn] = index.hits(relative_fqn(self.model, fqn))
+            for rule in hits:
+                if (rule.divide or rule.kv_groups or rule.kv_counts or rule.head_inputs or rule.style == "per_head"
+                        or (rule.style is None and rule.kv_heads is not None)):
+                    self.heads.add(fqn)
+                elif rule.style in ("colwise", "packed_colwise", "rowwise") and module_kind(module) == "linear":
+                    in_f, out_f, _ = dense_dims(module)
+                    by_heads = rule.kv_heads is not None or rule.replicated_parts or (
+                        rule.style == "packed_colwise" and not isinstance(rule.parts, int))
+                    if by_heads or (in_f if rule.style == "rowwise" else out_f) in widths:
+                        self.heads.add(fqn.rpartition(".")[0])
+
+    def _head_widths(self) -> set[int]:
+        """The widths a layer holding heads has: each head count (the config's
+        ``num_attention_heads`` and ``num_key_value_heads``, the recipe's ``divisible`` values)
+        times the head size (``head_dim``, else ``hidden_size / num_attention_heads``), read from
+        the config and from each sub-config a ``divisible`` path names (a composed recipe's)."""
+        prefixes = {""} | {name.rpartition(".")[0] for name in self.recipe.divisible}
+        widths = set()
+        for prefix in prefixes:
+            sub = config_get(self.config, prefix) if prefix else self.config
+            if sub is None:
+                continue
+            counts = {_config_value(sub, a) for a in ("num_attention_heads", "num_key_value_heads")}
+            counts |= {config_get(self.config, n) for n in self.recipe.divisible if n.rpartition(".")[0] == prefix}
+            counts = {c for c in counts if isinstance(c, int) and not isinstance(c, bool) and c > 0}
+            hd, hidden, heads = (_config_value(sub, a) for a in ("head_dim", "hidden_size", "num_attention_heads"))
+            if not isinstance(hd, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+                hd = hidden // heads
+            if isinstance(hd, int) and hd > 0:
+                widths |= {c * hd for c in counts}
+        return widths
+
+    def may_be_uneven(self, fqn: str) -> bool:
+        """Whether module ``fqn`` may split a dimension ``tp_size`` does not divide: neither it nor
+        a module holding it holds attention heads (:meth:`find_heads`)."""
+        parts = fqn.split(".")
+        return not any(".".join(parts[:i]) in self.heads for i in range(len(parts) + 1))
+
+    def match_modules(self) -> None:
+        """Every module against the rules that apply (those whose ``when`` the config meets; the
+        others take no part and never warn; :meth:`find_heads` matched them): the rules' facts,
+        then the module's style."""
         base = base_model(self.model)
         for fqn, module in self.model.named_modules():
             if not fqn and base is not self.model:
                 continue  # the head class's root: rules are written relative to the base model
             rel = relative_fqn(self.model, fqn)
-            hits = index.hits(rel)
+            hits = self.hits[fqn]
             self.matched.update(rule.index for rule in hits)
             for rule in hits:
                 self._rule_facts(fqn, module, rule)
@@ -702,7 +769,7 @@ def _split_key(spec) -> tuple | None:
     if spec is None:
         return None
     return (spec.dim, spec.parts, spec.tp_size, spec.padded_size or spec.global_size, spec.replicated,
-            spec.replica_shards)
+            spec.replica_shards, spec.uneven)
 
 
 def _tie_conflicts(model: nn.Module, layout: Layout) -> list[str]:

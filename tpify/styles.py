@@ -4,8 +4,8 @@ A recipe names a style per module (``colwise``, ``rowwise``, ...; docs/recipes.m
 :class:`Style` here does the three things a style means, so that nothing else interprets its
 name (as torch's ``ParallelStyle`` objects and torchtitan's ``colwise_config()`` do):
 
-* :meth:`Style.plan` checks a module against the style at a tp size (kind, divisibility,
-  packed parts, padding, a subclass's ``forward``) and fills its :class:`ModuleLayout`;
+* :meth:`Style.plan` checks a module against the style at a tp size (kind, divisibility or an
+  uneven split, packed parts, padding, a subclass's ``forward``) and fills its :class:`ModuleLayout`;
 * :meth:`Style.param_specs` gives each parameter's :class:`~tpify.sharding.ShardSpec` (the
   layout stores them; the plan report, loading, saving and LoRA read them);
 * :meth:`Style.build` builds the parallel module from the dense one (surgery).
@@ -56,6 +56,9 @@ class ModuleLayout:
             every parameter split along dim 0 (the experts), the tokens exchanged between ranks.
         shared_features: ``latent`` only: the trailing output features every head reads directly
             (multi-head latent attention's rotary key), whose gradient is summed over the ranks.
+        uneven: a split dimension ``tp_size`` does not divide is split by torch.chunk's rule
+            (:func:`tpify.sharding.chunk_range`: an MLP's or the experts' intermediate size), which
+            the planner allows only where it finds no head (:meth:`PlanContext.split_size`).
     """
 
     fqn: str
@@ -72,6 +75,7 @@ class ModuleLayout:
     params: tuple[tuple[str, int, int], ...] = ()
     expert_parallel: bool = False
     shared_features: int = 0
+    uneven: bool = False
 
     @property
     def styler(self) -> "Style":
@@ -84,7 +88,10 @@ class PlanContext:
     """What a style's :meth:`Style.plan` checks a module against: the model, its config, the
     recipe, the tp size and padding, and where problems go (``errors``; ``need_divisible(what,
     value)`` records a count ``tp_size`` must divide); ``ep_size``: ``tp_size`` when the experts
-    are split whole over the ranks (expert parallelism), else 1."""
+    are split whole over the ranks (expert parallelism), else 1; ``may_be_uneven(fqn)``: whether
+    the planner lets module ``fqn`` split a dimension ``tp_size`` does not divide (it holds no
+    attention head; :func:`tpify.layout.build_layout`), None: never (every split size must be
+    divisible)."""
 
     model: nn.Module
     config: object
@@ -96,6 +103,19 @@ class PlanContext:
     packed_sizes: Callable = None  # (rule, out_features, owner, fqn) -> global part widths or None
     ep_size: int = 1
     kv_shards: Callable = None  # (what, kv heads) -> None (split) or the KV heads (replicated); False: error
+    may_be_uneven: Callable[[str], bool] | None = None  # module FQN -> may it split unevenly (no heads in it)
+
+    def split_size(self, fqn: str, what: str, value: int, entry: "ModuleLayout") -> None:
+        """A size module ``fqn`` splits over the ranks (output or input features, an intermediate
+        size): ``tp_size`` must divide it (:attr:`need_divisible`, the error and the sizes that
+        would work), unless the planner lets the module split unevenly (:attr:`may_be_uneven`: it
+        holds no heads); then a size ``tp_size`` does not divide sets ``entry.uneven`` (split by
+        torch.chunk's rule) and constrains nothing."""
+        if self.may_be_uneven is not None and self.may_be_uneven(fqn):
+            if value % self.tp_size:
+                entry.uneven = True
+            return
+        self.need_divisible(what, value)
 
     def kv_placement(self, what: str, kv: int):
         """How ``kv`` KV heads go over the ranks: None (``tp_size`` divides them: split), ``kv``
@@ -304,27 +324,30 @@ class _Colwise(Style):
             if shards is not None:
                 entry.replicated_parts, entry.replica_shards = (0,), shards
                 return True
-        ctx.need_divisible(f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f)
+        ctx.split_size(fqn, f"{fqn}.out_features ({type(module).__name__}, colwise)", out_f, entry)
         return True
 
     def param_specs(self, module, entry, tp_size):
         _, out_f, layout = dense_dims(module)
         weight, bias = column_specs(out_f, tp_size, layout, entry.partition_sizes, entry.padded_size,
-                                    entry.replicated_parts, entry.replica_shards)
+                                    entry.replicated_parts, entry.replica_shards, entry.uneven)
         return {"weight": weight, "bias": bias if module.bias is not None else None}
 
     def build(self, module, entry, ctx):
         return ColumnParallelLinear.from_dense(
             module, ctx.group, gather_output=self.lm_head, partition_sizes=entry.partition_sizes,
             padded_out_features=entry.padded_size, replicated_parts=entry.replicated_parts,
-            replica_shards=entry.replica_shards, sequence_parallel=entry.sequence_parallel, context=ctx)
+            replica_shards=entry.replica_shards, sequence_parallel=entry.sequence_parallel, uneven=entry.uneven,
+            context=ctx)
 
 
 class _PackedColwise(_Colwise):
     """``packed_colwise``: column-parallel, each packed part (GPT-2's ``[Q | K | V]``, grouped-query
     parts of unequal widths) split separately; ``replicated_parts`` (the K/V parts, of ``kv_heads``
     heads, 1 by default: multi-query) split by KV heads when ``tp_size`` divides them, else each
-    KV head held by ``tp_size / kv_heads`` ranks (whole on every rank for one KV head)."""
+    KV head held by ``tp_size / kv_heads`` ranks (whole on every rank for one KV head). Equal parts
+    (``parts = <n>``, no replicated parts, no ``kv_heads``: phi3's ``gate_up_proj``) may be split
+    unevenly where the planner finds no heads; parts weighed by head counts never are."""
 
     name = "packed_colwise"
 
@@ -344,9 +367,15 @@ class _PackedColwise(_Colwise):
                 entry.replicated_parts = rule.replicated_parts  # covered, with specs that hold
             elif shards is not None:
                 entry.replicated_parts, entry.replica_shards = rule.replicated_parts, shards
+        equal = isinstance(rule.parts, int) and not entry.replicated_parts and rule.kv_heads is None
         for i, size in enumerate(sizes):
-            if i not in entry.replicated_parts:
-                ctx.need_divisible(f"{fqn} packed part {i} of out_features", size)
+            if i in entry.replicated_parts:
+                continue
+            what = f"{fqn} packed part {i} of out_features"
+            if equal:
+                ctx.split_size(fqn, what, size, entry)
+            else:  # parts weighed by head counts: whole heads per rank
+                ctx.need_divisible(what, size)
         return True
 
 
@@ -376,16 +405,16 @@ class _Rowwise(Style):
 
     def _sizes(self, ctx, fqn, module, rule, entry):
         in_f, _, _ = dense_dims(module)
-        ctx.need_divisible(f"{fqn}.in_features ({type(module).__name__}, rowwise)", in_f)
+        ctx.split_size(fqn, f"{fqn}.in_features ({type(module).__name__}, rowwise)", in_f, entry)
         return True
 
     def param_specs(self, module, entry, tp_size):
         in_f, _, layout = dense_dims(module)
-        return {"weight": row_spec(in_f, tp_size, layout), "bias": None}
+        return {"weight": row_spec(in_f, tp_size, layout, entry.uneven), "bias": None}
 
     def build(self, module, entry, ctx):
         return RowParallelLinear.from_dense(module, ctx.group, input_is_parallel=True,
-                                            sequence_parallel=entry.sequence_parallel, context=ctx)
+                                            sequence_parallel=entry.sequence_parallel, uneven=entry.uneven, context=ctx)
 
 
 class _Params(Style):
@@ -415,16 +444,18 @@ class _Experts(_Params):
     ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), its named parameters split.
 
     Tensor-parallel experts (Megatron-LM's TP experts; Shazeer et al., arXiv:1701.06538, for the
-    layer): each parameter of the rule's ``params`` is split along its ``dim`` (``gate_up_proj``
-    by each of its 2 packed parts ``[gate | up]``, ``down_proj`` by its input), so rank ``r``
-    holds every expert's intermediate columns ``[r I/p, (r+1) I/p)`` and the module's output is a
-    partial sum: the module keeps its own forward (``experts_implementation``), and
-    :mod:`tpify.hooks.experts` copies its inputs into the region (Megatron's ``f``: their
-    gradients all-reduced in backward) and all-reduces its output (``g``). With ``ep_size =
-    tp_size`` (expert parallelism): every parameter is split along dim 0 instead, rank ``r``
-    holds experts ``[r E/p, (r+1) E/p)`` whole (its ``num_experts`` becomes ``E/p``), and the
-    hooks exchange the tokens with all-to-all. Under sequence parallelism the MoE block holding
-    the module is gathered (:func:`tpify.layout._moe_blocks`, :mod:`tpify.hooks.sequence_parallel`).
+    layer): each parameter of the rule's ``params`` is split along its ``dim`` (``gate_up_proj`` by
+    each of its 2 packed parts ``[gate | up]``, ``down_proj`` by its input), so rank ``r`` holds
+    every expert's intermediate columns ``[r I/p, (r+1) I/p)`` (an intermediate size ``p`` does not
+    divide: torch.chunk's ``ceil(I/p)`` columns per rank, fewer on the last ones; not for
+    interleaved gate/up pairs) and the module's output is a partial sum: the module keeps its own
+    forward (``experts_implementation``), and :mod:`tpify.hooks.experts` copies its inputs into the
+    region (Megatron's ``f``: their gradients all-reduced in backward) and all-reduces its output
+    (``g``). With ``ep_size = tp_size`` (expert parallelism): every parameter is split along dim 0
+    instead, rank ``r`` holds experts ``[r E/p, (r+1) E/p)`` whole (its ``num_experts`` becomes
+    ``E/p``), and the hooks exchange the tokens with all-to-all. Under sequence parallelism the MoE
+    block holding the module is gathered (:func:`tpify.layout._moe_blocks`,
+    :mod:`tpify.hooks.sequence_parallel`).
 
     The module must compute a sum over the split dimension (what ``tpify verify`` proves). What
     would count ``p`` times or see a partial sum is refused: a parameter the rule does not name,
@@ -499,15 +530,17 @@ class _Experts(_Params):
                 continue
             size = getattr(module, name).shape[dim]
             if name in _GATE_UP and getattr(module, "is_concatenated", True) is False:
-                # interleaved [g0, u0, g1, u1, ...]: each rank's contiguous slice must hold whole (g, u) pairs
-                ctx.need_divisible(f"{fqn}.{name} dimension {dim} (interleaved gate/up pairs)", size // 2)
+                # interleaved [g0, u0, g1, u1, ...]: each rank's contiguous slice must hold whole (g, u) pairs,
+                # as many on every rank (torch.chunk's rule over 2I columns could cut a pair: never uneven)
+                ctx.need_divisible(f"{fqn}.{name} dimension {dim} (interleaved gate/up pairs, never split unevenly)",
+                                   size // 2)
                 continue
             if size % parts:
                 ctx.errors.append(f"{fqn}.{name}: dimension {dim} of size {size} cannot hold {parts} equal parts")
                 ok = False
                 continue
-            ctx.need_divisible(f"{fqn}.{name} dimension {dim}" + (f" (each of {parts} parts)" if parts > 1 else ""),
-                               size // parts)
+            ctx.split_size(fqn, f"{fqn}.{name} dimension {dim}" + (f" (each of {parts} parts)" if parts > 1 else ""),
+                           size // parts, entry)
         return ok
 
     def param_specs(self, module, entry, tp_size):
@@ -519,7 +552,7 @@ class _Experts(_Params):
             elif dim == AFTER_SUM:
                 specs[name] = None  # replicated, counted once after the sum (tpify.hooks.experts)
             else:
-                specs[name] = ShardSpec(dim, (shape[dim] // parts,) * parts, tp_size)
+                specs[name] = ShardSpec(dim, (shape[dim] // parts,) * parts, tp_size, uneven=entry.uneven)
         return specs
 
     def build(self, module, entry, ctx):

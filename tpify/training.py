@@ -147,7 +147,9 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
     (and the replicated parts of a packed shard, multi-query K/V) holds the same gradient on every
     TP rank and is counted once (KV heads held by groups of ranks: once per group). Under FSDP2 the
     replicated parts' rows this rank holds are found from the DTensor's offset along its split
-    dimension. Padded vocabulary rows have zero gradient. A gradient that
+    dimension. Padded vocabulary rows have zero gradient. An uneven split (torch.chunk's rule:
+    ranks holding different numbers of rows, possibly none) needs nothing more: every element is
+    on one rank, and this rank's squares are summed whatever their count. A gradient that
     FSDP2 splits over the data-parallel dimension (a DTensor with a ``Shard`` placement) is
     summed over that dimension first, so the norm is that of the dense model under
     ``fully_shard`` too (``torch.nn.utils.clip_grad_norm_`` there sums over the DP dimension only:

@@ -15,7 +15,12 @@ from N(0, 1) so that every value matters, including bias and the embedding's pad
   rank before any collective;
 * each layer issues exactly the communication its docstring states (counted with
   ``count_collectives``, forward and backward separately);
-* the constructors reject what they document as errors.
+* the constructors reject what they document as errors;
+* uneven splits (``uneven=True``, torch.chunk's rule: 5 features as 3 + 2, 1 as 1 + 0): a
+  column layer, GELU and a row layer (``nn.Linear`` and ``Conv1D``) equal the dense pair with the
+  collectives of an even split; gathering their gradients sends ``ceil(n / p)`` rows from every
+  rank (the padded shards); gathering an uneven output and scattering into an uneven row layer
+  are refused before any collective.
 
 A few single-process checks (tp=1, no process group) cover ``from_dense``'s type checks and that
 a one-rank layer is the dense module.
@@ -40,7 +45,7 @@ from transformers.pytorch_utils import Conv1D
 import tputil
 from tpify import comm
 from tpify.layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tpify.sharding import ShardSpec, shard_spec_of
+from tpify.sharding import ShardSpec, chunk_range, shard_spec_of
 
 WORLD = 2
 F64 = torch.float64
@@ -562,6 +567,87 @@ def vocab_embedding_output_scale(c):
     assert dict(counted)["all_reduce"] == 2  # the ids check (called directly) and the output's, as without it
 
 
+def _uneven_mlp_case(c, column, row, seed):
+    """A column layer, GELU, a row layer, their width ``n`` split unevenly (torch.chunk's rule:
+    rank r holds chunk_range(n, 2, r)): output, input gradient, every weight gradient against
+    the dense pair; one all-reduce forward and one backward, as for an even split; the gradient
+    gather sends the same number of values from every rank (the shards padded)."""
+    col = ColumnParallelLinear.from_dense(column, c.group, uneven=True)
+    rowp = RowParallelLinear.from_dense(row, c.group, uneven=True)
+    in_f, n = _in_out(column)
+    x = _t(seed, (2, 3, in_f))
+    xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yd = row(torch.nn.functional.gelu(column(xd)))
+    gd = _t(seed + 1, yd.shape)
+    yd.backward(gd)
+    with comm.count_collectives() as fwd:
+        yp = rowp(torch.nn.functional.gelu(col(xp)))
+    with comm.count_collectives() as bwd:
+        yp.backward(gd)
+    with comm.count_collectives() as gathers:
+        grads = {**{f"col.{k}": v for k, v in _gathered_grads(col, c.group).items()},
+                 **{f"row.{k}": v for k, v in _gathered_grads(rowp, c.group).items()}}
+    # --- asserts only from here on
+    a, b = chunk_range(n, c.world, c.rank)
+    assert (col.out_features_per_partition, rowp.in_features_per_partition) == (b - a, b - a)
+    _assert_exact_shards(col, column, c.rank)
+    _assert_exact_shards(rowp, row, c.rank)
+    torch.testing.assert_close(yp, yd, **TOL)
+    torch.testing.assert_close(xp.grad, xd.grad, **TOL, msg=lambda m: f"input gradient: {m}")
+    for name, grad in grads.items():
+        ref = getattr(column if name.startswith("col.") else row, name.split(".", 1)[1]).grad
+        torch.testing.assert_close(grad, ref, **TOL, msg=lambda m: f"gradient of {name}: {m}")
+    assert dict(fwd) == {"all_reduce": 1, "all_reduce_numel": yd.numel()}, dict(fwd)
+    assert dict(bwd) == {"all_reduce": 1, "all_reduce_numel": x.numel()}, dict(bwd)
+    chunk = -(-n // c.world)  # every rank sends ceil(n / p) rows of each gathered gradient
+    assert dict(gathers)["all_gather_numel"] == chunk * (in_f + 1 + row.weight.numel() // n), dict(gathers)
+    return col, rowp
+
+
+@_check
+def uneven_linear_mlp_of_5(c):
+    col, _ = _uneven_mlp_case(c, _dense(nn.Linear(6, 5), 130), _dense(nn.Linear(5, 4), 131), 132)
+    assert col.weight.shape == ((3, 6), (2, 6))[c.rank]
+
+
+@_check
+def uneven_conv1d_mlp_of_5(c):
+    col, row = _uneven_mlp_case(c, _dense(Conv1D(5, 6), 140), _dense(Conv1D(4, 5), 141), 142)
+    assert (col.weight.shape, row.weight.shape) == (((6, 3), (3, 4)), ((6, 2), (2, 4)))[c.rank]
+
+
+@_check
+def uneven_rank_holding_nothing(c):
+    """A width of 1 over 2 ranks: rank 1 holds no feature (empty shards), and still takes part."""
+    col, _ = _uneven_mlp_case(c, _dense(nn.Linear(6, 1), 150), _dense(nn.Linear(1, 4), 151), 152)
+    assert col.weight.shape == ((1, 6), (0, 6))[c.rank]
+
+
+@_check
+def uneven_layers_refuse_what_needs_equal_chunks(c):
+    """Gathering an uneven output (at construction, and per call before any collective) and
+    scattering a replicated input into an uneven row layer are refused on every rank."""
+    cases = [
+        (lambda: ColumnParallelLinear(6, 5, tp_group=c.group, uneven=True, gather_output=True),
+         "an uneven ColumnParallelLinear (5 output features over tp_size = 2: [3, 2] per rank) cannot gather"),
+        (lambda: RowParallelLinear(5, 4, tp_group=c.group, uneven=True, input_is_parallel=False),
+         "takes its input already split (input_is_parallel=True)"),
+        (lambda: ColumnParallelLinear(6, 5, tp_group=c.group, uneven=True, device="meta")(
+            torch.zeros(2, 6, device="meta"), runtime_gather_output=True), "cannot gather its output"),
+    ]
+    missed = []
+    with comm.count_collectives() as counted:
+        for make, needle in cases:
+            try:
+                make()
+                missed.append(f"no error, expected {needle!r}")
+            except ValueError as e:
+                if needle not in str(e):
+                    missed.append(f"{e!r} does not say {needle!r}")
+    assert not missed, missed
+    assert dict(counted) == {}, dict(counted)
+
+
 def _body(rank, world):
     c = SimpleNamespace(rank=rank, world=world, group=dist.new_group(list(range(world))))
     return tputil.run_checks(_CHECKS, c)
@@ -633,6 +719,18 @@ def test_constructors_reject_unsplittable_sizes(tp2):
 
 def test_from_dense_copies_requires_grad_dtype_and_attaches_specs(tp2):
     _ok(tp2, "from_dense_keeps_flags_dtype_and_specs")
+
+
+def test_uneven_column_and_row_layers_match_the_dense_mlp(tp2):
+    _ok(tp2, "uneven_linear_mlp_of_5", "uneven_conv1d_mlp_of_5")
+
+
+def test_uneven_split_with_a_rank_holding_nothing_matches_dense(tp2):
+    _ok(tp2, "uneven_rank_holding_nothing")
+
+
+def test_uneven_layers_refuse_to_gather_or_scatter(tp2):
+    _ok(tp2, "uneven_layers_refuse_what_needs_equal_chunks")
 
 
 def test_every_check_ran_on_every_rank(tp2):

@@ -14,7 +14,11 @@ What it proves, for tp sizes 1, 2 and 4 and without starting any rank:
   converts the dtype, zero-fills padding, and requests from the file only this rank's ranges, in
   blocks of at most ``block_bytes``;
 * the constructor, ``local_shape``, ``divide``, ``pad_vocab_size`` and ``valid_tp_sizes`` validate
-  and compute what their docstrings say.
+  and compute what their docstrings say;
+* uneven splits (``uneven=True``): each part's ranges are ``torch.chunk``'s pieces (the last ranks
+  fewer, or none), the local size depends on the rank (``local_size`` refuses to answer),
+  ``slice_dense``/``read``/``gather`` round-trip bitwise, the gather sending every rank's shard
+  padded to the largest (equal sizes, as NCCL needs) and stripping it; LoRA factors follow.
 
 Tolerance: none; every comparison is bitwise (``torch.equal``), since slicing, padding, reading
 and gathering move values and compute nothing.
@@ -26,7 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tpify import comm
-from tpify.sharding import ShardSpec, divide, pad_vocab_size, shard_spec_of, valid_tp_sizes
+from tpify.sharding import (ShardSpec, chunk_range, column_specs, divide, lora_factor_spec, pad_vocab_size, row_spec,
+                            shard_spec_of, valid_tp_sizes)
 
 
 def _dense(shape, dtype=torch.float64):
@@ -280,3 +285,132 @@ def test_replicated_parts_are_located_in_the_shard_and_validated():
     assert grouped.replica_group_size == 2 and grouped.replicated_local_ranges() == [(4, 6), (6, 8)]
     with pytest.raises(ValueError, match="replica_shards = 3 must divide tp_size = 4"):
         ShardSpec(0, (12,), 4, replicated=(0,), replica_shards=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Uneven splits (``uneven=True``): torch.chunk's rule, a rank-dependent local size, the gather
+# padded to the largest shard (equal sizes per rank, as NCCL's all-gather needs) and stripped.
+
+# (spec, dense shape): an MLP's 37 at tp 2 and 4 (Linear column, Conv1D column / row), packed
+# [gate | up] of 37 each at tp 3, fused experts (E, 2I, H) with I = 6 at tp 4 (2, 2, 2, 0: rank 3
+# holds nothing), 1 feature at tp 2 (rank 1 holds nothing), and a divisible size (split evenly).
+UNEVEN = [
+    (ShardSpec(0, (37,), 2, uneven=True), (37, 3)),
+    (ShardSpec(1, (37,), 4, uneven=True), (5, 37)),
+    (ShardSpec(1, (37, 37), 3, uneven=True), (4, 74)),
+    (ShardSpec(1, (6, 6), 4, uneven=True), (3, 12, 2)),
+    (ShardSpec(2, (6,), 4, uneven=True), (3, 2, 6)),
+    (ShardSpec(0, (1,), 2, uneven=True), (1, 2)),
+    (ShardSpec(0, (8,), 2, uneven=True), (8, 3)),
+]
+UNEVEN_IDS = [f"dim{s.dim}-parts{'x'.join(map(str, s.parts))}-tp{s.tp_size}" for s, _ in UNEVEN]
+
+
+def _chunks(size, tp):
+    """torch.chunk's pieces of ``range(size)`` for ``tp`` ranks (the ranks past the last chunk: empty)."""
+    pieces = [c.tolist() for c in torch.arange(size).chunk(tp)] if size else []
+    return pieces + [[]] * (tp - len(pieces))
+
+
+def test_uneven_ranges_are_torch_chunk_pieces_of_each_part():
+    for size in range(0, 23):
+        for tp in (1, 2, 3, 4, 5, 8):
+            spec = ShardSpec(0, (size,), tp, uneven=True)
+            for rank, piece in enumerate(_chunks(size, tp)):
+                (a, b), = spec.ranges(rank)
+                assert list(range(a, b)) == piece, (size, tp, rank)
+                assert spec.local_size_of(rank) == len(piece)
+                assert chunk_range(size, tp, rank) == (a, b)
+    packed = ShardSpec(0, (37, 37), 3, uneven=True)
+    assert [packed.ranges(r) for r in range(3)] == [[(0, 13), (37, 50)], [(13, 26), (50, 63)], [(26, 37), (63, 74)]]
+    assert packed.local_sizes() == [26, 26, 22]
+
+
+def test_uneven_local_size_depends_on_the_rank_and_local_size_says_so():
+    spec = ShardSpec(0, (37,), 4, uneven=True)
+    assert spec.local_sizes() == [10, 10, 10, 7] and not spec.is_uniform
+    assert spec.local_shape((37, 5), 3) == (7, 5)
+    with pytest.raises(ValueError, match=r"uneven: the ranks hold \[10, 10, 10, 7\]; .*local_size_of\(tp_rank\)"):
+        spec.local_size
+    with pytest.raises(ValueError, match="local_size_of"):
+        spec.local_shape((37, 5))
+    even = ShardSpec(0, (8,), 2, uneven=True)  # a divisible size: split as without uneven
+    assert even.is_uniform and even.local_size == 4 and even.ranges(1) == ShardSpec(0, (8,), 2).ranges(1)
+
+
+@pytest.mark.parametrize("spec,shape", UNEVEN, ids=UNEVEN_IDS)
+def test_uneven_slice_dense_gives_each_rank_its_chunks(spec, shape):
+    full = _dense(shape)
+    moved = full.movedim(spec.dim, 0)
+    for rank in range(spec.tp_size):
+        idx, offset = [], 0
+        for size in spec.parts:  # from the definition: torch.chunk of each part, in order
+            idx += [offset + i for i in _chunks(size, spec.tp_size)[rank]]
+            offset += size
+        want = (moved[idx] if idx else moved[:0]).movedim(0, spec.dim)
+        shard = spec.slice_dense(full, rank)
+        assert tuple(shard.shape) == spec.local_shape(full.shape, rank) and shard.is_contiguous()
+        assert torch.equal(shard, want), f"rank {rank}"
+
+
+def _fake_padded_all_gather(shards, dim, rank):
+    """Stand-in for comm.all_gather_last_dim on ``rank``: checks that this rank sends its shard
+    padded to the largest (every rank the same size) and returns every rank's, padded alike."""
+    width = max(s.shape[dim] for s in shards)
+
+    def padded(s):
+        pad = list(s.shape)
+        pad[dim] = width - s.shape[dim]
+        return torch.cat([s, torch.zeros(pad, dtype=s.dtype)], dim=dim).movedim(dim, -1)
+
+    def gather(tensor, group):
+        assert tensor.shape[-1] == width, f"rank {rank} sent {tensor.shape[-1]} values along the split, not {width}"
+        assert torch.equal(tensor, padded(shards[rank])), "the shard padded with zeros at its end"
+        return torch.cat([padded(s) for s in shards], dim=-1)
+
+    return gather
+
+
+@pytest.mark.parametrize("spec,shape", UNEVEN, ids=UNEVEN_IDS)
+def test_uneven_gather_pads_to_the_largest_shard_and_strips(spec, shape, monkeypatch):
+    full = _dense(shape)
+    shards = [spec.slice_dense(full, r) for r in range(spec.tp_size)]
+    for rank in range(spec.tp_size):
+        monkeypatch.setattr(comm, "all_gather_last_dim", _fake_padded_all_gather(shards, spec.dim, rank))
+        out = spec.gather(shards[rank], None)
+        assert torch.equal(out, full) and out.is_contiguous(), f"rank {rank}"
+
+
+@pytest.mark.parametrize("spec,shape", UNEVEN, ids=UNEVEN_IDS)
+def test_uneven_read_from_safetensors_equals_slice_dense(spec, shape, tmp_path):
+    full = _dense(shape, torch.float32)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        for rank in range(spec.tp_size):
+            sl = _RecordingSlice(f.get_slice("w"))
+            out = spec.read(sl, rank, dtype=torch.float64, block_bytes=8)
+            assert torch.equal(out, spec.slice_dense(full, rank).double()), f"rank {rank}"
+            asked = [i for index in sl.requests for i in range(index[spec.dim].start, index[spec.dim].stop)]
+            assert asked == [i for a, b in spec.ranges(rank) for i in range(a, b)], f"rank {rank} read {asked}"
+
+
+def test_uneven_specs_of_the_layers_and_their_lora_factors():
+    weight, bias = column_specs(37, 2, "conv1d", uneven=True)
+    assert (weight.dim, bias.dim, weight.uneven, bias.local_sizes()) == (1, 0, True, [19, 18])
+    row = row_spec(37, 4, uneven=True)
+    assert row.dim == 1 and row.local_sizes() == [10, 10, 10, 7]
+    which, spec = lora_factor_spec(row, True, 37)
+    assert which == "lora_A" and spec == ShardSpec(1, (37,), 4, uneven=True)
+    which, spec = lora_factor_spec(weight, False, 16)
+    assert which == "lora_B" and spec == ShardSpec(0, (37,), 2, uneven=True)
+    with pytest.raises(ValueError, match="= 37 is not divisible by tp_size = 2"):
+        row_spec(37, 2)  # without uneven: refused as before
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(dim=0, parts=(7,), tp_size=2, padded_size=8, uneven=True), "cannot also be padded"),
+    (dict(dim=0, parts=(8, 3), tp_size=2, replicated=(1,), uneven=True), "hold replicated parts"),
+])
+def test_uneven_is_neither_padded_nor_replicated(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        ShardSpec(**kwargs)

@@ -105,15 +105,17 @@ def _meta_model(config, cls, dtype):
     return model.eval()
 
 
-def rank_shapes(module, entry, tp_size: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
-    """Per parameter of one layout entry: ``(dense shape, per-rank shape, sharded)``.
+def rank_shapes(module, entry, tp_size: int,
+                tp_rank: int = 0) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
+    """Per parameter of one layout entry: ``(dense shape, rank tp_rank's shape, sharded)``.
 
     ``module`` is the dense ``nn.Linear``, transformers ``Conv1D``, ``nn.Embedding`` or module
     whose parameters a style splits (fused experts), real or on meta; ``entry`` its
     :class:`tpify.styles.ModuleLayout`. The per-rank shape is
     ``ShardSpec.local_shape`` of the spec the style gives that parameter (the layout's
     ``entry.specs``, the spec the layer attaches; :meth:`tpify.styles.Style.param_specs` when the
-    entry was made by hand): padding rows of a vocabulary included.
+    entry was made by hand): padding rows of a vocabulary included. Where the split is uneven
+    (``entry.uneven``) the shape depends on the rank: rank 0 (the default) holds the most.
 
     Raises:
         PlanReportError: a style tpify does not know, a style on a module of the wrong kind, or a
@@ -139,7 +141,7 @@ def rank_shapes(module, entry, tp_size: int) -> dict[str, tuple[tuple[int, ...],
     out = {}
     for name, shape in dense.items():
         spec = specs.get(name)
-        out[name] = (shape, spec.local_shape(shape), True) if spec is not None else (shape, shape, False)
+        out[name] = (shape, spec.local_shape(shape, tp_rank), True) if spec is not None else (shape, shape, False)
     return out
 
 
@@ -307,7 +309,9 @@ def _module_rows(model, layout, tp_size: int, params: _Params) -> list[dict]:
                "output_scale": getattr(entry, "output_scale", None),
                "split_params": [{"name": n, "dim": 0 if entry.expert_parallel else d, "parts": 1 if entry.expert_parallel
                                  else p} for n, d, p in entry.params] or None,
-               "expert_parallel": entry.expert_parallel, "params": []}
+               "expert_parallel": entry.expert_parallel, "uneven": entry.uneven, "params": []}
+        # an uneven split (torch.chunk's rule): each rank's shapes, listed where they differ
+        every_rank = [rank_shapes(module, entry, tp_size, r) for r in range(tp_size)] if entry.uneven else None
         for pname, (dense_shape, rank_shape, sharded) in per_param.items():
             param = getattr(module, pname)
             seen = params.shapes.get(id(param))
@@ -316,16 +320,18 @@ def _module_rows(model, layout, tp_size: int, params: _Params) -> list[dict]:
                                       f"but style {entry.style!r} sizes it {list(rank_shape)}")
             if seen is None or (sharded and not seen[2]):
                 params.shapes[id(param)] = (dense_shape, rank_shape, sharded, f"{fqn}.{pname}")
+            shapes = [list(r[pname][1]) for r in every_rank] if every_rank else None
             row["params"].append({"name": pname, "dense_shape": list(dense_shape), "rank_shape": list(rank_shape),
-                                  "sharded": sharded})
+                                  "sharded": sharded,
+                                  "rank_shapes": shapes if shapes and any(s != shapes[0] for s in shapes) else None})
         module_rows.append(row)
     return module_rows
 
 
 def _memory(model, layout, params: _Params) -> tuple[dict, list[dict]]:
     """``(memory, replicated)``: parameter bytes and counts, dense and per rank (every unique
-    parameter once; replicated ones in full on every rank), and one entry per replicated parameter
-    with why it is whole."""
+    parameter once; replicated ones in full on every rank; rank 0's, which holds the most where a
+    split is uneven), and one entry per replicated parameter with why it is whole."""
     dense_bytes = rank_bytes = sharded_dense = sharded_rank = 0
     dense_numel = rank_numel = 0
     replicated = []

@@ -47,7 +47,8 @@ def render_text(report: dict) -> str:
              f"dtype: {r['dtype']} ({r['dtype_source']})", ""]
     if r["recipe_model_type"] != r["model_type"]:
         lines.insert(2, f"note: the recipe is written for model_type {r['recipe_model_type']!r}")
-    lines.append(f"Shardable modules ({len(r['modules'])}; shapes in each layer's own layout, per rank = every rank):")
+    lines.append(f"Shardable modules ({len(r['modules'])}; shapes in each layer's own layout, per rank = every rank; "
+                 f"an uneven split: rank 0's, every rank's in the notes):")
     lines += _table(_module_table(r["modules"]), ["module", "type", "rule", "style", "param", "dense shape",
                                                   "per rank", "notes"])
     lines += _memory_lines(r)
@@ -86,6 +87,8 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
             notes.append(f"output scaled by {m['output_scale']:g}")
         if m["container"]:
             notes.append(f"inside replicated container {m['container']}")
+        if m.get("uneven"):
+            notes.append("split unevenly (torch.chunk's rule)")
         if m.get("expert_parallel"):
             notes.append("whole experts per rank (dim 0), tokens exchanged")
         elif m.get("split_params"):
@@ -95,6 +98,8 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
                          + ("; output all-reduced" if m["style"] == "experts" else "; with the heads"))
         for i, p in enumerate(m["params"]):
             pnotes = list(notes) if i == 0 else []
+            if p.get("rank_shapes"):
+                pnotes.append("ranks: " + ", ".join(_shape(s) for s in p["rank_shapes"]))
             if p["tied_to"]:
                 counted = f"{m['fqn']}.{p['name']}" == p["counted_as"]
                 where = ("" if counted else " (counted there)" if p["tied_to"] == [p["counted_as"]]
@@ -110,8 +115,9 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
 
 def _memory_lines(r: dict) -> list[str]:
     mem = r["memory"]
+    uneven = "; rank 0's, the largest, where a split is uneven" if any(m.get("uneven") for m in r["modules"]) else ""
     return ["", f"Parameter memory per rank ({r['dtype']}; tied parameters once, replicated ones in full on "
-                f"every rank):",
+                f"every rank{uneven}):",
             f"  dense:      {_bytes(mem['dense_bytes'])}, {mem['dense_params']:,} parameters",
             f"  per rank:   {_bytes(mem['rank_bytes'])}, {mem['rank_params']:,} parameters = "
             f"{mem['ratio']:.4f} x dense",

@@ -8,12 +8,13 @@ top_k_index, top_k_weights)`` runs them (eagerly, or with a grouped GEMM: its
 ``experts_implementation``). The ``experts`` style (:mod:`tpify.styles`) splits its parameters;
 these hooks make the module, with its own forward untouched, compute the dense output:
 
-* :class:`TensorParallelExperts` (tensor-parallel experts, ``ep_size = 1``): every rank holds
-  every expert's intermediate slice ``[r I/p, (r+1) I/p)``, so its output is a partial sum, as a
-  row-parallel layer's is. Megatron's ``f`` on the inputs (identity forward; the gradients of
-  ``hidden_states`` and ``top_k_weights``, partial per rank, summed in one all-reduce in
-  backward) and ``g`` on the output (one all-reduce forward): one all-reduce each way per layer,
-  the cost of a dense MLP (Megatron-LM, arXiv:1909.08053, section 3).
+* :class:`TensorParallelExperts` (tensor-parallel experts, ``ep_size = 1``): every rank holds every
+  expert's intermediate slice ``[r I/p, (r+1) I/p)`` (torch.chunk's ``ceil(I/p)`` columns, fewer or
+  none on the last ranks, where ``p`` does not divide ``I``; nothing here depends on the width), so
+  its output is a partial sum, as a row-parallel layer's is. Megatron's ``f`` on the inputs
+  (identity forward; the gradients of ``hidden_states`` and ``top_k_weights``, partial per rank,
+  summed in one all-reduce in backward) and ``g`` on the output (one all-reduce forward): one
+  all-reduce each way per layer, the cost of a dense MLP (Megatron-LM, arXiv:1909.08053, section 3).
 * :class:`ExpertParallelDispatch` (expert parallelism, ``ep_size = tp_size``): rank ``r`` holds
   experts ``[r E/p, (r+1) E/p)`` whole. The ranks hold the same tokens (one TP group, one
   batch); each takes its own rows ``[r N/p, (r+1) N/p)``, sends each (token, expert) pair to the

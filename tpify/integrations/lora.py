@@ -239,10 +239,11 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if out is not None:
             tensors += [(linear.bias, out) for linear in self.lora_B.values() if linear.bias is not None]
             tensors += [(holder.weight, out) for holder in self.lora_magnitude_vector.values()]
+        rank = self.get_base_layer().tp_rank
         for tensor, s in tensors:
-            if tensor.shape[s.dim] != s.local_size:
+            if tensor.shape[s.dim] != s.local_size_of(rank):
                 raise RuntimeError(f"tpify LoRA: an adapter tensor of shape {list(tensor.shape)} is not this rank's "
-                                   f"slice (dimension {s.dim} should be {s.local_size})")
+                                   f"slice (dimension {s.dim} should be {s.local_size_of(rank)})")
             tensor.tp_shard_spec = s
 
     def _add_magnitude(self, adapter_name: str) -> None:
@@ -251,7 +252,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         if not self.lora_magnitude_vector:
             self.adapter_layer_names = self.adapter_layer_names[:] + ("lora_magnitude_vector",)
         spec = self._output_spec()
-        size = spec.local_size if spec is not None else self.out_features
+        size = spec.local_size_of(self.get_base_layer().tp_rank) if spec is not None else self.out_features
         holder = DoraLinearLayer(fan_in_fan_out=self.fan_in_fan_out)
         weight = self.lora_A[adapter_name].weight
         holder.weight = nn.Parameter(torch.zeros(size, dtype=weight.dtype, device=weight.device))

@@ -87,7 +87,7 @@ def _single_range(spec: ShardSpec | None, shape: tuple[int, ...], tp_rank: int) 
             merged[-1][1] = b
         else:
             merged.append([a, b])
-    if len(merged) != 1 or merged[0][1] - merged[0][0] != spec.local_size:
+    if len(merged) != 1 or merged[0][1] - merged[0][0] != spec.local_size_of(tp_rank):
         return None
     return merged[0][0], merged[0][1]
 
