@@ -3,7 +3,7 @@
 One spawned job of 2 gloo ranks (tp 2) runs every check (``tputil.run_checks``), each on two
 float64 families: GPT-2 (Conv1D weights, the packed ``c_attn`` ``[Q | K | V]``, a tied head, a
 61-token vocabulary padded to 62) and a Llama (2 KV heads, an untied head, a 101-token vocabulary
-padded to 112 by ``pad_vocab_multiple=8``), their constant tensors perturbed (so replicated
+padded to 112 by ``pad_vocab_multiple=8``, an MLP of 37 split unevenly: 19 + 18), their constant tensors perturbed (so replicated
 LayerNorms differ between seeds):
 
 * rank 0's ``state_dict()`` saved and loaded on every rank is refused on every rank (rank 1:
@@ -47,7 +47,7 @@ def _llama(seed):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                         tie_word_embeddings=False)).double()
 
