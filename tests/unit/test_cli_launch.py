@@ -89,7 +89,7 @@ def test_finetune_at_a_tp_the_heads_do_not_allow_is_one_error_before_any_rank_st
     err = _one_error(capsys, "tpify finetune")
     assert "PlanError: cannot parallelize LlamaForCausalLM" in err
     assert "config.num_attention_heads (LlamaForCausalLM) = 9 is not divisible by tp_size = 2" in err
-    assert "tp sizes that would work for this model: [1, 3]" in err
+    assert "tp sizes that would work for this model: [1, 3, 9]" in err  # 9: the MLP of 1536 split unevenly
     assert not (tmp_path / "run").exists()
     for argv, needle in ((["--model-dir", str(tmp_path / "none")],
                           f"--model-dir {tmp_path / 'none'} is not a Hugging Face model directory"),
@@ -114,7 +114,7 @@ def test_verify_at_a_tp_the_heads_do_not_allow_is_one_error_before_any_rank_star
     monkeypatch.setattr(verify, "run_job", lambda *a, **k: pytest.fail("ranks started"))
     assert cli.main(["verify", str(nine_heads), "--tp", "2"]) == 2
     err = _one_error(capsys, "tpify verify")
-    assert "PlanError: cannot parallelize LlamaModel" in err and "[1, 3]" in err
+    assert "PlanError: cannot parallelize LlamaModel" in err and "[1, 3, 9]" in err
     assert "(refused alike: LlamaForCausalLM at tp = 2;" in err
 
 

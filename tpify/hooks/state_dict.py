@@ -96,11 +96,13 @@ class TagShards:
     Local; no communication. The state dict's tensors are untouched.
     """
 
-    def __init__(self, layout_digest: str):
-        self.layout = layout_digest
+    def __init__(self):
+        self.layout: str | None = None  # the layout's digest, computed at the first state_dict()
 
     def __call__(self, module: nn.Module, state_dict, prefix: str, local_metadata: dict) -> None:
         info = get_tp_info(module)
+        if self.layout is None:
+            self.layout = info.layout.digest()
         local_metadata[TAG] = {
             "format": _FORMAT, "tp_size": info.tp_size, "tp_rank": info.tp_rank,
             "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, "layout": self.layout,
@@ -242,6 +244,6 @@ def install(model: nn.Module, info) -> list:
     """Register :class:`TagShards` and :class:`CheckShards` on a freshly parallelized model; return
     the handles (kept with the guards, :attr:`tpify.info.TPInfo.guards`). Local."""
     check = CheckShards()
-    return [model.register_state_dict_post_hook(TagShards(info.layout.digest())),
+    return [model.register_state_dict_post_hook(TagShards()),
             model.register_load_state_dict_pre_hook(check),
             model.register_load_state_dict_post_hook(check.after)]
