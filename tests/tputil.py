@@ -58,7 +58,8 @@ def check_test_device() -> None:
         ValueError: an unknown value; ``cuda`` where ``torch.cuda.is_available()`` is False.
     """
     if device_kind() == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+        cuda = torch.version.cuda
+        build = "a CPU-only build" if cuda is None else f"CUDA {cuda}, but no GPU is visible"
         raise ValueError(f"{DEVICE_ENV}=cuda, but torch {torch.__version__} here is {build} "
                          f"(torch.cuda.is_available() is False): run on a machine with a GPU and a CUDA build of "
                          f"torch (check CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!s}), "

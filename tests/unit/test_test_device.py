@@ -22,15 +22,16 @@ def test_the_test_device_is_cpu_by_default_and_to_device_moves_nothing_there(mon
     moved = tputil.to_device({"a": (x, [x]), "n": 3})
     assert moved["a"][0] is x and moved["a"][1][0] is x and moved["n"] == 3
     monkeypatch.setenv(tputil.DEVICE_ENV, "gpu")
-    with pytest.raises(ValueError, match="TPIFY_TEST_DEVICE='gpu': use TPIFY_TEST_DEVICE=cpu .* or TPIFY_TEST_DEVICE=cuda"):
+    with pytest.raises(ValueError, match="TPIFY_TEST_DEVICE='gpu': use TPIFY_TEST_DEVICE=cpu .* or "
+                                         "TPIFY_TEST_DEVICE=cuda"):
         tputil.device_kind()
 
 
 def test_cuda_without_a_gpu_is_refused_naming_the_fix(monkeypatch):
     monkeypatch.setenv(tputil.DEVICE_ENV, "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match=r"TPIFY_TEST_DEVICE=cuda, but torch .*\(torch.cuda.is_available\(\) is False\).*"
-                                         "a machine with a GPU.*or unset TPIFY_TEST_DEVICE"):
+    with pytest.raises(ValueError, match=r"TPIFY_TEST_DEVICE=cuda, but torch .*\(torch.cuda.is_available\(\) is "
+                                         r"False\).*a machine with a GPU.*or unset TPIFY_TEST_DEVICE"):
         tputil.check_test_device()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     tputil.check_test_device()
