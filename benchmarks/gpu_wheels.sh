@@ -3,7 +3,8 @@
 # but an older transformers (5.17) and no Liger-Kernel: transformers, peft, accelerate,
 # safetensors and what they need beyond torch, at constraints.txt's versions, and Liger-Kernel,
 # downloaded into .whl/ (ignored by git; the device tool carries it: carry=[".whl"]). Never torch,
-# nor what torch needs (the image's stay); numpy neither (the image has it).
+# nor what torch needs (the image's stay); numpy neither (the image has it); nor typer, which only
+# transformers' command line imports.
 #
 # Run here, where PyPI is reachable:  bash benchmarks/gpu_wheels.sh
 set -euo pipefail
@@ -43,7 +44,8 @@ def closure(roots, stop=()):
     return seen
 
 torch_side = set(closure(["torch"])) | {"numpy"}
-wanted = closure(["transformers", "peft", "accelerate", "safetensors"], stop=torch_side)
+# typer is transformers' command line only (and brings pydantic's per-Python binary core): not carried
+wanted = closure(["transformers", "peft", "accelerate", "safetensors"], stop=torch_side | {"typer"})
 print(" ".join(f"{name}=={pinned.get(name, version)}" for name, version in sorted(wanted.items())))
 PY
 )

@@ -19,6 +19,7 @@ import tputil
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "gpu_train.py"
 
 
+@pytest.mark.slow  # about 20 s: torchrun and two ranks importing transformers
 def test_the_gpu_guides_script_trains_tp2_with_one_process_per_device():
     cuda = tputil.device_kind() == "cuda"
     if cuda and torch.cuda.device_count() < 2:
