@@ -4,6 +4,16 @@ Ranks are started with the ``spawn`` method (never fork), rendezvous through a `
 temporary directory (no port races), use ``GLOO_SOCKET_IFNAME=lo``, one thread each, and a 60 s
 group timeout. A rank that raises reports its traceback; a rank that hangs is killed when the
 deadline passes and the test fails saying so.
+
+The device: ``TPIFY_TEST_DEVICE`` (:data:`DEVICE_ENV`) is ``cpu`` (the default: the ranks see no
+GPU, ``CUDA_VISIBLE_DEVICES`` empty, so a GPU host runs the CPU suite as a CPU host does) or
+``cuda``: each rank calls ``torch.cuda.set_device(rank % GPUs)``, and the tests that use
+:func:`device` / :func:`to_device` put their models and inputs there. With a GPU per rank the
+ranks use NCCL; with fewer (one H100 and two ranks) gloo, which takes CUDA tensors for every
+collective tpify issues (all-reduce, all-gather into a tensor, reduce-scatter of a tensor, which
+gloo runs as an all-reduce, all-to-all of one tensor, broadcast; each staged through pinned host
+memory, torch's ``ProcessGroupGloo.cpp``), not for the coalesced ones nor send/recv; NCCL refuses
+two ranks on one GPU. ``TPIFY_TEST_BACKEND=gloo`` forces gloo with enough GPUs.
 """
 
 from __future__ import annotations
@@ -21,6 +31,68 @@ import torch.multiprocessing as mp
 
 GROUP_TIMEOUT_S = 60
 
+#: ``cpu`` (default) or ``cuda``: where the multi-rank tests that use :func:`device` put models and inputs.
+DEVICE_ENV = "TPIFY_TEST_DEVICE"
+#: ``gloo`` forces gloo in ``cuda`` mode even with a GPU per rank (default: NCCL then).
+BACKEND_ENV = "TPIFY_TEST_BACKEND"
+
+
+def device_kind() -> str:
+    """``"cpu"`` or ``"cuda"``, from ``$TPIFY_TEST_DEVICE`` (default ``cpu``).
+
+    Raises:
+        ValueError: another value, naming the two allowed.
+    """
+    value = os.environ.get(DEVICE_ENV, "").strip().lower() or "cpu"
+    if value not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={os.environ[DEVICE_ENV]!r}: use {DEVICE_ENV}=cpu (the default) or "
+                         f"{DEVICE_ENV}=cuda")
+    return value
+
+
+def check_test_device() -> None:
+    """Raise, naming the fix, when ``$TPIFY_TEST_DEVICE`` asks for what this machine lacks (the
+    test session calls it at collection, tests/conftest.py).
+
+    Raises:
+        ValueError: an unknown value; ``cuda`` where ``torch.cuda.is_available()`` is False.
+    """
+    if device_kind() == "cuda" and not torch.cuda.is_available():
+        cuda = torch.version.cuda
+        build = "a CPU-only build" if cuda is None else f"CUDA {cuda}, but no GPU is visible"
+        raise ValueError(f"{DEVICE_ENV}=cuda, but torch {torch.__version__} here is {build} "
+                         f"(torch.cuda.is_available() is False): run on a machine with a GPU and a CUDA build of "
+                         f"torch (check CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!s}), "
+                         f"or unset {DEVICE_ENV} to run the tests on the CPU")
+
+
+def device() -> torch.device:
+    """This rank's device: the CPU, or with ``TPIFY_TEST_DEVICE=cuda`` its current GPU (set by
+    :func:`spawn`: ``rank % torch.cuda.device_count()``)."""
+    if device_kind() == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def to_device(obj):
+    """``obj`` (a module, a tensor, or a tuple, list or dict of them) on :func:`device`; the
+    same object for a module (moved in place), as ``nn.Module.to`` returns it."""
+    target = device()
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return obj.to(target)
+    if isinstance(obj, dict):
+        return {k: to_device(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(v) for v in obj)
+    return obj
+
+
+def _backend(world: int) -> str:
+    """gloo, or NCCL in ``cuda`` mode when every rank has a GPU of its own (and gloo is not forced)."""
+    if device_kind() == "cuda" and torch.cuda.device_count() >= world and os.environ.get(BACKEND_ENV) != "gloo":
+        return "nccl"
+    return "gloo"
+
 
 def _entry(rank, world, store_path, fn, args, results):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -28,8 +100,10 @@ def _entry(rank, world, store_path, fn, args, results):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
     try:
+        if device_kind() == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())  # before any CUDA work
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+        dist.init_process_group(_backend(world), store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         out = fn(rank, world, *args)
         results.put((rank, "ok", out))
@@ -41,19 +115,27 @@ def _entry(rank, world, store_path, fn, args, results):
 
 
 def spawn(fn, world: int, *args, timeout: float = 240.0, expect_errors: bool = False):
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks (NCCL with ``TPIFY_TEST_DEVICE=cuda``
+    and a GPU per rank); return the per-rank results.
 
     With ``expect_errors`` the per-rank outcomes are returned as ``("ok"|"error", value)`` and
     failures are not raised; otherwise any rank's failure fails the test with its traceback.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    hide_gpus = device_kind() == "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ
     with tempfile.TemporaryDirectory() as tmp:
         store_path = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_entry, args=(r, world, store_path, fn, args, results), daemon=True)
                  for r in range(world)]
-        for p in procs:
-            p.start()
+        if hide_gpus:  # the CPU suite on a GPU host: the ranks see no GPU (set before their torch starts)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if hide_gpus:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
         outcomes: dict[int, tuple[str, object]] = {}
         deadline = timeout
         import time

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import pickle
+import socket
 import threading
 import time
 import warnings
@@ -36,7 +37,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_objects, all_reduce, group_rank, group_size
+from .comm import all_gather_objects, all_reduce, backend_map, group_rank, group_size
 
 __all__ = [
     "AgreementError",
@@ -52,6 +53,9 @@ __all__ = [
     "on_every_rank",
     "StepOutcome",
     "step_outcome",
+    "host_of_rank",
+    "device_placement",
+    "shared_gpus",
 ]
 
 
@@ -104,6 +108,43 @@ def agreement_notice() -> float:
     for and why they may never come: ``$TPIFY_AGREEMENT_NOTICE``, default 30 (none when it is not
     shorter than :func:`agreement_timeout`: the error comes first)."""
     return _seconds_from_env(AGREEMENT_NOTICE_ENV, _DEFAULT_AGREEMENT_NOTICE_S)
+
+
+def host_of_rank() -> str:
+    """This process's host, as tpify tells hosts apart: the host name, and torchrun's node rank
+    (``GROUP_RANK``) when set, so that two ``torchrun --nnodes 2`` launches on one machine count as
+    two hosts, as they would on two machines. Local; no communication."""
+    node = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + (f"/node {node}" if node is not None else "")
+
+
+def device_placement() -> tuple[str, str | None, int | None, bool]:
+    """This rank's ``(host, LOCAL_RANK, CUDA device index, NCCL carries CUDA tensors)``, shared in
+    every :func:`agree`. The index is read only once this process has initialised CUDA (reading it
+    earlier would create a CUDA context on GPU 0); ``None`` before. Local."""
+    index = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return host_of_rank(), os.environ.get("LOCAL_RANK"), index, backend_map().get("cuda") == "nccl"
+
+
+def shared_gpus(placements: list, ranks: list[int]) -> str | None:
+    """Under NCCL, the ranks of one host on one GPU described with the fix (``None`` when there are
+    none, or without NCCL: gloo takes several ranks per GPU). ``placements[i]``: rank
+    ``ranks[i]``'s :func:`device_placement`. Pure."""
+    if not any(nccl for *_, nccl in placements):
+        return None
+    on: dict[tuple[str, int], list[tuple[int, str | None]]] = {}
+    for rank, (host, local_rank, index, _) in zip(ranks, placements):
+        if index is not None:
+            on.setdefault((host, index), []).append((rank, local_rank))
+    clashes = [(host, index, who) for (host, index), who in on.items() if len(who) > 1]
+    if not clashes:
+        return None
+    said = "; ".join(f"ranks {[r for r, _ in who]} (LOCAL_RANK {[lr for _, lr in who]}) all on cuda:{index} of "
+                     f"host {host}" for host, index, who in clashes[:3])
+    return (f"{said}: NCCL needs one GPU per process (it refuses two ranks on one GPU, 'Duplicate GPU "
+            f"detected'). Call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) in every process before "
+            f"init_process_group and before any .cuda() / .to('cuda'), or give each process its own GPU with "
+            f"CUDA_VISIBLE_DEVICES")
 
 
 def _waiting_notice(what: str, me: int, missing: list[int], waited: float, timeout: float) -> str:
@@ -216,6 +257,10 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     rank (``RuntimeWarning``): which ranks it waits for in which call, the likely cause (a call
     under ``if rank == 0:``), and when it will raise.
 
+    Every rank shares its :func:`device_placement` too: under NCCL, ranks of one host on one GPU
+    (no ``torch.cuda.set_device(LOCAL_RANK)``) raise on every rank here, before the first NCCL
+    collective (which would refuse them on some ranks and leave the others waiting).
+
     ``share``: a small picklable value of this rank's that is not compared (each rank's own
     process-group ranks, say); once the agreement holds, every rank receives every rank's, in
     the group's rank order, as the return value (``None`` when ``share`` is None).
@@ -229,7 +274,8 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
 
     Raises:
         AgreementError: another rank failed, the ranks disagree, are in different tpify calls,
-            or a rank exited or did not come within the timeout.
+            or a rank exited or did not come within the timeout; under NCCL, ranks of one host
+            on one GPU (naming ``torch.cuda.set_device(LOCAL_RANK)`` and ``CUDA_VISIBLE_DEVICES``).
         ValueError: ``$TPIFY_AGREEMENT_TIMEOUT`` or ``$TPIFY_AGREEMENT_NOTICE`` is not a positive number.
     Warns:
         RuntimeWarning: once, after ``$TPIFY_AGREEMENT_NOTICE`` seconds of waiting for other ranks.
@@ -242,19 +288,25 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
     if dist.get_rank() not in ranks:  # a group of other ranks: nothing to agree with them
         raise error if error is not None else ValueError(f"{what}: the group {ranks} does not contain this "
                                                          f"process (rank {dist.get_rank()})")
-    mine = (None, f"{type(error).__name__}: {error}", None) if error is not None else (fingerprint, None, share)
+    placement = device_placement()
+    mine = ((None, f"{type(error).__name__}: {error}", None, placement) if error is not None
+            else (fingerprint, None, share, placement))
     everyone = _exchange(what, mine, ranks)
     if everyone is None:
         everyone = all_gather_objects(mine, group)
     if error is not None:
         raise error
-    shared = [value for _, _, value in everyone]
-    everyone = [(fp, message) for fp, message, _ in everyone]
+    shared = [value for _, _, value, _ in everyone]
+    placements = [where for *_, where in everyone]
+    everyone = [(fp, message) for fp, message, _, _ in everyone]
     failed = [(ranks[i], message) for i, (_, message) in enumerate(everyone) if message is not None]
     if failed:
         rank, message = failed[0]
         raise AgreementError(f"{what} failed on rank(s) {[r for r, _ in failed]} (rank {rank}: {message.strip()}); "
                              f"this rank stops here too instead of waiting for it")
+    one_gpu = shared_gpus(placements, ranks)
+    if one_gpu is not None:  # before the first NCCL collective, which would hang or fail on one rank
+        raise AgreementError(f"{what}: {one_gpu}")
     keys = sorted({k for fp, _ in everyone for k in fp})
     differing = [k for k in keys if len({repr(fp.get(k)) for fp, _ in everyone}) > 1]
     if differing:

@@ -43,8 +43,8 @@ from .io.reader import check_loaded, materialize
 from .io.save import gather_dense, plan_shards, shard_size_limit, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
-from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, replica_groups,
-                   resolve_groups, resolve_tp_size)
+from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, mesh_device_type,
+                   replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
@@ -169,7 +169,8 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     (:func:`agreement_scope`), when the DP group must be inferred; ``mesh``: the DeviceMesh
     passed to :func:`parallelize` (else :func:`tpify.mesh.init_mesh` builds one when no group
     was given)."""
-    tp_group, dp_group, dp_source, mesh = resolve_groups(size, tp_group, dp_group, tp_groups, mesh)
+    tp_group, dp_group, dp_source, mesh = resolve_groups(size, tp_group, dp_group, tp_groups, mesh,
+                                                         device_type=mesh_device_type(model))
     if dp_source == "argument":  # the DP peers must hold the same shard of the same model
         agree("tpify.parallelize (the DP group passed as dp_group)",
               {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),

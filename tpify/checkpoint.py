@@ -97,12 +97,15 @@ def _context(model: nn.Module) -> _Context:
         return _Context(None, 1, 0)
     if info.mesh is not None:
         return _Context(info.mesh["tp"], info.tp_size, info.tp_rank)
+    from .mesh import mesh_device_type, model_device_type
+
     group = info.tp_group if info.tp_group is not None else dist.group.WORLD
-    key = id(group)
+    # the shards' own device, never the backend's name: DCP then copies no shard to another device
+    device = model_device_type(tp_model) or mesh_device_type()
+    key = (id(group), device)
     if key not in _meshes:
         from torch.distributed.device_mesh import DeviceMesh
 
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         _meshes[key] = DeviceMesh.from_group(group, device)
     return _Context(_meshes[key], info.tp_size, info.tp_rank)
 

@@ -73,6 +73,8 @@ __all__ = [
     "all_gather_last_dim",
     "barrier",
     "all_gather_objects",
+    "backend_map",
+    "collective_device",
     "count_collectives",
     "SharesProcessGroups",
     "checksum",
@@ -237,15 +239,53 @@ def _split_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) 
     return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
 
 
+def backend_map(group: dist.ProcessGroup | None = None) -> dict[str, str]:
+    """``{device type: backend}`` of ``group`` (default: the world), from torch's backend
+    configuration rather than the backend's name: ``{"cuda": "nccl"}`` for
+    ``init_process_group("nccl")`` (and for ``init_process_group()`` on a CUDA host, whose
+    backend is called ``"undefined"``), ``{"cpu": "gloo", "cuda": "nccl"}`` for
+    ``"cpu:gloo,cuda:nccl"``, ``{"cpu": "gloo", "cuda": "gloo"}`` for ``"gloo"``. Empty without
+    torch.distributed. Local."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):  # a torch without it, or a group it does not know
+        name = str(dist.get_backend(group))
+        config = f"cuda:{name}" if name == "nccl" else f"cpu:{name},cuda:{name}"
+    return dict(pair.split(":", 1) for pair in config.lower().split(",") if ":" in pair)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device torch's object collectives and barriers run on over ``group``: the CPU when the
+    group has a CPU backend (gloo, ``"cpu:gloo,cuda:nccl"``), else this process's current CUDA
+    device (NCCL alone), which is this rank's own GPU after ``torch.cuda.set_device(LOCAL_RANK)``
+    (checked by :func:`tpify.agree.agree`). Local."""
+    backends = backend_map(group)
+    if "cpu" in backends or "cuda" not in backends or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
-    """Wait for every rank of ``group`` (default: the world); a no-op without torch.distributed."""
+    """Wait for every rank of ``group`` (default: the world); a no-op without torch.distributed.
+
+    Over NCCL alone it runs on this rank's current CUDA device (``device_ids``), never on a GPU
+    torch would guess."""
     if dist.is_available() and dist.is_initialized():
         _record("barrier", torch.empty(0))
-        dist.barrier(group=group)
+        device = collective_device(group)
+        if device.type == "cuda":
+            dist.barrier(group=group, device_ids=[device.index])
+        else:
+            dist.barrier(group=group)
 
 
 def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
-    """Every rank's picklable ``obj``, in rank order (for reports, not for tensors on a hot path)."""
+    """Every rank's picklable ``obj``, in rank order (for reports, not for tensors on a hot path).
+
+    torch runs it on :func:`collective_device` (the CPU, or under NCCL alone this rank's current
+    CUDA device)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out = [None] * dist.get_world_size(group)

@@ -215,7 +215,7 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from .info import record_specs
-    from .mesh import fsdp_mesh, init_mesh
+    from .mesh import fsdp_mesh, init_mesh, mesh_device_type
 
     error, info, shape, units = None, None, None, []
     try:
@@ -242,7 +242,8 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
            "offload_policy": repr(offload_policy)}, error)
     mesh, replicate, _, needs_new = shape
     if needs_new:
-        mesh = init_mesh(info.tp_size, replicate)
+        mesh = init_mesh(info.tp_size, replicate, device_type=info.mesh.device_type if info.mesh is not None
+                         else mesh_device_type(find_tp_model(model)))
     kwargs = {"mesh": fsdp_mesh(mesh), "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

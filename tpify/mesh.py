@@ -16,19 +16,22 @@ gradients; FSDP2 shards over ``"dp_shard"`` and, with ``dp_replicate > 1``, repl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import socket
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .agree import host_of_rank
 
 
 __all__ = ["init_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS", "resolve_tp_size", "INFER", "check_dp_group",
            "check_mesh", "agreement_scope", "resolve_groups", "host_of_rank", "split_tp_groups", "check_replica_groups",
-           "replica_groups"]
+           "replica_groups", "mesh_device_type", "model_device_type"]
 
 #: The default of ``dp_group``: with a ``tp_group`` smaller than the world, find the DP group from
 #: every rank's TP group (``None`` says: no data parallelism).
@@ -37,7 +40,7 @@ INFER = "infer"
 #: The axes of the mesh :func:`init_mesh` builds, outermost first (TP innermost: contiguous ranks).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
-_meshes: dict[tuple[int, int, int], DeviceMesh] = {}
+_meshes: dict[tuple[str, int, int, int], DeviceMesh] = {}
 _logger = logging.getLogger(__name__)
 _said_no_process_group: list[bool] = []  # set once this process has said it (once per process)
 
@@ -56,8 +59,32 @@ def _say_no_process_group() -> None:
         _logger.warning(NO_PROCESS_GROUP)
 
 
-def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" and torch.cuda.is_available() else "cpu"
+def model_device_type(model: nn.Module | None) -> str | None:
+    """The device type of ``model``'s first parameter or buffer not on the meta device (``None``
+    without a model, or when every tensor is on the meta device). Local."""
+    if model is None:
+        return None
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device.type
+    return None
+
+
+def mesh_device_type(model: nn.Module | None = None) -> str:
+    """The ``device_type`` of the DeviceMeshes tpify builds: the device the tensors it will carry live on.
+
+    The type of ``model``'s tensors when they are on an accelerator (``"cuda"``); else
+    ``"cuda"`` when this process can use CUDA (a model on the CPU or the meta device that is
+    moved to this rank's GPU later, :func:`tpify.from_pretrained`'s, or no model); else
+    ``"cpu"``. Never from the backend's name: ``init_process_group()`` with no backend reports
+    ``"undefined"`` and ``"cpu:gloo,cuda:nccl"`` is neither ``"nccl"`` nor ``"gloo"``, yet both
+    carry CUDA tensors over NCCL (a CPU mesh there made FSDP2 move every parameter to the CPU).
+    On a GPU host that trains on the CPU, pass ``init_mesh(..., device_type="cpu")``. Local.
+    """
+    found = model_device_type(model)
+    if found not in (None, "cpu"):
+        return found
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_tp_size(tp_size: int | None, tp_group: dist.ProcessGroup | None) -> int:
@@ -98,14 +125,6 @@ def resolve_tp_size(tp_size: int | None, tp_group: dist.ProcessGroup | None) -> 
     return tp_size
 
 
-def host_of_rank() -> str:
-    """This process's host, as tpify tells hosts apart: the host name, and torchrun's node rank
-    (``GROUP_RANK``) when set, so that two ``torchrun --nnodes 2`` launches on one machine count as
-    two hosts, as they would on two machines. Local; no communication."""
-    node = os.environ.get("GROUP_RANK")
-    return socket.gethostname() + (f"/node {node}" if node is not None else "")
-
-
 def split_tp_groups(hosts: list[str], tp_size: int) -> list[str]:
     """The contiguous TP groups of ``tp_size`` ranks whose ranks are on more than one host, each
     described (``hosts[r]``: rank ``r``'s :func:`host_of_rank`). Pure; no communication."""
@@ -128,8 +147,10 @@ def _check_sizes(tp_size, dp_replicate, world: int) -> None:
                          f"world; pass sizes whose product divides {world}")
 
 
-def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None = None) -> DeviceMesh:
-    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh (created once per shape, then cached).
+def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None = None,
+              device_type: str | None = None) -> DeviceMesh:
+    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh (created once per shape and
+    device type, then cached).
 
     ``dp_shard = world // (dp_replicate * tp_size)``. Row-major: TP groups are contiguous ranks,
     then the FSDP shard groups, then the replicas. ``mesh["tp"]`` is this rank's TP group;
@@ -142,6 +163,12 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None
     shares its host (:func:`host_of_rank`) in the agreement; a TP group whose ranks are on several
     hosts (its all-reduces would cross the network on every layer) raises with
     ``host_local_tp=True``, warns with ``None`` (the default) and passes silently with ``False``.
+
+    Device: ``device_type`` (``"cuda"``, ``"cpu"``), default :func:`mesh_device_type`: CUDA
+    when this process can use it, whatever the backend is called (``init_process_group()``,
+    ``"nccl"``, ``"cpu:gloo,cuda:nccl"``); FSDP2 puts the parameters it shards on this device.
+    Call ``torch.cuda.set_device(LOCAL_RANK)`` first (torch's DeviceMesh otherwise picks
+    ``LOCAL_RANK`` itself when CUDA is not yet initialised).
 
     Communication: one agreement (:func:`tpify.agree.agree`, the store: the same sizes on every
     rank, every rank's host), then the mesh's process groups (collective over the world); none
@@ -166,7 +193,9 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None
         _check_sizes(tp_size, dp_replicate, world)
     except ValueError as e:
         error = e
-    key = (dp_replicate, world // (tp_size * dp_replicate), tp_size) if error is None else None
+    device = device_type or mesh_device_type()
+    shape = (dp_replicate, world // (tp_size * dp_replicate), tp_size) if error is None else None
+    key = (device, *shape) if shape is not None else None
     if key in _meshes and not host_local_tp:  # host_local_tp=True checks the hosts again
         return _meshes[key]
     hosts = agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate}, error,
@@ -183,7 +212,7 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None
             raise ValueError(message + " (refused: host_local_tp=True)")
         warnings.warn(message + " (pass host_local_tp=True to refuse, False to silence)", UserWarning, stacklevel=2)
     if key not in _meshes:
-        mesh = init_device_mesh(_device_type(), key, mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device, shape, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         _meshes[key] = mesh
     return _meshes[key]
@@ -300,14 +329,15 @@ def _infer_dp_group(tp_groups: list[tuple[int, ...]]):
 
 
 def resolve_groups(tp_size: int, tp_group: dist.ProcessGroup | None, dp_group=INFER, tp_groups: list | None = None,
-                   mesh: DeviceMesh | None = None):
+                   mesh: DeviceMesh | None = None, device_type: str | None = None):
     """``(tp_group, dp_group, dp_source, mesh)`` for a validated ``tp_size``; creates the mesh
-    (:func:`init_mesh`) or the DP groups when needed (collective). See :attr:`TPInfo.dp_source`;
-    ``mesh`` is the DeviceMesh the groups come from, or None."""
+    (:func:`init_mesh`, on ``device_type``: default :func:`mesh_device_type`) or the DP groups
+    when needed (collective). See :attr:`TPInfo.dp_source`; ``mesh`` is the DeviceMesh the
+    groups come from, or None."""
     if not (dist.is_available() and dist.is_initialized()):
         return tp_group, None, "none", None
     if tp_group is None:
-        mesh = mesh if mesh is not None else init_mesh(tp_size)
+        mesh = mesh if mesh is not None else init_mesh(tp_size, device_type=device_type)
         return mesh["tp"].get_group(), dp_mesh(mesh).get_group(), "mesh", mesh
     if dp_group is None:  # the caller says: no data parallelism
         return tp_group, None, "none", None

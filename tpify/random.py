@@ -26,8 +26,13 @@ independently. HF ``forward`` methods are untouched: in GPT-2, ``attn_dropout`` 
 same ``GPT2Attention.forward``) the default stream, which a hook around the whole attention module
 could not get right.
 
-The global CPU generator is switched always; the CUDA generator of the parameter's device too
-when the parallel layer's weight is on CUDA.
+The global CPU generator is switched always, and so is the generator of every CUDA device the
+tracker has seen: each hook names the devices of the tensors it sees (the layer's weight, its
+inputs, its output; :func:`devices_of`), and a device seen once is switched at every later
+switch. A switch that finds the tracker on the stream asked for still brings a device seen for
+the first time onto it (a sequence-parallel split switches at the first decoder block, which has
+no weight of its own: before, only the CPU generator moved and the CUDA "TP" stream stayed the
+default one, the same on every rank).
 
 What depends on ``tp_size``: the sharded masks (rank r draws the masks of its heads from its own
 stream, so the same head gets a different mask at another ``tp_size``), and, because the
@@ -67,6 +72,7 @@ class RNGStreamTracker:
         self.seed: int | None = None
         self.tp_rank = 0
         self._states: dict[tuple[str, str], torch.Tensor] = {}  # (stream, device) -> saved state
+        self._devices: set[str] = set()  # the CUDA devices switched with the CPU: every one seen
         self.in_region = False  # between a column-parallel layer's output and the next row-parallel input
 
     def reset(self, seed: int | None = None, tp_rank: int | None = None):
@@ -86,13 +92,16 @@ class RNGStreamTracker:
     def _fresh_tp_state(self, device: str) -> torch.Tensor:
         if device == "cpu":
             return torch.Generator().manual_seed(self._tp_seed()).get_state()
-        index = torch.device(device).index
-        saved = torch.cuda.get_rng_state(index)
-        with torch.cuda.device(index):
-            torch.cuda.manual_seed(self._tp_seed())
-        state = torch.cuda.get_rng_state(index)
-        torch.cuda.set_rng_state(saved, index)
+        saved = self._get(device)
+        self._seed(device, self._tp_seed())
+        state = self._get(device)
+        self._set(device, saved)
         return state
+
+    @staticmethod
+    def _seed(device: str, seed: int):
+        with torch.cuda.device(torch.device(device).index):
+            torch.cuda.manual_seed(seed)
 
     @staticmethod
     def _get(device: str) -> torch.Tensor:
@@ -105,27 +114,40 @@ class RNGStreamTracker:
         else:
             torch.cuda.set_rng_state(state, torch.device(device).index)
 
+    def _swap(self, device: str, leaving: str, stream: str):
+        """Save ``device``'s generator as ``leaving``'s state and load ``stream``'s (the TP stream
+        created from its seed the first time; the default stream, never saved, stays as it is)."""
+        self._states[(leaving, device)] = self._get(device)
+        state = self._states.pop((stream, device), None)
+        if state is None and stream == TP:
+            state = self._fresh_tp_state(device)
+        if state is not None:
+            self._set(device, state)
+
+    def _adopt(self, cuda_devices):
+        """Add CUDA devices not seen before; each is brought onto the current stream (its
+        generator holds the default stream: the tracker never touched it)."""
+        for device in cuda_devices:
+            if device == "cpu" or device in self._devices:
+                continue
+            self._devices.add(device)
+            if self.current != DEFAULT:
+                self._swap(device, DEFAULT, self.current)
+
     def switch(self, stream: str, cuda_devices=()):
-        """Make the global generators (CPU and ``cuda_devices``) hold ``stream``; idempotent.
+        """Make the global generators (CPU, ``cuda_devices`` and every CUDA device seen before)
+        hold ``stream``; idempotent.
 
         The state of the stream being left is saved, the other's restored (or created: the TP
         stream from ``seed + TP_SEED_OFFSET + tp_rank``, the default stream from the global
-        generator as it is).
+        generator as it is). A device named for the first time is brought onto the current
+        stream first, even when the tracker is on ``stream`` already.
         """
+        self._adopt(cuda_devices)
         if stream == self.current:
             return
-        for device in ("cpu", *cuda_devices):
-            self._states[(self.current, device)] = self._get(device)
-            state = self._states.pop((stream, device), None)
-            if state is None and stream == TP:
-                state = self._fresh_tp_state(device)
-            if state is not None:
-                self._set(device, state)
-        # Devices seen earlier but not named now keep their saved states for the next switch.
-        for (name, device), state in list(self._states.items()):
-            if name == stream and device not in ("cpu", *cuda_devices):
-                self._states[(self.current, device)] = self._get(device)
-                self._set(device, self._states.pop((name, device)))
+        for device in ("cpu", *sorted(self._devices)):
+            self._swap(device, self.current, stream)
         self.current = stream
 
     def tp_state(self, device: str = "cpu") -> torch.Tensor:
@@ -136,8 +158,8 @@ class RNGStreamTracker:
         return state.clone() if state is not None else self._fresh_tp_state(device)
 
     def cuda_devices(self) -> tuple[str, ...]:
-        """CUDA devices whose stream states the tracker holds, each once, in a stable order."""
-        return tuple(sorted({d for (_, d) in self._states if d != "cpu"}))
+        """CUDA devices whose generators the tracker switches (every one seen), in a stable order."""
+        return tuple(sorted(self._devices | {d for (_, d) in self._states if d != "cpu"}))
 
     def state_dict(self) -> dict:
         """Both streams' generator states (CPU and the CUDA devices in use), for an exact resume."""
@@ -160,8 +182,8 @@ class RNGStreamTracker:
         """A copy (of a copied model) is a live tracker too: :func:`manual_seed` reseeds it."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__dict__.update({k: (v if k != "_states" else {key: t.clone() for key, t in v.items()})
-                             for k, v in self.__dict__.items()})
+        new.__dict__.update({k: ({key: t.clone() for key, t in v.items()} if k == "_states" else
+                                 set(v) if k == "_devices" else v) for k, v in self.__dict__.items()})
         _LIVE.add(new)
         return new
 
@@ -169,6 +191,7 @@ class RNGStreamTracker:
         """Restore what :meth:`state_dict` returned (same devices), global generators included."""
         self.seed, self.tp_rank, self.current = state["seed"], state["tp_rank"], state["current"]
         self._states = {tuple(key.split("|")): t.clone() for key, t in state["saved"].items()}
+        self._devices = {device for device in state["global"] if device != "cpu"}
         for device, t in state["global"].items():
             self._set(device, t)
 
@@ -177,15 +200,15 @@ class RNGStreamTracker:
 
     def enter_region(self, module, args, output):
         """Forward hook after a column-parallel layer: the TP stream (in training only: in eval
-        nothing draws, and switching back is then free)."""
+        nothing draws, and switching back is then free), on the devices of its weight and output."""
         self.in_region = True
         if module.training:
-            self.switch(TP, devices_of(module))
+            self.switch(TP, devices_of(module, output))
 
     def leave_region(self, module, args):
         """Forward pre-hook before a row-parallel layer: the default stream."""
         self.in_region = False
-        self.switch(DEFAULT, devices_of(module))
+        self.switch(DEFAULT, devices_of(module, args))
 
     def at_root(self, module, *args):
         """Forward pre- and post-hook of the root model: the default stream outside the model."""
@@ -289,13 +312,21 @@ class _AtRecompute:
         return False
 
 
-def devices_of(module: nn.Module) -> tuple[str, ...]:
-    """The CUDA device of a layer's weight, as a 1-tuple, or ``()`` on the CPU: the generators a
-    stream switch at that layer must swap besides the CPU's."""
+def devices_of(module: nn.Module, *values) -> tuple[str, ...]:
+    """The CUDA devices (``"cuda:0"``) of a module's ``weight`` and of the tensors in ``values``
+    (tensors, and tuples, lists and dict values of them: a hook's inputs and outputs), each once,
+    or ``()`` on the CPU: the generators a stream switch there must swap besides the CPU's. A
+    module without a weight of its own (a decoder block) is known by the tensors it is called with."""
+    found = []
     weight = getattr(module, "weight", None)
-    if weight is not None and weight.device.type == "cuda":
-        return (str(weight.device),)
-    return ()
+    for value in (weight, *values):
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.device.type == "cuda":
+                device = str(item.device)
+                if device not in found:
+                    found.append(device)
+    return tuple(found)
 
 
 def new_tracker(tp_rank: int) -> RNGStreamTracker:

@@ -37,11 +37,11 @@ def _check_training_equivalence(cls, config, tp):
     import tpify
 
     torch.manual_seed(0)
-    ref = cls(config).double()
+    ref = tputil.to_device(cls(config).double())  # TPIFY_TEST_DEVICE=cuda: on the rank's GPU
     perturb_constants(ref)  # zero biases and unit LayerNorms get seeded noise: a bias added per rank shows
     par = tpify.parallelize(copy.deepcopy(ref), tp_size=tp)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (2, 12), generator=g)
+    ids = tputil.to_device(torch.randint(0, config.vocab_size, (2, 12), generator=g))
     labels = ids.clone()
     labels[0, :3] = -100
     out_ref = ref(ids, labels=labels)
@@ -77,10 +77,10 @@ def _check_heads(classes, config, tp):
     import tpify
 
     g = torch.Generator().manual_seed(2)
-    ids = torch.randint(1, config.vocab_size, (2, 10), generator=g)
+    ids = tputil.to_device(torch.randint(1, config.vocab_size, (2, 10), generator=g))
     for cls in classes:
         torch.manual_seed(0)
-        ref = cls(config).double().eval()
+        ref = tputil.to_device(cls(config).double().eval())
         perturb_constants(ref)
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=tp)
         a, b = ref(ids), par(ids)
@@ -121,9 +121,9 @@ def _generate_body(rank, world):
     import tpify
 
     torch.manual_seed(0)
-    ref = GPT2LMHeadModel(gpt2_config()).eval()
+    ref = tputil.to_device(GPT2LMHeadModel(gpt2_config()).eval())
     par = tpify.parallelize(copy.deepcopy(ref))
-    prompt = torch.tensor([[464, 2068, 7586, 21831, 11687], [40, 1101, 257, 1310, 286]])
+    prompt = tputil.to_device(torch.tensor([[464, 2068, 7586, 21831, 11687], [40, 1101, 257, 1310, 286]]))
     kw = dict(max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0,
               attention_mask=torch.ones_like(prompt))
     a = ref.generate(prompt, **kw)

@@ -14,8 +14,8 @@ import tputil
 def _gather_ranks(x: torch.Tensor, group) -> list[torch.Tensor]:
     from tpify import comm
 
-    with torch.no_grad():
-        both = comm.all_gather_last_dim(x.detach().unsqueeze(-1).contiguous(), group)
+    with torch.no_grad():  # on the device the collectives take (NCCL: the GPU, also for CPU generator states)
+        both = comm.all_gather_last_dim(tputil.to_device(x.detach()).unsqueeze(-1).contiguous(), group)
     return list(both.unbind(-1))
 
 
@@ -30,7 +30,7 @@ def _dropout_body(rank, world):
     import tpify
     from tpify.random import get_rng_tracker
 
-    ids = torch.randint(0, 500, (2, 10), generator=torch.Generator().manual_seed(1))
+    ids = tputil.to_device(torch.randint(0, 500, (2, 10), generator=torch.Generator().manual_seed(1)))
     gpt2 = GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=500, resid_pdrop=0.1,
                       embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
                       attn_implementation="eager")
@@ -40,7 +40,7 @@ def _dropout_body(rank, world):
     report = {}
     for name, cls, config in (("gpt2", GPT2LMHeadModel, gpt2), ("bert", BertModel, bert)):
         torch.manual_seed(0)
-        model = tpify.parallelize(cls(config).double(), tp_size=world).train()
+        model = tpify.parallelize(tputil.to_device(cls(config).double()), tp_size=world).train()
         group = model.tp_info.tp_group
         out = _run(model, ids, output_attentions=True)
         final = out.logits if name == "gpt2" else out.last_hidden_state
@@ -56,7 +56,7 @@ def _dropout_body(rank, world):
         model.train()
         # Sharded attention dropout: masks (zeros among causal-allowed positions) differ per rank.
         probs = out.attentions[0]  # (B, heads/p, T, T), after dropout
-        allowed = torch.ones(10, 10, dtype=torch.bool)
+        allowed = torch.ones(10, 10, dtype=torch.bool, device=probs.device)
         if name == "gpt2":
             allowed = torch.tril(allowed)
         mask = ((probs == 0) & allowed).double()
@@ -70,6 +70,12 @@ def _dropout_body(rank, world):
         assert not torch.equal(s0, s1)
         d0, d1 = _gather_ranks(torch.get_rng_state().double(), group)
         assert torch.equal(d0, d1), "default stream must be identical on every TP rank"
+        if ids.is_cuda:  # the generator the CUDA masks came from: the same checks
+            where = str(ids.device)
+            s0, s1 = _gather_ranks(tracker.tp_state(where).double(), group)
+            assert not torch.equal(s0, s1), "the CUDA TP stream must differ across TP ranks"
+            d0, d1 = _gather_ranks(torch.cuda.get_rng_state(ids.device).double(), group)
+            assert torch.equal(d0, d1), "the CUDA default stream must be identical on every TP rank"
         # Reproducible: the same seed gives the same activations and the same loss gradients.
         again = _run(model, ids, output_attentions=True)
         final2 = again.logits if name == "gpt2" else again.last_hidden_state
@@ -93,12 +99,12 @@ def _two_models_body(rank, world):
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=64, resid_pdrop=0.1,
                         embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     torch.manual_seed(0)
-    a = tpify.parallelize(GPT2LMHeadModel(config), tp_size=world).train()
+    a = tpify.parallelize(tputil.to_device(GPT2LMHeadModel(config)), tp_size=world).train()
     other = dist.new_group(list(range(world)))  # a second group over the same ranks
-    b = tpify.parallelize(GPT2LMHeadModel(config), tp_group=other).train()
+    b = tpify.parallelize(tputil.to_device(GPT2LMHeadModel(config)), tp_group=other).train()
     ta, tb = get_rng_tracker(a), get_rng_tracker(b)
     assert ta is not tb and a.tp_info.tp_group is not b.tp_info.tp_group
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = tputil.to_device(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)))
     a(ids)
     before = ta.tp_state().clone()
     b(ids)

@@ -32,13 +32,13 @@ def _causal_lm_body(rank, world):
     import tpify
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 101, (2, 12), generator=g)
+    ids = tputil.to_device(torch.randint(3, 101, (2, 12), generator=g))  # TPIFY_TEST_DEVICE=cuda: the GPU
     labels = ids.clone()
     labels[0, :3] = -100
     for tie in (True, False):
         config = llama_config(tie)
         torch.manual_seed(0)
-        ref = LlamaForCausalLM(config).double()
+        ref = tputil.to_device(LlamaForCausalLM(config).double())
         perturb_constants(ref)  # zero biases, unit norms: seeded noise
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=world)
         emb, head = par.model.embed_tokens.weight, par.lm_head.weight
@@ -73,7 +73,7 @@ def _causal_lm_body(rank, world):
     config = llama_config(False)
     for cls in (LlamaModel, LlamaForSequenceClassification, LlamaForTokenClassification, LlamaForQuestionAnswering):
         torch.manual_seed(0)
-        ref = cls(config).double().eval()
+        ref = tputil.to_device(cls(config).double().eval())
         perturb_constants(ref)  # zero biases, unit norms: seeded noise
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=world)
         a, b = ref(ids), par(ids)
@@ -133,7 +133,7 @@ def _packed_body(rank, world):
     from tpify.sharding import shard_spec_of
 
     torch.manual_seed(0)
-    ref = PackedGQA().double()
+    ref = tputil.to_device(PackedGQA().double())
     par = tpify.parallelize(copy.deepcopy(ref), tp_size=world, recipe=PACKED_RECIPE)
     w_ref, layer = ref.qkv_proj.weight, par.qkv_proj
     spec = shard_spec_of(layer.weight)
@@ -148,7 +148,7 @@ def _packed_body(rank, world):
     assert torch.equal(spec.gather(layer.weight.detach(), layer.tp_group), w_ref.detach()), "gather must unpack"
     assert torch.equal(shard_spec_of(layer.bias).gather(layer.bias.detach(), layer.tp_group), ref.qkv_proj.bias)
     # The local output is this rank's [Q_r | K_r | V_r] columns of the dense output.
-    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x = tputil.to_device(torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
     dense = ref(x)
     local = torch.cat([dense[..., a:b] for a, b in spec.ranges(rank)], dim=-1)
     torch.testing.assert_close(par(x), local, **TOL)

@@ -77,16 +77,17 @@ def _check_function(rank, world, dtype):
     g = torch.Generator().manual_seed(0)
     for V in (37, 40):  # uneven (padded) and even vocabularies
         full = torch.randn(2, 6, V, generator=g, dtype=torch.float64) * 3
-        full = full.to(dtype).to(torch.float64)  # values exactly representable in dtype
+        full = tputil.to_device(full.to(dtype).to(torch.float64))  # values exactly representable in dtype
         target = torch.randint(0, V, (2, 6), generator=g)
         target[1, ::2] = -100
+        target = tputil.to_device(target)
         for reduction in ("none", "sum", "mean"):
             for eps in (0.0, 0.2):
                 ref_in = full.clone().requires_grad_()
                 ref = F.cross_entropy(ref_in.reshape(-1, V), target.reshape(-1), label_smoothing=eps,
                                       reduction=reduction)
                 ref = ref.reshape(2, 6) if reduction == "none" else ref
-                w = torch.rand(ref.shape, generator=g, dtype=torch.float64)
+                w = tputil.to_device(torch.rand(ref.shape, generator=g, dtype=torch.float64))
                 (ref * w).sum().backward()
                 local = _shard(full, rank, world).to(dtype).requires_grad_()
                 with count_collectives() as counts:
@@ -115,17 +116,17 @@ def _data(config, seed):
     labels = ids.clone()
     labels[0, :3] = -100
     labels[1, 5] = -100
-    return ids, labels
+    return tputil.to_device(ids), tputil.to_device(labels)
 
 
 def _check_model(cls, config, world, causal, recipe=None, n_layers=2):
     import tpify
 
     torch.manual_seed(0)
-    ref = cls(config).double()
+    ref = tputil.to_device(cls(config).double())  # TPIFY_TEST_DEVICE=cuda: on the rank's GPU
     par = tpify.parallelize(copy.deepcopy(ref), tp_size=world, recipe=recipe)
     ids, labels = _data(config, 1)
-    num_items = torch.tensor(7) if causal else None
+    num_items = tputil.to_device(torch.tensor(7)) if causal else None
     kw = {} if num_items is None else {"num_items_in_batch": num_items}
     hf = ref(ids, labels=labels, **kw).loss  # HF's own (float32 for causal LMs) dense loss
     ref_out = ref(ids)
@@ -156,7 +157,7 @@ def _check_training(cls, config, world, causal):
     import tpify
 
     torch.manual_seed(0)
-    ref = cls(config).double()
+    ref = tputil.to_device(cls(config).double())
     par = tpify.parallelize(copy.deepcopy(ref), tp_size=world)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (ref, par)]
     for step in range(3):
@@ -193,7 +194,7 @@ def _body_tp2(rank, world):
     # A head class whose loss is not a plain LM loss keeps HF's own loss on the gathered logits:
     # equal to the dense model's (both compute it with HF's code on the same logits).
     torch.manual_seed(0)
-    dh_ref = GPT2DoubleHeadsModel(gpt2_config()).double()
+    dh_ref = tputil.to_device(GPT2DoubleHeadsModel(gpt2_config()).double())
     dh = tpify.parallelize(copy.deepcopy(dh_ref))
     ids, labels = _data(gpt2_config(), 3)
     out, ref = dh(ids.unsqueeze(1), labels=labels.unsqueeze(1)), dh_ref(ids.unsqueeze(1), labels=labels.unsqueeze(1))

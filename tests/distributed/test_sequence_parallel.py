@@ -52,11 +52,11 @@ def _body(rank, world):
     out = {}
     torch.manual_seed(0)
     for name, model in _models(world):
-        ref = model.double()
+        ref = tputil.to_device(model.double())  # TPIFY_TEST_DEVICE=cuda: on the rank's GPU
         perturb_constants(ref)  # zero biases, unit norms: seeded noise, so a bias added per rank shows
         ref.loss_function = tputil.float64_loss_function(causal=True)
         par = tpify.parallelize(copy.deepcopy(ref), tp_size=world, sequence_parallel=True)
-        ids = torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1))
+        ids = tputil.to_device(torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1)))
         mask = torch.ones_like(ids)
         mask[1, :3] = 0
         torch.testing.assert_close(par(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, **TOL)
@@ -148,10 +148,10 @@ def _with_lora_and_checkpointing_body(rank, world):
     from tpify.authoring.compare import dense_named
 
     out = {}
-    ids = torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1))
+    ids = tputil.to_device(torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1)))
     torch.manual_seed(0)
     for name, model in _models(world):
-        ref = model.double()
+        ref = tputil.to_device(model.double())
         perturb_constants(ref)
         ref.loss_function = tputil.float64_loss_function(causal=True)
         # LoRA on every parallel linear layer, against dense PEFT

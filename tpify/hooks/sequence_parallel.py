@@ -132,8 +132,8 @@ class SequenceParallel:
                                  f"tp_size = {self.ctx.size}; pad the batch to a multiple of {self.ctx.size} tokens "
                                  f"(without gradients, e.g. generate(), it runs without sequence parallelism)")
             return None
-        if module.training:
-            self.ctx.rng.switch(TP, devices_of(module))
+        if module.training:  # the block has no weight: its devices are its hidden states'
+            self.ctx.rng.switch(TP, devices_of(module, hidden))
         return _replace(args, kwargs, where, comm.scatter_to_sequence_region(hidden, self.ctx.group))
 
     def _gather(self, module, args, kwargs):
@@ -149,13 +149,13 @@ class SequenceParallel:
 
     def _after_row(self, module, args, output):
         if self.state.sequence_active and module.training:
-            self.ctx.rng.switch(TP, devices_of(module))
+            self.ctx.rng.switch(TP, devices_of(module, output))
 
     def _exit(self, module, args, output):
         if not self.state.sequence_active:
             return None
         self.state.sequence_active = False
-        self.ctx.rng.switch(DEFAULT, devices_of(module))
+        self.ctx.rng.switch(DEFAULT, devices_of(module, output))
         if isinstance(output, torch.Tensor):
             return comm.gather_from_sequence_region(output, self.ctx.group, False)
         first = comm.gather_from_sequence_region(output[0], self.ctx.group, False)
