@@ -423,8 +423,17 @@ class _Planner:
         """The one styled rule of a module (or its replicated container's) plans it."""
         container = _outermost_container(fqn, self.containers)
         if module_kind(module) is None and not any(style_of(r.style).kind == "params" for r in styled):
-            if styled and styled[0].style == "replicate" and len(styled) == 1:
+            replicated = len(styled) == 1 and styled[0].style == "replicate"
+            if replicated and styled[0].params:  # its own named parameters whole; its children keep their rules
+                entry = style_of("replicate").plan(self.ctx, fqn, module, styled[0])
+                if entry is not None and container is None:
+                    self.layout.modules[fqn] = entry
+            elif replicated:
                 self.containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
+            elif len(styled) == 1 and styled[0].style == "replicate_sum_grads" and container is None:
+                entry = style_of(styled[0].style).plan(self.ctx, fqn, module, styled[0])  # a norm, its grads summed
+                if entry is not None:
+                    self.layout.modules[fqn] = entry
             elif styled:
                 style_of(styled[0].style).plan(self.ctx, fqn, module, styled[0])  # the style says why not
             return
@@ -499,9 +508,14 @@ class _Planner:
             for pname, param in module.named_parameters(recurse=False):
                 if param.numel() >= threshold:
                     holders.setdefault(id(param), []).append((mname, pname, module, param))
+        def covered(mname: str, pname: str) -> bool:
+            entry = self.layout.modules.get(mname)
+            if entry is not None and entry.style == "replicate" and entry.params:  # its named parameters only
+                return any(name == pname for name, _, _ in entry.params)
+            return entry is not None or mname in containers or _outermost_container(mname, containers) is not None
+
         for places in holders.values():
-            if any(m in self.layout.modules or m in containers or _outermost_container(m, containers) is not None
-                   for m, _, _, _ in places):
+            if any(covered(m, p) for m, p, _, _ in places):
                 continue
             mname, pname, module, param = places[0]
             rel = relative_fqn(self.model, mname)

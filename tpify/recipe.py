@@ -40,7 +40,8 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
         gradient summed over the ranks.
     ``per_head``: the named parameters of a module holding one value per head (attention sinks)
         split with the heads (``params``; ``kv_heads`` for one value per KV head).
-    ``replicate``: left as it is, a full copy on every rank.
+    ``replicate``: left as it is, a full copy on every rank (a container: everything inside it; with
+        ``params``, a list of its own parameter names: only those, its children keeping their rules).
 
 Every key, with an example per feature, is in ``docs/recipes.md``.
 """
@@ -54,7 +55,7 @@ from pathlib import Path
 
 from .hf_modules import base_model_and_prefix, config_get, config_has
 from .loss import LOGIT_OPS
-from .styles import AFTER_SUM
+from .styles import AFTER_SUM, WHOLE
 from .styles import STYLES as _STYLE_OBJECTS
 
 __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "load_recipe", "recipe_dirs",
@@ -335,8 +336,8 @@ class Recipe:
                 fail(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
             match = raw.get("match")
             patterns = [match] if isinstance(match, str) else match
-            if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
-                fail(f"{where} needs 'match': a glob string or a list of them")
+            if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
+                fail(f"{where} needs 'match': a glob string or a list of them (\"\": the base model itself)")
             style = raw.get("style")
             if style is not None and style not in STYLES:
                 fail(f"{where} (match={patterns}) has unknown style {style!r}; known styles: {list(STYLES)}")
@@ -444,7 +445,15 @@ def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ..
     """A rule's ``params`` table: ``{ name = { dim = d, parts = n } }`` -> ``((name, d, n), ...)``
     sorted by name (``parts`` 1 when not given); ``{ after_sum = true }`` (``experts`` only: a bias
     added to each expert's output, kept whole and counted once) -> ``(name, AFTER_SUM, 1)``. The
-    ``experts`` and ``per_head`` styles take it, and need it."""
+    ``experts`` and ``per_head`` styles take it, and need it. ``replicate`` takes a list of the
+    module's own parameter names instead (``["positional_embedding_vlm"]`` -> ``(name, WHOLE, 1)``):
+    those parameters whole on purpose, the module's children keeping their own rules."""
+    if style == "replicate" and raw is not None:
+        if not (isinstance(raw, list) and raw and all(isinstance(n, str) and n and "." not in n for n in raw)
+                and len(set(raw)) == len(raw)):
+            fail(f"{where}: 'params' of style 'replicate' must be a list of distinct names of the module's own "
+                 f"parameters, kept whole on purpose (its children keep their own rules)")
+        return tuple((name, WHOLE, 1) for name in sorted(raw))
     if raw is None:
         if style == "experts":
             fail(f"{where}: style 'experts' needs 'params', the parameters it splits and how: params = "
@@ -454,7 +463,7 @@ def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ..
                  f"dimension: params = {{ sinks = {{ dim = 0 }} }}")
         return ()
     if style not in ("experts", "per_head"):
-        fail(f"{where}: 'params' is only for styles 'experts' and 'per_head'")
+        fail(f"{where}: 'params' is only for styles 'experts', 'per_head' and 'replicate'")
 
     def split(spec) -> bool:
         return (set(spec) <= _PARAM_KEYS and "dim" in spec
