@@ -419,6 +419,14 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
             continue
         if kinds != {"linear"}:
             raise _error(model, f"{where}: the style applies to nn.Linear / Conv1D layers")
+        if any(overrides_forward(modules[n]) for n in names) and hf_style in (
+                "colwise", "rowwise", "packed_colwise", "colwise_gather_output", "colwise_rep"):
+            add_rule(key, names, "replicate",
+                     f"HF {hf_style}, but {type(modules[first]).__name__} overrides nn.Linear.forward (dory's LM head "
+                     f"scales each logit by a parameter of its own): kept whole; review: declare it in [subclasses] "
+                     f"if its forward is plain")
+            review.append(f"{key}: {type(modules[first]).__name__} overrides nn.Linear.forward; replicated")
+            continue
         if hf_style == "colwise":
             add_rule(key, names, "colwise", "HF colwise: output features split")
         elif hf_style == "rowwise":

@@ -499,11 +499,13 @@ def loss_terms_of(config) -> list[dict]:
 def logit_ops_of(config) -> list[dict]:
     """The ``[loss] logits`` a config's model applies to its LM head's output, for a recipe written
     from the config (``tpify draft``, the imported HF plan), in the order transformers applies
-    them: ``logit_scale`` multiplies (Cohere), ``logits_scaling`` divides (Granite),
-    ``final_logit_softcapping`` caps (Gemma 2 and 3: ``cap * tanh(logits / cap)``). Local; reads
+    them: ``logit_scale`` multiplies (Cohere), ``lm_head_multiplier`` multiplies (Falcon-H1),
+    ``logits_scaling`` divides (Granite), ``final_logit_softcapping`` caps (Gemma 2 and 3:
+    ``cap * tanh(logits / cap)``). Local; reads
     attribute names only. A declaration the model does not follow is refused when the chunked
     loss checks it (:mod:`tpify.hooks.lm_loss`)."""
-    found = [("multiply", "logit_scale"), ("divide", "logits_scaling"), ("softcap", "final_logit_softcapping")]
+    found = [("multiply", "logit_scale"), ("multiply", "lm_head_multiplier"), ("divide", "logits_scaling"),
+             ("softcap", "final_logit_softcapping")]
     return [{op: name} for op, name in found if hasattr(config, name)]
 
 
