@@ -157,21 +157,32 @@ _REFUSED_FAMILIES = {
         "(input num_key_value_heads * head_dim) to give one value per KV head, which scales the per-KV-head "
         "parameter DogeAttention.A (num_key_value_heads,) into a dynamic mask repeated over each KV head's query "
         "heads; split by heads, a rank would need every rank's values (HF's plan, rowwise dt_proj, gives every "
-        "rank all KV heads' mask against its own query heads: a shape error). Keep the attention whole "
-        "(replicate q_proj, k_proj, v_proj, dt_proj, o_proj)"),
+        "rank all KV heads' mask against its own query heads: a shape error). Keep the attention whole in a "
+        "recipe ([[rule]] match = \"layers.*.self_attn\", style = \"replicate\": q_proj, k_proj, v_proj, dt_proj, "
+        "o_proj and A), the rest split as HF's plan does (tpify draft doge starts one); then prove it with tpify "
+        "verify"),
     "neomme": lambda config: (
         "its exclusive self-attention holds a parameter per head outside any linear layer "
         "(NeoMMEExclusiveSelfAttention.alpha, shape (num_attention_heads,)) and its value embeddings "
         "(model.value_embeddings, num_key_value_heads * head_dim columns) are added to the split value states, "
         "while HF's plan splits the heads and leaves both whole. tpify ships a recipe that splits them with the "
         "heads (recipes/neomme.toml): parallelize(model) uses it"),
-    "embedding_gemma2_text": lambda config: (
-        "its per_layer_config gives some layers a single KV head (num_key_value_heads = 1 on the full-attention "
-        "layers), which HF's plan splits over the ranks (colwise k_proj, v_proj) although one head cannot be "
-        "split. Keep K and V whole on those layers (replicate their k_proj, v_proj) in a recipe"
-        if any(getattr(c, "num_key_value_heads", None) == 1
-               for c in (_layer_configs(config))) else None),
+    "embedding_gemma2_text": lambda config: _single_kv_head_layers(config),
 }
+
+
+def _single_kv_head_layers(config) -> str | None:
+    """Why embedding_gemma2_text's plan is refused (its layers of one KV head), with the recipe to write."""
+    single = [i for i, c in enumerate(_layer_configs(config)) if getattr(c, "num_key_value_heads", None) == 1]
+    if not single:
+        return None
+    shown = ", ".join(f'"layers.{i}.self_attn"' for i in single[:4]) + (", ..." if len(single) > 4 else "")
+    return (f"its per_layer_config gives layers {single} a single KV head (num_key_value_heads = 1: its "
+            f"full-attention layers), which HF's plan splits over the ranks (colwise k_proj, v_proj matched by "
+            f"layers.*) although one head cannot be split. Write a recipe (tpify draft {config.model_type} starts "
+            f"one) whose attention rules list the other layers by index, and keep these layers' attention whole "
+            f"([[rule]] match = [{shown}], style = \"replicate\"), the MLPs split as HF's plan does; then prove it "
+            f"with tpify verify")
 
 
 def _layer_configs(config) -> list:
@@ -340,6 +351,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
 
     per_head: dict[str, list[str]] = {}  # owner key -> its parameters HF splits by heads (attention sinks)
     experts: dict[str, dict[str, str]] = {}  # moe_tp_experts module key -> {its parameter: HF style}
+    identity: dict[str, str] = {}  # moe_tp_experts module key -> its moe_identity_expert rule (longcat_flash)
     heads = head_counts(config)
     for key, hf_style in plan.items():
         names = by_key.get(key, [])
@@ -384,6 +396,9 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         if hf_style == "local_params" and any(k.rpartition(".")[0] == key and v == "colwise" and k in param_keys
                                               for k, v in plan.items()):
             continue  # HF runs the module with its split parameters as local tensors: the per_head rule below
+        if hf_style == "moe_identity_expert" and plan.get(key.rpartition(".")[0]) == "moe_tp_experts":
+            identity[key.rpartition(".")[0]] = key  # counted once after the experts' sum: the experts rule below
+            continue
         if hf_style in _UNSUPPORTED:
             raise _error(model, f"{where}: {_UNSUPPORTED[hf_style]}")
         if hf_style == "packed_colwise" and kinds != {"linear"}:
@@ -416,6 +431,14 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                 review.append(f"{key}: {type(modules[first]).__name__} overrides nn.Embedding.forward; replicated")
             else:
                 add_rule(key, names, "embedding_rowwise", "HF embedding_rowwise: vocabulary rows split")
+            continue
+        if (hf_style in ("colwise_gather_output", "colwise_rep") and kinds == {None}
+                and all(isinstance(modules[n], nn.ModuleList) and len(modules[n])
+                        and all(module_kind(c) == "linear" for c in modules[n]) for n in names)):
+            add_rule(key, names, "replicate",
+                     f"HF {hf_style} on a ModuleList of heads (one Linear per code group, the forward picks one per "
+                     f"call: lm_head[generation_steps]); HF gathers their logits, and tpify's vocabulary-parallel LM "
+                     f"head is one layer per model: each kept whole (exact; HF's loss on the whole logits)")
             continue
         if kinds != {"linear"}:
             raise _error(model, f"{where}: the style applies to nn.Linear / Conv1D layers")
@@ -456,7 +479,10 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     _rowwise_without_split_input(modules, styles, rules, add_rule)
     for key, hf_params in experts.items():
         params, note = _experts_params(model, modules, by_key[key], key, hf_params)
-        add_rule(key, by_key[key], "experts", note, params=params)
+        extra = {"identity_from": _identity_from(model, modules, by_key[key], identity[key])} if key in identity else {}
+        add_rule(key, by_key[key], "experts", note + (f"; zero-computation identity experts from index "
+                                                      f"{extra['identity_from']} on, counted once after the sum"
+                                                      if extra else ""), params=params, **extra)
     for key in experts:  # after every experts rule: shared experts beside routed ones are no router
         _replicate_routers(modules, styles, by_key[key], add_rule)
     norms: dict[str, list[str]] = {}
@@ -581,6 +607,24 @@ def _experts_params(model, modules, names, key, hf_params) -> tuple[dict, str]:
     note = (f"HF {hf_tp_plan_style} with {hf_params} ({type(module).__name__}, is_transposed = {transposed}, "
             f"is_concatenated = {concatenated}): every expert's intermediate dimension split, output all-reduced")
     return params, note
+
+
+def _identity_from(model, modules, names, rule: str) -> str | int:
+    """The ``identity_from`` of an experts module holding HF's ``moe_identity_expert`` (``rule``):
+    the first expert index of its zero-computation experts, the number of routed experts. The config
+    attribute ``n_routed_experts`` when it equals the experts' ``down_proj`` dim 0 (each routed expert
+    has one), else that number.
+
+    Raises:
+        RecipeError: the module holds no 3-D ``down_proj`` to count its routed experts by.
+    """
+    down = getattr(modules[names[0]], "down_proj", None)
+    if not isinstance(down, nn.Parameter) or down.dim() != 3:
+        raise _error(model, f"HF rule {rule!r} = 'moe_identity_expert': {_IDENTITY}; tpify counts identity experts "
+                            f"once after the sum from the routed experts' count, which needs a 3-D down_proj "
+                            f"(one per routed expert) on {names[0]}")
+    routed = _config_int(getattr(model, "config", None), "n_routed_experts")
+    return "n_routed_experts" if routed == down.shape[0] else int(down.shape[0])
 
 
 def _replicate_routers(modules, styles, names, add_rule):

@@ -150,7 +150,8 @@ class Layout:
         agreement compares on its own, so that a different size is reported as such)."""
         return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.replica_shards,
                                m.output_scale,
-                               m.params, m.expert_parallel, m.shared_features) for f, m in self.modules.items()),
+                               m.params, m.expert_parallel, m.shared_features, m.identity_experts)
+                              for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             sorted((f, list(a)) for f, a in self.kv_divides.items()),
                             self.lm_head, self.loss_kind, self.honours_num_items, list(self.loss_terms), list(self.renames),
@@ -678,6 +679,8 @@ def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], erro
                             f"run without sequence_parallel)")
             continue
         biases = [name for name, dim, _ in entry.params if dim == AFTER_SUM]
+        if entry.identity_experts is not None:
+            biases.append(f"identity experts from index {entry.identity_experts}")
         if biases and not entry.expert_parallel:
             errors.append(f"sequence parallelism: the fused experts {fqn} add whole biases {biases} after their sum "
                           f"(after_sum), which tpify counts once in the all-reduce, not in the block's reduce-scatter "

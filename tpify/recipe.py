@@ -63,7 +63,7 @@ __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "l
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
 _RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "kv_counts", "divide", "head_inputs",
-              "optional", "when", "params", "shared"}
+              "optional", "when", "params", "shared", "identity_from"}
 _PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule", "include"}
@@ -121,6 +121,9 @@ class Rule:
     # 'latent' only: the trailing output features every head reads directly (DeepSeek's k_pe, a
     # config attribute or a number); their gradient is summed over the ranks
     shared: str | int | None = None
+    # 'experts' only: the expert index from which the router's choices are zero-computation identity
+    # experts (longcat_flash: the token itself, weighted), a config attribute or a number
+    identity_from: str | int | None = None
     origin: str = ""  # where an included rule comes from: "<recipe file> at <prefix>" (compose)
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
@@ -224,7 +227,7 @@ class Recipe:
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
         return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
-                  r.params, r.kv_heads, r.kv_groups, r.kv_counts, r.shared) for r in self.rules]
+                  r.params, r.kv_heads, r.kv_groups, r.kv_counts, r.shared, r.identity_from) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops),
@@ -406,6 +409,13 @@ class Recipe:
                     or (isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0))):
                 fail(f"{where} (match={patterns}): 'shared' (the trailing output features every head reads, a config "
                      f"attribute name or a non-negative integer) is for style 'latent' only")
+            identity_from = raw.get("identity_from")
+            if identity_from is not None and (style != "experts" or not (
+                    (isinstance(identity_from, str) and identity_from)
+                    or (isinstance(identity_from, int) and not isinstance(identity_from, bool) and identity_from >= 0))):
+                fail(f"{where} (match={patterns}): 'identity_from' (the first expert index of the zero-computation "
+                     f"identity experts, a config attribute name or a non-negative integer) is for style 'experts' "
+                     f"only")
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
@@ -415,7 +425,8 @@ class Recipe:
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs), params, kv_heads=kv_heads,
-                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts), shared=shared))
+                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts), shared=shared,
+                              identity_from=identity_from))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp, includes)
@@ -617,6 +628,8 @@ def compose(recipe: Recipe, model) -> Recipe:
                               tuple((a, d, at(h)) for a, d, h in r.head_inputs), r.params,
                               at(r.kv_heads) if isinstance(r.kv_heads, str) else r.kv_heads, r.kv_groups,
                               kv_counts=r.kv_counts, shared=at(r.shared) if isinstance(r.shared, str) else r.shared,
+                              identity_from=at(r.identity_from) if isinstance(r.identity_from, str)
+                              else r.identity_from,
                               origin=f"{inner.source} at {prefix}" + (f" ({r.origin})" if r.origin else "")))
         divisible += [at(n) for n in inner.divisible]
         divide_config += [at(n) for n in inner.divide_config]

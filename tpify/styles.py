@@ -57,6 +57,9 @@ class ModuleLayout:
             every parameter split along dim 0 (the experts), the tokens exchanged between ranks.
         shared_features: ``latent`` only: the trailing output features every head reads directly
             (multi-head latent attention's rotary key), whose gradient is summed over the ranks.
+        identity_experts: ``experts`` only: the first expert index of the zero-computation identity
+            experts (their output is the token itself, weighted), or None: each rank's partial output
+            holds them whole, so :mod:`tpify.hooks.experts` counts them once after the sum.
     """
 
     fqn: str
@@ -73,6 +76,7 @@ class ModuleLayout:
     params: tuple[tuple[str, int, int], ...] = ()
     expert_parallel: bool = False
     shared_features: int = 0
+    identity_experts: int | None = None
 
     @property
     def styler(self) -> "Style":
@@ -496,12 +500,23 @@ class _Experts(_Params):
         problems += _interface_problems(module, own, rule.params, ctx.ep_size > 1)
         if ctx.ep_size > 1:
             problems += self._expert_parallel_problems(module, own, names)
+        identity = rule.identity_from
+        if isinstance(identity, str):
+            identity = config_get(ctx.config, identity)
+        if rule.identity_from is not None and (not isinstance(identity, int) or isinstance(identity, bool)
+                                               or identity < 0):
+            problems.append(f"identity_from = {rule.identity_from!r} is {identity!r}, not a non-negative integer (the "
+                            f"first expert index of the identity experts)")
+        elif rule.identity_from is not None and ctx.ep_size > 1:
+            problems.append("identity experts (identity_from) with expert parallelism: a token routed to one has no "
+                            "rank to travel to (not supported: use tensor-parallel experts)")
         if problems:
             ctx.errors.append(f"{fqn} ({cls}): style 'experts' ({rule.describe()}) cannot split it: "
                               + "; ".join(problems) + ". tpify splits only what it understands: give the module "
                               "style 'replicate' to keep it whole")
             return False
         entry.params, entry.expert_parallel = rule.params, ctx.ep_size > 1
+        entry.identity_experts = identity if rule.identity_from is not None else None
         return True
 
     @staticmethod
