@@ -493,7 +493,11 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         note = (f"HF colwise on {leaves} (one value per head) with local_params: split with the heads"
                 if owner in per_head else f"a norm of each head ({type(modules[holders[0]]).__name__}, {leaves} "
                                           f"(heads, head_dim), normalising over head_dim): split with the heads")
-        add_rule(owner, holders, "per_head", note, params={leaf: {"dim": 0} for leaf in sorted(leaves)})
+        kv = {}  # a norm of the KV heads (cohere's k_norm), fewer than the query heads: split by KV heads
+        rows = {getattr(modules[holders[0]], leaf).shape[0] for leaf in leaves}
+        if owner in norms and heads.get(_KV_HEADS) in rows and heads.get(_KV_HEADS) != heads.get("num_attention_heads"):
+            kv = {"kv_heads": _KV_HEADS}
+        add_rule(owner, holders, "per_head", note, params={leaf: {"dim": 0} for leaf in sorted(leaves)}, **kv)
     per_head = {**per_head, **norms}
     _tie_heads(model, modules, styles, rules, add_rule)
     _check_per_head_params(model, modules, styles, per_head)
@@ -648,12 +652,28 @@ def _rowwise_without_split_input(modules, styles, rules, add_rule) -> None:
     a row layer whose module splits nothing: glm5_next's ``layers.*.self_attn.o_proj`` covers the
     latent-attention layers (fed by the column-parallel ``kv_b_proj``) and the linear-attention ones,
     whose ``q_proj``/``k_proj``/``v_proj`` the plan leaves whole. tpify's row layer reads an input
-    that is already split (Megatron's ``input_is_parallel``): where the layer's parent holds no
-    column-split layer, its input is whole, and the exact equivalent is a full copy. The rule is
+    that is already split (Megatron's ``input_is_parallel``): where the layers beside it in its
+    module (above wrappers of that one layer) are all whole, its input is whole, and the exact
+    equivalent is a full copy. The rule is
     narrowed to the layers with a split input, and a ``replicate`` rule takes the others. Pure."""
     columns = {"colwise", "packed_colwise"}
-    orphans = [r for r, s in styles.items() if s == "rowwise" and "." in r and not any(
-        styles.get(o) in columns for o in modules if o.startswith(r.rpartition(".")[0] + "."))]
+
+    def owner(rel: str) -> str:
+        """The module a layer belongs to: its parent, above wrappers holding that one layer (gemma4's
+        ``o_proj`` wrapping ``o_proj.linear``)."""
+        parent = rel.rpartition(".")[0]
+        while parent and sum(1 for c in modules[parent].children() if any(True for _ in c.parameters())) == 1:
+            parent = parent.rpartition(".")[0]
+        return parent
+
+    def orphan(rel: str) -> bool:
+        """Other layers beside it, none split: whole layers feed it (a layer alone in its module, BERT's
+        ``attention.output.dense``, is fed from elsewhere and keeps HF's rowwise)."""
+        inside = [o for o in modules if o.startswith(owner(rel) + ".") and o != rel and not rel.startswith(o + ".")
+                  and module_kind(modules[o]) == "linear"]
+        return bool(inside) and not any(styles.get(o) in columns for o in inside)
+
+    orphans = [r for r, s in styles.items() if s == "rowwise" and "." in r and orphan(r)]
     if not orphans:
         return
     for entry in list(rules):
@@ -897,8 +917,10 @@ def _per_head_norms(model, modules, styles, per_head: dict) -> None:
         own = dict(module.named_parameters(recurse=False))
         own_hd = getattr(modules.get(parent), "head_dim", None)
         width = own_hd if isinstance(own_hd, int) else hd
-        if (rel != parent and own and all(tuple(p.shape) in {(n, width) for n in heads.values() if n > 1}
-                                          for p in own.values()) and _normalises_last_dim(module)):
+        rows = {p.shape[0] for p in own.values()}
+        if (rel != parent and own and len(rows) == 1 and all(tuple(p.shape) in {(n, width) for n in heads.values()
+                                                                              if n > 1} for p in own.values())
+                and _normalises_last_dim(module)):
             leaves = per_head.setdefault(wildcard(rel), [])
             leaves.extend(n for n in sorted(own) if n not in leaves)
 
