@@ -474,7 +474,8 @@ def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ..
                  f"dimension: params = {{ sinks = {{ dim = 0 }} }}")
         return ()
     if style not in ("experts", "per_head"):
-        fail(f"{where}: 'params' is only for styles 'experts', 'per_head' and 'replicate'")
+        fail(f"{where}: 'params' is only for styles 'experts' and 'per_head' (and, as a list of the module's own "
+             f"parameter names kept whole, 'replicate')")
 
     def split(spec) -> bool:
         return (set(spec) <= _PARAM_KEYS and "dim" in spec
