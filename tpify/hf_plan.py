@@ -30,19 +30,34 @@ attention's ``kv_a_proj_with_mqa``)           (whole; the rotary key's gradient 
                                               ``num_attention_heads`` in ``divisible``
 ``replicated_with_grad_allreduce``            no rule: a replicated norm inside a sharded region;
                                               tpify finds it by construction and all-reduces its
-                                              gradient (``tpify.hooks.region_grads.ReplicatedInRegion``)
+                                              gradient (``tpify.hooks.region_grads.ReplicatedInRegion``);
+                                              next to ``mla_kv_a_proj``, a norm of the rotary key:
+                                              ``replicate_sum_grads`` (:func:`_rotary_key_norms`)
 ``moe_tp_experts`` on a fused experts       one ``experts`` rule for the module (below); a
 module, with ``packed_colwise`` /           module beside it holding bare parameters (the
 ``colwise`` / ``rowwise`` /                 router) ``replicate``
 ``packed_rowwise`` on its 3-D parameters
+``all_reduce`` on a module of 3-D           the same ``experts`` rule (inkling's shared
+parameters it splits colwise / rowwise      experts: a sum over the split intermediate dim)
+``moe_identity_expert`` inside a            the experts rule's ``identity_from`` (the
+``moe_tp_experts`` module                   zero-computation experts counted once)
 anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
-``moe_identity_expert``, ``packed_rowwise``   style, the rule and the module
-on a layer, ``all_reduce``, a parameter rule
+``packed_rowwise`` on a layer,                style, the rule and the module
+``all_reduce`` elsewhere, a parameter rule
 outside ``moe_tp_experts``, ``local_params``
 without a per-head parameter,
 ``embedding_colwise``, other parameter-level
 rules)
 ============================================  ===================================================
+
+What HF's plan leaves out or cannot express, kept whole by a rule with the reason in its note:
+parameters of 2 or more dimensions outside any layer (:func:`_bare_parameters`: a convolution,
+a position table, hyper-connections; experts with a post-expert norm), ``rowwise`` on a layer no
+split layer feeds (:func:`_rowwise_without_split_input`), a ``colwise_gather_output`` ModuleList
+of heads, a forward-overriding ``nn.Linear``. Norms of each head (a weight ``(heads, head_dim)``
+normalising over ``head_dim``) become ``per_head`` (:func:`_per_head_norms`); ``q_a_proj`` beside a
+latent KV projection and a column layer reading the hidden states becomes ``latent``
+(:func:`_query_latents`).
 
 Fused MoE experts (HF's ``moe_tp_experts``: each rank runs every expert on its slice of the
 intermediate dimension, the module's output all-reduced, its input's gradient summed) become one
@@ -56,9 +71,9 @@ input, ``packed_*``: 2 parts); ``gate_up_proj_bias`` / ``up_proj_bias`` split wi
 ``down_proj_bias`` kept whole and counted once (``after_sum``). The ``experts`` style then checks
 the split against the interface and refuses any parameter the rule leaves out. Shared experts
 are the column / row rules HF's plan gives them; the router's aux loss is a ``[loss] terms``
-entry (``loss_terms_of``). Refused by name: zero-computation identity experts
-(``moe_identity_expert``, longcat_flash), HF's ``all_reduce`` on a module of 3-D parameters
-outside the experts interface (inkling_text's shared experts).
+entry (``loss_terms_of``). Zero-computation identity experts (``moe_identity_expert``,
+longcat_flash) are the rule's ``identity_from``; HF's ``all_reduce`` on a module of 3-D parameters
+(inkling_text's shared experts) an ``experts`` rule of its own.
 
 A gathered column-parallel layer inside the base model (``colwise_gather_output``, e.g. olmo2's
 ``q_proj``/``k_proj``/``v_proj`` whose ``q_norm`` normalises over all heads, glm's packed
@@ -84,9 +99,9 @@ Completed here (HF's plans say nothing of them):
   with ``replicate``.
 
 Refused (:class:`~tpify.recipe.RecipeError`): a parameter of a head-split attention module or
-of its parts that holds values for all heads and that the plan does not split (cohere's
-``q_norm`` with ``use_qk_norm``, weight ``(num_heads, head_dim)``; a ``(num_heads,)`` gate): HF's
-plan would leave it whole, which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
+of its parts that holds values for all heads and that the plan does not split (a ``(num_heads,)``
+gate; a norm over the full projection width, ESM C's ``q_norm``, named as such): HF's plan would
+leave it whole, which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
 whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width;
 tpify ships a recipe), doge (dt_proj mixes every KV head's values into each head's mask),
 neomme (a per-head parameter and value embeddings left whole; tpify ships a recipe),

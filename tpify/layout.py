@@ -509,6 +509,7 @@ class _Planner:
             for pname, param in module.named_parameters(recurse=False):
                 if param.numel() >= threshold:
                     holders.setdefault(id(param), []).append((mname, pname, module, param))
+
         def covered(mname: str, pname: str) -> bool:
             entry = self.layout.modules.get(mname)
             if entry is not None and entry.style == "replicate" and entry.params:  # its named parameters only
@@ -683,7 +684,8 @@ def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], erro
             biases.append(f"identity experts from index {entry.identity_experts}")
         if biases and not entry.expert_parallel:
             errors.append(f"sequence parallelism: the fused experts {fqn} add whole biases {biases} after their sum "
-                          f"(after_sum), which tpify counts once in the all-reduce, not in the block's reduce-scatter "
+                          f"(after_sum, identity_from), which tpify counts once in the all-reduce, not in the block's "
+                          f"reduce-scatter "
                           f"(not supported: run without sequence_parallel, or with ep_size)")
             continue
         container, experts = model.get_submodule(block), model.get_submodule(fqn)
