@@ -30,8 +30,8 @@ model is counted on the meta device and refused above verify's 2M-element bound.
 Writes ``benchmarks/out/sweep_verify.json`` (resumable: families already there are skipped unless
 ``--again``) and ``benchmarks/out/sweep_verify.md`` (the table; docs/families.md holds a copy).
 
-Run: ``python benchmarks/sweep_verify.py`` (10 minutes for the 164 types of transformers 5.23 and
-tpify's recipes on 2 shared CPU cores, 2026-11-24; ``--types llama,gemma2`` for a few,
+Run: ``python benchmarks/sweep_verify.py`` (17 minutes for the 182 types of transformers 5.24 and
+tpify's recipes on 2 shared CPU cores, 2026-11-27; ``--types llama,gemma2`` for a few,
 ``--again`` to redo them).
 This is a measurement, not a test; docs/families.md holds the table and its reading.
 """

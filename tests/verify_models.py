@@ -68,6 +68,15 @@ class NaNLlamaModel(LlamaModel):
             self.norm.weight[0] = float("nan")
 
 
+class NoRotaryLlamaModel(LlamaModel):
+    """LlamaModel without its rotary embedding: its own forward raises (calling None) inside
+    transformers' modeling code, as a family broken in transformers does (llama4 in 5.24)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.rotary_emb = None
+
+
 # ---------------------------------------------------------------------------------------------
 # A parameter per KV head (as doge's DogeAttention.A): Llama whose attention scales each KV head's
 # values by its own ``kv_gate`` value. At tp_size above the KV heads each value is held by the

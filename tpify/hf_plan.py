@@ -30,19 +30,34 @@ attention's ``kv_a_proj_with_mqa``)           (whole; the rotary key's gradient 
                                               ``num_attention_heads`` in ``divisible``
 ``replicated_with_grad_allreduce``            no rule: a replicated norm inside a sharded region;
                                               tpify finds it by construction and all-reduces its
-                                              gradient (``tpify.hooks.region_grads.ReplicatedInRegion``)
+                                              gradient (``tpify.hooks.region_grads.ReplicatedInRegion``);
+                                              next to ``mla_kv_a_proj``, a norm of the rotary key:
+                                              ``replicate_sum_grads`` (:func:`_rotary_key_norms`)
 ``moe_tp_experts`` on a fused experts       one ``experts`` rule for the module (below); a
 module, with ``packed_colwise`` /           module beside it holding bare parameters (the
 ``colwise`` / ``rowwise`` /                 router) ``replicate``
 ``packed_rowwise`` on its 3-D parameters
+``all_reduce`` on a module of 3-D           the same ``experts`` rule (inkling's shared
+parameters it splits colwise / rowwise      experts: a sum over the split intermediate dim)
+``moe_identity_expert`` inside a            the experts rule's ``identity_from`` (the
+``moe_tp_experts`` module                   zero-computation experts counted once)
 anything else (``sequence_parallel``,         :class:`~tpify.recipe.RecipeError` naming the
-``moe_identity_expert``, ``packed_rowwise``   style, the rule and the module
-on a layer, ``all_reduce``, a parameter rule
+``packed_rowwise`` on a layer,                style, the rule and the module
+``all_reduce`` elsewhere, a parameter rule
 outside ``moe_tp_experts``, ``local_params``
 without a per-head parameter,
 ``embedding_colwise``, other parameter-level
 rules)
 ============================================  ===================================================
+
+What HF's plan leaves out or cannot express, kept whole by a rule with the reason in its note:
+parameters of 2 or more dimensions outside any layer (:func:`_bare_parameters`: a convolution,
+a position table, hyper-connections; experts with a post-expert norm), ``rowwise`` on a layer no
+split layer feeds (:func:`_rowwise_without_split_input`), a ``colwise_gather_output`` ModuleList
+of heads, a forward-overriding ``nn.Linear``. Norms of each head (a weight ``(heads, head_dim)``
+normalising over ``head_dim``) become ``per_head`` (:func:`_per_head_norms`); ``q_a_proj`` beside a
+latent KV projection and a column layer reading the hidden states becomes ``latent``
+(:func:`_query_latents`).
 
 Fused MoE experts (HF's ``moe_tp_experts``: each rank runs every expert on its slice of the
 intermediate dimension, the module's output all-reduced, its input's gradient summed) become one
@@ -56,9 +71,9 @@ input, ``packed_*``: 2 parts); ``gate_up_proj_bias`` / ``up_proj_bias`` split wi
 ``down_proj_bias`` kept whole and counted once (``after_sum``). The ``experts`` style then checks
 the split against the interface and refuses any parameter the rule leaves out. Shared experts
 are the column / row rules HF's plan gives them; the router's aux loss is a ``[loss] terms``
-entry (``loss_terms_of``). Refused by name: zero-computation identity experts
-(``moe_identity_expert``, longcat_flash), HF's ``all_reduce`` on a module of 3-D parameters
-outside the experts interface (inkling_text's shared experts).
+entry (``loss_terms_of``). Zero-computation identity experts (``moe_identity_expert``,
+longcat_flash) are the rule's ``identity_from``; HF's ``all_reduce`` on a module of 3-D parameters
+(inkling_text's shared experts) an ``experts`` rule of its own.
 
 A gathered column-parallel layer inside the base model (``colwise_gather_output``, e.g. olmo2's
 ``q_proj``/``k_proj``/``v_proj`` whose ``q_norm`` normalises over all heads, glm's packed
@@ -84,9 +99,9 @@ Completed here (HF's plans say nothing of them):
   with ``replicate``.
 
 Refused (:class:`~tpify.recipe.RecipeError`): a parameter of a head-split attention module or
-of its parts that holds values for all heads and that the plan does not split (cohere's
-``q_norm`` with ``use_qk_norm``, weight ``(num_heads, head_dim)``; a ``(num_heads,)`` gate): HF's
-plan would leave it whole, which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
+of its parts that holds values for all heads and that the plan does not split (a ``(num_heads,)``
+gate; a norm over the full projection width, ESM C's ``q_norm``, named as such): HF's plan would
+leave it whole, which is not the dense model. And, by name (``_REFUSED_FAMILIES``), the families
 whose plan verify found not exact: gemma3n_text (activation sparsity over the split MLP width;
 tpify ships a recipe), doge (dt_proj mixes every KV head's values into each head's mask),
 neomme (a per-head parameter and value embeddings left whole; tpify ships a recipe),
@@ -106,7 +121,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .hf_modules import base_model_and_prefix, head_dims, module_kind, overrides_forward, relative_name
+from .hf_modules import base_model_and_prefix, dense_dims, head_dims, module_kind, overrides_forward, relative_name
 from .recipe import Recipe, RecipeError, _compile_glob, logit_ops_of, loss_terms_of
 
 __all__ = ["hf_tp_plan", "has_hf_plan", "import_hf_plan", "recipe_from_hf_plan", "ImportedPlan",
@@ -157,21 +172,32 @@ _REFUSED_FAMILIES = {
         "(input num_key_value_heads * head_dim) to give one value per KV head, which scales the per-KV-head "
         "parameter DogeAttention.A (num_key_value_heads,) into a dynamic mask repeated over each KV head's query "
         "heads; split by heads, a rank would need every rank's values (HF's plan, rowwise dt_proj, gives every "
-        "rank all KV heads' mask against its own query heads: a shape error). Keep the attention whole "
-        "(replicate q_proj, k_proj, v_proj, dt_proj, o_proj)"),
+        "rank all KV heads' mask against its own query heads: a shape error). Keep the attention whole in a "
+        "recipe ([[rule]] match = \"layers.*.self_attn\", style = \"replicate\": q_proj, k_proj, v_proj, dt_proj, "
+        "o_proj and A), the rest split as HF's plan does (tpify draft doge starts one); then prove it with tpify "
+        "verify"),
     "neomme": lambda config: (
         "its exclusive self-attention holds a parameter per head outside any linear layer "
         "(NeoMMEExclusiveSelfAttention.alpha, shape (num_attention_heads,)) and its value embeddings "
         "(model.value_embeddings, num_key_value_heads * head_dim columns) are added to the split value states, "
         "while HF's plan splits the heads and leaves both whole. tpify ships a recipe that splits them with the "
         "heads (recipes/neomme.toml): parallelize(model) uses it"),
-    "embedding_gemma2_text": lambda config: (
-        "its per_layer_config gives some layers a single KV head (num_key_value_heads = 1 on the full-attention "
-        "layers), which HF's plan splits over the ranks (colwise k_proj, v_proj) although one head cannot be "
-        "split. Keep K and V whole on those layers (replicate their k_proj, v_proj) in a recipe"
-        if any(getattr(c, "num_key_value_heads", None) == 1
-               for c in (_layer_configs(config))) else None),
+    "embedding_gemma2_text": lambda config: _single_kv_head_layers(config),
 }
+
+
+def _single_kv_head_layers(config) -> str | None:
+    """Why embedding_gemma2_text's plan is refused (its layers of one KV head), with the recipe to write."""
+    single = [i for i, c in enumerate(_layer_configs(config)) if getattr(c, "num_key_value_heads", None) == 1]
+    if not single:
+        return None
+    shown = ", ".join(f'"layers.{i}.self_attn"' for i in single[:4]) + (", ..." if len(single) > 4 else "")
+    return (f"its per_layer_config gives layers {single} a single KV head (num_key_value_heads = 1: its "
+            f"full-attention layers), which HF's plan splits over the ranks (colwise k_proj, v_proj matched by "
+            f"layers.*) although one head cannot be split. Write a recipe (tpify draft {config.model_type} starts "
+            f"one) whose attention rules list the other layers by index, and keep these layers' attention whole "
+            f"([[rule]] match = [{shown}], style = \"replicate\"), the MLPs split as HF's plan does; then prove it "
+            f"with tpify verify")
 
 
 def _layer_configs(config) -> list:
@@ -340,9 +366,14 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
 
     per_head: dict[str, list[str]] = {}  # owner key -> its parameters HF splits by heads (attention sinks)
     experts: dict[str, dict[str, str]] = {}  # moe_tp_experts module key -> {its parameter: HF style}
+    identity: dict[str, str] = {}  # moe_tp_experts module key -> its moe_identity_expert rule (longcat_flash)
     heads = head_counts(config)
     for key, hf_style in plan.items():
         names = by_key.get(key, [])
+        if hf_style == "all_reduce" and names and {module_kind(modules[n]) for n in names} == {None} and any(
+                k.rpartition(".")[0] == key and k in param_keys and len(param_keys[k][1]) == 3 for k in plan):
+            experts.setdefault(key, {})  # 3-D parameters split, output summed: as moe_tp_experts (inkling's shared)
+            continue
         if hf_style == "moe_tp_experts" and names:
             if {module_kind(modules[n]) for n in names} != {None}:
                 raise _error(model, f"HF rule {key!r} = 'moe_tp_experts' (module {names[0]}, a "
@@ -356,7 +387,8 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
                     continue
                 pname, shape = param_keys[key]
                 owner, _, leaf = key.rpartition(".")
-                if plan.get(owner) == "moe_tp_experts" and len(shape) in (2, 3) and hf_style in _EXPERT_PARAM_STYLES:
+                if (plan.get(owner) == "moe_tp_experts" and len(shape) in (2, 3) or plan.get(owner) == "all_reduce"
+                        and len(shape) == 3) and hf_style in _EXPERT_PARAM_STYLES:
                     experts.setdefault(owner, {})[leaf] = hf_style  # one 'experts' rule per module, below
                     continue
                 if hf_style == "colwise" and len(shape) == 1 and shape[0] in heads.values() and owner in by_key:
@@ -379,6 +411,9 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
         if hf_style == "local_params" and any(k.rpartition(".")[0] == key and v == "colwise" and k in param_keys
                                               for k, v in plan.items()):
             continue  # HF runs the module with its split parameters as local tensors: the per_head rule below
+        if hf_style == "moe_identity_expert" and plan.get(key.rpartition(".")[0]) == "moe_tp_experts":
+            identity[key.rpartition(".")[0]] = key  # counted once after the experts' sum: the experts rule below
+            continue
         if hf_style in _UNSUPPORTED:
             raise _error(model, f"{where}: {_UNSUPPORTED[hf_style]}")
         if hf_style == "packed_colwise" and kinds != {"linear"}:
@@ -412,8 +447,24 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
             else:
                 add_rule(key, names, "embedding_rowwise", "HF embedding_rowwise: vocabulary rows split")
             continue
+        if (hf_style in ("colwise_gather_output", "colwise_rep") and kinds == {None}
+                and all(isinstance(modules[n], nn.ModuleList) and len(modules[n])
+                        and all(module_kind(c) == "linear" for c in modules[n]) for n in names)):
+            add_rule(key, names, "replicate",
+                     f"HF {hf_style} on a ModuleList of heads (one Linear per code group, the forward picks one per "
+                     f"call: lm_head[generation_steps]); HF gathers their logits, and tpify's vocabulary-parallel LM "
+                     f"head is one layer per model: each kept whole (exact; HF's loss on the whole logits)")
+            continue
         if kinds != {"linear"}:
             raise _error(model, f"{where}: the style applies to nn.Linear / Conv1D layers")
+        if any(overrides_forward(modules[n]) for n in names) and hf_style in (
+                "colwise", "rowwise", "packed_colwise", "colwise_gather_output", "colwise_rep"):
+            add_rule(key, names, "replicate",
+                     f"HF {hf_style}, but {type(modules[first]).__name__} overrides nn.Linear.forward (dory's LM head "
+                     f"scales each logit by a parameter of its own): kept whole; review: declare it in [subclasses] "
+                     f"if its forward is plain")
+            review.append(f"{key}: {type(modules[first]).__name__} overrides nn.Linear.forward; replicated")
+            continue
         if hf_style == "colwise":
             add_rule(key, names, "colwise", "HF colwise: output features split")
         elif hf_style == "rowwise":
@@ -438,21 +489,31 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
             raise _error(model, f"{where}: unknown HF style {hf_style!r}")
 
     if by_construction and "latent" in styles.values():
-        raise _error(model, f"HF marks {by_construction} replicated_with_grad_allreduce next to multi-head latent "
-                            f"attention (mla_kv_a_proj): a norm on the rotary key between kv_a_proj_with_mqa and the "
-                            f"heads (dots3's k_rope_only_layernorm) gets a partial gradient per rank, which tpify cannot "
-                            f"tell from the whole one of kv_a_layernorm (the latent style ends the sharded region "
-                            f"before both); not supported. Keep the attention whole (replicate q_a_proj, q_b_proj, "
-                            f"kv_a_proj_with_mqa, kv_b_proj, o_proj)")
+        _rotary_key_norms(model, modules, by_key, by_construction, add_rule)
+    _query_latents(modules, styles, add_rule)
+    _rowwise_without_split_input(modules, styles, rules, add_rule)
     for key, hf_params in experts.items():
         params, note = _experts_params(model, modules, by_key[key], key, hf_params)
-        add_rule(key, by_key[key], "experts", note, params=params)
+        extra = {"identity_from": _identity_from(model, modules, by_key[key], identity[key])} if key in identity else {}
+        add_rule(key, by_key[key], "experts", note + (f"; zero-computation identity experts from index "
+                                                      f"{extra['identity_from']} on, counted once after the sum"
+                                                      if extra else ""), params=params, **extra)
+    for key in experts:  # after every experts rule: shared experts beside routed ones are no router
         _replicate_routers(modules, styles, by_key[key], add_rule)
-    for owner, leaves in per_head.items():
+    norms: dict[str, list[str]] = {}
+    _per_head_norms(model, modules, styles, norms)
+    for owner, leaves in list(per_head.items()) + list(norms.items()):
         holders = [n for n in by_key[owner] if all(isinstance(getattr(modules[n], leaf, None), nn.Parameter)
                                                     for leaf in leaves)]
-        add_rule(owner, holders, "per_head", f"HF colwise on {leaves} (one value per head) with local_params: split "
-                                             f"with the heads", params={leaf: {"dim": 0} for leaf in sorted(leaves)})
+        note = (f"HF colwise on {leaves} (one value per head) with local_params: split with the heads"
+                if owner in per_head else f"a norm of each head ({type(modules[holders[0]]).__name__}, {leaves} "
+                                          f"(heads, head_dim), normalising over head_dim): split with the heads")
+        kv = {}  # a norm of the KV heads (cohere's k_norm), fewer than the query heads: split by KV heads
+        rows = {getattr(modules[holders[0]], leaf).shape[0] for leaf in leaves}
+        if owner in norms and heads.get(_KV_HEADS) in rows and heads.get(_KV_HEADS) != heads.get("num_attention_heads"):
+            kv = {"kv_heads": _KV_HEADS}
+        add_rule(owner, holders, "per_head", note, params={leaf: {"dim": 0} for leaf in sorted(leaves)}, **kv)
+    per_head = {**per_head, **norms}
     _tie_heads(model, modules, styles, rules, add_rule)
     _check_per_head_params(model, modules, styles, per_head)
 
@@ -476,6 +537,7 @@ def import_hf_plan(model: nn.Module) -> ImportedPlan:
     if task_heads:
         rules.append(({"match": task_heads, "style": "replicate", "optional": True},
                       "task heads of other head classes: a full copy (optional)"))
+    _bare_parameters(model, modules, styles, add_rule)
 
     # Head counts: a column-parallel layer as wide as a head count times the head size splits heads.
     hd = _head_dim(config)
@@ -537,6 +599,7 @@ def _experts_params(model, modules, names, key, hf_params) -> tuple[dict, str]:
     """
     module = modules[names[0]]
     own = dict(module.named_parameters(recurse=False))
+    hf_tp_plan_style = hf_tp_plan(model).get(key, "moe_tp_experts")
     if not hf_params:
         raise _error(model, f"HF rule {key!r} = 'moe_tp_experts' (module {names[0]}, a {type(module).__name__}) sums "
                             f"the experts' outputs over the ranks, but the plan splits none of its parameters "
@@ -560,9 +623,27 @@ def _experts_params(model, modules, names, key, hf_params) -> tuple[dict, str]:
             params[leaf] = {"dim": 1, **({"parts": params[weight]["parts"]} if "parts" in params[weight] else {})}
     if "down_proj_bias" in own and "down_proj_bias" not in params:
         params["down_proj_bias"] = {"after_sum": True}
-    note = (f"HF moe_tp_experts with {hf_params} ({type(module).__name__}, is_transposed = {transposed}, "
+    note = (f"HF {hf_tp_plan_style} with {hf_params} ({type(module).__name__}, is_transposed = {transposed}, "
             f"is_concatenated = {concatenated}): every expert's intermediate dimension split, output all-reduced")
     return params, note
+
+
+def _identity_from(model, modules, names, rule: str) -> str | int:
+    """The ``identity_from`` of an experts module holding HF's ``moe_identity_expert`` (``rule``):
+    the first expert index of its zero-computation experts, the number of routed experts. The config
+    attribute ``n_routed_experts`` when it equals the experts' ``down_proj`` dim 0 (each routed expert
+    has one), else that number.
+
+    Raises:
+        RecipeError: the module holds no 3-D ``down_proj`` to count its routed experts by.
+    """
+    down = getattr(modules[names[0]], "down_proj", None)
+    if not isinstance(down, nn.Parameter) or down.dim() != 3:
+        raise _error(model, f"HF rule {rule!r} = 'moe_identity_expert': {_IDENTITY}; tpify counts identity experts "
+                            f"once after the sum from the routed experts' count, which needs a 3-D down_proj "
+                            f"(one per routed expert) on {names[0]}")
+    routed = _config_int(getattr(model, "config", None), "n_routed_experts")
+    return "n_routed_experts" if routed == down.shape[0] else int(down.shape[0])
 
 
 def _replicate_routers(modules, styles, names, add_rule):
@@ -577,6 +658,171 @@ def _replicate_routers(modules, styles, names, add_rule):
                 found.setdefault(wildcard(rel), []).append(rel)
     for key, rels in found.items():
         add_rule(key, rels, "replicate", "beside the experts (a router): a full copy")
+
+
+def _rowwise_without_split_input(modules, styles, rules, add_rule) -> None:
+    """HF's ``rowwise`` on a layer that no split layer beside it feeds becomes ``replicate``.
+
+    HF's ``RowwiseParallel`` takes a replicated input and shards it itself, so HF's plan may match
+    a row layer whose module splits nothing: glm5_next's ``layers.*.self_attn.o_proj`` covers the
+    latent-attention layers (fed by the column-parallel ``kv_b_proj``) and the linear-attention ones,
+    whose ``q_proj``/``k_proj``/``v_proj`` the plan leaves whole. tpify's row layer reads an input
+    that is already split (Megatron's ``input_is_parallel``): where the layers beside it in its
+    module (above wrappers of that one layer) are all whole, its input is whole, and the exact
+    equivalent is a full copy. The rule is
+    narrowed to the layers with a split input, and a ``replicate`` rule takes the others. Pure."""
+    columns = {"colwise", "packed_colwise"}
+
+    def owner(rel: str) -> str:
+        """The module a layer belongs to: its parent, above wrappers holding that one layer (gemma4's
+        ``o_proj`` wrapping ``o_proj.linear``)."""
+        parent = rel.rpartition(".")[0]
+        while parent and sum(1 for c in modules[parent].children() if any(True for _ in c.parameters())) == 1:
+            parent = parent.rpartition(".")[0]
+        return parent
+
+    def orphan(rel: str) -> bool:
+        """Other layers beside it, none split: whole layers feed it (a layer alone in its module, BERT's
+        ``attention.output.dense``, is fed from elsewhere and keeps HF's rowwise)."""
+        inside = [o for o in modules if o.startswith(owner(rel) + ".") and o != rel and not rel.startswith(o + ".")
+                  and module_kind(modules[o]) == "linear"]
+        return bool(inside) and not any(styles.get(o) in columns for o in inside)
+
+    orphans = [r for r, s in styles.items() if s == "rowwise" and "." in r and orphan(r)]
+    if not orphans:
+        return
+    for entry in list(rules):
+        rule, note = entry
+        if rule.get("style") != "rowwise":
+            continue
+        match = rule["match"] if isinstance(rule["match"], list) else [rule["match"]]
+        globs = [_compile_glob(p) for p in match]
+        covered = [r for r, s in styles.items() if s == "rowwise" and any(g.match(r) for g in globs)]
+        lost = [r for r in covered if r in orphans]
+        if not lost:
+            continue
+        kept = [r for r in covered if r not in orphans]
+        rules.remove(entry)
+        if kept:
+            add_rule(wildcard(kept[0]), kept, "rowwise", note,
+                     **{k: v for k, v in rule.items() if k not in ("match", "style")})
+        for name in lost:
+            del styles[name]
+        add_rule(wildcard(lost[0]), lost, "replicate",
+                 "HF rowwise, but no column-split layer beside it feeds it (HF's row layer shards a whole input "
+                 "itself; tpify's reads a split one): its input is whole, so a full copy (exact)")
+
+
+def _query_latents(modules, styles, add_rule) -> None:
+    """``latent`` (no shared features) for the query's down projection ``q_a_proj`` beside a latent
+    KV projection, where HF's plan leaves it out and the attention holds a column-parallel layer
+    reading the same hidden states (hy_v4's output gate ``gate_proj``, computed before the queries):
+    that layer starts a sharded region, and ``q_a_proj`` with its norm, which read the replicated
+    hidden states, would be taken for replicated modules inside it (their whole gradients summed
+    again). The ``latent`` style ends the region before it, as the shipped recipes give it. Pure."""
+    found: dict[str, list[str]] = {}
+    for rel, style in styles.items():
+        parent = rel.rpartition(".")[0]
+        q_a = f"{parent}.q_a_proj" if parent else "q_a_proj"
+        if style != "latent" or q_a not in modules or q_a in styles or module_kind(modules[q_a]) != "linear":
+            continue
+        reads = dense_dims(modules[q_a])[0]
+        if any(s == "colwise" and r.rpartition(".")[0] == parent and dense_dims(modules[r])[0] == reads
+               and r not in (f"{parent}.q_b_proj", f"{parent}.kv_b_proj") for r, s in styles.items()):
+            found.setdefault(wildcard(q_a), []).append(q_a)
+    for key, names in found.items():
+        add_rule(key, names, "latent", "beside mla_kv_a_proj, not in HF's plan: the query latent, whole on every "
+                                       "rank; it reads the replicated hidden states, so the sharded region that a "
+                                       "column layer reading them too (a gate) may have started ends there")
+
+
+def _rotary_key_norms(model, modules, by_key, by_construction: list[str], add_rule) -> None:
+    """HF's ``replicated_with_grad_allreduce`` next to multi-head latent attention (``mla_kv_a_proj``).
+
+    A norm of the rotary key (its weight ``(qk_rope_head_dim,)``: dots3's ``k_rope_only_layernorm``)
+    runs between the ``latent`` projection, which ends the sharded region before it, and the heads,
+    which each rank holds only some of: its gradient is partial on each rank, and tpify cannot find
+    it by construction, so it becomes ``replicate_sum_grads`` (summed over the ranks, as HF's
+    all-reduce does; its input's gradient is summed by the latent's ``shared`` features). A norm of
+    a latent (``kv_lora_rank`` / ``q_lora_rank`` wide: ``kv_a_layernorm``) feeds a column-parallel up
+    projection, which sums its gradient already, so HF's all-reduce would count it ``tp_size`` times:
+    refused, as is a rotary-key width equal to a latent's (the two cannot be told apart). Any other
+    module so marked (a norm inside the sharded region) stays found by construction. Pure."""
+    config = getattr(model, "config", None)
+    rope = _config_int(config, "qk_rope_head_dim")
+    ranks = {v for v in (_config_int(config, "kv_lora_rank"), _config_int(config, "q_lora_rank")) if v}
+    for key in list(by_construction):
+        names = by_key.get(key, [])
+        widths = {tuple(p.shape) for n in names for p in modules[n].parameters(recurse=False)}
+        if rope and widths == {(rope,)} and rope not in ranks:
+            by_construction.remove(key)
+            add_rule(key, names, "replicate_sum_grads",
+                     f"HF replicated_with_grad_allreduce next to mla_kv_a_proj: it normalises the rotary key "
+                     f"(qk_rope_head_dim = {rope} wide), which the latent projection's region end leaves outside "
+                     f"the sharded region while only this rank's heads read it: its gradient summed over the ranks")
+        elif any(w[-1] in ranks for w in widths if w):
+            raise _error(model, f"HF marks {key} replicated_with_grad_allreduce next to multi-head latent attention "
+                                f"(mla_kv_a_proj), but its parameters {sorted(widths)} are as wide as a latent "
+                                f"({sorted(ranks)}): a latent's norm feeds a column-parallel up projection, whose "
+                                f"region entry sums its gradient already (summing it again would count it tp_size "
+                                f"times), and a rotary-key norm as wide as a latent cannot be told from it. Give it "
+                                f"style 'replicate_sum_grads' in a recipe only if only this rank's heads read its "
+                                f"output, else 'replicate', and prove it with tpify verify")
+
+
+def _head_split_attention(model, modules, styles) -> set[str]:
+    """The attention modules whose projections the imported rules split by heads: the parents of
+    the column-parallel layers as wide as a head count times the head size."""
+    config = getattr(model, "config", None)
+    hd = _head_dim(config)
+    widths = {n * hd for n in head_counts(config).values()} if hd else set()
+    return {r.rpartition(".")[0] for r, s in styles.items()
+            if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
+
+
+def _bare_parameters(model, modules, styles, add_rule):
+    """A ``replicate`` rule for each module holding parameters of 2 or more dimensions outside any
+    layer (a convolution, a position table, a hyper-connection's mixing matrix, an attention of
+    torch's own) that HF's plan does not name: HF keeps them whole on every rank, and so does the
+    import, on purpose and with the reason in the rule's note (``tpify plan`` lists their bytes),
+    where the planner would otherwise refuse them as uncovered (:func:`tpify.layout.coverage_threshold`).
+    The module is replicated whole (a container) when no layer inside it is split, else only its own
+    parameters are (``params``: llama4's vision tower holds its position table itself).
+
+    Left to the planner's coverage check (refused there, by name, when large): fused experts
+    (``*Experts``: the import splits the ones HF marks ``moe_tp_experts``; others it cannot tell
+    apart from a forgotten rule), except experts whose every output passes a norm of its own
+    (``has_post_expert_norm``: a split along the intermediate dimension would feed it a partial
+    sum, so they stay whole, as HF's plan keeps them); and the parts of a head-split attention
+    (:func:`_check_per_head_params` refuses what holds all heads; the rest reads whole inputs).
+    One-dimensional parameters (norms, biases, per-head scalars) are left as they were."""
+    attention = _head_split_attention(model, modules, styles)
+    containers = [c for c, s in styles.items() if s == "replicate" and module_kind(modules[c]) is None]
+    split = [r for r, s in styles.items() if s != "replicate"]
+    found: dict[tuple, list[str]] = {}
+    for rel, module in modules.items():
+        if module_kind(module) is not None or rel in styles:
+            continue
+        if any(rel.startswith(c + ".") for c in containers):
+            continue
+        own = sorted(n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2)
+        if not own or any(rel == a or rel.startswith(a + ".") for a in attention):
+            continue
+        cls = type(module).__name__
+        if "Expert" in cls:
+            if getattr(module, "has_post_expert_norm", False) is not True:
+                continue
+            note = (f"fused experts HF's plan leaves whole ({cls}, has_post_expert_norm): each expert's output passes "
+                    f"its own norm, which a split along the intermediate dimension would feed a partial sum; a full "
+                    f"copy on every rank, as in HF (no memory saved on the experts)")
+        else:
+            note = (f"{cls} holds {own}, parameters outside any layer that HF's plan does not name: HF keeps them "
+                    f"whole on every rank; a full copy")
+        inner = [r for r in split if r.startswith(rel + ".") or (not rel and r)]
+        whole = tuple(own) if inner else ()  # split layers inside: only its own parameters stay whole
+        found.setdefault((wildcard(rel), whole, note), []).append(rel)
+    for (key, whole, note), names in found.items():
+        add_rule(key, names, "replicate", note, **({"params": list(whole)} if whole else {}))
 
 
 _KV_HEADS = "num_key_value_heads"
@@ -650,9 +896,56 @@ def _tie_heads(model, modules, styles, rules, add_rule):
             add_rule(wildcard(h), [h], want, note, optional=True)
 
 
+def _normalises_last_dim(module: nn.Module) -> bool:
+    """Whether a norm module normalises over its input's last dimension only (its ``forward``
+    takes the mean over ``-1``: Cohere's ``CohereLayerNorm``), so that a weight ``(heads, head_dim)``
+    scales each head's own normalised values; torch's ``nn.LayerNorm`` / ``nn.RMSNorm`` by their
+    ``normalized_shape`` (one dimension)."""
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
+        return isinstance(shape, tuple) and len(shape) == 1
+    src = _forward_source(module)
+    return bool(re.search(r"\.mean\(\s*(dim\s*=\s*)?-1\s*[,)]", src)) and not re.search(r"\.mean\(\s*(dim\s*=\s*)?\(", src)
+
+
+def _attention_parts(modules, parents):
+    """``(attention module, part name, part)`` for each module inside a head-split attention that
+    is no layer (the attention itself included)."""
+    for parent in sorted(parents):
+        for rel, module in modules.items():
+            if (rel == parent or rel.startswith(parent + ".")) and module_kind(module) is None:
+                yield parent, rel, module
+
+
+def _per_head_norms(model, modules, styles, per_head: dict) -> None:
+    """Norms inside a head-split attention whose weight holds one row per head, ``(heads, head_dim)``,
+    and that normalise each head over its ``head_dim`` only (Cohere's ``q_norm`` / ``k_norm`` with
+    ``use_qk_norm``): the weight is split with the heads (added to ``per_head``: a ``per_head`` rule,
+    dim 0), so each rank scales its own heads by their own rows; the statistics need nothing (each
+    head's are its own). A norm over all heads at once (one weight as wide as every head: ESMC's
+    ``q_norm``) cannot be split so: :func:`_check_per_head_params` refuses it."""
+    config = getattr(model, "config", None)
+    heads, hd = head_counts(config), _head_dim(config)
+    if not heads or not hd:
+        return
+    for parent, rel, module in _attention_parts(modules, _head_split_attention(model, modules, styles)):
+        own = dict(module.named_parameters(recurse=False))
+        own_hd = getattr(modules.get(parent), "head_dim", None)
+        width = own_hd if isinstance(own_hd, int) else hd
+        rows = {p.shape[0] for p in own.values()}
+        if (rel != parent and own and len(rows) == 1 and all(tuple(p.shape) in {(n, width) for n in heads.values()
+                                                                              if n > 1} for p in own.values())
+                and _normalises_last_dim(module)):
+            leaves = per_head.setdefault(wildcard(rel), [])
+            leaves.extend(n for n in sorted(own) if n not in leaves)
+
+
 def _check_per_head_params(model, modules, styles, per_head=None):
     """Refuse a parameter holding all heads inside an attention module whose projections split heads
-    (the module's own parameters and its parts', those a ``per_head`` rule splits excepted)."""
+    (the module's own parameters and its parts', those a ``per_head`` rule splits excepted). A
+    matrix whose last dimension is the hidden size (``(k, hidden)``: a projection of the whole
+    hidden states written as a bare parameter, glm5_next's indexer gate) reads the replicated input,
+    not the heads: that dimension is not counted as a projection's width."""
     config = getattr(model, "config", None)
     heads = head_counts(config)
     hd = _head_dim(config)
@@ -661,31 +954,36 @@ def _check_per_head_params(model, modules, styles, per_head=None):
     split = {(n, leaf) for owner, leaves in (per_head or {}).items() for n in modules if wildcard(n) == owner
              for leaf in leaves}
     widths = {n * hd for n in heads.values()}
-    parents = {r.rpartition(".")[0] for r, s in styles.items()
-               if s in ("colwise", "packed_colwise") and _out_features(modules[r]) in widths}
-    for parent in sorted(parents):
+    hidden = _config_int(config, "hidden_size")
+    for parent, rel, module in _attention_parts(modules, _head_split_attention(model, modules, styles)):
         # the attention module's own head dim (gemma4's full-attention layers: twice the config's)
         own = getattr(modules.get(parent), "head_dim", None)
-        for rel, module in modules.items():
-            if not (rel == parent or rel.startswith(parent + ".")) or module_kind(module) is not None:
+        for pname, param in module.named_parameters(recurse=False):
+            if (rel, pname) in split:
                 continue
-            for pname, param in module.named_parameters(recurse=False):
-                if (rel, pname) in split:
-                    continue
-                shape = tuple(param.shape)
-                if isinstance(own, int) and shape == (own,) and own not in heads.values():
-                    continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
-                per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
-                # (head_dim,) is one head's width, not all heads', even when a count is 1 (one KV head):
-                # q/k norms over head_dim are the same for every head and stay replicated
-                per_head = per_head or bool(head_dims(shape, set(heads.values()), own if isinstance(own, int) else hd))
-                if per_head or any(s in widths and s != hd for s in shape):
-                    raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or "
-                                        f"the full projection width), but HF's plan splits the heads of "
-                                        f"{parent}'s projections and does not split it (it would stay whole, "
-                                        f"which is not the dense model). Split it with the heads (style "
-                                        f"'per_head') or keep the attention whole (replicate its projections) in "
-                                        f"a recipe")
+            shape = tuple(param.shape)
+            if isinstance(own, int) and shape == (own,) and own not in heads.values():
+                continue  # one value per dim of a head, shared by every head (a q_norm / k_norm)
+            per_head = any(shape[i] in heads.values() and shape[i + 1] == hd for i in range(len(shape) - 1))
+            # (head_dim,) is one head's width, not all heads', even when a count is 1 (one KV head):
+            # q/k norms over head_dim are the same for every head and stay replicated
+            per_head = per_head or bool(head_dims(shape, set(heads.values()), own if isinstance(own, int) else hd))
+            read = shape[:-1] if len(shape) >= 2 and shape[-1] == hidden else shape  # (k, hidden): reads x
+            if not (per_head or any(s in widths and s != hd for s in read)):
+                continue
+            what = (f"Split it with the heads (style 'per_head') or keep the attention whole (replicate its "
+                    f"projections) in a recipe")
+            if len(shape) == 1 and shape[0] in widths and hasattr(module, "normalized_shape") or (
+                    len(shape) == 1 and shape[0] in widths and re.search(r"Norm", type(module).__name__)):
+                what = (f"{type(module).__name__} normalises over the full projection width {shape[0]} (every "
+                        f"head at once: its statistics mix all heads), so a rank holding some of the heads cannot "
+                        f"compute it; unlike a norm per head (a weight (heads, head_dim) normalising each head), it "
+                        f"cannot be split with the heads. Keep the attention whole in a recipe: replicate "
+                        f"{parent.rpartition('.')[0] and wildcard(parent) or parent} (its projections and norms), "
+                        f"and split the MLP colwise / rowwise")
+            raise _error(model, f"{rel}.{pname} has shape {shape}: it holds values for all heads (or the full "
+                                f"projection width), but HF's plan splits the heads of {parent}'s projections and "
+                                f"does not split it (it would stay whole, which is not the dense model). {what}")
 
 
 def _forward_source(module: nn.Module) -> str:

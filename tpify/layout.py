@@ -150,7 +150,7 @@ class Layout:
         agreement compares on its own, so that a different size is reported as such)."""
         return digest([sorted((f, m.style, m.partition_sizes, m.padded_size, m.replicated_parts, m.replica_shards,
                                m.output_scale,
-                               m.params, m.expert_parallel, m.shared_features, m.uneven)
+                               m.params, m.expert_parallel, m.shared_features, m.uneven, m.identity_experts)
                               for f, m in self.modules.items()),
                             sorted((f, list(a)) for f, a in self.divides.items()), sorted(self.config_divides.items()),
                             sorted((f, list(a)) for f, a in self.kv_divides.items()),
@@ -499,8 +499,17 @@ class _Planner:
         """The one styled rule of a module (or its replicated container's) plans it."""
         container = _outermost_container(fqn, self.containers)
         if module_kind(module) is None and not any(style_of(r.style).kind == "params" for r in styled):
-            if styled and styled[0].style == "replicate" and len(styled) == 1:
+            replicated = len(styled) == 1 and styled[0].style == "replicate"
+            if replicated and styled[0].params:  # its own named parameters whole; its children keep their rules
+                entry = style_of("replicate").plan(self.ctx, fqn, module, styled[0])
+                if entry is not None and container is None:
+                    self.layout.modules[fqn] = entry
+            elif replicated:
                 self.containers[fqn] = styled[0]  # everything shardable inside it stays a full copy
+            elif len(styled) == 1 and styled[0].style == "replicate_sum_grads" and container is None:
+                entry = style_of(styled[0].style).plan(self.ctx, fqn, module, styled[0])  # a norm, its grads summed
+                if entry is not None:
+                    self.layout.modules[fqn] = entry
             elif styled:
                 style_of(styled[0].style).plan(self.ctx, fqn, module, styled[0])  # the style says why not
             return
@@ -575,9 +584,15 @@ class _Planner:
             for pname, param in module.named_parameters(recurse=False):
                 if param.numel() >= threshold:
                     holders.setdefault(id(param), []).append((mname, pname, module, param))
+
+        def covered(mname: str, pname: str) -> bool:
+            entry = self.layout.modules.get(mname)
+            if entry is not None and entry.style == "replicate" and entry.params:  # its named parameters only
+                return any(name == pname for name, _, _ in entry.params)
+            return entry is not None or mname in containers or _outermost_container(mname, containers) is not None
+
         for places in holders.values():
-            if any(m in self.layout.modules or m in containers or _outermost_container(m, containers) is not None
-                   for m, _, _, _ in places):
+            if any(covered(m, p) for m, p, _, _ in places):
                 continue
             mname, pname, module, param = places[0]
             rel = relative_fqn(self.model, mname)
@@ -740,9 +755,12 @@ def _moe_blocks(model: nn.Module, layout: Layout, gathers: tuple[str, ...], erro
                             f"run without sequence_parallel)")
             continue
         biases = [name for name, dim, _ in entry.params if dim == AFTER_SUM]
+        if entry.identity_experts is not None:
+            biases.append(f"identity experts from index {entry.identity_experts}")
         if biases and not entry.expert_parallel:
             errors.append(f"sequence parallelism: the fused experts {fqn} add whole biases {biases} after their sum "
-                          f"(after_sum), which tpify counts once in the all-reduce, not in the block's reduce-scatter "
+                          f"(after_sum, identity_from), which tpify counts once in the all-reduce, not in the block's "
+                          f"reduce-scatter "
                           f"(not supported: run without sequence_parallel, or with ep_size)")
             continue
         container, experts = model.get_submodule(block), model.get_submodule(fqn)

@@ -40,7 +40,8 @@ Styles (the names of Hugging Face's and PyTorch's TP plans):
         gradient summed over the ranks.
     ``per_head``: the named parameters of a module holding one value per head (attention sinks)
         split with the heads (``params``; ``kv_heads`` for one value per KV head).
-    ``replicate``: left as it is, a full copy on every rank.
+    ``replicate``: left as it is, a full copy on every rank (a container: everything inside it; with
+        ``params``, a list of its own parameter names: only those, its children keeping their rules).
 
 Every key, with an example per feature, is in ``docs/recipes.md``.
 """
@@ -55,7 +56,7 @@ from pathlib import Path
 
 from .hf_modules import base_model_and_prefix, config_get, config_has
 from .loss import LOGIT_OPS
-from .styles import AFTER_SUM
+from .styles import AFTER_SUM, WHOLE
 from .styles import STYLES as _STYLE_OBJECTS
 
 __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "load_recipe", "recipe_dirs",
@@ -63,7 +64,7 @@ __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "l
 
 STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
 _RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "kv_counts", "divide", "head_inputs",
-              "optional", "when", "params", "shared"}
+              "optional", "when", "params", "shared", "identity_from"}
 _PARAM_KEYS = {"dim", "parts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule", "include"}
@@ -121,6 +122,9 @@ class Rule:
     # 'latent' only: the trailing output features every head reads directly (DeepSeek's k_pe, a
     # config attribute or a number); their gradient is summed over the ranks
     shared: str | int | None = None
+    # 'experts' only: the expert index from which the router's choices are zero-computation identity
+    # experts (longcat_flash: the token itself, weighted), a config attribute or a number
+    identity_from: str | int | None = None
     origin: str = ""  # where an included rule comes from: "<recipe file> at <prefix>" (compose)
     _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
 
@@ -224,7 +228,7 @@ class Recipe:
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
         return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
-                  r.params, r.kv_heads, r.kv_groups, r.kv_counts, r.shared) for r in self.rules]
+                  r.params, r.kv_heads, r.kv_groups, r.kv_counts, r.shared, r.identity_from) for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops),
@@ -336,8 +340,8 @@ class Recipe:
                 fail(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
             match = raw.get("match")
             patterns = [match] if isinstance(match, str) else match
-            if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
-                fail(f"{where} needs 'match': a glob string or a list of them")
+            if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
+                fail(f"{where} needs 'match': a glob string or a list of them (\"\": the base model itself)")
             style = raw.get("style")
             if style is not None and style not in STYLES:
                 fail(f"{where} (match={patterns}) has unknown style {style!r}; known styles: {list(STYLES)}")
@@ -406,6 +410,13 @@ class Recipe:
                     or (isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0))):
                 fail(f"{where} (match={patterns}): 'shared' (the trailing output features every head reads, a config "
                      f"attribute name or a non-negative integer) is for style 'latent' only")
+            identity_from = raw.get("identity_from")
+            if identity_from is not None and (style != "experts" or not (
+                    (isinstance(identity_from, str) and identity_from)
+                    or (isinstance(identity_from, int) and not isinstance(identity_from, bool) and identity_from >= 0))):
+                fail(f"{where} (match={patterns}): 'identity_from' (the first expert index of the zero-computation "
+                     f"identity experts, a config attribute name or a non-negative integer) is for style 'experts' "
+                     f"only")
             optional = raw.get("optional", False)
             if not isinstance(optional, bool):
                 fail(f"{where} (match={patterns}): 'optional' must be true or false")
@@ -415,7 +426,8 @@ class Recipe:
                      f"(booleans, numbers or strings)")
             rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
                               tuple(replicated_parts), tuple(head_inputs), params, kv_heads=kv_heads,
-                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts), shared=shared))
+                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts), shared=shared,
+                              identity_from=identity_from))
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
                    loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
                    tuple(tuple(r) for r in renames), subclasses, sp, includes)
@@ -445,7 +457,15 @@ def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ..
     """A rule's ``params`` table: ``{ name = { dim = d, parts = n } }`` -> ``((name, d, n), ...)``
     sorted by name (``parts`` 1 when not given); ``{ after_sum = true }`` (``experts`` only: a bias
     added to each expert's output, kept whole and counted once) -> ``(name, AFTER_SUM, 1)``. The
-    ``experts`` and ``per_head`` styles take it, and need it."""
+    ``experts`` and ``per_head`` styles take it, and need it. ``replicate`` takes a list of the
+    module's own parameter names instead (``["positional_embedding_vlm"]`` -> ``(name, WHOLE, 1)``):
+    those parameters whole on purpose, the module's children keeping their own rules."""
+    if style == "replicate" and raw is not None:
+        if not (isinstance(raw, list) and raw and all(isinstance(n, str) and n and "." not in n for n in raw)
+                and len(set(raw)) == len(raw)):
+            fail(f"{where}: 'params' of style 'replicate' must be a list of distinct names of the module's own "
+                 f"parameters, kept whole on purpose (its children keep their own rules)")
+        return tuple((name, WHOLE, 1) for name in sorted(raw))
     if raw is None:
         if style == "experts":
             fail(f"{where}: style 'experts' needs 'params', the parameters it splits and how: params = "
@@ -455,7 +475,8 @@ def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ..
                  f"dimension: params = {{ sinks = {{ dim = 0 }} }}")
         return ()
     if style not in ("experts", "per_head"):
-        fail(f"{where}: 'params' is only for styles 'experts' and 'per_head'")
+        fail(f"{where}: 'params' is only for styles 'experts' and 'per_head' (and, as a list of the module's own "
+             f"parameter names kept whole, 'replicate')")
 
     def split(spec) -> bool:
         return (set(spec) <= _PARAM_KEYS and "dim" in spec
@@ -491,11 +512,13 @@ def loss_terms_of(config) -> list[dict]:
 def logit_ops_of(config) -> list[dict]:
     """The ``[loss] logits`` a config's model applies to its LM head's output, for a recipe written
     from the config (``tpify draft``, the imported HF plan), in the order transformers applies
-    them: ``logit_scale`` multiplies (Cohere), ``logits_scaling`` divides (Granite),
-    ``final_logit_softcapping`` caps (Gemma 2 and 3: ``cap * tanh(logits / cap)``). Local; reads
+    them: ``logit_scale`` multiplies (Cohere), ``lm_head_multiplier`` multiplies (Falcon-H1),
+    ``logits_scaling`` divides (Granite), ``final_logit_softcapping`` caps (Gemma 2 and 3:
+    ``cap * tanh(logits / cap)``). Local; reads
     attribute names only. A declaration the model does not follow is refused when the chunked
     loss checks it (:mod:`tpify.hooks.lm_loss`)."""
-    found = [("multiply", "logit_scale"), ("divide", "logits_scaling"), ("softcap", "final_logit_softcapping")]
+    found = [("multiply", "logit_scale"), ("multiply", "lm_head_multiplier"), ("divide", "logits_scaling"),
+             ("softcap", "final_logit_softcapping")]
     return [{op: name} for op, name in found if hasattr(config, name)]
 
 
@@ -625,6 +648,8 @@ def compose(recipe: Recipe, model) -> Recipe:
                               tuple((a, d, at(h)) for a, d, h in r.head_inputs), r.params,
                               at(r.kv_heads) if isinstance(r.kv_heads, str) else r.kv_heads, r.kv_groups,
                               kv_counts=r.kv_counts, shared=at(r.shared) if isinstance(r.shared, str) else r.shared,
+                              identity_from=at(r.identity_from) if isinstance(r.identity_from, str)
+                              else r.identity_from,
                               origin=f"{inner.source} at {prefix}" + (f" ({r.origin})" if r.origin else "")))
         divisible += [at(n) for n in inner.divisible]
         divide_config += [at(n) for n in inner.divide_config]

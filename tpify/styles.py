@@ -51,7 +51,8 @@ class ModuleLayout:
         sequence_parallel: the module lies in a sequence-parallel stretch (inside a module whose
             input is gathered along ``T``): its layer is built with ``sequence_parallel=True``.
         params: ``experts`` and ``per_head``: the rule's ``(parameter name, split dimension, packed
-            parts)`` (dimension :data:`AFTER_SUM`: an experts bias kept whole, counted once).
+            parts)`` (dimension :data:`AFTER_SUM`: an experts bias kept whole, counted once);
+            ``replicate``: the module's own parameters kept whole (dimension :data:`WHOLE`).
         expert_parallel: ``experts`` only: whole experts per rank (``parallelize(..., ep_size=)``),
             every parameter split along dim 0 (the experts), the tokens exchanged between ranks.
         shared_features: ``latent`` only: the trailing output features every head reads directly
@@ -59,6 +60,9 @@ class ModuleLayout:
         uneven: a split dimension ``tp_size`` does not divide is split by torch.chunk's rule
             (:func:`tpify.sharding.chunk_range`: an MLP's or the experts' intermediate size), which
             the planner allows only where it finds no head (:meth:`PlanContext.split_size`).
+        identity_experts: ``experts`` only: the first expert index of the zero-computation identity
+            experts (their output is the token itself, weighted), or None: each rank's partial output
+            holds them whole, so :mod:`tpify.hooks.experts` counts them once after the sum.
     """
 
     fqn: str
@@ -76,6 +80,7 @@ class ModuleLayout:
     expert_parallel: bool = False
     shared_features: int = 0
     uneven: bool = False
+    identity_experts: int | None = None
 
     @property
     def styler(self) -> "Style":
@@ -243,12 +248,45 @@ class Style:
 
 
 class _Replicate(Style):
-    """``replicate``: a full copy on every rank (any module; a container's whole contents)."""
+    """``replicate``: a full copy on every rank (any module; a container's whole contents). With the
+    rule's ``params`` (a module that is no layer): only the module's own parameters it names, on
+    purpose (a position table held by a vision tower whose layers are split), its children keeping
+    their own rules; a name the module does not hold itself is a plan error."""
 
     name = "replicate"
 
     def plan(self, ctx, fqn, module, rule):
-        return ModuleLayout(fqn, self.name, rule.index)
+        entry = ModuleLayout(fqn, self.name, rule.index, params=rule.params)
+        own = dict(module.named_parameters(recurse=False))
+        missing = [name for name, _, _ in rule.params if name not in own]
+        if missing:
+            ctx.errors.append(f"{fqn} ({type(module).__name__}): {rule.describe()} keeps its parameters {missing} "
+                              f"whole, but it holds no such parameter of its own (it holds {sorted(own)})")
+            return None
+        return entry
+
+
+class _ReplicateSumGrads(_Replicate):
+    """``replicate_sum_grads``: a full copy on every rank (any module that is no container of split
+    layers: a norm) whose parameters' gradients are partial sums on each rank, summed over the TP
+    group in backward (:mod:`tpify.hooks.region_grads`; transformers' ``replicated_with_grad_allreduce``).
+
+    For a module that runs on replicated activations but whose output only this rank's heads read,
+    where tpify cannot find it by construction: dots3's ``k_rope_only_layernorm`` normalises
+    multi-head latent attention's rotary key, which goes from the ``latent`` projection (the sharded
+    region ended before it) straight into every local head, so each rank's gradient of its weight is
+    the part of its own heads. (A replicated module inside a sharded region needs no rule: tpify
+    sums its gradients by construction, :class:`tpify.hooks.region_grads.ReplicatedInRegion`.)
+    Declared on a module whose gradient is already whole it would come out ``tp_size`` times too
+    large: ``tpify verify`` checks every gradient.
+
+    Communication: backward, one all-reduce of each of its parameters' gradients.
+    """
+
+    name = "replicate_sum_grads"
+    sequence_parallel = False
+    sequence_parallel_refusal = ("its gradient would be partial over the tokens as well as the heads; not supported "
+                                 "yet")
 
 
 class _Embedding(Style):
@@ -493,12 +531,23 @@ class _Experts(_Params):
         problems += _interface_problems(module, own, rule.params, ctx.ep_size > 1)
         if ctx.ep_size > 1:
             problems += self._expert_parallel_problems(module, own, names)
+        identity = rule.identity_from
+        if isinstance(identity, str):
+            identity = config_get(ctx.config, identity)
+        if rule.identity_from is not None and (not isinstance(identity, int) or isinstance(identity, bool)
+                                               or identity < 0):
+            problems.append(f"identity_from = {rule.identity_from!r} is {identity!r}, not a non-negative integer (the "
+                            f"first expert index of the identity experts)")
+        elif rule.identity_from is not None and ctx.ep_size > 1:
+            problems.append("identity experts (identity_from) with expert parallelism: a token routed to one has no "
+                            "rank to travel to (not supported: use tensor-parallel experts)")
         if problems:
             ctx.errors.append(f"{fqn} ({cls}): style 'experts' ({rule.describe()}) cannot split it: "
                               + "; ".join(problems) + ". tpify splits only what it understands: give the module "
                               "style 'replicate' to keep it whole")
             return False
         entry.params, entry.expert_parallel = rule.params, ctx.ep_size > 1
+        entry.identity_experts = identity if rule.identity_from is not None else None
         return True
 
     @staticmethod
@@ -630,6 +679,8 @@ def _slice_params(module: nn.Module, specs: dict, rank: int) -> None:
 #: ``dim`` of an ``experts`` rule's parameter that is not split: a bias added to every expert's
 #: output (``down_proj_bias (E, H)``), kept whole and counted once after the sum over the ranks.
 AFTER_SUM = -1
+#: The "dimension" of a parameter a ``replicate`` rule's ``params`` names: kept whole on purpose.
+WHOLE = -2
 #: transformers' experts interface (integrations/moe.py): the packed gate/up parameters, the
 #: dimension of ``I`` in each parameter (by ``is_transposed``), and the bias added after ``down_proj``.
 _GATE_UP = ("gate_up_proj", "gate_up_proj_bias")
@@ -758,7 +809,7 @@ _EXPERTS_ALIASES = {"router_indices": "top_k_index", "routing_weights": "top_k_w
 
 STYLES: dict[str, Style] = {s.name: s for s in (_Colwise(), _PackedColwise(), _ColwiseRep(), _Rowwise(),
                                                 _EmbeddingRowwise(), _EmbeddingColwise(), _Experts(), _Latent(), _PerHead(),
-                                                _Replicate())}
+                                                _Replicate(), _ReplicateSumGrads())}
 
 
 def style_of(name: str) -> Style:

@@ -28,8 +28,16 @@ granitemoe (concatenated ``[gate | up]`` (E, 2I, H), parts 2, router ``block_spa
 replicated), glm4_moe (shared experts column / row as HF marks them, dense first layer), llama4_text
 (transposed experts (E, H, 2I): ``gate_up_proj`` split along dim 2, ``down_proj`` along dim 1;
 a shared expert). Every case's loss includes the router aux loss (``output_router_logits``) where
-the config declares one. Refusals kept by name (pure, no spawn): longcat_flash (an identity
-expert inside the experts' partial sum) and inkling_text (HF's ``all_reduce`` on the shared experts).
+the config declares one.
+
+What newer plans hold that the import now expresses (a third spawned job, ``FEATURE_CASES``, each
+family used only while its plan has the property): a linear attention HF keeps whole with its
+conv1d (qwen3_5_text), per-head q/k norms split with the heads (cohere, ``use_qk_norm``), identity
+experts counted once (longcat_flash), shared experts HF all-reduces (inkling_text), a rotary-key
+norm beside latent attention whose gradient is summed (dots3_note_text), a row layer without a
+split input kept whole (glm5_next_text); with negative controls (identity experts counted on
+every rank, the rotary-key norm's gradient left partial) that must fail. Refusals kept by name
+(pure, no spawn): doge and embedding_gemma2_text, whose plans are not the dense model.
 
 Each case compares, against the dense float64 model: every output with a left-padding mask,
 the ``labels=`` loss, every gathered gradient, greedy ``generate`` (identical token ids), and a
@@ -242,10 +250,137 @@ def test_imported_moe_experts_are_exact(moe_results, label):
     assert any(n.startswith(f"tpify: no shipped recipe for {model_type}; ") for n in notices), notices
 
 
-@pytest.mark.parametrize("model_type, reason", [("longcat_flash", "zero-computation experts"),
-                                                ("inkling_text", r"sums its output \('all_reduce'\), a module outside transformers' experts")])
-def test_moe_plan_tpify_cannot_express_is_refused_by_name(model_type, reason):
+def _plan_has(model_type, predicate) -> bool:
+    """Whether the installed transformers knows ``model_type`` and its TP plan has the property."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return False
+    return bool(predicate(dict(getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None) or {})))
+
+
+def _styled(plan, style, part=""):
+    return any(v == style and part in k for k, v in plan.items())
+
+
+# What transformers' newer plans hold that the import now expresses (issue 31), each proved exact at
+# tp = 2 through tpify.parallelize(model) with no recipe (the import), on the family named, which is
+# used only while its plan has the property (else the case is skipped: the tests do not depend on
+# which model types transformers gives a plan). label -> (model_type, the plan's property, task,
+# config changes, what the imported recipe holds).
+FEATURE_CASES = {
+    "linear attention whole (conv1d)": (
+        "qwen3_5_text", lambda p: _styled(p, "colwise_gather_output", "linear_attn."), "causal-lm", {},
+        lambda rules: any(r["match"] == "layers.*.linear_attn.conv1d" and r["style"] == "replicate" for r in rules)),
+    "per-head q/k norms": (
+        "cohere", lambda p: _styled(p, "colwise", "q_proj"), "causal-lm", {"use_qk_norm": True},
+        lambda rules: {r["match"] for r in rules if r.get("style") == "per_head"}
+        == {"layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"}),
+    "identity experts": (
+        "longcat_flash", lambda p: _styled(p, "moe_identity_expert"), "causal-lm", {},
+        lambda rules: any(r.get("identity_from") for r in rules)),
+    "shared experts all-reduced": (
+        "inkling_text", lambda p: _styled(p, "all_reduce"), "causal-lm", {},
+        lambda rules: any(r["match"] == "layers.*.mlp.shared_experts" and r["style"] == "experts" for r in rules)),
+    "rotary-key norm beside latent attention": (
+        "dots3_note_text", lambda p: _styled(p, "mla_kv_a_proj") and _styled(p, "replicated_with_grad_allreduce"),
+        "causal-lm", {}, lambda rules: any(r.get("style") == "replicate_sum_grads" for r in rules)),
+    "row layer without a split input": (
+        "glm5_next_text", lambda p: _styled(p, "mla_kv_a_proj") and _styled(p, "rowwise", "self_attn.o_proj"), "base",
+        {}, lambda rules: any(r.get("style") == "replicate" and "o_proj" in str(r["match"]) for r in rules)),
+}
+# Negative controls (same job): the imported recipe without what the case needs must FAIL.
+#   identity experts: the experts rule without identity_from (identity experts counted tp times);
+#   rotary-key norm: the norm replicated without summing its gradient (partial per rank).
+FEATURE_CONTROLS = {"identity experts": ("forward logits", lambda r: {k: v for k, v in r.items() if k != "identity_from"}),
+                    "rotary-key norm beside latent attention": (
+                        "gradients", lambda r: {**r, "style": "replicate"} if r.get("style") == "replicate_sum_grads"
+                        else r)}
+
+
+def _feature_body(rank, world, workdir):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from tpify.authoring.checks import check_case
+    from tpify.authoring.target import head_classes
+    from tpify.hf_plan import import_hf_plan
+    from tpify.recipe import Recipe
+
+    hf_logging.set_verbosity_error()
+    out = {}
+    for label, (model_type, has, task, changes, _) in FEATURE_CASES.items():
+        if not _plan_has(model_type, has):
+            continue
+        cls = head_classes(model_type)[task]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = check_case(cls, _config(model_type, changes), world, workdir=workdir, target=label, task=task)
+        out[label] = (rows, sorted({str(w.message) for w in caught if "no shipped recipe" in str(w.message)}))
+        if label in FEATURE_CONTROLS:
+            with torch.device("meta"):
+                imported = import_hf_plan(cls(_config(model_type, changes)))
+            data = {**imported.data, "rule": [FEATURE_CONTROLS[label][1](r) for r in imported.data["rule"]]}
+            rows = check_case(cls, _config(model_type, changes), world, recipe=Recipe.from_dict(data, "control"),
+                              workdir=workdir, target=f"{label} (control)", task=task)
+            out[f"{label} (control)"] = (rows, [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def feature_results(tmp_path_factory):
+    return tputil.spawn(_feature_body, 2, str(tmp_path_factory.mktemp("hf_features") / "work"), timeout=900)[0]
+
+
+@pytest.mark.parametrize("label", list(FEATURE_CASES))
+def test_newer_plan_features_import_exact(feature_results, label):
+    """Each of :data:`FEATURE_CASES` through the import: the imported rules hold what the feature
+    needs, and every check passes (outputs, loss, gradients, generate, save/load); its negative
+    control (:data:`FEATURE_CONTROLS`) fails where the feature is left out."""
+    model_type, has, task, changes, holds = FEATURE_CASES[label]
+    if not _plan_has(model_type, has):
+        pytest.skip(f"the installed transformers gives {model_type} no plan with this property")
+    imported = _imported_task(model_type, task, changes)
+    assert holds(imported.data["rule"]), imported.data["rule"]
+    rows, notices = feature_results[label]
+    _assert_rows(label, rows)
+    assert any(n.startswith(f"tpify: no shipped recipe for {model_type}; ") for n in notices), notices
+    if label in FEATURE_CONTROLS:
+        check, _ = FEATURE_CONTROLS[label]
+        caught = [r for r in feature_results[f"{label} (control)"][0] if r.check.startswith(check)]
+        print(f"measured: {label} left out: {[(r.check, r.max_diff) for r in caught]}")
+        assert caught and not all(r.passed for r in caught), caught
+
+
+def _imported_task(model_type, task, changes):
+    import torch
+
+    from tpify.authoring.target import head_classes
+    from tpify.hf_plan import import_hf_plan
+
+    with torch.device("meta"):
+        return import_hf_plan(head_classes(model_type)[task](_config(model_type, changes)))
+
+
+@pytest.mark.parametrize("model_type, reason", [("doge", r"dt_proj reads the values of ALL KV heads.*match = "
+                                                          r"\"layers.\*.self_attn\", style = \"replicate\""),
+                                                ("embedding_gemma2_text", r"a single KV head.*style = \"replicate\"")])
+def test_plan_that_is_not_the_dense_model_is_refused_by_name(model_type, reason):
+    """The families tpify refuses by name (hf_plan._REFUSED_FAMILIES: HF's plan is not the dense
+    model), each message saying what to write instead."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from tpify.authoring.target import family_head_classes
     from tpify.recipe import RecipeError
 
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"the installed transformers does not know {model_type}")
+    import torch
+
+    from tpify.hf_plan import import_hf_plan
+
+    config = _config(model_type, {})
+    with torch.device("meta"):
+        model = next(iter(family_head_classes(config).values()))(config)
     with pytest.raises(RecipeError, match=reason):
-        _imported(model_type, {})
+        import_hf_plan(model)

@@ -631,7 +631,16 @@ NEWLY_BUILDABLE = {"cohere_compass_text": "layer_types with rope_parameters per 
                    "t5gemma2_decoder": "a composite's part, fed the encoder's hidden states",
                    "dots3_note_vision_encoder": "a vision tower fed patches and grid_thw (MoE, per-layer configs)",
                    "clip_vision_model": "a shipped tower recipe alone, fed (B, C, S, S) images",
-                   "qwen3_omni_moe_talker_text": "a part fed inputs_embeds (its composite's embeddings)"}
+                   "qwen3_omni_moe_talker_text": "a part fed inputs_embeds (its composite's embeddings)",
+                   # transformers 5.24's families (issue 31): validators and widths of the small config,
+                   # and what the imported plans leave out kept whole with a reason
+                   "falcon_h1": "mamba_d_ssm tied to mamba_d_head x mamba_n_heads by its validator",
+                   "dory": "serialised (attention, mlp) block pairs; input / recurrent / output sections",
+                   "lfm2": "block_multiple_of; a short-convolution layer (its Conv1d kept whole)",
+                   "bamba": "an attention layer (transformers' all-mamba default fails in its own forward)",
+                   "hunyuan_vl_text": "mrope_section (its default has none)",
+                   "llama4_vision_model": "a position table of the tower itself kept whole (replicate params)",
+                   "olmo_hybrid": "a linear attention's conv1d HF's plan leaves out, kept whole with a reason"}
 
 
 @pytest.mark.slow
@@ -645,7 +654,9 @@ def test_newly_buildable_families_are_exact_tp2():
     (no token ids), their loss the fixed projection of their outputs. Negative control in the same
     job: qwen2_vl_vision's recipe with its packed qkv split contiguously, fed patches alone, must
     FAIL on the outputs (measured 9.7e-3 on last_hidden_state)."""
-    families = sorted(NEWLY_BUILDABLE)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    families = sorted(m for m in NEWLY_BUILDABLE if m in CONFIG_MAPPING_NAMES)
     wrong = Target("qwen2_vl_vision", recipe=_wrong_tower_recipe(), label="qwen2_vl_vision (qkv colwise)")
     report = verify_many([Target(m) for m in families] + [wrong], (2,), timeout_s=900)
     _timings(report, 2)
@@ -703,11 +714,22 @@ def test_cli_bad_target_and_head_class_exit_2(capsys):
 
 # ---- without ranks ---------------------------------------------------------------------------
 
+def _refuses_gqa(config, name: str, kv: int) -> bool:
+    """Whether ``config``'s class refuses ``kv`` KV heads (fewer than its heads)."""
+    try:
+        type(config).from_dict({**config.to_dict(), name: kv})
+    except Exception:  # noqa: BLE001 - the class's validation error
+        return True
+    return False
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_small_configs_have_the_sizes_asked_for(tp):
     """Standard names through attribute_map (gpt2 n_embd/n_head, t5 d_model/d_kv/num_heads/d_ff,
     bloom n_head, falcon num_kv_heads): the built model (meta device) is small and divisible
-    (multi-head latent attention expands its latent to every head: its KV heads are its heads)."""
+    (multi-head latent attention expands its latent to every head: its KV heads are its heads; so do
+    config classes that refuse grouped-query attention, esmc's: small_config gives them as many KV
+    heads as heads)."""
     families = sorted(set(available_recipes()) - set(_VISION_LANGUAGE) | {"t5", "bloom", "falcon", "gpt_bigcode"})
     for family in families:
         config = small_config(resolve_config(family), (tp,))
@@ -719,6 +741,8 @@ def test_small_configs_have_the_sizes_asked_for(tp):
             if isinstance(getattr(config, "kv_lora_rank", None), int):  # latent attention: one KV head per head
                 assert kv in (None, config.num_attention_heads), (family, name, kv)
                 continue
+            if isinstance(kv, int) and kv == config.num_attention_heads != min(tp, 4) and _refuses_gqa(config, name, tp):
+                continue  # the config class refuses fewer KV heads than heads (esmc)
             if isinstance(kv, int) and kv != 1:  # 1: multi-query (gpt_bigcode), kept
                 assert kv % tp == 0 and kv == min(tp, 4), (family, name, kv)
         with torch.device("meta"):
@@ -901,3 +925,63 @@ def test_dense_reference_choices_without_ranks():
         torch.nn.functional.grouped_mm(x, w, offs=torch.tensor([16, 32], dtype=torch.int32))
     assert _refuses_float64(grouped_mm.value), grouped_mm.value
     assert not _refuses_float64(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+
+
+def test_small_configs_meet_the_validators_and_widths_of_newer_families():
+    """Families whose default config verify could not make small before (transformers 5.24), on the
+    meta device: falcon_h1's validator (mamba_d_head x mamba_n_heads = mamba_d_ssm); dory's serialised
+    (attention, mlp) block pairs and its sections (input + recurrent + output = layers); inkling2's
+    unpadded vocabulary and inkling2_loop's looped layers inside the model; lfm2's MLP width rounded to
+    block_multiple_of (256 at full size) and a short-convolution layer beside an attention one;
+    bamba's attention layer (transformers' all-mamba default fails in its own forward); hunyuan_vl's
+    mrope_section (its default has none, which its rotary embedding reads). A model_type the installed
+    transformers does not know is left out."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    def small(model_type, tp=2):
+        return small_config(resolve_config(model_type), (tp,)) if model_type in CONFIG_MAPPING_NAMES else None
+
+    checks = {
+        "falcon_h1": lambda c: c.mamba_d_head * c.mamba_n_heads == c.mamba_d_ssm,
+        "dory": lambda c: (len(c.layer_types) == c.num_hidden_layers == c.n_input_layers + c.n_recurrent_layers
+                           + c.n_output_layers and c.n_input_layers >= 1 and c.n_recurrent_layers >= 1),
+        "inkling2_text": lambda c: c.unpadded_vocab_size == c.vocab_size == 101,
+        "inkling2_loop_text": lambda c: (0 < c.loop_layer_index_start < c.loop_layer_index_end <= c.num_hidden_layers
+                                         and c.loop_num_passes <= 2 and c.unpadded_vocab_size == 101),
+        "lfm2": lambda c: c.block_multiple_of <= 16 and {"conv", "full_attention"} <= set(c.layer_types),
+        "bamba": lambda c: "full_attention" in c.layer_types,
+        "hunyuan_vl_text": lambda c: sum(c.rope_parameters["mrope_section"]) == c.hidden_size // c.num_attention_heads // 2,
+    }
+    for model_type, check in checks.items():
+        for tp in (2, 4):
+            config = small(model_type, tp)
+            if config is None:
+                continue
+            assert check(config), (model_type, tp, config.to_dict())
+            sizes = check_build_size(config, list(family_head_classes(config).values()))
+            assert sizes and max(sizes.values()) < 250_000, (model_type, sizes)
+    lfm2 = small("lfm2", 4)
+    if lfm2 is not None:
+        with torch.device("meta"):
+            model = next(iter(family_head_classes(lfm2).values()))(lfm2)
+        widths = {m.out_features for n, m in model.named_modules() if n.endswith("feed_forward.w1")}
+        assert widths and all(w <= 48 and w % 4 == 0 for w in widths), widths
+
+
+def test_a_dense_model_that_fails_in_transformers_is_named_as_such():
+    """A dense model whose own forward raises inside transformers' code (llama4's
+    Llama4ForConditionalGeneration in transformers 5.24 reads ``outputs.image_outputs`` from its
+    language model's output, which has none) is reported as transformers' own failure, naming the
+    class, the error and the frame, before anything is parallelized (tpify.authoring.reference
+    ``DenseModelFailed``). Constructed: a Llama whose rotary embedding is missing."""
+    import verify_models as vm
+
+    from tpify.authoring.inputs import case_config as _case_config
+    from tpify.authoring.reference import DenseModelFailed
+    from tpify.authoring.reference import dense_reference as _dense_reference
+
+    config = _case_config(small_config(resolve_config("llama"), (2,)), "base", "llama")
+    with pytest.raises(DenseModelFailed, match=r"transformers' own dense NoRotaryLlamaModel fails before tpify "
+                                               r"parallelizes anything: TypeError: .*models/llama/modeling_llama.py:\d+ "
+                                               r"in forward.*not of tpify: nothing was compared"):
+        _dense_reference(vm.NoRotaryLlamaModel, config, "base")

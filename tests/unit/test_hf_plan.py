@@ -6,7 +6,10 @@ without ranks: models on the meta device or small random ones on the CPU.
   model -> replicate, packed_colwise on an nn.Linear -> packed_colwise parts 2,
   replicated_with_grad_allreduce -> no rule; every unsupported style -> RecipeError naming the
   style and the module; real MoE plans import the shipped recipes' experts rule; cohere's per-head
-  ``q_norm`` (use_qk_norm) refused.
+  ``q_norm`` (use_qk_norm) split with the heads, a norm over all heads refused by name; what HF's
+  plan leaves out or cannot express kept whole with a reason (bare parameters, row layers without a
+  split input, gathered ModuleList heads, forward-overriding heads), shared experts HF all-reduces
+  and identity experts as ``experts`` rules, a rotary-key norm beside latent attention summed.
 * The imported recipe builds a layout at tp = 2 for every head class of qwen3, olmo2, granite,
   starcoder2, cohere, glm (every linear / embedding covered), says it was imported, and a tied
   head follows its embedding (a forward-overriding embedding: both replicated).
@@ -117,10 +120,163 @@ def test_real_moe_plans_import_the_shipped_recipes_experts_rule(model_type):
     assert rules[("layers.*.mlp.gate",)].style == "replicate"
 
 
-def test_per_head_norm_is_refused():
-    """cohere's q_norm with use_qk_norm holds (heads, head_dim): HF splits the heads, not it."""
-    with pytest.raises(RecipeError, match=r"layers.0.self_attn.q_norm.weight has shape \(4, 8\)"):
-        recipe_from_hf_plan(_meta("cohere", use_qk_norm=True))
+def test_per_head_norm_is_split_with_the_heads():
+    """cohere's q_norm / k_norm with use_qk_norm hold (heads, head_dim) and normalise each head over
+    its head_dim (CohereLayerNorm: the mean over the last dimension): imported as per_head rules
+    (dim 0), the KV heads' norm with kv_heads, so each rank scales its own heads by their rows
+    (exact at tp 2 and 4: tests/distributed/test_hf_plan_families.py)."""
+    model = _meta("cohere", use_qk_norm=True)  # 4 heads, 2 KV heads
+    recipe = recipe_from_hf_plan(model)
+    per_head = {r.patterns: (r.params, r.kv_heads) for r in recipe.rules if r.style == "per_head"}
+    assert per_head == {("layers.*.self_attn.q_norm",): ((("weight", 0, 1),), None),
+                        ("layers.*.self_attn.k_norm",): ((("weight", 0, 1),), "num_key_value_heads")}
+    for tp, q_rows, k_rows in ((2, 2, 1), (4, 1, 1)):
+        modules = build_layout(model, recipe, tp).modules
+        assert modules["model.layers.0.self_attn.q_norm"].specs["weight"].local_shape((4, 8)) == (q_rows, 8)
+        assert modules["model.layers.0.self_attn.k_norm"].specs["weight"].local_shape((2, 8)) == (k_rows, 8)
+
+
+def test_norm_over_all_heads_is_refused_by_name():
+    """A q_norm over the whole projection width (ESM C's LayerNorm(hidden) on q_proj's output: its
+    statistics mix every head) cannot be split with the heads: the import names it, says why and
+    what to write instead. Constructed: qwen3's per-head q_norm replaced by a norm over all heads."""
+    model = _meta("qwen3")
+    width = model.config.num_attention_heads * model.config.head_dim
+    for layer in model.model.layers:
+        layer.self_attn.q_norm = torch.nn.LayerNorm(width, device="meta")
+    with pytest.raises(RecipeError, match=r"layers.0.self_attn.q_norm.weight has shape \(32,\).*normalises over the "
+                                          r"full projection width 32.*cannot be split with the heads.*replicate "
+                                          r"layers.\*.self_attn"):
+        recipe_from_hf_plan(model)
+
+
+class _FusedExperts(torch.nn.Module):
+    """Fused expert weights no plan names (``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``)."""
+
+    def __init__(self, post_norm: bool):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(8, 96, 32, device="meta"))
+        self.down_proj = torch.nn.Parameter(torch.empty(8, 32, 48, device="meta"))
+        if post_norm:
+            self.has_post_expert_norm = True
+            self.post_expert_norm = torch.nn.LayerNorm(32, device="meta")
+
+
+def test_bare_parameters_hf_leaves_out_are_kept_whole_with_a_reason():
+    """Parameters of 2 or more dimensions outside any layer that HF's plan does not name are kept
+    whole on purpose, each rule saying why: a convolution (the linear attention's conv1d of
+    qwen3_5 / olmo_hybrid) as a container, a table held by the base model itself beside split
+    layers (llama4's vision position table) by ``replicate`` with ``params``, fused experts whose
+    outputs pass a norm of their own (muse_spark) whole. Fused experts HF leaves out otherwise are
+    not covered: the planner refuses them by name (a forgotten rule is not kept whole silently).
+    Constructed on qwen3 (its plan splits attention and MLP)."""
+    model = _meta("qwen3")
+    base = model.model
+    base.pos_table = torch.nn.Parameter(torch.empty(17, 32, device="meta"))
+    for layer in base.layers:
+        layer.conv = torch.nn.Conv1d(32, 32, 4, groups=32, device="meta")
+        layer.normed_experts = _FusedExperts(post_norm=True)
+    imported = import_hf_plan(model)
+    rules = {r.patterns: r for r in imported.recipe().rules}
+    notes = dict(zip([tuple([d["match"]] if isinstance(d["match"], str) else d["match"]) for d in imported.data["rule"]],
+                     imported.notes))
+    assert rules[("",)].style == "replicate" and [n for n, _, _ in rules[("",)].params] == ["pos_table"]
+    assert rules[("layers.*.conv",)].style == "replicate" and not rules[("layers.*.conv",)].params
+    assert "HF's plan does not name" in notes[("layers.*.conv",)]
+    assert rules[("layers.*.normed_experts",)].style == "replicate"
+    assert "has_post_expert_norm" in notes[("layers.*.normed_experts",)]
+    layout = build_layout(model, imported.recipe(), 2)
+    assert layout.modules["model"].style == "replicate"  # the base model's own table, its layers split
+    assert layout.modules["model.layers.0.self_attn.q_proj"].style == "colwise"
+    for layer in base.layers:
+        layer.plain_experts = _FusedExperts(post_norm=False)
+    with pytest.raises(Exception, match=r"layers.0.plain_experts.gate_up_proj \(_FusedExperts"):
+        build_layout(model, recipe_from_hf_plan(model), 2)
+
+
+def test_rowwise_without_a_split_input_is_kept_whole():
+    """HF's rowwise on a layer whose neighbours the plan leaves whole (glm5_next's linear-attention
+    o_proj under the latent attention's glob) reads a whole input: imported as replicate; a row
+    layer fed by column-split neighbours stays rowwise. Constructed with a plan on qwen3."""
+    plan = {BASE + "o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
+            "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    imported = import_hf_plan(_with_plan(plan))
+    styles = _styles(imported.recipe())
+    assert styles["layers.*.self_attn.o_proj"] == "replicate" and styles["layers.*.mlp.down_proj"] == "rowwise"
+    note = imported.notes[[r["match"] for r in imported.data["rule"]].index("layers.*.self_attn.o_proj")]
+    assert "no column-split layer beside it" in note
+
+
+def test_shared_experts_hf_all_reduces_import_as_experts():
+    """HF's ``all_reduce`` on a module of 3-D parameters it splits colwise / rowwise (inkling's shared
+    experts, ``(n_shared, I, H)`` / ``(n_shared, H, I)``: a sum over the split intermediate
+    dimension) becomes an ``experts`` rule, each parameter along its intermediate dimension."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = torch.nn.Parameter(torch.empty(1, 48, 32, device="meta"))
+            self.up_proj = torch.nn.Parameter(torch.empty(1, 48, 32, device="meta"))
+            self.down_proj = torch.nn.Parameter(torch.empty(1, 32, 48, device="meta"))
+
+    model = _meta("qwen3")
+    for layer in model.model.layers:
+        layer.mlp.shared = Shared()
+    shared = "model.layers.*.mlp.shared"
+    model._tp_plan = {**model._tp_plan, shared: "all_reduce", shared + ".gate_proj": "colwise",
+                      shared + ".up_proj": "colwise", shared + ".down_proj": "rowwise"}
+    recipe = recipe_from_hf_plan(model)
+    rule = next(r for r in recipe.rules if r.patterns == ("layers.*.mlp.shared",))
+    assert rule.style == "experts" and rule.params == (("down_proj", 2, 1), ("gate_proj", 1, 1), ("up_proj", 1, 1))
+    specs = build_layout(model, recipe, 2).modules["model.layers.0.mlp.shared"].specs
+    assert specs["gate_proj"].local_shape((1, 48, 32)) == (1, 24, 32)
+
+
+def test_identity_experts_import_and_are_counted_once():
+    """HF's ``moe_identity_expert`` inside a ``moe_tp_experts`` module (longcat_flash's
+    zero-computation experts: the token itself, weighted) imports as the experts rule's
+    ``identity_from``: the routed experts' count (down_proj's dim 0), from which tpify counts them
+    once after the sum (tpify.hooks.experts); expert parallelism refuses them by name."""
+
+    class Experts(_FusedExperts):
+        def __init__(self):
+            super().__init__(post_norm=False)
+            self.identity_expert = torch.nn.Identity()
+
+    model = _meta("qwen3")
+    for layer in model.model.layers:
+        layer.mlp.experts = Experts()
+    key = "model.layers.*.mlp.experts"
+    model._tp_plan = {**model._tp_plan, key: "moe_tp_experts", key + ".gate_up_proj": "packed_colwise",
+                      key + ".down_proj": "rowwise", key + ".identity_expert": "moe_identity_expert"}
+    recipe = recipe_from_hf_plan(model)
+    rule = next(r for r in recipe.rules if r.patterns == ("layers.*.mlp.experts",))
+    assert rule.style == "experts" and rule.identity_from == 8
+    assert build_layout(model, recipe, 2).modules["model.layers.0.mlp.experts"].identity_experts == 8
+    with pytest.raises(Exception, match=r"identity experts \(identity_from\) with expert parallelism"):
+        build_layout(model, recipe, 2, ep_size=2)
+
+
+def test_heads_hf_gathers_that_tpify_cannot_split_are_kept_whole():
+    """A ModuleList of LM heads marked colwise_gather_output (Qwen3-Omni's code predictor: one head
+    per code group, the forward picks one per call) and a head whose class overrides
+    ``nn.Linear.forward`` (dory's logit scale) are imported as replicate, with the reason."""
+
+    class ScaledHead(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = _meta("qwen3")
+    model.lm_head = torch.nn.ModuleList([torch.nn.Linear(32, 101, bias=False, device="meta") for _ in range(2)])
+    imported = import_hf_plan(model)
+    assert _styles(imported.recipe())["lm_head"] == "replicate"
+    assert "ModuleList of heads" in imported.notes[[r["match"] for r in imported.data["rule"]].index("lm_head")]
+    build_layout(model, imported.recipe(), 2)
+    model = _meta("qwen3")
+    model.lm_head = ScaledHead(32, 101, bias=False, device="meta")
+    imported = import_hf_plan(model)
+    assert _styles(imported.recipe())["lm_head"] == "replicate"
+    assert any("overrides nn.Linear.forward" in line for line in imported.review)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -321,3 +477,29 @@ def test_latent_attention_plans_import_as_latent_unless_a_norm_needs_its_gradien
     model._tp_plan = {**model._tp_plan, BASE + "kv_a_layernorm": "replicated_with_grad_allreduce"}
     with pytest.raises(RecipeError, match=r"replicated_with_grad_allreduce next to multi-head latent attention"):
         recipe_from_hf_plan(model)
+
+
+def test_latent_attention_beside_a_gate_and_a_rotary_key_norm():
+    """Beside ``mla_kv_a_proj``: a column layer reading the hidden states (hy_v4's output gate,
+    computed before the queries) makes the query's down projection ``q_a_proj`` a ``latent`` too
+    (the region ends before it, so it and its norm are not summed as if fed split heads); a norm of
+    the rotary key HF marks ``replicated_with_grad_allreduce`` (dots3's ``k_rope_only_layernorm``,
+    ``qk_rope_head_dim`` wide: only this rank's heads read its output) becomes
+    ``replicate_sum_grads``. Constructed on minicpm3; a latent's own norm so marked stays refused
+    (test_latent_attention_plans_import_as_latent_unless_a_norm_needs_its_gradient_summed)."""
+    model = _meta("minicpm3")
+    config = model.config
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.gate_proj = torch.nn.Linear(config.hidden_size, config.num_attention_heads * config.v_head_dim,
+                                         bias=False, device="meta")
+        attn.k_rope_only_layernorm = torch.nn.RMSNorm(config.qk_rope_head_dim, device="meta")
+    model._tp_plan = {**model._tp_plan, BASE + "gate_proj": "colwise",
+                      BASE + "k_rope_only_layernorm": "replicated_with_grad_allreduce"}
+    recipe = recipe_from_hf_plan(model)
+    styles = _styles(recipe)
+    assert styles["layers.*.self_attn.q_a_proj"] == "latent" and styles["layers.*.self_attn.gate_proj"] == "colwise"
+    assert styles["layers.*.self_attn.k_rope_only_layernorm"] == "replicate_sum_grads"
+    layout = build_layout(model, recipe, 2)
+    assert layout.modules["model.layers.0.self_attn.k_rope_only_layernorm"].style == "replicate_sum_grads"
+    assert layout.modules["model.layers.0.self_attn.q_a_proj"].shared_features == 0

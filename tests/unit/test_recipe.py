@@ -28,6 +28,10 @@ def test_shipped_recipes_load():
     ({"match": "a", "style": "packed_colwise", "parts": 1}, "'parts' must be an integer >= 2"),
     ({"match": "a", "style": "colwise", "extra": 1}, "unknown keys ['extra']"),
     ({"match": "a", "divide": "num_heads"}, "'divide' must be a list"),
+    ({"match": "a", "style": "replicate", "params": {"w": {"dim": 0}}}, "'params' of style 'replicate' must be a list"),
+    ({"match": "a", "style": "colwise", "params": ["w"]}, "'params' is only for styles"),
+    ({"match": "a", "style": "colwise", "identity_from": 4}, "'identity_from'"),
+    ({"match": "a", "style": "experts", "params": {"w": {"dim": 1}}, "identity_from": -1}, "'identity_from'"),
 ])
 def test_malformed_rules_are_named(rule, needle):
     with pytest.raises(RecipeError, match="rule #0") as err:
@@ -259,3 +263,18 @@ def test_a_recipe_name_with_path_separators_is_refused_not_read(tmp_path, monkey
     assert tpify.load_recipe("gpt2").model_type == "gpt2"
     with pytest.raises(tpify.RecipeError, match="no tpify recipe for model_type 'no_such_family'"):
         tpify.load_recipe("no_such_family")
+
+
+def test_replicate_params_root_match_identity_and_summed_grads_read_back():
+    """``replicate`` with ``params`` (its own parameters whole, not a container), ``match = ""`` (the
+    base model itself), the experts rule's ``identity_from`` and the ``replicate_sum_grads`` style."""
+    from tpify.styles import WHOLE
+
+    recipe = Recipe.from_dict({"model_type": "x", "rule": [
+        {"match": "", "style": "replicate", "params": ["pos_table", "cls"]},
+        {"match": "layers.*.mlp.experts", "style": "experts", "params": {"down_proj": {"dim": 2}},
+         "identity_from": "n_routed_experts"},
+        {"match": "layers.*.self_attn.k_rope_only_layernorm", "style": "replicate_sum_grads"}]}, "test.toml")
+    root, experts, norm = recipe.rules
+    assert root.patterns == ("",) and root.params == (("cls", WHOLE, 1), ("pos_table", WHOLE, 1))
+    assert experts.identity_from == "n_routed_experts" and norm.style == "replicate_sum_grads"

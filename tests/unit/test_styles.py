@@ -112,6 +112,7 @@ STYLE_FACTS = {  # name: (kind, region, lm_head, vocab_rows, sequence_parallel, 
     "latent": ("linear", None, False, False, False, False),
     "per_head": ("params", None, False, False, True, True),
     "replicate": (None, None, False, False, True, False),
+    "replicate_sum_grads": (None, None, False, False, False, False),
 }
 
 

@@ -377,6 +377,9 @@ def _whole_reason(model, layout, module, mname: str, pname: str, numel: int = 0)
         return "bias of a rowwise layer: whole on every rank, added once after the all-reduce"
     if entry.style == "replicate":
         return _replicate_reason(model, layout, mname)
+    if entry.style == "replicate_sum_grads":
+        return (f"style replicate_sum_grads ({_replicate_reason(model, layout, mname).removeprefix('style replicate ')}"
+                f"): whole, its gradient, partial on each rank, summed over the ranks")
     if entry.style == "latent":
         shared = (f"; the gradient of its last {entry.shared_features} output features (read by every head) summed"
                   if entry.shared_features else "")

@@ -91,6 +91,9 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
             notes.append("split unevenly (torch.chunk's rule)")
         if m.get("expert_parallel"):
             notes.append("whole experts per rank (dim 0), tokens exchanged")
+        elif m.get("split_params") and m["style"] == "replicate":
+            notes.append("its own " + ", ".join(q["name"] for q in m["split_params"]) + " whole on purpose (replicate "
+                         "params); its layers keep their own rules")
         elif m.get("split_params"):
             notes.append("; ".join(f"{q['name']} whole, counted once after the sum" if q["dim"] < 0 else
                                    f"{q['name']} dim {q['dim']}" + (f" in {q['parts']} parts" if q["parts"] > 1 else "")

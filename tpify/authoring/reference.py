@@ -34,7 +34,7 @@ from .compare import ATOL, RTOL, TOLERANCE, float32_tolerance
 from .inputs import float_outputs, loss_of, make_inputs, synthetic_loss, text_config
 from .verify_report import DENSE_REFERENCE
 
-__all__ = ["DenseNotFinite", "PERTURB_STD", "Reference", "build_seeded", "dense_reference", "float64_loss_function",
+__all__ = ["DenseNotFinite", "DenseModelFailed", "PERTURB_STD", "Reference", "build_seeded", "dense_reference", "float64_loss_function",
            "perturb_constants", "use_eager_experts"]
 
 def float64_loss_function(loss_type: str):
@@ -90,6 +90,33 @@ def _use_float64_loss(model) -> None:
 
 class DenseNotFinite(RuntimeError):
     """The dense reference gives NaN or infinity on every input verify tries: nothing to compare."""
+
+
+class DenseModelFailed(RuntimeError):
+    """transformers' own dense model raised (built, or run forward and backward on verify's batch),
+    before tpify parallelized anything: the family's code fails, not tpify's; nothing to compare.
+    The message names the class, the error and where in transformers it was raised."""
+
+
+def _transformers_failure(cls: type, error: BaseException) -> BaseException:
+    """``error`` as a :class:`DenseModelFailed` naming the frame of transformers' modeling code it
+    came from (the deepest frame inside ``transformers/``), or ``error`` itself when it did not pass
+    through transformers' code (an error of tpify's own input builders stays what it is)."""
+    import traceback
+
+    import transformers
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/transformers/" in f.filename.replace("\\", "/")]
+    if not frames:
+        return error
+    frame = frames[-1]
+    where = frame.filename.replace("\\", "/").rpartition("/transformers/")[2]
+    first = str(error).splitlines()[0] if str(error) else ""
+    return DenseModelFailed(f"transformers' own dense {cls.__name__} fails before tpify parallelizes anything: "
+                            f"{type(error).__name__}: {first} (transformers {transformers.__version__}, "
+                            f"{where}:{frame.lineno} in {frame.name}); a failure of the family's code, not of tpify: "
+                            f"nothing was compared")
 
 
 # A kernel's refusal of float64, as torch and transformers word it: grouped_mm's "Expected mat_a
@@ -440,8 +467,21 @@ def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dt
 
     Raises:
         DenseNotFinite: no padding gives finite values (names what is NaN / infinite for each).
-        Exception: anything else the dense model raises (it is not the parallel model's fault).
+        DenseModelFailed: transformers' own dense model raised while built or run (the message
+            names the class, the error and the frame of transformers' code it came from; it is not
+            the parallel model's fault).
+        Exception: anything else raised on the way (tpify's input builders).
     """
+    try:
+        return _dense_reference(cls, config, task, seed, dtype)
+    except (DenseNotFinite, DenseModelFailed):
+        raise
+    except Exception as e:  # noqa: BLE001 - named as transformers' own failure where it is one
+        raise _transformers_failure(cls, e) from e
+
+
+def _dense_reference(cls: type, config, task: str, seed: int, dtype: torch.dtype | None) -> Reference:
+    """:func:`dense_reference`'s work (that function names a failure of transformers' own code)."""
     base, uninitialised = build_seeded(cls, config, seed)
     base.eval()
     perturbed = perturb_constants(base, seed)

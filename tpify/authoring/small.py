@@ -98,6 +98,11 @@ _FAMILY_SIZES = {
     "embedding_dim": lambda sizes, old: min(old, sizes.hidden),
     "embed_dim": lambda sizes, old: min(old, sizes.hidden),  # Qwen2-VL's vision tower width
     "embedding_rank": _at_most(_RANK),
+    "loop_gate_rank": _at_most(_HEAD_DIM),  # inkling2_loop's loop gates
+    # the vocabulary the LM head predicts when the embedding's is padded (inkling2: 200058 of 201024)
+    "unpadded_vocab_size": _fixed(SMALL_VOCAB),
+    # lfm2's MLP width rounded up to a multiple of this (256: a 48-wide small MLP would become 256)
+    "block_multiple_of": _at_most(16),
     "hc_lowrank": _at_most(_HEAD_DIM),
     # relative-position extents (inkling: a table as wide as the window)
     "rel_extent": _at_most(16),
@@ -159,6 +164,18 @@ _DEFAULT_GAPS = {
     # the encoder / decoder of T5Gemma and T5Gemma2 read config.dropout_rate, which only the
     # composite config sets on them
     **{t: {"dropout_rate": 0.0} for t in ("t5_gemma_module", "t5gemma2_decoder", "t5gemma2_text")},
+    # the default layer_types are all linear (mamba) layers (attn_layer_indices None), and the forward
+    # asks the cache for the length of an attention layer's: transformers' own dense BambaModel raises
+    # ValueError (get_seq_length on LinearAttention layers only); one attention layer, as in the
+    # released Bamba checkpoints
+    "bamba": {"attn_layer_indices": [1]},
+    # the default layer_types are all attention; LFM2's checkpoints interleave short-convolution
+    # layers (a depthwise Conv1d), which the small model then shows too
+    "lfm2": {"layer_types": _Replace(("conv", "full_attention"))},
+    # HunYuanVLTextRotaryEmbedding reads rope_parameters["mrope_section"] (len(None) fails: the dense
+    # model raises TypeError in transformers itself); the default has none. Four equal sections
+    # (position, width, height, image index: the 4-axis layout the config documents)
+    "hunyuan_vl_text": {"rope_parameters": {"mrope_section": [16, 16, 16, 16]}},
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
                        "indexer_compress_ratio": 2},
 }
@@ -355,6 +372,7 @@ def _layer_count(d: dict, amap: dict) -> int | None:
 
 def _shrink_dict(d: dict, amap: dict, sizes: _SmallSizes, config) -> None:
     """Make one config dict (the config's own, or a sub-config's) small, in place."""
+    _unpair_blocks(d, amap)
     layers = _layer_count(d, amap)
     _fill_gaps(d, _DEFAULT_GAPS.get(d.get("model_type"), {}), layers)
     entries = per_layer_entries(d, layers) if layers else {}
@@ -367,6 +385,7 @@ def _shrink_dict(d: dict, amap: dict, sizes: _SmallSizes, config) -> None:
         keep = keep_layers(entries, layers, SMALL_LAYERS, d)
         layer_keys = [amap.get(n, n) for n in _LAYER_NAMES + ("num_layers", "n_layer")]
         cut_layers(d, layers, keep, layer_keys)
+    _fit_sections(d, amap)
     for key in entries:  # per-layer overrides: the same sizes, a head dim kept in proportion
         if isinstance(d.get(key), dict):
             for override in d[key].values():
@@ -379,6 +398,45 @@ def _shrink_dict(d: dict, amap: dict, sizes: _SmallSizes, config) -> None:
     if isinstance(d.get("num_layers_per_stack"), int) and isinstance(d.get("H_cycles"), int):
         # hrm_text: num_hidden_layers counts every pass, per stack x H cycles x (L cycles + 1)
         d["num_hidden_layers"] = d["num_layers_per_stack"] * d["H_cycles"] * (d.get("L_cycles", 1) + 1)
+
+
+def _unpair_blocks(d: dict, amap: dict) -> None:
+    """A config dict that lists each layer as two blocks, ``(attention kind, "mlp")`` (dory's
+    ``to_dict``: as its released ``config.json`` files do, with every layer count doubled), made one
+    entry per layer, the form its ``__post_init__`` turns it into: a cut of the paired list would
+    keep unpaired blocks and disagree with the halved counts."""
+    kinds = d.get("layer_types")
+    if not (isinstance(kinds, list) and len(kinds) % 2 == 0 and kinds and all(k == "mlp" for k in kinds[1::2])
+            and "mlp" not in kinds[::2]):
+        return
+    d["layer_types"] = kinds[::2]
+    for key in [amap.get(n, n) for n in _LAYER_NAMES] + ["n_input_layers", "n_recurrent_layers", "n_output_layers"]:
+        if isinstance(d.get(key), int) and not isinstance(d[key], bool):
+            d[key] //= 2
+
+
+def _fit_sections(d: dict, amap: dict) -> None:
+    """Sections of the layers that must fit the small layer count, set after the layers are cut.
+
+    * dory: ``n_input_layers + n_recurrent_layers + n_output_layers`` must equal the layer count
+      (its validator): one input layer, one output layer where there are 3 or more, the others
+      recurrent (looped at most twice);
+    * inkling2_loop: the looped layers ``[loop_layer_index_start, loop_layer_index_end)`` must lie
+      in the model, after its first layer: every layer but the first, run at most twice.
+    """
+    layers = _layer_count(d, amap)
+    if not isinstance(layers, int):
+        return
+    sections = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
+    if all(isinstance(d.get(k), int) for k in sections) and layers >= 2:
+        d.update(n_input_layers=1, n_recurrent_layers=layers - 1 - min(1, layers - 2), n_output_layers=min(1, layers - 2))
+        if isinstance(d.get("n_recurrent_loops"), int):
+            d["n_recurrent_loops"] = min(d["n_recurrent_loops"], 2)
+    if isinstance(d.get("loop_layer_index_start"), int) and isinstance(d.get("loop_layer_index_end"), int) \
+            and layers >= 2:
+        d.update(loop_layer_index_start=1, loop_layer_index_end=layers)
+        if isinstance(d.get("loop_num_passes"), int):
+            d["loop_num_passes"] = min(d["loop_num_passes"], 2)
 
 
 def _set_sizes(d: dict, amap: dict, sizes: _SmallSizes) -> None:
@@ -423,6 +481,8 @@ def _set_family_sizes(d: dict, sizes: _SmallSizes) -> None:
     heads, expand = d.get("mamba_n_heads"), d.get("mamba_expand")
     if isinstance(d.get("mamba_d_head"), int) and isinstance(heads, int) and isinstance(expand, int):
         d["mamba_d_head"] = expand * sizes.hidden // heads
+    if isinstance(d.get("mamba_d_ssm"), int) and isinstance(d.get("mamba_d_head"), int) and isinstance(heads, int):
+        d["mamba_d_ssm"] = d["mamba_d_head"] * heads  # falcon_h1: its validator wants d_head * n_heads = d_ssm
     if isinstance(d.get("mamba_dt_rank"), int):
         d["mamba_dt_rank"] = math.ceil(sizes.hidden / 16)  # transformers' "auto"
     widths = d.get("hidden_sizes")  # the stages of a convolutional tower (muse_spark's audio), widest = hidden

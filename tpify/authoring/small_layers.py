@@ -33,8 +33,9 @@ _SOURCE_PER_LAYER = ("kv_source_layers",)
 
 def _is_layer_set(key: str, value, layers: int) -> bool:
     """A list of distinct layer indices named ``*_layers`` (``mlp_only_layers``, llama4's
-    ``moe_layers``), not one value per layer (``no_rope_layers`` holds 0 / 1 per layer)."""
-    return key.endswith("_layers") and key not in _SOURCE_PER_LAYER and isinstance(value, list) \
+    ``moe_layers``), ``*_idxs`` (lfm2's ``full_attn_idxs``) or ``*_indices`` (bamba's
+    ``attn_layer_indices``), not one value per layer (``no_rope_layers`` holds 0 / 1 per layer)."""
+    return key.endswith(("_layers", "_idxs", "_indices")) and key not in _SOURCE_PER_LAYER and isinstance(value, list) \
         and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value) \
         and len(set(value)) == len(value) and (len(value) != layers or value == list(range(layers)))
 # Keys whose list value never describes layers, whatever its length.

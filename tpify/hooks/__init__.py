@@ -12,7 +12,8 @@ each owned by one module and testable on its own:
 * :mod:`~tpify.hooks.per_head`: per-KV-head parameters held by groups of ranks (their gradients
   summed within each group);
 * :mod:`~tpify.hooks.region_grads`: gradients of replicated parameters used inside a sharded
-  region or a sequence-parallel stretch, summed over the TP group;
+  region or a sequence-parallel stretch, or declared partial (``replicate_sum_grads``), summed
+  over the TP group;
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
 * :mod:`~tpify.hooks.lm_loss`: the ``labels=`` loss from the vocabulary shards;
 * :mod:`~tpify.hooks.guards`: what the model refuses (inputs that differ between ranks, a
@@ -48,6 +49,7 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
     if layout.sequence_parallel is not None and layout.tp_size > 1:
         handles += SequenceParallel(ctx, layout.sequence_parallel).install(model)
     if layout.tp_size > 1:
-        region_grads.install(model, ctx.rng, ctx.group, ctx.state, handles)
+        declared = tuple(f for f, m in layout.modules.items() if m.style == "replicate_sum_grads")
+        region_grads.install(model, ctx.rng, ctx.group, ctx.state, handles, declared)
     handles += lm_loss.install(model, layout, ctx.state)
     return handles

@@ -71,10 +71,11 @@ class TensorParallelExperts(comm.SharesProcessGroups):
             with ``biases``, a call without the routing arguments.
     """
 
-    def __init__(self, group, state, biases: tuple[str, ...] = ()):
+    def __init__(self, group, state, biases: tuple[str, ...] = (), identity: int | None = None):
         self.group, self.state = group, state
         self.biases = biases  # whole biases added to each expert's output (down_proj_bias): counted once
-        self.pending = None  # the call's routing (top_k_index, top_k_weights), as given, for the biases
+        self.identity = identity  # the first index of the identity experts (longcat_flash), or None
+        self.pending = None  # the call's (top_k_index, top_k_weights, hidden_states), as given, for the biases
 
     def __deepcopy__(self, memo):  # a copy of the module runs its own calls
         new = super().__deepcopy__(memo)
@@ -89,9 +90,9 @@ class TensorParallelExperts(comm.SharesProcessGroups):
         anyway, so the forward is unchanged, and each rank's partial gradient of the weights is
         summed before it is rounded to their own dtype, as the dense model rounds the whole one
         (rounded per rank, the float32 gradient of the router would differ by its rounding)."""
-        if self.biases:
+        if self.biases or self.identity is not None:
             bound = _bind(args, kwargs)
-            self.pending = (bound.get("top_k_index"), bound.get("top_k_weights"))
+            self.pending = (bound.get("top_k_index"), bound.get("top_k_weights"), bound.get("hidden_states"))
         if not torch.is_grad_enabled():
             return None
         args, kwargs = _widen_weights(module, args, kwargs)
@@ -120,10 +121,25 @@ class TensorParallelExperts(comm.SharesProcessGroups):
         if self.state.moe_gathered:  # partial sum, reduce-scattered by the block (no after-sum biases: layout)
             return None
         total = comm.reduce_from_tp_region(output, self.group)
-        if self.biases:
-            (index, weights), self.pending = self.pending, None
-            total = total - (comm.group_size(self.group) - 1) * self.bias_term(module, index, weights, total.dtype)
+        if self.biases or self.identity is not None:
+            (index, weights, hidden), self.pending = self.pending, None
+            extra = (self.bias_term(module, index, weights, total.dtype) if self.biases else 0) + (
+                self.identity_term(module, index, weights, hidden, total.dtype) if self.identity is not None else 0)
+            total = total - (comm.group_size(self.group) - 1) * extra
         return total
+
+    def identity_term(self, module, index, weights, hidden, dtype) -> torch.Tensor:
+        """``sum_k [e_k >= identity] w_k x`` per token ``(N, H)``: what the zero-computation identity
+        experts add (longcat_flash: ``LongcatFlashExperts`` returns the token itself, weighted, for an
+        expert index at or above its ``num_routed_experts``). Every rank's partial output holds it
+        whole, so the hook subtracts it ``p - 1`` times, from the inputs as given (not the region
+        copies), as :meth:`bias_term`: the gradients of ``x`` and ``w`` through it reach each rank once
+        and leave, with the copies' ``p`` times summed, the dense ones."""
+        if index is None or weights is None or hidden is None:
+            raise TypeError(f"{type(module).__name__} (style 'experts', identity experts from index {self.identity}): "
+                            f"called without {list(_ARGUMENTS)}, from which tpify counts them once")
+        chosen = (weights.to(dtype) * (index >= self.identity).to(dtype)).sum(dim=-1, keepdim=True)  # (N, 1)
+        return hidden.to(dtype) * chosen
 
     def bias_term(self, module, index: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
         """``sum_k w_k b[e_k]`` per token ``(N, H)``: what the module's whole biases add to its
@@ -250,7 +266,8 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
             pre, post = hooks.dispatch, hooks.combine
         else:
             hooks = TensorParallelExperts(ctx.group, ctx.state,
-                                          tuple(n for n, dim, _ in entry.params if dim == AFTER_SUM))
+                                          tuple(n for n, dim, _ in entry.params if dim == AFTER_SUM),
+                                          entry.identity_experts)
             pre, post = hooks.enter, hooks.leave
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))

@@ -17,6 +17,7 @@ from .. import comm
 from ..context import CallState
 from ..layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..sharding import shard_spec_of
+from .per_head import GroupSummedGrads
 
 __all__ = ["ReplicatedInRegion", "install"]
 
@@ -74,15 +75,25 @@ class ReplicatedInRegion(comm.SharesProcessGroups):
         return None
 
 
-def install(model: nn.Module, tracker, tp_group, state: CallState, handles: list) -> ReplicatedInRegion:
+def install(model: nn.Module, tracker, tp_group, state: CallState, handles: list,
+            declared: tuple[str, ...] = ()) -> ReplicatedInRegion:
     """A :class:`ReplicatedInRegion` pre-hook on every module that holds parameters and is not a
     parallel layer nor holds split ones (fused experts); the gradient hooks it adds later go into
-    ``handles`` too."""
+    ``handles`` too. ``declared``: the FQNs of modules whose parameters' gradients the recipe says
+    are partial on each rank (style ``replicate_sum_grads``): summed over the TP group at every
+    backward (:class:`tpify.hooks.per_head.GroupSummedGrads` over the whole group), and left out of
+    the watcher (summed once, not twice)."""
     watcher = ReplicatedInRegion(tracker, tp_group, handles, state)
     parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
+    for fqn in declared:
+        module = model.get_submodule(fqn)
+        names = tuple(name for name, _ in module.named_parameters(recurse=False))
+        handles.append(module.register_forward_pre_hook(GroupSummedGrads(names, tp_group, handles)))
     for fqn, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         if any(shard_spec_of(p) is not None for p in own):  # split by a style (fused experts): not replicated
+            continue
+        if fqn in declared:
             continue
         if not isinstance(module, parallel) and own:
             watcher.names[id(module)] = fqn
