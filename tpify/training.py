@@ -13,7 +13,6 @@ all-reduce: a fallback for loops that cannot run the model inside DDP.
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -138,6 +137,29 @@ def _replicated_ranges(grad: torch.Tensor, spec) -> list[tuple[int, int]]:
     return [(max(a, start) - start, min(b, stop) - start) for a, b in ranges if min(b, stop) > max(a, start)]
 
 
+def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges of ``[0, size)`` outside the sorted, disjoint ``ranges``."""
+    out, at = [], 0
+    for a, b in ranges:
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    return out + ([(at, size)] if size > at else [])
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``sum_i ||t_i||^2`` as a 0-dim ``dtype`` tensor on ``device``: one ``torch._foreach_norm`` per
+    (device, dtype) group, accumulated in ``dtype`` (no copy of a tensor in that dtype is made)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    total = torch.zeros((), dtype=dtype, device=device)
+    for group in groups.values():
+        norms = torch._foreach_norm(group, 2.0, dtype=dtype)
+        total = total + torch.stack(norms).square().sum().to(device)
+    return total
+
+
 def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float = 2.0,
                      specs: dict | None = None) -> torch.Tensor:
     """The L2 norm of the dense gradient of ``params``, identical on every rank of ``tp_group``.
@@ -145,7 +167,8 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
     ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: a parameter with a
     :class:`~tpify.sharding.ShardSpec` holds a shard, summed over the TP group; a replicated one
     (and the replicated parts of a packed shard, multi-query K/V) holds the same gradient on every
-    TP rank and is counted once (KV heads held by groups of ranks: once per group). Under FSDP2 the
+    TP rank and is counted once (KV heads held by groups of ``g`` ranks: ``1/g`` of their squares
+    per rank, summed over TP). Under FSDP2 the
     replicated parts' rows this rank holds are found from the DTensor's offset along its split
     dimension. Padded vocabulary rows have zero gradient. An uneven split (torch.chunk's rule:
     ranks holding different numbers of rows, possibly none) needs nothing more: every element is
@@ -155,6 +178,12 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
     ``fully_shard`` too (``torch.nn.utils.clip_grad_norm_`` there sums over the DP dimension only:
     each TP rank would clip by its own norm and the replicated weights would drift apart).
     Returns a float32 scalar tensor (float64 when a gradient is float64) on the gradients' device.
+
+    How: the gradients (and the slices of the packed ones, replicated parts apart) are sorted
+    into those summed over TP and those counted once, and each list's squares come from
+    ``torch._foreach_norm`` per (device, dtype), accumulated in the result's dtype (as
+    :func:`torch.nn.utils.clip_grad_norm_` does; no float32 copy of a half-precision gradient).
+    No host sync: the norm stays on the device.
 
     ``specs``: ``{id(parameter): ShardSpec or None}`` (:func:`tpify.api.param_specs`), needed
     when the parameters are FSDP2 DTensors (which lose their ``tp_shard_spec``); default: each
@@ -171,33 +200,41 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
     params = [p for p in _trainable(params) if p.grad is not None]
     device = _local(params[0].grad).device if params else torch.device("cpu")
     dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
-    zero = torch.zeros((), dtype=dtype, device=device)
-    sums: dict[tuple, list[torch.Tensor]] = {}  # DP groups the gradients are split over -> [sharded, replicated]
+    # DP groups the gradients are split over -> (summed over TP, counted once, {g: 1/g of it per rank})
+    lists: dict[tuple, tuple[list, list, dict]] = {}
     for p in params:
         spec = specs[id(p)] if specs is not None else shard_spec_of(p)
-        split = _sharded_groups(p.grad)
-        grad = _local(p.grad).detach().to(dtype)
-        sq = grad.pow(2).sum()
-        acc = sums.setdefault(split, [zero.clone(), zero.clone()])
+        grad = _local(p.grad).detach()
+        sharded, once, partial = lists.setdefault(_sharded_groups(p.grad), ([], [], {}))
         if spec is None:
-            acc[1] += sq
+            once.append(grad)
+            continue
+        rep = _replicated_ranges(p.grad, spec)
+        if not rep:
+            sharded.append(grad)
             continue
         # Replicated parts (K/V) hold the same gradient on each of the replica_group_size ranks holding
         # their KV head: counted once (multi-query: on every rank alike; else 1/g of it per rank, summed over TP).
         # Under FSDP2 this rank holds some rows of them: their squares, summed over DP below.
-        rep = sum((grad.narrow(spec.dim, a, b - a).pow(2).sum() for a, b in _replicated_ranges(p.grad, spec)), zero)
-        whole = spec.replica_group_size == spec.tp_size
-        acc[0] += sq - rep + (0 if whole else rep / spec.replica_group_size)
-        acc[1] += rep if whole else 0
-    sharded, replicated = zero.clone(), zero.clone()
-    for groups, (part_sharded, part_replicated) in sums.items():
-        packed = torch.stack([part_sharded, part_replicated])
+        sharded += [grad.narrow(spec.dim, a, b - a) for a, b in _complement(rep, grad.shape[spec.dim])]
+        slices = [grad.narrow(spec.dim, a, b - a) for a, b in rep]
+        if spec.replica_group_size == spec.tp_size:
+            once += slices
+        else:
+            partial.setdefault(spec.replica_group_size, []).extend(slices)
+    total_sharded = torch.zeros((), dtype=dtype, device=device)
+    total_once = torch.zeros((), dtype=dtype, device=device)
+    for groups, (sharded, once, partial) in lists.items():
+        part_sharded = _sum_of_squares(sharded, dtype, device)
+        for g, slices in partial.items():
+            part_sharded = part_sharded + _sum_of_squares(slices, dtype, device) / g
+        packed = torch.stack([part_sharded, _sum_of_squares(once, dtype, device)])
         for group in groups:  # FSDP2: each rank holds a slice of the gradient along the DP dimension
             comm.all_reduce(packed, group)
-        sharded += packed[0]
-        replicated += packed[1]
-    comm.all_reduce(sharded, tp_group)
-    return (sharded + replicated).sqrt()
+        total_sharded += packed[0]
+        total_once += packed[1]
+    comm.all_reduce(total_sharded, tp_group)
+    return (total_sharded + total_once).sqrt()
 
 
 def clip_params_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_group,
@@ -206,17 +243,23 @@ def clip_params_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_g
 
     Same rule as :func:`torch.nn.utils.clip_grad_norm_` (coefficient ``max_norm / (norm + 1e-6)``
     clamped to 1), applied with the TP-global norm of :func:`params_grad_norm` (``specs``: as
-    there); nothing is scaled when the norm is not finite. Returns the norm before clipping.
-    Communication: that of :func:`params_grad_norm`.
+    there); nothing is scaled when the norm is not finite (the coefficient is 1 there). Returns
+    the norm before clipping, on the device. The coefficient is computed and applied on the
+    device (``torch._foreach_mul_`` per (device, dtype) group, in the gradients' dtype): no host
+    sync. Communication: that of :func:`params_grad_norm`.
     """
     params = _trainable(params)
     total = params_grad_norm(params, tp_group, specs=specs)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if math.isfinite(float(total)):
-        with torch.no_grad():
-            for p in params:
-                if p.grad is not None:
-                    _local(p.grad).mul_(coef.to(p.grad.dtype))
+    coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            grad = _local(p.grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    with torch.no_grad():
+        for (device, dtype), grads in groups.items():
+            torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
     return total
 
 
