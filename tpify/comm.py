@@ -77,8 +77,14 @@ __all__ = [
     "collective_device",
     "count_collectives",
     "SharesProcessGroups",
+    "HostCopy",
+    "DeferredChecks",
+    "raise_unless",
     "checksum",
     "check_same_inputs",
+    "inputs_checksum",
+    "layout_code",
+    "remember_checked",
     "was_checked",
     "forget_checked",
 ]
@@ -322,18 +328,128 @@ class SharesProcessGroups:
         return new
 
 
-def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=None) -> None:
+#: Appended to the message of a check raised at the model's next call (:class:`DeferredChecks`).
+FOUND_LATE = ("(found at the model's next call: tpify checks a call's data on the device and reads the result "
+              "one call later, so as not to stop the host from queuing work ahead; the step in between used that "
+              "call's data)")
+
+
+class HostCopy:
+    """0-dim tensors copied to host memory without blocking, read later (:meth:`values`).
+
+    From an accelerator: one ``torch.stack`` in ``dtype``, copied into page-locked memory with
+    ``non_blocking=True`` and an event recorded after the copy; :meth:`values` waits for that event
+    (the device reaching this point of its queue, not the end of it) and reads host memory with
+    ``numpy`` (which refuses a device tensor). On a CPU the stacked tensor itself.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype):
+        values = [t.detach().reshape(()) for t in tensors]
+        device = values[0].device
+        packed = torch.stack([v.to(device=device, dtype=dtype) for v in values])
+        self.event = None
+        if device.type != "cpu":
+            try:
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            except RuntimeError:  # no page-locked memory for this device: the copy then blocks
+                host = torch.empty(packed.shape, dtype=packed.dtype)
+            host.copy_(packed, non_blocking=True)
+            self.event = torch.Event(device=device)
+            self.event.record()
+            packed = host
+        self.host = packed
+
+    def values(self) -> list:
+        """The values as Python numbers (waits for the copy, not for the device's queue)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy().tolist()
+
+
+class DeferredChecks:
+    """Data checks of a model's call computed on the device and read by the host at the model's
+    next call: no host sync in a steady-state step, a failure raised at most one call late.
+
+    During a call, :func:`raise_unless` with ``defer=`` records here a 0-dim bool tensor that
+    must be true, with the error to raise and, for the message, values to show (:meth:`expect`);
+    :class:`tpify.hooks.guards.BatchCheck` keeps its checksum of the call's inputs
+    (:meth:`keep`). When the call ends (:meth:`submit`, a forward hook that runs even when the
+    call raises) they are packed into one int64 vector and copied to host memory without
+    blocking: page-locked, with an event, from an accelerator; the tensor itself on a CPU. At the
+    next call (:meth:`collect`, the model's first pre-hook) the host waits for that event, the copy
+    queued one call earlier (normally long complete; at most until the device reaches the end of
+    that call's forward, never for its queue to drain), and reads the values from host memory
+    (``numpy``, which refuses a device tensor: a read that would sync cannot slip in); then
+    :meth:`raise_failed` raises the first failed check. Every rank of a TP group raises alike:
+    the checks recorded are on values every rank holds alike (results of an all-reduce, or inputs
+    :class:`~tpify.hooks.guards.BatchCheck` compares), which the model's guard compares first.
+
+    Held by the model's :class:`~tpify.context.CallState` (shared by copies of the model).
+    """
+
+    def __init__(self):
+        self._staged: list[tuple] = []  # (key or None, [tensors], error or note, message, detail)
+        self._pending: list[tuple] = []  # per call not yet collected: (HostCopy, entries)
+
+    def expect(self, ok: torch.Tensor, error: type[Exception], message: str, detail=None) -> None:
+        """Record that ``ok`` (0-dim bool) must be true, else ``error(message)``; ``detail``: None or
+        ``(tensors, format)``, ``format(*values)`` appended to the message (values as Python ints)."""
+        tensors, fmt = detail if detail is not None else ((), None)
+        self._staged.append((None, [ok, *tensors], error, message, fmt))
+
+    def keep(self, key: str, value: torch.Tensor, note=None) -> None:
+        """Record a 0-dim integer ``value`` (and any host ``note``) to read at the next call
+        (:meth:`collect`'s ``key``)."""
+        self._staged.append((key, [value], note, "", None))
+
+    def submit(self, *_hook_args) -> None:
+        """End the call: start the copy of what it recorded to host memory (no wait)."""
+        staged, self._staged = self._staged, []
+        if not staged:
+            return
+        self._pending.append((HostCopy([t for entry in staged for t in entry[1]], torch.int64), staged))
+
+    def collect(self) -> tuple[dict[str, tuple[int, object]], list[Exception]]:
+        """What the calls since the last collect recorded: the kept values ``{key: (int, note)}``
+        (the latest) and the failed checks (errors, in the order recorded, each message followed
+        by :data:`FOUND_LATE`); forgotten here."""
+        pending, self._pending = self._pending, []
+        kept, failed = {}, []
+        for copy, staged in pending:
+            values, at = copy.values(), 0  # the copy queued one call ago
+            for key, tensors, error, message, fmt in staged:
+                got, at = values[at: at + len(tensors)], at + len(tensors)
+                if key is not None:
+                    kept[key] = (got[0], error)  # error: the note, for a kept value
+                elif not got[0]:
+                    text = message if fmt is None else f"{message} ({fmt(*got[1:])})"
+                    failed.append(error(f"{text} {FOUND_LATE}"))
+        return kept, failed
+
+    def __deepcopy__(self, memo):  # a copy of the model shares its CallState: never reached; fresh if it is
+        return DeferredChecks()
+
+
+def raise_unless(ok: torch.Tensor, error: type[Exception], message: str, detail=None,
+                 defer: DeferredChecks | None = None) -> None:
     """Raise ``error(message)`` unless the 0-dim bool tensor ``ok`` is true.
 
     For data checks whose tensor every rank holds alike (the result of an all-reduce, or the same
     batch), so that every rank raises at the same point. Eagerly it costs one host sync, and
-    ``detail()`` (values read from the data) is appended to the message. Under ``torch.compile``
-    it becomes ``torch._assert_async(ok, message)``, which stays in the graph (no graph break) and
-    raises ``RuntimeError(message)`` when the compiled code runs.
+    ``detail()`` (values read from the data) is appended to the message. With ``defer`` (a model
+    call's :class:`DeferredChecks`) nothing is read now: the check is recorded and raised at the
+    model's next call; ``detail`` is then ``(tensors, format)``, ``format(*values)`` the text.
+    Under ``torch.compile`` it becomes ``torch._assert_async(ok, message)``, which stays in the
+    graph (no graph break) and raises ``RuntimeError(message)`` when the compiled code runs.
     """
     if torch.compiler.is_compiling():
         torch._assert_async(ok, message)
+    elif defer is not None:
+        defer.expect(ok, error, message, detail)
     elif not bool(ok):
+        if detail is not None and not callable(detail):
+            tensors, fmt = detail
+            detail = lambda: fmt(*(int(t) for t in tensors))  # noqa: E731
         raise error(message if detail is None else f"{message} ({detail()})")
 
 
@@ -358,11 +474,12 @@ _checked: list[tuple[weakref.ref, int]] = []  # what check_same_inputs(..., reme
 
 
 def was_checked(tensor: torch.Tensor) -> bool:
-    """Whether the model call now running compared ``tensor``'s values across the TP group
-    (:func:`check_same_inputs` with ``remember=True``): that tensor, or a view of all of its
-    elements (HF models reshape ``input_ids`` before the embedding), unmodified since (views
-    share the version counter). Every rank of the group passed the same check on the same
-    inputs, so every rank answers alike; :func:`forget_checked` ends the call."""
+    """Whether the model call now running compares ``tensor``'s values across the TP group
+    (:func:`check_same_inputs` with ``remember=True``, or :class:`~tpify.hooks.guards.BatchCheck`,
+    which compares them at the model's next call, :func:`remember_checked`): that tensor, or a
+    view of all of its elements (HF models reshape ``input_ids`` before the embedding),
+    unmodified since (views share the version counter). Every rank of the group passed the same
+    check of the names and shapes, so every rank answers alike; :func:`forget_checked` ends the call."""
     for ref, version in _checked:
         checked = ref()
         if (checked is not None and version == tensor._version and checked.dtype == tensor.dtype
@@ -372,7 +489,7 @@ def was_checked(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _layout_code(named: list[tuple[str, torch.Tensor]]) -> int:
+def layout_code(named: list[tuple[str, torch.Tensor]]) -> int:
     """A deterministic integer in ``[0, 2**44)`` of the names, shapes and dtypes of ``named``: the
     same on every rank for the same layout (Python's ``hash`` of a string is salted per process),
     from integer arithmetic alone, so that ``torch.compile`` folds it without a graph break."""
@@ -420,25 +537,45 @@ def check_same_inputs(named: list[tuple[str, torch.Tensor]], group: dist.Process
         return flag
     device = named[0][1].device
     layout = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named)
-    shape_code = _layout_code(named)
-    value_code = sum((i + 1) * checksum(t) for i, (_, t) in enumerate(named))
-    values = [torch.tensor(shape_code, device=device), torch.tensor(-shape_code, device=device),
-              value_code.to(device), -value_code.to(device)]
+    # the layout code made on the device by a fill (torch.tensor(code, device=...) would copy from the host)
+    code = torch.full((), layout_code(named), dtype=torch.int64, device=device)
+    value_code = inputs_checksum(named)
+    values = [code, -code, value_code.to(device), -value_code.to(device)]
     if flag is not None:
         values.append(flag.to(device=device, dtype=torch.int64))
     packed = torch.stack(values)
     all_reduce(packed, group, op="max")
-    raise_unless(packed[0] == -packed[1], ValueError,
-                 f"{what}: the ranks of the TP group were given inputs of different names, shapes or dtypes (this "
-                 f"rank: {layout}). Every rank of a TP group must get the same batch: split the data over DP "
-                 f"replicas only")
-    raise_unless(packed[2] == -packed[3], ValueError,
-                 f"{what}: the ranks of the TP group were given different input values (same shapes: {layout}). "
-                 f"Every rank of a TP group must get the same batch: split the data over DP replicas only, and "
-                 f"seed any sampling identically on the ranks of a TP group")
-    if remember and not torch.compiler.is_compiling():
-        _checked[:] = [(weakref.ref(t), t._version) for _, t in named]
+    raise_unless(packed[0] == -packed[1], ValueError, different_layouts_message(what, layout))
+    raise_unless(packed[2] == -packed[3], ValueError, different_values_message(what, layout))
+    if remember:
+        remember_checked(named)
     return packed[4] > 0 if flag is not None else None
+
+
+def inputs_checksum(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The checksum of the values of ``named`` (each tensor's :func:`checksum`, weighted by its
+    position), a 0-dim int64 tensor on the first one's device; no host sync."""
+    return sum((i + 1) * checksum(t) for i, (_, t) in enumerate(named))
+
+
+def remember_checked(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Record the tensors of ``named`` as checked for the model call now starting (:func:`was_checked`)."""
+    if not torch.compiler.is_compiling():
+        _checked[:] = [(weakref.ref(t), t._version) for _, t in named]
+
+
+def different_layouts_message(what: str, layout: str) -> str:
+    """The message of inputs of other names, shapes or dtypes on the ranks of a TP group."""
+    return (f"{what}: the ranks of the TP group were given inputs of different names, shapes or dtypes (this "
+            f"rank: {layout}). Every rank of a TP group must get the same batch: split the data over DP "
+            f"replicas only")
+
+
+def different_values_message(what: str, layout: str) -> str:
+    """The message of other input values (same layout) on the ranks of a TP group."""
+    return (f"{what}: the ranks of the TP group were given different input values (same shapes: {layout}). "
+            f"Every rank of a TP group must get the same batch: split the data over DP replicas only, and "
+            f"seed any sampling identically on the ranks of a TP group")
 
 
 class _CopyToTPRegion(torch.autograd.Function):

@@ -36,15 +36,19 @@ class CallState:
             parallelism gathered: its router runs on every token (its gradient is complete on
             each rank, not a partial sum), and tensor-parallel experts leave their output a
             partial sum that the block reduce-scatters (:mod:`tpify.hooks.sequence_parallel`).
+        checks: the model's :class:`~tpify.comm.DeferredChecks`: the data checks of a call (ids
+            and targets in range, the same batch on every rank), computed on the device and
+            raised at the next call (kept across calls, not reset).
 
     A copy of the model (``copy.deepcopy``, PEFT's copy of a module) shares it: calls run one at
     a time, and every copy of a layer must follow the call that runs it.
     """
 
-    __slots__ = ("sequence_active", "logits_sharded", "head_deferred", "moe_gathered")
+    __slots__ = ("sequence_active", "logits_sharded", "head_deferred", "moe_gathered", "checks")
 
     def __init__(self):
         self.reset()
+        self.checks = comm.DeferredChecks()
 
     def reset(self) -> None:
         """Outside a call: nothing split, logits gathered."""

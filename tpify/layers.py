@@ -604,7 +604,10 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         forward: one all-reduce (sum) of the output. backward: none.
     Raises:
         IndexError: (forward) an id outside ``[0, num_embeddings)``, as ``nn.Embedding``, on every
-            rank before the output's all-reduce.
+            rank before the output's all-reduce; inside a parallelized model's call (ids its
+            :class:`~tpify.hooks.guards.BatchCheck` compares) at the model's next call instead
+            (read one call late, :class:`~tpify.comm.DeferredChecks`: no host sync; the ids
+            outside every rank's rows embed as zeros meanwhile).
         ValueError: (forward) the ranks of the TP group were given different ids (or shapes):
             each would sum the embeddings of different tokens. Checked by one all-reduce of 5
             values (the bounds ride on it) before the output's (:func:`tpify.comm.check_same_inputs`),
@@ -664,21 +667,27 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
 
         Raises:
             IndexError: an id outside ``[0, num_embeddings)``, as ``nn.Embedding`` raises (every
-                rank holds the same ids, so every rank raises, before the all-reduce).
+                rank holds the same ids, so every rank raises, before the all-reduce; within a
+                parallelized model's call, at its next call: see the class).
         """
         if self.tp_size == 1:
             return self._scaled(F.embedding(input_ids, self.weight, self.padding_idx))
-        if input_ids.numel():  # a host sync eagerly, as the dense lookup's bounds check
+        if input_ids.numel():
             low, high = torch.aminmax(input_ids)
             bad = (low < 0) | (high >= self.num_embeddings)
-            if not comm.was_checked(input_ids):
-                # the model's own call did not check that every rank holds these ids (tpify.hooks.guards.BatchCheck):
-                # check here, with the bounds riding on the check, so that every rank raises alike
+            message = f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}) (index out of range in self)"
+            if comm.was_checked(input_ids):
+                # the model's call compares these ids across the TP group (tpify.hooks.guards.BatchCheck): the
+                # bounds are read at its next call, no host sync (ids outside every rank's rows embed as zeros)
+                comm.raise_unless(~bad, IndexError, message, defer=self.ctx.state.checks,
+                                  detail=((low, high), lambda lo, hi: f"this rank: min {lo}, max {hi}"))
+            else:
+                # called alone: check that every rank holds these ids, with the bounds riding on the check, so
+                # that every rank raises alike (a host sync, as the dense lookup's bounds check)
                 bad = comm.check_same_inputs([("input_ids", input_ids)], self.tp_group, "VocabParallelEmbedding",
                                              flag=bad)
-            comm.raise_unless(~bad, IndexError,
-                              f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}) (index out of "
-                              f"range in self)", detail=lambda: f"this rank: min {int(low)}, max {int(high)}")
+                comm.raise_unless(~bad, IndexError, message,
+                                  detail=lambda: f"this rank: min {int(low)}, max {int(high)}")
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)
@@ -686,12 +695,19 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
         return self._scaled(comm.reduce_from_tp_region(out, self.tp_group))
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """``out * output_scale`` in the weight's dtype (a float scale rounded to float32 first, as
+        HF's ``torch.tensor(scale)``); a float scale's tensor is made once per device and dtype, so a
+        step copies nothing from the host."""
         scale = self.output_scale
         if scale is None:
             return out
-        if not isinstance(scale, torch.Tensor):
-            scale = torch.tensor(scale, dtype=torch.float32)
-        return out * scale.to(device=out.device, dtype=self.weight.dtype)
+        if isinstance(scale, torch.Tensor):
+            return out * scale.to(device=out.device, dtype=self.weight.dtype)
+        key = (out.device, self.weight.dtype, scale)
+        cache = self.__dict__.setdefault("_scale_tensors", {})
+        if key not in cache:
+            cache[key] = torch.tensor(scale, dtype=torch.float32).to(device=out.device, dtype=self.weight.dtype)
+        return out * cache[key]
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, padded={self.padded_num_embeddings}, "

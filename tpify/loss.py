@@ -103,12 +103,13 @@ class _InputChecks:
     on a mismatched batch; shards of different widths would place the vocabulary wrongly."""
 
     def __init__(self, what: str, cols: _Columns, target: torch.Tensor | None = None,
-                 bad_targets: torch.Tensor | None = None, ignore_index: int | None = None):
+                 bad_targets: torch.Tensor | None = None, ignore_index: int | None = None, defer=None):
         self.what, self.cols, self.target, self.bad, self.ignore_index = what, cols, target, bad_targets, ignore_index
+        self.defer = defer  # a model call's comm.DeferredChecks: raised at its next call, no host sync
 
     def values(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The values to all-reduce (max): 2, or 5 with targets."""
-        width = torch.tensor(float(self.cols.width), dtype=dtype, device=device)
+        width = torch.full((), float(self.cols.width), dtype=dtype, device=device)  # a fill: no copy from the host
         values = [width, -width]
         if self.target is not None:
             checksum = comm.checksum(self.target).to(dtype)  # < 2**24: exact in float32
@@ -116,20 +117,22 @@ class _InputChecks:
         return torch.stack(values)
 
     def raise_if_failed(self, got: torch.Tensor) -> None:
-        """Raise, on every rank alike, what the all-reduced values say."""
+        """Raise, on every rank alike, what the all-reduced values say (with ``defer``: at the
+        model's next call)."""
         comm.raise_unless(got[0] == -got[1], ValueError,
                           f"{self.what}: the ranks of the TP group hold logits shards of different widths (this "
                           f"rank: {self.cols.width} columns); every rank must hold V_padded / tp_size columns of the "
-                          f"same padded vocabulary")
+                          f"same padded vocabulary", defer=self.defer)
         if self.target is None:
             return
         comm.raise_unless(got[2] <= 0, ValueError,
                           f"{self.what}: a rank of the TP group holds targets outside [0, {self.cols.vocab}) that are "
                           f"not ignore_index = {self.ignore_index}; fix the labels or set ignore_index",
-                          detail=lambda: "this rank holds them" if bool(self.bad) else "another rank holds them")
+                          detail=((self.bad,), lambda bad: "this rank holds them" if bad else "another rank holds them"),
+                          defer=self.defer)
         comm.raise_unless(got[3] == -got[4], ValueError,
                           f"{self.what}: the ranks of the TP group hold different targets; every rank of a TP group "
-                          f"must see the same batch (split data over DP replicas only)")
+                          f"must see the same batch (split data over DP replicas only)", defer=self.defer)
 
 
 def _agreed_max(maxes: list[torch.Tensor], group: dist.ProcessGroup | None,
@@ -251,9 +254,10 @@ def _check_vocab(what: str, width: int, group, vocab_size: int | None) -> int:
 
 
 def _check_target(what: str, leading: torch.Size, target: torch.Tensor, vocab: int, ignore_index: int,
-                  group, input_name: str = "logits") -> torch.Tensor:
+                  group, input_name: str = "logits", defer=None) -> torch.Tensor:
     """Shapes and dtype of ``target``; returns the 0-dim bool "a target outside ``[0, V)`` that is
-    not ``ignore_index``" (raised here with one rank, else carried by the first all-reduce)."""
+    not ``ignore_index``" (raised here with one rank, else carried by the first all-reduce; with
+    ``defer``, a model call's :class:`~tpify.comm.DeferredChecks`, raised at its next call)."""
     if leading != target.shape:
         raise ValueError(f"{what}: {input_name} {tuple(leading)} + (...,) and target {tuple(target.shape)} disagree; "
                          f"{input_name} must be target.shape + (last dim,)")
@@ -263,9 +267,15 @@ def _check_target(what: str, leading: torch.Size, target: torch.Tensor, vocab: i
     outside = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     bad_targets = outside.any()  # 0-dim bool; at tp > 1 it rides on the first all-reduce
     if comm.group_size(group) == 1:
-        comm.raise_unless(~bad_targets, ValueError,
-                          f"{what}: targets outside [0, {vocab}) that are not ignore_index = {ignore_index}; fix the "
-                          f"labels or set ignore_index", detail=lambda: f"targets {target[outside][:5].tolist()}")
+        message = (f"{what}: targets outside [0, {vocab}) that are not ignore_index = {ignore_index}; fix the "
+                   f"labels or set ignore_index")
+        if defer is None or torch.compiler.is_compiling():
+            comm.raise_unless(~bad_targets, ValueError, message, detail=lambda: f"targets {target[outside][:5].tolist()}")
+        else:  # no boolean indexing (a host sync): the first bad target, read at the next call
+            first = (target.reshape(-1).index_select(0, outside.reshape(-1).to(torch.uint8).argmax().reshape(1))
+                     .reshape(()) if target.numel() else bad_targets)  # a tensor index: no host read
+            comm.raise_unless(~bad_targets, ValueError, message, detail=((first,), lambda t: f"the first: {t}"),
+                              defer=defer)
     return bad_targets
 
 
@@ -291,13 +301,16 @@ def _reduce(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, reducti
 
 
 def mean_or_nan(total: torch.Tensor, count) -> torch.Tensor:
-    """``total / count``, NaN when ``count == 0`` (as ``F.cross_entropy``) but with a zero gradient.
+    """``total / count``, NaN when ``count == 0`` (as ``F.cross_entropy``) but with a zero gradient;
+    ``count`` a tensor (moved to ``total``'s device without blocking) or a Python number.
 
     ``0 / 0`` would also be NaN forward, but its gradient is NaN too, and one batch whose labels
     are all ignored (or a one-token causal sequence) would then poison the weights at the next
     optimizer step; HF's dense model gets zero gradients there.
     """
-    count = torch.as_tensor(count, device=total.device)
+    if not isinstance(count, torch.Tensor):  # a Python number: no tensor copied from the host
+        return total / count if count > 0 else total * 0.0 + float("nan")
+    count = count.to(total.device, non_blocking=True)
     mean = total / count.clamp(min=1).to(total.dtype)
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
 
@@ -321,12 +334,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, group, vocab_size, bad_targets, inv_temperature,
-                what):
+                what, defer=None):
         cols = _columns(logits.shape[-1], group, vocab_size)
         z, own = _local_logits(logits, cols, inv_temperature)  # (N..., V/p)
         ignored, owned, local = _local_targets(target, cols, ignore_index)
         stats = _softmax_statistics(z, own, cols, local, owned, label_smoothing > 0, group,
-                                    _InputChecks(what, cols, target, bad_targets, ignore_index))
+                                    _InputChecks(what, cols, target, bad_targets, ignore_index, defer))
         loss = _cross_entropy(stats, label_smoothing, cols, ignored)
         ctx.save_for_backward(stats.exp_z, stats.sum_exp, local, owned, ignored)
         ctx.cols, ctx.eps, ctx.inv_temperature, ctx.logits_dtype = cols, label_smoothing, inv_temperature, logits.dtype
@@ -341,7 +354,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g = g * ctx.inv_temperature
         # exp_z is reused in place: the Function is once-differentiable
         grad = _cross_entropy_grad_(exp_z, sum_exp, g, local, owned, ctx.eps, ctx.cols)
-        return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -405,12 +418,24 @@ def vocab_parallel_cross_entropy(
             rank raises, none waits. Under ``torch.compile`` these data checks raise
             ``RuntimeError`` with the same message (``torch._assert_async``).
     """
+    return cross_entropy_deferred(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                  reduction=reduction, tp_group=tp_group, vocab_size=vocab_size, defer=None)
+
+
+def cross_entropy_deferred(logits, target, *, ignore_index, label_smoothing, reduction, tp_group, vocab_size,
+                           defer) -> torch.Tensor:
+    """:func:`vocab_parallel_cross_entropy` whose data checks (targets in range, the same on
+    every rank, shards of one width) are recorded in ``defer`` (a model call's
+    :class:`~tpify.comm.DeferredChecks`, raised at its next call: no host sync) when it is not
+    None and the code is not being compiled; what the model's ``labels=`` loss calls."""
     what = "vocab_parallel_cross_entropy"
+    if torch.compiler.is_compiling():
+        defer = None  # the guard that raises deferred checks does not run under torch.compile
     _check_loss_args(what, reduction, label_smoothing)
     vocab = _check_vocab(what, logits.shape[-1], tp_group, vocab_size)
-    bad_targets = _check_target(what, logits.shape[:-1], target, vocab, ignore_index, tp_group)
+    bad_targets = _check_target(what, logits.shape[:-1], target, vocab, ignore_index, tp_group, defer=defer)
     loss = _outside_graph(_VocabParallelCrossEntropy, logits, target, ignore_index, float(label_smoothing), tp_group,
-                                            vocab_size, bad_targets, 1.0, what)
+                          vocab_size, bad_targets, 1.0, what, defer)
     return _reduce(loss, target, ignore_index, reduction)
 
 
@@ -456,8 +481,8 @@ def vocab_parallel_log_probs(
     inv_t = _inverse_temperature(what, temperature)
     vocab = _check_vocab(what, logits.shape[-1], tp_group, vocab_size)
     bad_targets = _check_target(what, logits.shape[:-1], target, vocab, ignore_index, tp_group)
-    return -_outside_graph(_VocabParallelCrossEntropy, logits, target, ignore_index, 0.0, tp_group, vocab_size, bad_targets,
-                                             inv_t, what)
+    return -_outside_graph(_VocabParallelCrossEntropy, logits, target, ignore_index, 0.0, tp_group, vocab_size,
+                           bad_targets, inv_t, what, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -776,7 +801,7 @@ class _Grads:
 
 
 def _linear_cross_entropy_chunks(hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets,
-                                 chunk_size, ops, want: tuple[bool, bool, bool]):
+                                 chunk_size, ops, want: tuple[bool, bool, bool], defer=None):
     """The per-token loss ``(N,)``, ``m`` and ``S`` ``(N,)``, and with any of ``want`` the gradients
     of the loss's sum (:class:`_Grads`), chunk by chunk: each chunk's logits, its statistics (two
     all-reduces), its loss, and its gradient while the chunk's ``exp(z - m)`` is at hand."""
@@ -788,7 +813,7 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, ignore_index, eps
     loss = torch.empty(n, dtype=compute, device=hidden.device)
     m_all, s_all = torch.empty_like(loss), torch.empty_like(loss)
     grads = _Grads(hidden, weight, bias, want) if any(want) else None
-    checks = _InputChecks(what, cols, target, bad_targets, ignore_index)
+    checks = _InputChecks(what, cols, target, bad_targets, ignore_index, defer)
     for start in range(0, n, chunk_size):
         rows = slice(start, min(n, start + chunk_size))
         z, derivative, scale = _chunk_logits(hidden[rows], weight, bias, ops, cols, compute, grads is not None)
@@ -811,10 +836,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     head and loss do), and backward scales them by the incoming scalar."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops):
+    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops,
+                defer=None):
         want = tuple(ctx.needs_input_grad[:3])
         loss, _, _, _, grads, _ = _linear_cross_entropy_chunks(hidden, weight, bias, target, ignore_index, eps, group,
-                                                               vocab_size, bad_targets, chunk_size, ops, want)
+                                                               vocab_size, bad_targets, chunk_size, ops, want, defer)
         if grads is not None:
             ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
         ctx.dtypes = hidden.dtype, weight.dtype, None if bias is None else bias.dtype
@@ -826,7 +852,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         out = []
         for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
             out.append(None if grad is None else grad.mul_(grad_total).to(dtype))  # in place: once-differentiable
-        return (*out, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None)
 
 
 class _LinearCrossEntropyTokens(torch.autograd.Function):
@@ -834,10 +860,11 @@ class _LinearCrossEntropyTokens(torch.autograd.Function):
     and the saved ``m`` and ``S`` (two more matmuls per chunk), for any per-token gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops):
+    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops,
+                defer=None):
         loss, m, s, (ignored, owned, local), _, cols = _linear_cross_entropy_chunks(
             hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops,
-            (False, False, False))
+            (False, False, False), defer)
         ctx.save_for_backward(hidden, weight, bias, m, s, ignored, owned, local)
         ctx.eps, ctx.chunk_size, ctx.ops, ctx.cols = eps, chunk_size, ops, cols
         return loss
@@ -858,7 +885,7 @@ class _LinearCrossEntropyTokens(torch.autograd.Function):
             del z, derivative, exp_z, grad_z  # this chunk's (c, V/p) buffers go before the next chunk's are made
         out = [grads.hidden, None if grads.weight is None else grads.weight.to(weight.dtype),
                None if grads.bias is None else grads.bias.to(bias.dtype)]
-        return (*out, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None)
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -934,7 +961,20 @@ def vocab_parallel_linear_cross_entropy(
             targets and shard widths (every rank, from the first all-reduce), as
             :func:`vocab_parallel_cross_entropy`.
     """
+    return linear_cross_entropy_deferred(
+        hidden, weight, target, bias=bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        reduction=reduction, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size, softcap=softcap,
+        logit_ops=logit_ops, defer=None)
+
+
+def linear_cross_entropy_deferred(hidden, weight, target, *, bias, ignore_index, label_smoothing, reduction, tp_group,
+                                  vocab_size, chunk_size, softcap, logit_ops, defer) -> torch.Tensor:
+    """:func:`vocab_parallel_linear_cross_entropy` whose data checks are recorded in ``defer``
+    (as :func:`cross_entropy_deferred`); what the model's ``labels=`` loss calls with
+    ``lm_loss_chunk``."""
     what = "vocab_parallel_linear_cross_entropy"
+    if torch.compiler.is_compiling():
+        defer = None  # the guard that raises deferred checks does not run under torch.compile
     _check_loss_args(what, reduction, label_smoothing)
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"{what}: chunk_size must be a positive number of tokens or None, got {chunk_size!r}")
@@ -945,14 +985,14 @@ def vocab_parallel_linear_cross_entropy(
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"{what}: bias {tuple(bias.shape)} must be (V_padded / tp_size,) = ({weight.shape[0]},)")
     vocab = _check_vocab(what, weight.shape[0], tp_group, vocab_size)
-    bad_targets = _check_target(what, hidden.shape[:-1], target, vocab, ignore_index, tp_group, "hidden")
+    bad_targets = _check_target(what, hidden.shape[:-1], target, vocab, ignore_index, tp_group, "hidden", defer)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     hidden = comm.copy_to_tp_region(hidden, tp_group)  # backward: the all-reduce of the partial dX
     flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if chunk_size is None:
         chunk_size = default_chunk_size(max(1, flat_hidden.shape[0]), flat_hidden.shape[1])
     args = (flat_hidden, weight, bias, flat_target, ignore_index, float(label_smoothing), tp_group, vocab_size,
-            bad_targets, chunk_size, ops)
+            bad_targets, chunk_size, ops, defer)
     if reduction == "none":
         return _outside_graph(_LinearCrossEntropyTokens, *args).view(target.shape)
     total = _outside_graph(_LinearCrossEntropySum, *args)

@@ -304,9 +304,13 @@ def check_replicas(model: nn.Module) -> None:
     They drift apart silently when ranks apply different updates (a clip by a per-rank norm, a
     DDP over the wrong group, a different batch on one TP rank); this compares a SHA-1 of each
     parameter's bytes across the groups. ``tpify finetune`` calls it after loading and before
-    every save.
+    every save. First it raises what the model's last call's data checks found (inputs that
+    differ between the TP ranks, ids or targets out of range: :func:`tpify.hooks.guards.flush_checks`,
+    else raised at the model's next call), so that a run that ends with a save never leaves one
+    unread.
 
-    Communication: one ``all_gather_object`` of the digests over the TP group, one over the DP
+    Communication: at tp > 1, one all-reduce of 4 values on the host (the last call's inputs,
+    when a call left them to compare); one ``all_gather_object`` of the digests over the TP group, one over the DP
     group (under HSDP: over the replicate group instead); with KV heads held by groups of ranks,
     one over each rank's KV group; then the problems found, one ``all_gather_object`` over the TP
     group and one over the DP group, so that every rank of the model learns them (under FSDP2 a
@@ -316,9 +320,14 @@ def check_replicas(model: nn.Module) -> None:
     Raises:
         AgreementError: on every rank of the model (every TP group, every DP replica), naming the
             parameters that differ and the ranks.
+        ValueError, IndexError, TPUsageError: what the last call's data checks found, on every
+            rank of the TP group.
     """
     import torch.distributed as dist
 
+    from .hooks.guards import flush_checks
+
+    flush_checks(model)  # what the last call's data checks found (else raised at the next call)
     tp_group, dp_group = _groups(model)
     specs = param_specs(model)
     digests, replicated = {}, set()

@@ -4,14 +4,15 @@
   HF's, and every gradient is exactly 0 as HF's (a NaN gradient would poison the weights at the
   next optimizer step).
 * Token ids outside ``[0, vocab)`` (too large, negative) raise ``IndexError`` on every rank, as
-  the dense ``nn.Embedding`` does, instead of returning the embedding of nothing.
+  the dense ``nn.Embedding`` does, instead of returning the embedding of nothing (through the
+  model at its next call: its data checks are read one call late, without a host sync).
 * Labels out of range on one rank only, or labels that differ between the TP ranks (a TP rank
   fed another batch): every rank raises ``ValueError``, none is left waiting: from the model's
-  input check (``tpify.engine.BatchCheck``) when the model is called, from the loss itself when
-  ``vocab_parallel_cross_entropy`` is called directly.
+  input check (``tpify.hooks.guards.BatchCheck``) at the model's next call, from the loss itself
+  when ``vocab_parallel_cross_entropy`` is called directly.
 * Token ids that differ between the TP ranks (a per-rank sampling seed), or another sequence
   length on one rank: every rank raises ``ValueError`` before any other collective, whether the
-  model or its embedding alone is called.
+  model or its embedding alone is called (other ids through the model: at its next call).
 """
 
 import torch
@@ -40,9 +41,10 @@ def _body(rank, world):
     for what, bad in (("too large", 50257), ("negative", -1)):
         x = ids.clone()
         x[1, 3] = bad
-        for name, model in (("dense", dense), ("tp", par)):
+        # tp: the ids are checked on the device and raised at the model's next call (no host sync)
+        for name, call in (("dense", lambda: dense(x)), ("tp", lambda: (par(x), par(ids)))):
             try:
-                model(x)
+                call()
                 errors[(what, name)] = None
             except IndexError as e:
                 errors[(what, name)] = str(e)
@@ -53,7 +55,7 @@ def _body(rank, world):
         labels = ids.clone()
         if rank == 1:
             labels[0, 2] = 50257 if what == "bad on rank 1" else (labels[0, 2] + 1) % 50257
-        for how, call in (("tp", lambda: par(ids, labels=labels)),
+        for how, call in (("tp", lambda: (par(ids, labels=labels), par(ids))),  # raised at the next call
                           ("loss", lambda: tpify.vocab_parallel_cross_entropy(
                               torch.nn.functional.pad(logits, (0, 1)) if rank == 1 else logits, labels,
                               vocab_size=50257))):
@@ -66,7 +68,7 @@ def _body(rank, world):
     # embedding's own when it is called alone.
     embedding = par.get_input_embeddings()
     for what, x in (("other ids", ids if rank == 0 else ids.roll(1, dims=1)), ("other length", ids[:, :8 - rank])):
-        for how, call in (("tp", lambda: par(x)), ("embedding", lambda: embedding(x))):
+        for how, call in (("tp", lambda: (par(x), par(ids))), ("embedding", lambda: embedding(x))):
             try:
                 call()
                 errors[(what, how)] = None

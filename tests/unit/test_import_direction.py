@@ -33,6 +33,7 @@ LEAVES: dict[str, tuple[str, ...]] = {
     "tpify.sharding": ("tpify.comm",),
     "tpify.info": ("tpify.comm", "tpify.sharding"),
     "tpify.comm": (),
+    "tpify.syncs": (),
     "tpify.agree": ("tpify.comm",),
 }
 

@@ -572,8 +572,27 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     model.train()
     tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len
     width = len(str(cfg.steps))
+    logged = None  # the last step's (step, lr, start time, values copied to the host), printed one step later
+
+    def log_step(until: float | None = None) -> None:
+        """Read the last step's loss and norm from host memory and print its line: no host sync in a
+        step (the values were copied without blocking; reading them waits only for that step's copy)."""
+        nonlocal logged
+        if logged is None:
+            return
+        done, step_lr, started, values = logged
+        logged = None
+        values = values.values()
+        losses.append(values[0])
+        if report:
+            seconds = (until if until is not None else time.perf_counter()) - started
+            norm_text = f"{values[1]:.3f}" if len(values) > 1 else "-"
+            print(f"step {done + 1:>{width}}/{cfg.steps}: loss {values[0]:.4f}  grad norm {norm_text}  "
+                  f"lr {step_lr:.2e}  {seconds:.2f} s  {tokens_per_step / seconds:.0f} tokens/s", flush=True)
+
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
+        log_step(until=t0)  # the previous step's line: its time is until this step starts
         lr = scheduler.get_last_lr()[0]
         rows = batch_indices(step, data.shape[0], cfg.batch_size * cfg.dp, cfg.seed)
         ids = data[rows[dp_rank * cfg.batch_size: (dp_rank + 1) * cfg.batch_size]].to(device)  # (B, T)
@@ -584,15 +603,12 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         mean_loss = comm.all_reduce(loss.detach().float().clone(), info.dp_group) / cfg.dp
-        losses.append(mean_loss.item())
-        if report:
-            seconds = time.perf_counter() - t0
-            norm_text = f"{float(norm):.3f}" if norm is not None else "-"
-            print(f"step {step + 1:>{width}}/{cfg.steps}: loss {losses[-1]:.4f}  grad norm {norm_text}  "
-                  f"lr {lr:.2e}  {seconds:.2f} s  {tokens_per_step / seconds:.0f} tokens/s", flush=True)
+        logged = (step, lr, t0, comm.HostCopy([mean_loss] + ([norm] if norm is not None else []), torch.float64))
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            log_step()
             check_replicas(model)  # never checkpoint replicas that drifted apart
             _save_checkpoint(model, optimizer, scheduler, step + 1, losses, cfg, out_dir)
+    log_step()
     check_replicas(model)
     if cfg.lora_r:
         model.save_pretrained(out_dir / "adapter")  # the dense adapter (plain peft loads it); collective

@@ -41,6 +41,7 @@ from torch import nn
 from .. import comm
 from ..context import TPContext
 from ..styles import AFTER_SUM
+from ..syncs import host_sync
 
 __all__ = ["TensorParallelExperts", "ExpertParallelDispatch", "install"]
 
@@ -197,7 +198,13 @@ class ExpertParallelDispatch(comm.SharesProcessGroups):
     Communication, per call: forward one all-to-all of the ``p x E/p`` counts, two all-to-alls of
     the routed rows (``N k / p`` rows of ``H`` values per rank on average) and one all-gather of
     the output rows; backward two all-to-alls and one all-gather (the rows' gradients). One host
-    sync for the split sizes.
+    sync per call, the only one of a training step under expert parallelism: ``all_to_all_single``
+    takes the split sizes (how many rows go to and come from each rank) as host integers, so the
+    counts are read back after their exchange (both in one copy, marked by
+    :func:`tpify.syncs.host_sync`); the rest (counts in a fixed-size buffer, the received ids
+    expanded with their known total) reads nothing. A fixed-capacity layout (every rank sending
+    ``capacity`` rows to every rank, padded) would need no sync but drop or pad tokens (GShard's
+    capacity factor), which changes the result; tpify keeps the exact dense result.
     Raises:
         TypeError: the module returned something other than one tensor.
     """
@@ -224,13 +231,16 @@ class ExpertParallelDispatch(comm.SharesProcessGroups):
         experts = index[a:b].reshape(-1)  # (N_r k,) global expert ids
         order = torch.argsort(experts, stable=True)  # by expert, so by owner rank
         send = mine[order // top_k]
-        counts = torch.bincount(experts, minlength=self.local_experts * self.size)
+        # the count per expert in a buffer of fixed size (bincount would read the largest id on the host)
+        counts = experts.new_zeros(self.local_experts * self.size).index_add_(0, experts, torch.ones_like(experts))
         counts = counts.view(self.size, self.local_experts)
         received = comm.all_to_all_counts(counts, self.group)  # (p, E/p): row s from rank s
-        send_sizes, recv_sizes = (c.sum(dim=1).tolist() for c in (counts, received))
+        with host_sync("expert-parallel all-to-all split sizes"):  # all_to_all_single takes them from the host
+            sizes = torch.stack([counts.sum(dim=1), received.sum(dim=1)]).tolist()
+        send_sizes, recv_sizes = sizes
         tokens = comm.all_to_all_rows(send, send_sizes, recv_sizes, self.group)  # (M, H)
         local_ids = torch.arange(self.local_experts, device=index.device).repeat(self.size)
-        local_ids = local_ids.repeat_interleave(received.reshape(-1))
+        local_ids = local_ids.repeat_interleave(received.reshape(-1), output_size=sum(recv_sizes))
         count = tokens.shape[0]
         if count == 0:  # one zero row, connected to the exchange
             tokens, local_ids = tokens.sum(dim=0, keepdim=True), local_ids.new_zeros(1)

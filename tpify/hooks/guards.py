@@ -22,32 +22,46 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..context import CallState
 from ..info import TPUsageError
 from . import state_dict
 
-__all__ = ["BatchCheck", "refuse_foreign_ddp", "refuse_fused_lm_head", "install"]
+__all__ = ["BatchCheck", "flush_checks", "host_group", "refuse_foreign_ddp", "refuse_fused_lm_head", "install"]
 
 
 class BatchCheck(comm.SharesProcessGroups):
-    """Forward pre-hook of a parallelized model: every rank of the TP group got the same inputs.
+    """Forward pre-hook of a parallelized model: every rank of the TP group got the same inputs,
+    and the data checks of the model's previous call passed; no host sync in a steady state.
 
     The ranks of a TP group hold one replica of the model and must see one batch. A rank given
     other token ids (data sampled with a per-rank seed, as DP code often does) would sum the
     embeddings of different tokens and train on the mix without an error; one given another
     sequence length would break the next collective (gloo aborts inside the all-reduce, NCCL can
-    hang or return garbage). Before any collective of the call, this hook compares the names,
-    shapes, dtypes and values of every tensor argument of the model's forward across the TP
-    group (:func:`tpify.comm.check_same_inputs`: one all-reduce of 4 int64 values, one host
-    sync), so every rank raises the same ``ValueError`` instead. The embedding's own check then
-    has nothing left to do for these ids. Under ``torch.compile`` the hook is skipped (the
-    vocab-parallel embedding and loss still check ids and targets).
+    hang or return garbage). Before any collective of the call, this hook all-reduces (max), over
+    the TP group's ranks on the host (:func:`host_group`), four int64 values: a code of this call's
+    names, shapes and dtypes (:func:`tpify.comm.layout_code`, host values) and the checksum of the
+    previous call's values (:func:`tpify.comm.checksum` of every tensor argument, computed on the
+    device in that call and copied to the host without blocking, :class:`~tpify.comm.DeferredChecks`),
+    each with its negation: all equal exactly when ``max == -max(-x)``. So every rank raises the
+    same ``ValueError``: at once for other names, shapes or dtypes (before the collective they would
+    break), at the next call for other values (that call's data went into one step: a mix of the
+    ranks' batches, no crash, no collective of another size). The data checks other hooks record
+    in the call (ids and targets in range, :class:`~tpify.comm.DeferredChecks`) are raised here
+    too, at the next call, after the inputs. Under ``torch.compile`` the hook is skipped (the
+    vocab-parallel embedding and loss still check ids and targets, ``torch._assert_async``).
 
-    Installed with ``prepend=True`` by :func:`install` (kept by :func:`tpify.remove_hooks`).
-    Cost per forward (``generate``: per token): one small all-reduce and one pass over the inputs.
+    At ``tp_size == 1`` it only raises the previous call's recorded checks (the loss's targets
+    in range): no collective. Installed with ``prepend=True`` by :func:`install` (kept by
+    :func:`tpify.remove_hooks`), with a forward hook that ends the call (also when it raises):
+    the checked inputs forgotten, the call's checks copied to the host.
+    Cost per forward (``generate``: per token): one all-reduce of 4 values on the host, one pass
+    over the inputs on the device.
     """
 
-    def __init__(self, model_name: str, tp_group):
+    def __init__(self, model_name: str, tp_group, state: CallState | None = None):
         self.model_name, self.tp_group = model_name, tp_group
+        self.state = state if state is not None else CallState()
+        self.host_group = host_group(tp_group)
 
     def __call__(self, module, args, kwargs):
         comm.forget_checked()
@@ -55,14 +69,85 @@ class BatchCheck(comm.SharesProcessGroups):
             return None
         named = [(f"argument {i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         named += [(k, v) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor)]
-        comm.check_same_inputs(named, self.tp_group, f"{self.model_name}.forward", remember=True)
+        self._raise_found(named)
+        if named and comm.group_size(self.tp_group) > 1:
+            layout = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named)
+            self.state.checks.keep("inputs", comm.inputs_checksum(named), layout)  # compared at the next call
+            comm.remember_checked(named)
         return None
+
+    def _raise_found(self, named: list) -> None:
+        """Raise, on every rank alike, what the previous call's checks found, then whether this
+        call's inputs (``named``) have other names, shapes or dtypes on another rank: one host
+        all-reduce at tp > 1 (none when there is nothing to compare)."""
+        kept, failed = self.state.checks.collect()  # the previous call's checks, copied to the host then
+        what = f"{self.model_name}.forward"
+        if comm.group_size(self.tp_group) > 1 and (named or "inputs" in kept):
+            previous, previous_layout = kept.get("inputs", (0, ""))
+            code = comm.layout_code(named)
+            got = comm.all_reduce(torch.tensor([code, -code, previous, -previous], dtype=torch.int64), self.host_group,
+                                  op="max").numpy().tolist()
+            if got[2] != -got[3]:  # the previous call's, raised first: it happened first
+                raise ValueError(comm.different_values_message(what, previous_layout) + " " + comm.FOUND_LATE)
+            if failed:
+                raise failed[0]
+            if got[0] != -got[1]:
+                layout = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named)
+                raise ValueError(comm.different_layouts_message(what, layout))
+        elif failed:
+            raise failed[0]
+
+    def flush(self) -> None:
+        """Raise now, on every rank alike, what the model's last call's checks found (else raised
+        at its next call). Communication: one all-reduce of 4 values on the host at tp > 1, when
+        a call left inputs to compare."""
+        self._raise_found([])
+
+    def end(self, *_hook_args) -> None:
+        """Forward hook (also when the call raises): the call's checked inputs forgotten, its
+        recorded checks copied to the host for the next call."""
+        comm.forget_checked()
+        self.state.checks.submit()
 
     def install(self, model: nn.Module) -> list:
         """Register the check before every other pre-hook, and, after the forward (also when it
-        raises), the end of the call's checked inputs; return the two handles."""
+        raises), the end of the call (:meth:`end`); return the two handles."""
         return [model.register_forward_pre_hook(self, with_kwargs=True, prepend=True),
-                model.register_forward_hook(comm.forget_checked, always_call=True)]
+                model.register_forward_hook(self.end, always_call=True)]
+
+
+def flush_checks(model: nn.Module) -> None:
+    """:meth:`BatchCheck.flush` of ``model``'s inputs check (a parallelized model, or a wrapper
+    around one: PEFT, DDP): raise now, on every rank alike, what its last call's data checks found,
+    instead of at its next call; nothing when it has none. Every rank of the TP group calls it."""
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, BatchCheck):
+                hook.flush()
+                return
+
+
+def _takes_cpu_tensors(group) -> bool:
+    """Whether ``group``'s backend takes CPU tensors (gloo; ``init_process_group()``'s default
+    ``cpu:gloo,cuda:nccl`` on a GPU machine); not a NCCL-only group."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
+
+
+def host_group(group):
+    """The group :class:`BatchCheck` all-reduces its host values over: ``group`` itself when its
+    backend takes CPU tensors, else (NCCL only) a gloo group of the same ranks, made once here
+    (``new_group(..., use_local_synchronization=True)``: only those ranks take part, in the order
+    they parallelize). A host all-reduce makes the host wait for the other ranks' hosts, never for
+    a device."""
+    if comm.group_size(group) == 1 or _takes_cpu_tensors(group):
+        return group
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
 
 def _ranks(group) -> list[int]:
@@ -112,12 +197,12 @@ def refuse_fused_lm_head(model: nn.Module, args, kwargs):
 
 def install(model: nn.Module, info) -> list:
     """Register the guards on a freshly parallelized model, each before every other hook
-    (``prepend``): the inputs check (tp > 1), TRL's fused LM head refused (a vocabulary-split
+    (``prepend``): the inputs check (at tp = 1 only the previous call's data checks,
+    :class:`BatchCheck`), TRL's fused LM head refused (a vocabulary-split
     head), a foreign DDP refused; the state dict's tag and load check (:mod:`tpify.hooks.state_dict`).
     Returns the handles (:attr:`tpify.info.TPInfo.guards`)."""
     handles = state_dict.install(model, info)
-    if info.tp_size > 1:
-        handles += BatchCheck(type(model).__name__, info.tp_group).install(model)
+    handles += BatchCheck(type(model).__name__, info.tp_group, info.state).install(model)
     if info.tp_size > 1 and info.layout.lm_head is not None:
         handles.append(model.register_forward_pre_hook(refuse_fused_lm_head, with_kwargs=True, prepend=True))
     handles.append(model.register_forward_pre_hook(refuse_foreign_ddp, with_kwargs=True, prepend=True))

@@ -33,7 +33,8 @@ from ..context import CallState, ModeArgument, OutputWatch
 from ..hf_modules import config_get
 from ..info import TPUsageError
 from ..layers import ColumnParallelLinear
-from ..loss import mean_or_nan, vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from .. import comm
+from ..loss import cross_entropy_deferred, linear_cross_entropy_deferred, mean_or_nan
 
 __all__ = ["ParallelLMLoss", "KeepLogitsSharded", "HeadInputForLoss", "install"]
 
@@ -126,6 +127,7 @@ class ParallelLMLoss:
         self.chunk = chunk
         self.state = state if state is not None else CallState()
         self.pending: dict | None = None
+        self.ops_seen = False  # the declared logit ops were found equal to what the model did, once (chunked loss)
         # what the model did with its head (the head's output; or its input, with chunk)
         self.watch = OutputWatch(self.state) if chunk is None and not self.logit_ops else None
         self.head_input = HeadInputForLoss(self.state) if chunk is not None else None
@@ -224,9 +226,9 @@ class ParallelLMLoss:
                              f"that replaces it, or code that gathers them). Nothing was computed")
         if self.watch is not None and self.watch.take() is not logits:
             raise self._undeclared(model, ())
-        return vocab_parallel_cross_entropy(logits, self._target(pending, logits.device),
-                                            ignore_index=pending["ignore_index"], reduction=reduction,
-                                            tp_group=self.head.tp_group, vocab_size=self.head.out_features)
+        return cross_entropy_deferred(logits, self._target(pending, logits.device), ignore_index=pending["ignore_index"],
+                                      label_smoothing=0.0, reduction=reduction, tp_group=self.head.tp_group,
+                                      vocab_size=self.head.out_features, defer=self.state.checks)
 
     def _chunked_loss(self, model, returned, pending, reduction):
         """The loss from the head's input and weight shard, in chunks, with the declared logit ops
@@ -239,18 +241,26 @@ class ParallelLMLoss:
         ops = self._ops(model)
         if returned is not hidden:
             # HF applied something to what the head returned; on the hidden states it must be the
-            # declared ops, exactly (checked eagerly: a few element-wise ops on (B, T, H) values)
-            if not ops or (not torch.compiler.is_compiling()
-                           and not torch.equal(_apply_logit_ops(hidden.detach(), ops), returned.detach())):
+            # declared ops, exactly (a few element-wise ops on (B, T, H) values): compared at once on
+            # the first such call (a host sync), on the device afterwards (raised at the next call)
+            if not ops or returned.shape != hidden.shape:
                 raise self._undeclared(model, ops)
+            if not torch.compiler.is_compiling():
+                same = (_apply_logit_ops(hidden.detach(), ops) == returned.detach()).all()
+                error = self._undeclared(model, ops)
+                if self.ops_seen:
+                    comm.raise_unless(same, TPUsageError, str(error), defer=self.state.checks)
+                elif not bool(same):
+                    raise error
+                self.ops_seen = True
         elif ops:
             raise self._undeclared(model, ops)
         weight = head.weight if head.weight_layout == "linear" else head.weight.t()
-        return vocab_parallel_linear_cross_entropy(
+        return linear_cross_entropy_deferred(
             hidden, weight, self._target(pending, hidden.device), bias=head.bias, ignore_index=pending["ignore_index"],
-            reduction=reduction, tp_group=head.tp_group, vocab_size=head.out_features,
-            chunk_size=None if self.chunk == "auto" else self.chunk,
-            logit_ops=ops)
+            label_smoothing=0.0, reduction=reduction, tp_group=head.tp_group, vocab_size=head.out_features,
+            chunk_size=None if self.chunk == "auto" else self.chunk, softcap=None, logit_ops=ops,
+            defer=self.state.checks)
 
     def hook(self, model, args, kwargs, output):
         pending, self.pending = self.pending, None
