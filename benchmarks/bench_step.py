@@ -58,6 +58,16 @@ script exits with status 1).
 The load average is printed before and after (the machine is shared; this benchmark itself
 adds up to ``tp`` to it while a group runs).
 
+Host syncs: after the rounds, one more step of each implementation runs under
+``tpify/syncs.py``'s counter (loaded by path, so it counts an older tree alike): the
+``aten::_local_scalar_dense`` calls (``.item()``, ``bool()``), the ops whose output size depends
+on values, tpify's marked syncs, per step on rank 0 (the optimizer's reads of its own host-side
+step counters apart). ``--baseline TREE`` adds ``tpify (base)`` and ``tpify+SP (base)``: the same
+implementations from the tpify checkout at ``TREE`` (the main branch's worktree, say), in worker
+processes of their own (``TREE`` first on their ``sys.path``), interleaved with the others in
+every round, and a table of this tree's time and syncs against the base's. ``--tpify-only``
+leaves DTensor and HF TP out.
+
 ``--profile``: instead, one group at the first tp > 1 of ``--tp`` runs two warm-up steps and
 then one step (``--profile-steps``) under ``torch.profiler`` for tpify and for DTensor, and
 prints side by side (rank 0) where the time goes (matmuls, attention, collectives including the
@@ -70,6 +80,7 @@ Usage::
     python benchmarks/bench_step.py --tp 1,2 --rounds 5          # the issue's model at tp 1 and 2
     python benchmarks/bench_step.py --tp 1,2,4 --sequence-parallel --out step.md --png step.png
     python benchmarks/bench_step.py --profile --tp 2
+    python benchmarks/bench_step.py --tp 2 --sequence-parallel --tpify-only --baseline /work/main
 
 Writes the markdown to ``--out`` (default benchmarks/out/step.md) and stdout, and the bar chart
 to ``--png`` (default benchmarks/out/step.png).
@@ -95,7 +106,9 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
 
 PLAIN, TPIFY, TPIFY_SP, DTENSOR, HF_TP = "HF", "tpify", "tpify+SP", "DTensor", "HF TP"
-IMPL_ORDER = [PLAIN, TPIFY, TPIFY_SP, DTENSOR, HF_TP]
+BASE = " (base)"  # --baseline: the same implementation from another tpify tree
+TPIFY_BASE, TPIFY_SP_BASE = TPIFY + BASE, TPIFY_SP + BASE
+IMPL_ORDER = [PLAIN, TPIFY, TPIFY_BASE, TPIFY_SP, TPIFY_SP_BASE, DTENSOR, HF_TP]
 GROUP_TIMEOUT_S = 900
 PIN_ENV = "TPIFY_BENCH_PIN"  # --pin, passed to the spawned ranks
 RESULT_TIMEOUT_S = 3600
@@ -178,6 +191,8 @@ def _build(impl: str, tp: int, ckpt: str):
     import torch
     from transformers import LlamaForCausalLM
 
+    impl = impl.removesuffix(BASE)  # the base tree's tpify is the one this process imports
+
     if impl == HF_TP:
         from transformers.distributed.configuration_utils import DistributedConfig
 
@@ -196,23 +211,54 @@ def _build(impl: str, tp: int, ckpt: str):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _step(model, opt, ids) -> float:
-    """One training step; returns the loss as a float (a DTensor loss made full first)."""
+def _device_step(model, opt, ids, clip: float = 0.0):
+    """One training step (with ``clip > 0``, the gradients clipped to that norm: tpify's dense norm
+    on a tpify model, torch's otherwise); returns the loss, on the device (no read)."""
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
+    if clip > 0:
+        if hasattr(model, "tp_info"):
+            from tpify.training import clip_grad_norm_
+
+            clip_grad_norm_(model, clip)
+        else:
+            import torch
+
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    loss = loss.detach()
+    return loss.detach()
+
+
+def _step(model, opt, ids, clip: float = 0.0) -> float:
+    """One training step; returns the loss as a float (a DTensor loss made full first)."""
+    loss = _device_step(model, opt, ids, clip)
     if hasattr(loss, "full_tensor"):
         loss = loss.full_tensor()
     return float(loss)
 
 
+def _syncs_counter():
+    """``tpify/syncs.py`` of this checkout, loaded by path (it imports nothing of tpify), so that
+    the same counter measures the base tree's tpify too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_syncs", ROOT / "tpify" / "syncs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _impls_for(tp: int, sp: bool) -> list[str]:
-    """The implementations measured at ``tp``."""
+    """The implementations measured at ``tp`` (from this tree)."""
     if tp == 1:
         return [PLAIN, TPIFY, DTENSOR]
     return [TPIFY] + ([TPIFY_SP] if sp else []) + [DTENSOR, HF_TP]
+
+
+def _base_impls_for(tp: int, sp: bool) -> list[str]:
+    """The implementations measured from the ``--baseline`` tree at ``tp``."""
+    return [TPIFY_BASE] + ([TPIFY_SP_BASE] if sp and tp > 1 else [])
 
 
 def _quiet_stderr() -> int:
@@ -226,8 +272,9 @@ def _quiet_stderr() -> int:
 
 
 def _worker(rank: int, tp: int, store_path: str, ckpt: str, shape: Shape, seed: int, impls: list[str],
-            commands, results) -> None:
-    """One rank of one tp group: build every implementation, then serve ``run``/``profile`` commands."""
+            commands, results, root: str = str(ROOT)) -> None:
+    """One rank of one tp group: build every implementation, then serve ``run``/``syncs``/``profile``
+    commands. ``root``: the tree whose tpify this group imports (``--baseline``: another one)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
@@ -236,7 +283,7 @@ def _worker(rank: int, tp: int, store_path: str, ckpt: str, shape: Shape, seed: 
     torch.set_num_threads(1)
     if os.environ.get(PIN_ENV) == "1" and tp <= (os.cpu_count() or 1):
         os.sched_setaffinity(0, {rank})  # --pin: rank r of every group on core r
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, root)
     try:
         import transformers
 
@@ -254,26 +301,41 @@ def _worker(rank: int, tp: int, store_path: str, ckpt: str, shape: Shape, seed: 
             dist.barrier()
         numel = {impl: sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in m.parameters())
                  for impl, (m, _) in built.items()}
-        results.put((rank, "ready", {"failed": failed, "numel": numel}))
+        import tpify
+
+        results.put((rank, "ready", {"failed": failed, "numel": numel, "tpify": str(Path(tpify.__file__).parent)}))
         first_loss = {}
         while True:
             cmd = commands.get()
             if cmd[0] == "stop":
                 break
             if cmd[0] == "run":
-                _, impl, warmup, steps = cmd
+                _, impl, warmup, steps, clip = cmd
                 model, opt = built[impl]
                 times, losses = [], []
                 for i in range(warmup + steps):
                     dist.barrier()
                     start = time.perf_counter()
-                    loss = _step(model, opt, ids)
+                    loss = _step(model, opt, ids, clip)
                     elapsed = time.perf_counter() - start
                     first_loss.setdefault(impl, loss)
                     if i >= warmup:
                         times.append(elapsed)
                     losses.append(loss)
                 results.put((rank, "ok", {"times": times, "first_loss": first_loss[impl], "losses": losses}))
+            elif cmd[0] == "syncs":  # host syncs of one step, after the rounds' steps (warm)
+                _, impl, clip = cmd
+                model, opt = built[impl]
+                syncs = _syncs_counter()
+                dist.barrier()
+                saved = _quiet_stderr()  # kineto prints a "USDT: ... profiler_start/stop" line per call
+                try:
+                    with syncs.count_host_syncs() as counts:
+                        _device_step(model, opt, ids, clip)
+                finally:
+                    os.dup2(saved, 2)
+                    os.close(saved)
+                results.put((rank, "ok", dict(counts)))
             elif cmd[0] == "profile":
                 _, impl, warmup, steps = cmd
                 model, opt = built[impl]
@@ -313,13 +375,14 @@ def _worker(rank: int, tp: int, store_path: str, ckpt: str, shape: Shape, seed: 
 class Group:
     """The ``tp`` worker processes of one tp size, and their command/result queues."""
 
-    def __init__(self, ctx, tp: int, tmp: Path, ckpt: Path, shape: Shape, seed: int, impls: list[str]):
+    def __init__(self, ctx, tp: int, tmp: Path, ckpt: Path, shape: Shape, seed: int, impls: list[str],
+                 root: Path = ROOT, tag: str = ""):
         self.tp, self.impls = tp, list(impls)
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(tp)]
-        store = str(tmp / f"store-tp{tp}")
+        store = str(tmp / f"store-tp{tp}{tag}")
         self.procs = [ctx.Process(target=_worker, args=(r, tp, store, str(ckpt), shape, seed, impls,
-                                                        self.commands[r], self.results), daemon=True)
+                                                        self.commands[r], self.results, str(root)), daemon=True)
                       for r in range(tp)]
         for p in self.procs:
             p.start()
@@ -329,6 +392,7 @@ class Group:
             self.failed.update(r["failed"])
         self.impls = [i for i in self.impls if i not in self.failed]  # failed on any rank: not measured
         self.numel = {impl: max(r["numel"][impl] for r in ready) for impl in self.impls}
+        self.tpify = ready[0]["tpify"]
 
     def collect(self, what: str) -> list:
         """Every rank's answer to the last command, by rank; raises on a rank's error or a hang."""
@@ -398,16 +462,24 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
     load_before = _loadavg()
     started = datetime.datetime.now().isoformat(timespec="seconds")
     ctx = mp.get_context("spawn")
-    groups: dict[int, Group] = {}
+    groups: dict[tuple[int, str], Group] = {}  # (tp, "" or "base") -> its worker processes
+    group_of: dict[tuple[int, str], Group] = {}  # (tp, implementation) -> the group that holds it
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp_name:
         tmp = Path(tmp_name)
         ckpt = tmp / "llama"
         _make_checkpoint(ckpt, shape, args.seed)
         try:
             for tp in tps:
-                print(f"starting the tp={tp} group ({tp} process(es))", file=sys.stderr, flush=True)
-                groups[tp] = Group(ctx, tp, tmp, ckpt, shape, args.seed, _impls_for(tp, sp_ok))
-            units = [(tp, impl) for tp in tps for impl in groups[tp].impls]
+                trees = [("", ROOT, _impls_for(tp, sp_ok))]
+                if args.baseline:
+                    trees.append(("base", Path(args.baseline).resolve(), _base_impls_for(tp, sp_ok)))
+                for tag, root, impls in trees:
+                    if args.tpify_only:
+                        impls = [i for i in impls if i not in (DTENSOR, HF_TP)]
+                    print(f"starting the tp={tp} group {tag} ({tp} process(es))", file=sys.stderr, flush=True)
+                    groups[(tp, tag)] = Group(ctx, tp, tmp, ckpt, shape, args.seed, impls, root, tag)
+                    group_of.update({(tp, impl): groups[(tp, tag)] for impl in groups[(tp, tag)].impls})
+            units = [(tp, impl) for tp in tps for impl in IMPL_ORDER if (tp, impl) in group_of]
             times: dict[tuple[int, str], list[float]] = {u: [] for u in units}
             first_loss: dict[tuple[int, str], float] = {}
             round1_losses: dict[tuple[int, str], list[float]] = {}
@@ -415,8 +487,8 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
             for rnd in range(args.rounds):
                 shift = rnd % len(units)
                 for tp, impl in units[shift:] + units[:shift]:
-                    g = groups[tp]
-                    g.send("run", impl, args.warmup, args.steps)
+                    g = group_of[(tp, impl)]
+                    g.send("run", impl, args.warmup, args.steps, args.clip)
                     answers = g.collect(f"{impl} round {rnd + 1}")
                     per_step = [max(a["times"][i] for a in answers) for i in range(args.steps)]
                     times[(tp, impl)] += per_step
@@ -426,6 +498,11 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
                 print(f"round {rnd + 1}/{args.rounds} done, load average {round_load[-1]:.2f}: " +
                       ", ".join(f"{impl}@{tp} {statistics.median(times[(tp, impl)]):.3f}s" for tp, impl in units),
                       file=sys.stderr, flush=True)
+            syncs = {}  # (tp, impl) -> rank 0's host syncs of one step, after the rounds
+            for tp, impl in units:
+                g = group_of[(tp, impl)]
+                g.send("syncs", impl, args.clip)
+                syncs[(tp, impl)] = g.collect(f"{impl} host syncs")[0]
         finally:
             for g in groups.values():
                 try:
@@ -437,11 +514,12 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
     med = {u: statistics.median(ts) for u, ts in times.items()}
     t1 = med.get((1, PLAIN))
     ref_loss = first_loss.get((1, PLAIN))
-    failed = [(tp, impl, reason) for tp, g in groups.items() for impl, reason in g.failed.items()]
+    failed = [(tp, impl, reason) for (tp, _), g in groups.items() for impl, reason in g.failed.items()]
     mismatch = []
 
     lines = ["## Training step: tpify vs DTensor parallelize_module vs transformers TP", "",
-             f"- model: {shape.describe()}; one step = forward with labels + backward + AdamW step (+ zero_grad)",
+             f"- model: {shape.describe()}; one step = forward with labels + backward"
+             f"{f' + gradient clipping to {args.clip}' if args.clip > 0 else ''} + AdamW step (+ zero_grad)",
              f"- {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps) per implementation and tp, "
              f"rounds interleaved; median over the timed steps (each the slowest rank's); gloo on CPU, "
              f"1 thread per rank; ranks pinned to cores (--pin): "
@@ -458,6 +536,13 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
                      "DistributedConfig.enable_sequence_parallel is 'Reserved ... Not wired up yet' in transformers "
                      f"{transformers.__version__})")
     lines.append("- HF TP at tp=1: DistributedConfig(tp_size=1) builds no mesh, i.e. it is plain HF (row `HF`)")
+    if args.baseline:
+        base = next(g.tpify for (_, tag), g in groups.items() if tag == "base")
+        lines.append(f"- `{BASE.strip()}` rows: the same implementation from the tpify at `{base}` (--baseline), in "
+                     f"worker processes of their own, interleaved with the others in every round")
+    lines.append("- host syncs: one step after the rounds, rank 0, counted by tpify/syncs.py (torch.profiler: "
+                 "`aten::_local_scalar_dense`, ops whose output size depends on values, tpify's marked syncs); "
+                 "`+ n`: the optimizer's reads of its own step counters (host tensors: no sync on a GPU)")
     for tp, impl, reason in failed:
         lines.append(f"- **{impl} at tp={tp} could not run**: {reason}")
     ref_traj = round1_losses.get((1, PLAIN))
@@ -465,7 +550,8 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
     lines += ["", "| implementation | tp | params per rank (largest) | step s (median) | p25-p75 s | min-max s | "
               "timed steps | "
               "efficiency T1/(tp*T) | loss at step 1 | loss - HF loss | max abs(loss - HF loss), steps 1-"
-              f"{nsteps1} |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              f"{nsteps1} | host syncs per step |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for tp, impl in sorted(units, key=lambda u: (u[0], IMPL_ORDER.index(u[1]))):
         ts = times[(tp, impl)]
         eff = t1 / (tp * med[(tp, impl)]) if t1 else None
@@ -477,10 +563,12 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
         if (diff is not None and abs(diff) > args.loss_tol) or (traj is not None and traj > 10 * args.loss_tol):
             flag = " MISMATCH"
             mismatch.append((tp, impl, max(abs(diff), traj)))
-        lines.append(f"| {impl} | {tp} | {groups[tp].numel[impl] / 1e6:.2f}M | {med[(tp, impl)]:.3f} | "
+        counted = syncs[(tp, impl)]
+        lines.append(f"| {impl} | {tp} | {group_of[(tp, impl)].numel[impl] / 1e6:.2f}M | {med[(tp, impl)]:.3f} | "
                      f"{_quantile(ts, 0.25):.3f}-{_quantile(ts, 0.75):.3f} | "
                      f"{min(ts):.3f}-{max(ts):.3f} | {len(ts)} | {_fmt(eff)} | {loss:.7f} | "
-                     f"{_fmt(diff, '+.1e')} | {_fmt(traj, '.1e')}{flag} |")
+                     f"{_fmt(diff, '+.1e')} | {_fmt(traj, '.1e')}{flag} | {counted.get('total', 0)} "
+                     f"+ {counted.get('optimizer step counters', 0)} |")
     lines += ["", "| tp | tpify s | efficiency tpify | tpify / HF (1 process) | tpify / DTensor | tpify / HF TP |"
               + (" tpify+SP s | efficiency tpify+SP | tpify+SP / DTensor |" if sp_ok else ""),
               "| ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if sp_ok else "")]
@@ -499,6 +587,18 @@ def run_benchmark(args, shape: Shape, tps: list[int]) -> int:
             row += (f" {_fmt(sp)} | {_fmt(t1 / (tp * sp) if sp and t1 else None)} | "
                     f"{_fmt(ratio((tp, TPIFY_SP), (tp, DTENSOR)))} |")
         lines.append(row)
+    if args.baseline:
+        lines += ["", "Against the base tree, in the same run (median step time, this tree / base; host syncs per step "
+                  "this tree / base):", "",
+                  "| implementation | tp | this tree s | base s | this / base | host syncs, this / base |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for tp, impl in units:
+            base = (tp, impl + BASE)
+            if impl.endswith(BASE) or base not in med:
+                continue
+            lines.append(f"| {impl} | {tp} | {med[(tp, impl)]:.3f} | {med[base]:.3f} | "
+                         f"{med[(tp, impl)] / med[base]:.3f} | {syncs[(tp, impl)].get('total', 0)} / "
+                         f"{syncs[base].get('total', 0)} |")
     spread = max(first_loss.values()) - min(first_loss.values()) if first_loss else 0.0
     worst_traj = max((abs(a - b) for u in units for a, b in zip(round1_losses[u], ref_traj or [])), default=0.0)
     lines += ["", f"Loss at step 1 (same weights, same batch): largest difference between implementations "
@@ -671,6 +771,14 @@ def main() -> int:
                         help="per-op profile of one tpify and one DTensor step at the first tp > 1 instead")
     parser.add_argument("--profile-top", type=int, default=15, help="ops listed per implementation")
     parser.add_argument("--profile-steps", type=int, default=1, help="profiled steps (averaged per step)")
+    parser.add_argument("--baseline", default=None, metavar="TREE",
+                        help="also measure tpify and tpify+SP from the tpify checkout at TREE (e.g. the main branch's "
+                             "worktree), in worker processes of their own, interleaved: ratios in the same run")
+    parser.add_argument("--clip", type=float, default=0.0, metavar="MAX_NORM",
+                        help="clip the gradients to this norm in every step (tpify.training.clip_grad_norm_ on tpify "
+                             "models, torch.nn.utils.clip_grad_norm_ otherwise); 0: no clipping (default)")
+    parser.add_argument("--tpify-only", action="store_true",
+                        help="leave out DTensor and HF TP (plain HF at tp 1 stays: the reference)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loss-tol", type=float, default=1e-5,
                         help="largest accepted |loss at step 1 - plain HF's| (float32; 10x that over round 1)")

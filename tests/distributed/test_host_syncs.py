@@ -15,8 +15,9 @@ experts, since its ``eager`` experts loop reads which experts got tokens, ``nonz
 chunked loss. AdamW's reads of its own step counters (host tensors: not a sync on a GPU) are
 counted apart and not asserted.
 
-Before this change the same step made (rank 0, per step): tp 1: 2; tp 2: 7; SP: 7; LoRA: 7;
-chunked: 7; EP: 21 (docs/training.md, "No host sync in a step").
+Before this change the same count gave per step: tp 1 (also with LoRA, chunked): 2; tp 2 (also
+with SP, LoRA, chunked): 7; EP: 13, and 4 ``.tolist()`` the CPU profile does not see
+(docs/training.md, "No host sync in a step").
 
 The checks, each failure on both ranks: token ids that differ on one rank (a per-rank seed):
 ``ValueError`` at the next call; labels out of range: ``ValueError`` at the next call (tp 2 and
