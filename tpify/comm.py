@@ -4,7 +4,9 @@ This is the only module of tpify that calls ``torch.distributed`` collectives. I
 four region operators of Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3, figure 3),
 each an autograd function over an explicit process group, the plain collectives the
 vocab-parallel loss, loading and saving need, and the check that the ranks of a TP group were
-given the same inputs (:func:`check_same_inputs`). The protocols that make every rank learn
+given the same inputs (:func:`check_same_inputs`), and the record of a model call's data checks
+that the host reads one call later, without a host sync (:class:`DeferredChecks`,
+:class:`HostCopy`). The protocols that make every rank learn
 whether every rank succeeded are in :mod:`tpify.agree`, over these collectives.
 
 | operator                 | forward                          | backward                          |
@@ -353,9 +355,10 @@ class HostCopy:
                 host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             except RuntimeError:  # no page-locked memory for this device: the copy then blocks
                 host = torch.empty(packed.shape, dtype=packed.dtype)
-            host.copy_(packed, non_blocking=True)
-            self.event = torch.Event(device=device)
-            self.event.record()
+            host.copy_(packed, non_blocking=True)  # queued on the device's current stream
+            module = torch.get_device_module(device)  # torch.cuda, ...: its Event and streams
+            self.event = module.Event()
+            self.event.record(module.current_stream(device))
             packed = host
         self.host = packed
 

@@ -1,5 +1,6 @@
 """A steady-state training step makes no host sync, and the data checks that used to make them
-still raise on every rank, at most one call late (one spawned job of 2 gloo ranks).
+still raise on every rank, at most one call late (two spawned jobs of 2 gloo ranks: the quick
+one counts tp 1 and tp 2 and runs the checks, the slow one counts the other configurations).
 
 The step: ``tpify.parallelize`` (or :func:`tpify.integrations.get_peft_model` on top), a forward
 with ``labels=``, ``backward``, :func:`tpify.training.clip_grad_norm_`, ``AdamW.step`` (torch's
@@ -182,27 +183,44 @@ def _twin_body(rank: int, world: int) -> dict:
     return {"twin": twin, "raised": raised}
 
 
-def _body(rank: int, world: int) -> dict:
-    results = {name: count_steps(name) for name in CONFIGS}
+#: counted in the quick job (with the checks); the others in the slow one (with the gloo twin)
+QUICK = ("tp 1", "tp 2")
+
+
+def _quick_body(rank: int, world: int) -> dict:
+    results = {name: count_steps(name) for name in QUICK}
     results["checks"] = _checks_body(rank, world)
+    return results
+
+
+def _slow_body(rank: int, world: int) -> dict:
+    results = {name: count_steps(name) for name in CONFIGS if name not in QUICK}
     results["twin"] = _twin_body(rank, world)
     return results
 
 
 @pytest.fixture(scope="module")
-def job():
-    return tputil.spawn(_body, 2, timeout=600)
+def quick():
+    return tputil.spawn(_quick_body, 2, timeout=300)
 
 
-@pytest.mark.parametrize("name", [n for n, (_, _, _, moe) in CONFIGS.items() if not moe])
-def test_a_training_step_issues_no_host_sync_after_warm_up(job, name):
+@pytest.fixture(scope="module")
+def slow():
+    return tputil.spawn(_slow_body, 2, timeout=600)
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
+                                  for n, (_, _, _, moe) in CONFIGS.items() if not moe])
+def test_a_training_step_issues_no_host_sync_after_warm_up(request, name):
+    job = request.getfixturevalue("quick" if name in QUICK else "slow")
     for rank, results in enumerate(job):
         counts = results[name]
         assert counts["total"] == 0, f"rank {rank}, {name}: {counts}"
 
 
-def test_under_expert_parallelism_the_only_host_sync_is_the_all_to_all_split_sizes_once_per_moe_layer(job):
-    for rank, results in enumerate(job):
+@pytest.mark.slow
+def test_under_expert_parallelism_the_only_host_sync_is_the_all_to_all_split_sizes_once_per_moe_layer(slow):
+    for rank, results in enumerate(slow):
         counts = results["tp 2, expert parallel"]
         marked = {k: v for k, v in counts.items() if k.startswith("tpify.host_sync: ")}
         assert marked == {"tpify.host_sync: expert-parallel all-to-all split sizes": EP_LAYERS * STEPS}, counts
@@ -216,31 +234,36 @@ def _assert_raised(job, name, error, text, at):
         assert index == at, f"rank {rank}, {name}: raised by call {index}, expected {at}"
 
 
-def test_a_mismatched_batch_on_one_rank_raises_at_the_next_step_on_every_rank(job):
+def test_a_mismatched_batch_on_one_rank_raises_at_the_next_step_on_every_rank(quick):
+    job = quick
     _assert_raised(job, "other ids", ValueError, "the ranks of the TP group were given different input values", 1)
     assert "found at the model's next call" in str(job[0]["checks"]["other ids"][1])
 
 
-def test_labels_and_ids_out_of_range_raise_at_the_next_step_on_every_rank(job):
+def test_labels_and_ids_out_of_range_raise_at_the_next_step_on_every_rank(quick):
+    job = quick
     _assert_raised(job, "labels out of range", ValueError, "holds targets outside [0, 128)", 1)
     _assert_raised(job, "ids out of range", IndexError, "ids must be in [0, 128)", 1)
     _assert_raised(job, "tp 1 labels out of range", ValueError, "targets outside [0, 128)", 1)
 
 
-def test_another_sequence_length_on_one_rank_raises_at_once_before_any_other_collective(job):
+def test_another_sequence_length_on_one_rank_raises_at_once_before_any_other_collective(quick):
+    job = quick
     _assert_raised(job, "other length", ValueError, "given inputs of different names, shapes or dtypes", 0)
     for results in job:
         assert results["checks"]["other length, collectives"] == {"all_reduce": 1, "all_reduce_numel": 4}
 
 
-def test_the_last_calls_finding_is_raised_by_check_replicas_and_a_clean_step_follows(job):
+def test_the_last_calls_finding_is_raised_by_check_replicas_and_a_clean_step_follows(quick):
+    job = quick
     _assert_raised(job, "last call, check_replicas", ValueError, "given different input values", 0)
     for results in job:
         assert results["checks"]["clean step after"] == (None, None)
 
 
-def test_the_inputs_check_runs_over_a_gloo_twin_when_the_tp_group_takes_no_cpu_tensors(job):
-    for results in job:
+@pytest.mark.slow
+def test_the_inputs_check_runs_over_a_gloo_twin_when_the_tp_group_takes_no_cpu_tensors(slow):
+    for results in slow:
         assert results["twin"]["twin"] is True
         index, raised = results["twin"]["raised"]
         assert index == 1 and isinstance(raised, ValueError) and "different input values" in str(raised), raised

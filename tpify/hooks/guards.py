@@ -4,7 +4,9 @@ Each is a forward pre-hook on the model, registered before every other hook (``p
 that it runs before any collective of the call, and kept by :func:`tpify.remove_hooks` (it
 removes the hooks that compute like the dense model, never these):
 
-* :class:`BatchCheck`: the ranks of the TP group were given the same inputs;
+* :class:`BatchCheck`: the ranks of the TP group were given the same inputs (shapes at once,
+  values at the next call), and what the previous call's data checks found, raised on every
+  rank (:class:`tpify.comm.DeferredChecks`: no host sync in a step);
 * :func:`refuse_foreign_ddp`: a ``DistributedDataParallel`` over other ranks than the model's DP
   group (what ``transformers.Trainer`` and ``accelerate.Accelerator.prepare`` build over the
   world) would have broadcast rank 0's shards and would average gradients of different shards;
