@@ -26,6 +26,8 @@ tp 1); ids out of range: ``IndexError`` at the next call; another sequence lengt
 ``ValueError`` at once, before any other collective; the last call's finding raised by
 ``check_replicas`` when no call follows; after each, a clean step runs. And the inputs check over
 a gloo twin of the TP group when the group's backend takes no CPU tensors (NCCL alone).
+With ``TPIFY_TEST_DEVICE=cuda`` the models and batches are on each rank's GPU, so the count is
+that of CUDA tensors (and the checks' copies to page-locked memory run).
 """
 
 import copy
@@ -78,7 +80,8 @@ def build(name: str):
     import tpify
 
     tp, kwargs, lora, moe = CONFIGS[name]
-    model = tpify.parallelize(_mixtral() if moe else _llama(), tp_size=tp, **kwargs)
+    dense = tputil.to_device(_mixtral() if moe else _llama())  # TPIFY_TEST_DEVICE=cuda: on the rank's GPU
+    model = tpify.parallelize(dense, tp_size=tp, **kwargs)
     if lora:
         import peft
 
@@ -90,7 +93,7 @@ def build(name: str):
 
 
 def _ids(seed: int = 1, shape=(2, 16)) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+    return tputil.to_device(torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed)))
 
 
 def step(model, optimizer, ids, labels=None) -> torch.Tensor:

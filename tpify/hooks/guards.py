@@ -130,14 +130,9 @@ def flush_checks(model: nn.Module) -> None:
 
 
 def _takes_cpu_tensors(group) -> bool:
-    """Whether ``group``'s backend takes CPU tensors (gloo; ``init_process_group()``'s default
-    ``cpu:gloo,cuda:nccl`` on a GPU machine); not a NCCL-only group."""
-    group = group if group is not None else dist.group.WORLD
-    try:
-        group._get_backend(torch.device("cpu"))
-    except RuntimeError:
-        return False
-    return True
+    """Whether ``group``'s backend takes CPU tensors (gloo, ``cpu:gloo,cuda:nccl``), not NCCL
+    alone (:func:`tpify.comm.backend_map`)."""
+    return "cpu" in comm.backend_map(group)
 
 
 def host_group(group):
