@@ -93,7 +93,9 @@ def _body(rank, world):
         shard = B * T * H // world
         assert fwd["all_gather"] == 2 * L + 1 and fwd["all_gather_numel"] == (2 * L + 1) * shard, dict(fwd)
         assert fwd["reduce_scatter"] == 2 * L and fwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(fwd)
-        assert bwd["all_gather"] == 2 * L + 1 and bwd["all_gather_numel"] == (2 * L + 1) * shard, dict(bwd)
+        # backward: the reverse of forward's, and the attention's and the MLP's input tokens all-gathered again
+        # for their column layers' weight gradients (they saved (B, T/p, H), as Megatron's layers do)
+        assert bwd["all_gather"] == 4 * L + 1 and bwd["all_gather_numel"] == (4 * L + 1) * shard, dict(bwd)
         assert bwd["reduce_scatter"] == 2 * L and bwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(bwd)
         # forward all-reduces: the inputs check (4 values), the embedding's and the loss's 2; backward: one
         # per norm weight/bias and row-parallel bias (partial over T/p tokens), plus the LM head's input
