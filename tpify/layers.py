@@ -570,7 +570,8 @@ class RowParallelLinear(_ParallelLinear):
         input gradient when the input was scattered). With sequence parallelism active
         (``sequence_parallel``, Korthikanti et al., arXiv:2205.05198): one reduce-scatter along
         ``T`` forward, output ``(B, T/p, out_features)``; backward one all-gather of the output
-        gradient and one all-reduce of the bias gradient.
+        gradient and the bias gradient summed over the group (in the model's one all-reduce of
+        replicated gradients per backward pass, :meth:`add_bias`; alone, one of its own).
     Raises:
         ValueError: ``in_features`` is not divisible by ``tp_size`` (without ``uneven``); an
             uneven split with ``input_is_parallel=False`` (the scatter cuts equal chunks).
@@ -632,13 +633,26 @@ class RowParallelLinear(_ParallelLinear):
     def add_bias(self, y: torch.Tensor, scatter_output: bool) -> torch.Tensor:
         """``y + bias``, once, after the collective, in ``y``'s dtype (as ``F.linear`` adds it:
         bfloat16 under autocast). With ``scatter_output`` the bias meets ``T/p`` tokens only, so
-        its gradient is a partial sum: summed over the group (one all-reduce in backward)."""
+        its gradient is a partial sum, summed over the group in backward (:meth:`summed_bias`)."""
         if self.bias is None:
             return y
+        return y + self.summed_bias(scatter_output).to(y.dtype)
+
+    def summed_bias(self, scatter_output: bool) -> torch.Tensor:
+        """The bias to add to this call's output: with ``scatter_output`` (it meets ``T/p`` tokens)
+        its gradient is summed over the group, by the model's
+        :class:`~tpify.grad_sums.SummedGrads` (the context's ``summed_grads``: one all-reduce per
+        backward pass for it and the model's other replicated parameters, as Megatron-LM sums the
+        LayerNorm and bias gradients of sequence parallelism together; every use of the bias in
+        the call is summed alike), or, for a layer built alone, by an all-reduce of its own per
+        use (:func:`tpify.comm.sum_grad_ranges`)."""
         bias = self.bias
-        if scatter_output:
-            bias, = comm.sum_grad_ranges([bias], [(0, [(0, bias.shape[0])])], self.tp_group)
-        return y + bias.to(y.dtype)
+        if not scatter_output or bias is None or not bias.requires_grad:
+            return bias
+        if self.ctx.summed_grads is not None:
+            self.ctx.summed_grads.watch(bias)
+            return bias
+        return comm.sum_grad_ranges([bias], [(0, [(0, bias.shape[0])])], self.tp_group)[0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, in_features_per_partition={self.in_features_per_partition}, "

@@ -10,9 +10,13 @@ sequence parallelism are in tpify verify's tp = 4 job, tests/distributed/test_ve
 * the collectives of one step, counted: per layer two all-gathers (attention and MLP inputs) and
   two reduce-scatters (their row-parallel outputs) forward, the reverse backward, each moving
   ``B*T*H/p`` values per rank (the all-reduce they replace moves twice that: the same bytes in
-  all), plus one all-gather at the final norm forward and one at the split backward; the only
-  all-reduces left are the embedding's, the loss's 2, the LM head's input gradient and one per
-  LayerNorm weight / row-parallel bias gradient (small: ``H`` values each);
+  all), plus one all-gather at the final norm forward and one at the split backward, and in
+  backward the attention's and the MLP's input tokens all-gathered again for their column
+  layers' weight gradients (they save ``(B, T/p, H)``, as Megatron's layers do); the only
+  all-reduces left are the embedding's, the loss's 2, the LM head's input gradient and one of
+  every LayerNorm weight and row-parallel bias gradient together (small: ``H`` values each);
+* the column layers save this rank's ``(B, T/p, H)`` tokens, not the gathered input: a decoder
+  layer saves ``2 x (B*T*H - B*T/p*H)`` values fewer;
 * the LayerNorms inside the split stretch see ``(B, T/p, H)``: activation memory ``1/p``; they
   and the column-parallel layers after each all-gather (``(B, T, H)``) get contiguous inputs,
   and those layers share the gather's reduce-scatter (the overlapped matmul in each);
@@ -97,13 +101,13 @@ def _body(rank, world):
         # for their column layers' weight gradients (they saved (B, T/p, H), as Megatron's layers do)
         assert bwd["all_gather"] == 4 * L + 1 and bwd["all_gather_numel"] == (4 * L + 1) * shard, dict(bwd)
         assert bwd["reduce_scatter"] == 2 * L and bwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(bwd)
-        # forward all-reduces: the inputs check (4 values), the embedding's and the loss's 2; backward: one
-        # per norm weight/bias and row-parallel bias (partial over T/p tokens), plus the LM head's input
-        # gradient (copy)
-        norm_params = sum(1 for m in norms for _ in m.parameters())
-        row_biases = sum(1 for m in par.modules() if type(m).__name__ == "RowParallelLinear" and m.bias is not None)
+        # forward all-reduces: the inputs check (4 values), the embedding's and the loss's 2; backward: the
+        # LM head's input gradient (copy), and one for every norm weight/bias and row-parallel bias (partial
+        # over T/p tokens) together (tpify.grad_sums; one per parameter before: Megatron sums them in one)
+        replicated = sum(p.numel() for m in norms for p in m.parameters()) + sum(
+            m.bias.numel() for m in par.modules() if type(m).__name__ == "RowParallelLinear" and m.bias is not None)
         assert fwd["all_reduce"] == 4, dict(fwd)
-        assert bwd["all_reduce"] == norm_params + row_biases + 1, (dict(bwd), norm_params, row_biases)
+        assert bwd["all_reduce"] == 2 and bwd["all_reduce_numel"] == B * T * H + replicated, (dict(bwd), replicated)
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(par.generate(ids[:1], **kw), ref.generate(ids[:1], **kw)), name
         with pytest.raises(ValueError, match="sequence length 7 is not divisible by tp_size"):

@@ -13,7 +13,7 @@ each owned by one module and testable on its own:
   summed within each group);
 * :mod:`~tpify.hooks.region_grads`: gradients of replicated parameters used inside a sharded
   region or a sequence-parallel stretch, or declared partial (``replicate_sum_grads``), summed
-  over the TP group;
+  over the TP group (:class:`tpify.grad_sums.SummedGrads`: one all-reduce per backward pass);
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
 * :mod:`~tpify.hooks.lm_loss`: the ``labels=`` loss from the vocabulary shards;
 * :mod:`~tpify.hooks.guards`: what the model refuses (inputs that differ between ranks, a
@@ -50,6 +50,6 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
         handles += SequenceParallel(ctx, layout.sequence_parallel).install(model)
     if layout.tp_size > 1:
         declared = tuple(f for f, m in layout.modules.items() if m.style == "replicate_sum_grads")
-        region_grads.install(model, ctx.rng, ctx.group, ctx.state, handles, declared)
+        region_grads.install(model, ctx.rng, ctx.summed_grads, ctx.state, handles, declared)
     handles += lm_loss.install(model, layout, ctx.state)
     return handles
