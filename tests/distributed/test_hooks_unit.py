@@ -135,6 +135,7 @@ class _Draw(nn.Module):
     def __init__(self, tracker):
         super().__init__()
         self.tracker, self.seen = tracker, []
+        self.attention_dropout = 0.1  # a dropout probability tpify finds (as HF attention modules keep theirs)
 
     def forward(self, x):
         self.seen.append((self.tracker.current, self.tracker.in_region, torch.rand(3, dtype=F64)))

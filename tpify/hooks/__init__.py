@@ -3,7 +3,8 @@
 HF ``forward`` methods are never replaced; what tensor parallelism adds around them is hooks,
 each owned by one module and testable on its own:
 
-* :mod:`~tpify.hooks.dropout`: the TP-distinct dropout stream inside sharded regions;
+* :mod:`~tpify.hooks.dropout`: the TP-distinct dropout stream inside sharded regions (switched
+  only when the model may draw dropout);
 * :mod:`~tpify.hooks.head_inputs`: each rank's heads of per-head inputs (ALiBi biases);
 * :mod:`~tpify.hooks.experts`: fused MoE experts split over the group (their inputs and output
   reduced, or their tokens exchanged);
@@ -45,7 +46,7 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
     handles += experts.install(model, layout, ctx)
     handles += latent.install(model, layout, ctx)  # before region_grads: its pre-hooks see the region ended
     per_head.install(model, layout, ctx, handles)
-    handles += dropout.install(model, layout, ctx.rng)
+    handles += dropout.install(model, layout, ctx.rng, mark_regions=layout.tp_size > 1)
     if layout.sequence_parallel is not None and layout.tp_size > 1:
         handles += SequenceParallel(ctx, layout.sequence_parallel).install(model)
     if layout.tp_size > 1:
