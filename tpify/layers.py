@@ -300,7 +300,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         x, weight, bias = _autocast_inputs(x, weight, bias)
         ctx.compute_dtype, ctx.regather = x.dtype, shard is not None
         keep = None
-        if weight.requires_grad:  # X is needed for the weight gradient only
+        if ctx.needs_input_grad[1]:  # X is needed for the weight gradient only
             keep = shard if shard is not None else x
         ctx.save_for_backward(keep, weight)
         ctx.group, ctx.layout, ctx.has_bias, ctx.state = group, layout, bias is not None, state
