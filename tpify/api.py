@@ -34,6 +34,7 @@ from torch import nn
 from . import comm, hf_methods, hooks
 from .agree import agree, agreement, digest
 from .context import CallState, TPContext
+from .grad_sums import SummedGrads
 from .hf_methods import check_before_parallelize
 from .hooks import guards
 from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs
@@ -177,7 +178,7 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
                "model class": type(model).__name__}, group=dp_group)
     shards = layout.replica_shards()
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
-                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups))
+                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups), summed_grads=SummedGrads(tp_group))
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,

@@ -72,6 +72,8 @@ __all__ = [
     "all_reduce_async",
     "reduce_scatter_dim_async",
     "all_gather_dim",
+    "all_gather_dim_async",
+    "PendingGather",
     "all_gather_last_dim",
     "barrier",
     "all_gather_objects",
@@ -187,14 +189,61 @@ def all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | No
     world = group_size(group)
     if world == 1:
         return tensor
-    dim = dim % tensor.dim()
+    out, shape = _all_gather_start(tensor, group, async_op=False)[:2]
+    return _merge_gathered(out, shape, dim % tensor.dim(), world)
+
+
+class PendingGather:
+    """An all-gather started by :func:`all_gather_dim_async`: :meth:`wait` returns its result."""
+
+    __slots__ = ("_out", "_shape", "_dim", "_world", "_work", "_result")
+
+    def __init__(self, out, shape, dim, world, work, result=None):
+        self._out, self._shape, self._dim, self._world, self._work = out, shape, dim, world, work
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        """The gathered tensor, as :func:`all_gather_dim` returns it (waits for the collective
+        the first time)."""
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = _merge_gathered(self._out, self._shape, self._dim, self._world)
+            self._out = self._work = None
+        return self._result
+
+
+def all_gather_dim_async(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> PendingGather:
+    """Start :func:`all_gather_dim` and return at once: ``.wait()`` on the result gives the
+    gathered tensor (``tensor`` itself for a one-rank group).
+
+    Used by the column-parallel backward under sequence parallelism, which saved this rank's
+    ``(B, T/p, H)`` tokens instead of the gathered ``(B, T, H)`` input and gathers them again
+    while it computes the input gradient (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``). Counted as ``all_gather``.
+    """
+    world = group_size(group)
+    if world == 1:
+        return PendingGather(None, None, None, 1, None, result=tensor)
+    out, shape, work = _all_gather_start(tensor, group, async_op=True)
+    return PendingGather(out, shape, dim % tensor.dim(), world, work)
+
+
+def _all_gather_start(tensor: torch.Tensor, group, async_op: bool):
+    """Issue the all-gather of ``tensor`` into a ``(p * shape[0], *shape[1:])`` buffer: (buffer, shape, work)."""
     shard = tensor.contiguous()
     _record("all_gather", shard)
     shape = tuple(shard.shape)
     # gloo wants the output as the shards stacked along dim 0: (p * shape[0], *shape[1:])
-    out = torch.empty((world * shape[0],) + shape[1:], dtype=shard.dtype, device=shard.device)
+    out = torch.empty((group_size(group) * shape[0],) + shape[1:], dtype=shard.dtype, device=shard.device)
     # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard, group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, shard, group=group, async_op=True) if async_op else gather(out, shard, group=group)
+    return out, shape, work
+
+
+def _merge_gathered(out: torch.Tensor, shape: tuple, dim: int, world: int) -> torch.Tensor:
+    """The gathered buffer ``(p * shape[0], ...)`` as one tensor with the rank axis merged into ``dim``."""
     return out.view((world,) + shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
@@ -216,12 +265,7 @@ def reduce_scatter_dim_async(tensor: torch.Tensor, dim: int, group: dist.Process
     world = group_size(group)
     if world == 1:
         return tensor, None
-    dim = dim % tensor.dim()
-    if tensor.shape[dim] % world:
-        raise ValueError(f"cannot reduce-scatter a dimension of {tensor.shape[dim]} over {world} ranks")
-    chunks = tensor.unflatten(dim, (world, tensor.shape[dim] // world)).movedim(dim, 0).contiguous()
-    _record("reduce_scatter", chunks)
-    out = torch.empty(tuple(chunks.shape[1:]), dtype=chunks.dtype, device=chunks.device)
+    chunks, out = _reduce_scatter_layout(tensor, dim, world)
     # the input as the chunks stacked along dim 0: (p * chunk.shape[0], *chunk.shape[1:])
     work = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
         out, chunks.flatten(0, 1), group=group, async_op=True)
@@ -229,11 +273,27 @@ def reduce_scatter_dim_async(tensor: torch.Tensor, dim: int, group: dist.Process
 
 
 def _reduce_scatter_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum over the group and keep this rank's chunk along ``dim`` (one reduce-scatter, waited for)."""
-    out, work = reduce_scatter_dim_async(tensor, dim, group)
-    if work is not None:
-        work.wait()
+    """Sum over the group and keep this rank's chunk along ``dim`` (one reduce-scatter, waited for).
+
+    Synchronous (no ``async_op``), so that ``torch.compile`` traces it instead of breaking the
+    graph there (dynamo does not trace ``async_op=True``)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    chunks, out = _reduce_scatter_layout(tensor, dim, world)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, chunks.flatten(0, 1), group=group)
     return out
+
+
+def _reduce_scatter_layout(tensor: torch.Tensor, dim: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tensor`` laid out as ``(p, ..., n/p, ...)`` (rank r's chunk contiguous) and the empty
+    output chunk; the collective recorded."""
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % world:
+        raise ValueError(f"cannot reduce-scatter a dimension of {tensor.shape[dim]} over {world} ranks")
+    chunks = tensor.unflatten(dim, (world, tensor.shape[dim] // world)).movedim(dim, 0).contiguous()
+    _record("reduce_scatter", chunks)
+    return chunks, torch.empty(tuple(chunks.shape[1:]), dtype=chunks.dtype, device=chunks.device)
 
 
 def _split_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 :class:`TPContext` is made once per model by :func:`tpify.parallelize` and passed down to every
 parallel layer and hook at construction: the TP group with its size and rank (resolved once, not
 asked for per layer), the model's one :class:`~tpify.layers.ColumnParallelInput` (layers reading
-one activation share its region entry), the dropout-stream tracker. :class:`CallState` is what
+one activation share its region entry), the dropout-stream tracker, the replicated parameters
+whose gradients are summed over the group (:class:`~tpify.grad_sums.SummedGrads`). :class:`CallState` is what
 one forward call decides and several hooks need: whether the tokens are split this call
 (sequence parallelism runs only when ``T`` divides), whether the LM head keeps its logits split
 over the vocabulary (the parallel loss) or does not run at all (the chunked loss). The hooks own it (``tpify.hooks``): they set it and
@@ -79,14 +80,18 @@ class TPContext(comm.SharesProcessGroups):
             built alone gets its own).
         rng: the model's :class:`~tpify.random.RNGStreamTracker` (or None: no dropout streams).
         state: the model's :class:`CallState`.
+        summed_grads: the model's :class:`~tpify.grad_sums.SummedGrads`, the replicated parameters
+            whose gradients are summed over the group in one all-reduce per backward pass (or
+            None: a layer built alone sums its own, one all-reduce each).
         replica_groups: ``{n_kv: group}``, for each KV head count ``n_kv < size`` the layout
             replicates over groups of ranks, this rank's group of ``size / n_kv`` consecutive TP
             ranks (holding the same KV head), made once by :func:`tpify.mesh.replica_groups`.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None,
-                 replica_groups: dict | None = None):
+                 replica_groups: dict | None = None, summed_grads=None):
         self.group = group
+        self.summed_grads = summed_grads
         self.size = comm.group_size(group)
         self.rank = comm.group_rank(group)
         self.region_input = region_input

@@ -99,17 +99,33 @@ class _InputGradSum:
     backward pass (``task``): a pass that reached the consumers but not the entry
     (``torch.autograd.grad`` with respect to weights only) leaves a stale sum that the next pass
     discards.
+
+    Under sequence parallelism the consumers that compute a weight gradient (``input_readers``,
+    counted in forward) saved this rank's tokens ``(B, T/p, H)``, not the gathered ``(B, T, H)``
+    input: the first of them in a backward pass starts the all-gather of the tokens again
+    (``regather``) and computes its input gradient while it runs; each reads the gathered input
+    (cast once per dtype), and the last one to read it drops it (Korthikanti et al.,
+    arXiv:2205.05198, section 4.2.2; Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``).
     """
 
-    __slots__ = ("consumers", "scatter_dim", "task", "pending", "arrived", "result")
+    __slots__ = ("consumers", "input_readers", "scatter_dim", "task", "pending", "arrived", "result", "regather",
+                 "casts", "read")
 
     def __init__(self, scatter_dim: int | None = None):
         self.consumers = 0
+        self.input_readers = 0
         self.scatter_dim = scatter_dim
         self.reset(None)
 
     def reset(self, task: int | None) -> None:
         self.task, self.pending, self.arrived, self.result = task, None, 0, None
+        self.regather, self.casts, self.read = None, {}, 0
+
+    def _join(self) -> None:
+        """Make the state that of the backward pass now running (a new pass starts afresh)."""
+        task = _graph_task_id()
+        if self.task != task:
+            self.reset(task)
 
     def reduce_async(self, tensor: torch.Tensor, group) -> tuple[torch.Tensor, object | None]:
         """Start this entry's reduction of ``tensor``: (the result once waited for, the work handle)."""
@@ -126,15 +142,34 @@ class _InputGradSum:
 
     def add(self, grad_x: torch.Tensor, group) -> object | None:
         """Add one consumer's partial input gradient; the reduction's work handle if it was the last."""
-        task = _graph_task_id()
-        if self.task != task:
-            self.reset(task)
+        self._join()
         self.pending = grad_x if self.pending is None else self.pending.add_(grad_x)
         self.arrived += 1
         if self.arrived == self.consumers:
             self.result, work = self.reduce_async(self.pending, group)
             return work
         return None
+
+    def gather_input(self, shard: torch.Tensor, group) -> None:
+        """Start the all-gather of the saved tokens ``shard`` again, once per backward pass (the
+        first reader to ask; the others share it)."""
+        self._join()
+        if self.regather is None:
+            self.regather = comm.all_gather_dim_async(shard, self.scatter_dim, group)
+
+    def gathered_input(self, dtype: torch.dtype) -> torch.Tensor:
+        """The input gathered again (:meth:`gather_input`), waited for, in ``dtype`` (the dtype the
+        forward's matmul used: autocast's); dropped after the last reader."""
+        full = self.regather.wait()
+        x = full
+        if full.dtype != dtype:
+            x = self.casts.get(dtype)
+            if x is None:
+                x = self.casts[dtype] = full.to(dtype)
+        self.read += 1
+        if self.read >= self.input_readers:
+            self.regather, self.casts = None, {}
+        return x
 
 
 class _EnterColumnParallelRegion(torch.autograd.Function):
@@ -185,28 +220,34 @@ class ColumnParallelInput:
     tensor share it the same way (:meth:`lookup`), and its backward is one reduce-scatter of their
     summed input gradients, started by the last of them and overlapped with its weight gradient.
 
+    The layers reading a gathered tensor save this rank's ``(B, T/p, H)`` tokens for their weight
+    gradients, not the gathered ``(B, T, H)``: the first of them in backward all-gathers the
+    tokens again (overlapped with its input gradient) and the others share the result, as
+    Megatron-LM saves the sequence shard and gathers it in backward.
+
     Shapes: the input ``(B, T, H)`` (any shape), replicated on every rank; the entry is a view of
     it (sequence parallelism: ``(B, T/p, H)`` in, ``(B, T, H)`` gathered out).
     Communication: forward none (sequence parallelism: one all-gather); backward one all-reduce
-    (sum) of the input's shape per shared input (sequence parallelism: one reduce-scatter),
-    issued by the last consumer (or by the entry node when a consumer's output did not reach the
-    loss). Errors: none of its own. Method: Megatron-LM's ``f`` operator (arXiv:1909.08053,
+    (sum) of the input's shape per shared input (sequence parallelism: one reduce-scatter and one
+    all-gather of the tokens again), issued by the last consumer (the all-gather by the first;
+    the reduction by the entry node when a consumer's output did not reach the loss). Errors: none of its own. Method: Megatron-LM's ``f`` operator (arXiv:1909.08053,
     section 3), applied once per activation as its fused QKV layer does; with sequence
     parallelism ``g``/``g-bar`` (Korthikanti et al., arXiv:2205.05198, section 4.2.2).
     """
 
     def __init__(self):
-        self._cached = None  # (weakref to the layers' input, its _version, entry output, _InputGradSum)
+        # (weakref to the layers' input, its _version, entry output, _InputGradSum, the tokens gathered or None)
+        self._cached = None
 
     def enter(self, x: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, _InputGradSum]:
         """``x``'s region entry and its gradient bookkeeping, created once per input tensor.
         Call only with gradients recorded for ``x`` (``torch.is_grad_enabled() and x.requires_grad``)."""
         cached = self.lookup(x)
         if cached is not None:
-            return cached
+            return cached[:2]
         state = _InputGradSum()
         y = _EnterColumnParallelRegion.apply(x, group, state)
-        self._cached = (weakref.ref(x), x._version, y, state)
+        self._cached = (weakref.ref(x), x._version, y, state, None)
         return y, state
 
     def gather(self, x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> torch.Tensor:
@@ -215,14 +256,15 @@ class ColumnParallelInput:
         that read the result (they find it with :meth:`lookup`)."""
         state = _InputGradSum(scatter_dim=dim)
         y = _EnterColumnParallelRegion.apply(x, group, state)
-        self._cached = (weakref.ref(y), y._version, y, state)
+        self._cached = (weakref.ref(y), y._version, y, state, x)
         return y
 
-    def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, _InputGradSum] | None:
-        """The cached entry and bookkeeping for input ``x`` (the same object, unmodified), or None."""
+    def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, _InputGradSum, torch.Tensor | None] | None:
+        """The cached entry, its bookkeeping and the tokens it gathered (sequence parallelism; else
+        None) for input ``x`` (the same object, unmodified), or None."""
         cached = self._cached
         if cached is not None and cached[0]() is x and cached[1] == x._version:
-            return cached[2], cached[3]
+            return cached[2], cached[3], cached[4]
         return None
 
     def clear(self, *_args) -> None:
@@ -244,34 +286,47 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     computed while it runs; then it is awaited. One all-reduce of ``B*T*in`` values per shared
     input, as Megatron-LM's fused layers do (``LinearWithGradAccumulationAndAsyncCommunication``,
     arXiv:2104.04473 section 4.3).
+
+    Saved for backward: the input only when the weight takes a gradient (a frozen weight, LoRA's
+    base, needs none). Under sequence parallelism (``shard``: this rank's tokens ``(B, T/p, H)``
+    of the gathered input ``x``) the tokens are saved instead of ``x`` (``1/p`` of its memory) and
+    all-gathered again in backward, started before ``dX_r`` is computed so that the two overlap
+    (one all-gather per shared input and backward pass, :meth:`_InputGradSum.gather_input`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, layout, state):
+    def forward(ctx, x, weight, bias, group, layout, state, shard=None):
         ctx.input_dtype = x.dtype
         x, weight, bias = _autocast_inputs(x, weight, bias)
-        ctx.save_for_backward(x, weight)
+        ctx.compute_dtype, ctx.regather = x.dtype, shard is not None
+        keep = None
+        if ctx.needs_input_grad[1]:  # X is needed for the weight gradient only
+            keep = shard if shard is not None else x
+        ctx.save_for_backward(keep, weight)
         ctx.group, ctx.layout, ctx.has_bias, ctx.state = group, layout, bias is not None, state
         with torch.autocast(x.device.type, enabled=False):
             return _matmul(x, weight, bias, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        saved, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_w and ctx.regather:  # the tokens gathered again while dX is computed
+            ctx.state.gather_input(saved, ctx.group)
         grad2 = _tokens(grad)
         work = None
         if need_x:  # linear: weight [out, in]; conv1d: [in, out]
             grad_x = grad.matmul(weight if ctx.layout == "linear" else weight.t())
             work = ctx.state.add(grad_x.to(ctx.input_dtype), ctx.group)
-        x2 = _tokens(x)
         grad_w = None
         if need_w:
+            x = ctx.state.gathered_input(ctx.compute_dtype) if ctx.regather else saved
+            x2 = _tokens(x)
             grad_w = grad2.t().mm(x2) if ctx.layout == "linear" else x2.t().mm(grad2)
         grad_b = grad2.sum(0) if need_b and ctx.has_bias else None
         if work is not None:
             work.wait()
-        return None, grad_w, grad_b, None, None, None
+        return None, grad_w, grad_b, None, None, None, None
 
 
 def _new_param(shape, spec: ShardSpec | None, device, dtype) -> nn.Parameter:
@@ -360,7 +415,11 @@ class ColumnParallelLinear(_ParallelLinear):
         parts, one more of their weight (and bias) gradient rows over the replica group. With sequence parallelism
         active: none of its own (the input was all-gathered along ``T`` before the layer, by a
         region entry of ``region_input`` whose one reduce-scatter of the summed input gradients
-        the last layer reading it starts, overlapped with its weight gradient).
+        the last layer reading it starts, overlapped with its weight gradient); the layers
+        reading it save this rank's tokens ``(B, T/p, in_features)``, not the gathered input,
+        and the first of them in backward all-gathers them again, overlapped with its input
+        gradient (one all-gather per gathered input, shared by its readers; none when the
+        weights take no gradient).
     Dtype: the parameters' dtype; no casting.
     Raises:
         ValueError: a part of the output features is not divisible by ``tp_size`` (without
@@ -446,8 +505,14 @@ class ColumnParallelLinear(_ParallelLinear):
             overlap = self.overlap_grad_reduce and torch.is_grad_enabled() and not torch.compiler.is_compiling()
             shared = self.region_input.lookup(x) if overlap else None
             if shared is not None and x.requires_grad:
-                shared[1].consumers += 1
-                y = _ColumnParallelMatmul.apply(x, weight, bias, self.tp_group, self.weight_layout, shared[1])
+                _, state, tokens = shared
+                state.consumers += 1
+                if tokens is not None and weight.requires_grad:
+                    state.input_readers += 1  # saves this rank's tokens, gathers them again in backward
+                else:
+                    tokens = None
+                y = _ColumnParallelMatmul.apply(x, weight, bias, self.tp_group, self.weight_layout, state,
+                                                None if tokens is None else tokens.detach())
             else:
                 y = _matmul(x, weight, bias, self.weight_layout)
         elif self.tp_size > 1 and self.overlap_grad_reduce and not torch.compiler.is_compiling():
@@ -505,7 +570,8 @@ class RowParallelLinear(_ParallelLinear):
         input gradient when the input was scattered). With sequence parallelism active
         (``sequence_parallel``, Korthikanti et al., arXiv:2205.05198): one reduce-scatter along
         ``T`` forward, output ``(B, T/p, out_features)``; backward one all-gather of the output
-        gradient and one all-reduce of the bias gradient.
+        gradient and the bias gradient summed over the group (in the model's one all-reduce of
+        replicated gradients per backward pass, :meth:`add_bias`; alone, one of its own).
     Raises:
         ValueError: ``in_features`` is not divisible by ``tp_size`` (without ``uneven``); an
             uneven split with ``input_is_parallel=False`` (the scatter cuts equal chunks).
@@ -567,13 +633,26 @@ class RowParallelLinear(_ParallelLinear):
     def add_bias(self, y: torch.Tensor, scatter_output: bool) -> torch.Tensor:
         """``y + bias``, once, after the collective, in ``y``'s dtype (as ``F.linear`` adds it:
         bfloat16 under autocast). With ``scatter_output`` the bias meets ``T/p`` tokens only, so
-        its gradient is a partial sum: summed over the group (one all-reduce in backward)."""
+        its gradient is a partial sum, summed over the group in backward (:meth:`summed_bias`)."""
         if self.bias is None:
             return y
+        return y + self.summed_bias(scatter_output).to(y.dtype)
+
+    def summed_bias(self, scatter_output: bool) -> torch.Tensor:
+        """The bias to add to this call's output: with ``scatter_output`` (it meets ``T/p`` tokens)
+        its gradient is summed over the group, by the model's
+        :class:`~tpify.grad_sums.SummedGrads` (the context's ``summed_grads``: one all-reduce per
+        backward pass for it and the model's other replicated parameters, as Megatron-LM sums the
+        LayerNorm and bias gradients of sequence parallelism together; every use of the bias in
+        the call is summed alike), or, for a layer built alone, by an all-reduce of its own per
+        use (:func:`tpify.comm.sum_grad_ranges`)."""
         bias = self.bias
-        if scatter_output:
-            bias, = comm.sum_grad_ranges([bias], [(0, [(0, bias.shape[0])])], self.tp_group)
-        return y + bias.to(y.dtype)
+        if not scatter_output or bias is None or not bias.requires_grad:
+            return bias
+        if self.ctx.summed_grads is not None:
+            self.ctx.summed_grads.watch(bias)
+            return bias
+        return comm.sum_grad_ranges([bias], [(0, [(0, bias.shape[0])])], self.tp_group)[0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, in_features_per_partition={self.in_features_per_partition}, "

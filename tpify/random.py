@@ -74,6 +74,12 @@ class RNGStreamTracker:
         self._states: dict[tuple[str, str], torch.Tensor] = {}  # (stream, device) -> saved state
         self._devices: set[str] = set()  # the CUDA devices switched with the CPU: every one seen
         self.in_region = False  # between a column-parallel layer's output and the next row-parallel input
+        # the region hooks switch streams (the model may draw dropout); False: they only keep in_region
+        # (tpify.hooks.dropout: every dropout probability of the model is 0)
+        self.active = True
+        # sequence parallelism split the tokens in this call (its hooks set it): a region ending at a
+        # row-parallel layer whose output is split again stays on the TP stream (leave_region_to_split)
+        self.tokens_split = False
 
     def reset(self, seed: int | None = None, tp_rank: int | None = None):
         """Forget the saved states; the TP stream restarts from ``seed + offset + tp_rank``."""
@@ -142,7 +148,21 @@ class RNGStreamTracker:
         stream from ``seed + TP_SEED_OFFSET + tp_rank``, the default stream from the global
         generator as it is). A device named for the first time is brought onto the current
         stream first, even when the tracker is on ``stream`` already.
+
+        Under ``torch.compile``: a switch that has nothing to do (the tracker on ``stream``
+        already) is traced; one that swaps generator states is one graph break (inductor draws a
+        graph's random seeds from the global generator when the graph starts, so the draws after
+        a switch must be another graph).
         """
+        new = [d for d in cuda_devices if d != "cpu" and d not in self._devices]
+        if stream == self.current and (not new or self.current == DEFAULT):
+            self._devices.update(new)  # a device first seen on the default stream: its generator holds it
+            return
+        self._switch_now(stream, tuple(cuda_devices))
+
+    @torch.compiler.disable
+    def _switch_now(self, stream: str, cuda_devices: tuple):
+        """:meth:`switch`'s generator swaps, run eagerly (one graph break under ``torch.compile``)."""
         self._adopt(cuda_devices)
         if stream == self.current:
             return
@@ -168,14 +188,15 @@ class RNGStreamTracker:
                 "saved": {f"{stream}|{device}": t.clone() for (stream, device), t in self._states.items()},
                 "global": {device: self._get(device) for device in devices}}
 
-    def snapshot(self) -> tuple[str, dict]:
-        """The tracker's own state (current stream, saved states of the others), copied; the
-        global generators are not included (torch.utils.checkpoint saves and restores them)."""
-        return self.current, {k: t.clone() for k, t in self._states.items()}
+    def snapshot(self) -> tuple[str, dict, bool]:
+        """The tracker's own state (current stream, saved states of the others, whether the tokens
+        are split), copied; the global generators are not included (torch.utils.checkpoint saves
+        and restores them)."""
+        return self.current, {k: t.clone() for k, t in self._states.items()}, self.tokens_split
 
-    def restore(self, snapshot: tuple[str, dict]) -> None:
+    def restore(self, snapshot: tuple[str, dict, bool]) -> None:
         """Go back to a :meth:`snapshot` (the global generators are left as they are)."""
-        self.current, states = snapshot
+        self.current, states, self.tokens_split = snapshot
         self._states = {k: t.clone() for k, t in states.items()}
 
     def __deepcopy__(self, memo):
@@ -200,9 +221,10 @@ class RNGStreamTracker:
 
     def enter_region(self, module, args, output):
         """Forward hook after a column-parallel layer: the TP stream (in training only: in eval
-        nothing draws, and switching back is then free), on the devices of its weight and output."""
+        nothing draws, and switching back is then free; and only while :attr:`active`), on the
+        devices of its weight and output."""
         self.in_region = True
-        if module.training:
+        if module.training and self.active:
             self.switch(TP, devices_of(module, output))
 
     def leave_region(self, module, args):
@@ -210,9 +232,21 @@ class RNGStreamTracker:
         self.in_region = False
         self.switch(DEFAULT, devices_of(module, args))
 
+    def leave_region_to_split(self, module, args):
+        """Forward pre-hook before a row-parallel layer whose output sequence parallelism
+        reduce-scatters along the tokens: the region ends, and while the tokens are split
+        (:attr:`tokens_split`) the stream stays the TP one (the layer draws nothing, and the split
+        tokens after it draw from the TP stream: switching to the default stream and back would
+        change no draw, and costs two graph breaks under ``torch.compile``); else the default
+        stream, as :meth:`leave_region`."""
+        self.in_region = False
+        if not self.tokens_split:
+            self.switch(DEFAULT, devices_of(module, args))
+
     def at_root(self, module, *args):
         """Forward pre- and post-hook of the root model: the default stream outside the model."""
         self.in_region = False
+        self.tokens_split = False
         self.switch(DEFAULT, self.cuda_devices())
 
     @contextmanager

@@ -38,6 +38,7 @@ wrong slice) is of order 1e-1. Slices, copies and random draws are compared bitw
 """
 
 import copy
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -50,6 +51,7 @@ from transformers.utils import ModelOutput
 import tputil
 from tpify import comm
 from tpify.context import CallState, TPContext, mode_arguments
+from tpify.grad_sums import SummedGrads
 from tpify.hooks import dropout, guards, head_inputs, lm_loss, region_grads
 from tpify.hooks.lm_loss import KeepLogitsSharded
 from tpify.hooks.sequence_parallel import ScatterOutput, SequenceParallel
@@ -134,6 +136,7 @@ class _Draw(nn.Module):
     def __init__(self, tracker):
         super().__init__()
         self.tracker, self.seen = tracker, []
+        self.attention_dropout = 0.1  # a dropout probability tpify finds (as HF attention modules keep theirs)
 
     def forward(self, x):
         self.seen.append((self.tracker.current, self.tracker.in_region, torch.rand(3, dtype=F64)))
@@ -271,7 +274,7 @@ def region_grads_sums_gradients_of_replicated_params_used_inside_a_region(c):
     par.up = ColumnParallelLinear.from_dense(dense.up, c.group, context=ctx)
     par.down = RowParallelLinear.from_dense(dense.down, c.group, context=ctx)
     handles = dropout.install(par, SimpleNamespace(region_starts=("up",), region_ends=("down",)), tracker)
-    watcher = region_grads.install(par, tracker, c.group, state, handles)
+    watcher = region_grads.install(par, tracker, SummedGrads(c.group), state, handles)
     x, g = _t(20, (2, 3, 4)), _t(21, (2, 3, 4))
     xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     dense(xd).backward(g)
@@ -294,8 +297,9 @@ def region_grads_sums_gradients_of_replicated_params_used_inside_a_region(c):
     _assert_same_grads(second, dense)
     assert len(handles) == hooks_after_one
     assert dict(fwd) == {"all_reduce": 1, "all_reduce_numel": 24}, dict(fwd)  # the row layer's output
-    # the column layer's input gradient (B*T*4), and head_norm's weight and bias (2 + 2)
-    assert dict(bwd) == {"all_reduce": 3, "all_reduce_numel": 24 + 4}, dict(bwd)
+    # the column layer's input gradient (B*T*4), and head_norm's weight and bias (2 + 2) in one all-reduce
+    # (tpify.grad_sums: the replicated parameters' gradients summed together once per backward pass)
+    assert dict(bwd) == {"all_reduce": 2, "all_reduce_numel": 24 + 4}, dict(bwd)
 
 
 class _SplitTokensToy(nn.Module):
@@ -320,7 +324,7 @@ def region_grads_sums_gradients_of_params_that_see_this_ranks_tokens(c):
     par = copy.deepcopy(dense)
     par.state, par.rank = state, c.rank
     handles = []
-    watcher = region_grads.install(par, _tracker(c, 0), c.group, state, handles)
+    watcher = region_grads.install(par, _tracker(c, 0), SummedGrads(c.group), state, handles)
     x, g1, g2 = _t(31, (2, 4, 4)), _t(32, (2, 4, 4)), _t(33, (2, 4, 4))
     (dense.split_norm(x) * g1).sum().add((dense.full_norm(x) * g2).sum()).backward()
     part, full = par(x)
@@ -379,7 +383,7 @@ def sequence_parallel_split_gather_exit_match_dense(c):
         mlp.down = RowParallelLinear.from_dense(dense.layers[i].mlp.down, c.group, sequence_parallel=True, context=ctx)
     where = {"split": "layers.0", "gather": ["layers.0.mlp", "layers.1.mlp"], "exit": "norm"}
     handles = [par.register_forward_hook(ctx.region_input.clear)] + SequenceParallel(ctx, where).install(par)
-    region_grads.install(par, tracker, c.group, ctx.state, handles)
+    region_grads.install(par, tracker, SummedGrads(c.group), ctx.state, handles)
     seen_ln, seen_scatter = [], []
     spies = [par.layers[1].ln.register_forward_pre_hook(
                  lambda m, args: seen_ln.append((ctx.state.sequence_active, tuple(args[0].shape)))),
@@ -420,6 +424,128 @@ def sequence_parallel_split_gather_exit_match_dense(c):
     torch.testing.assert_close(y_odd, y_odd_dense, **TOL)
     assert seen_ln[-1] == (False, (2, 5, 4)), "without gradients: every token, no split"
     assert seen_scatter[-1] is False, "and the row layer all-reduces"
+
+
+# ---- grad_sums ----------------------------------------------------------------------------
+
+class _CheckpointedStack(_Stack):
+    """:class:`_Stack` whose layers run under non-reentrant activation checkpointing when
+    ``context_fn`` is set (tpify's: the dropout streams and the call state restored)."""
+
+    context_fn = None
+
+    def forward(self, hidden):
+        for layer in self.layers:
+            if self.context_fn is None:
+                hidden = layer(hidden)
+            else:
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, use_reentrant=False,
+                                                           context_fn=self.context_fn)
+        return self.norm(hidden)
+
+
+def _sequence_parallel_stack(c, dense):
+    """``dense`` (a :class:`_Stack`) made tensor-parallel with sequence parallelism, as
+    ``parallelize`` would: (model, its context, the hook handles)."""
+    tracker = _tracker(c, 0)
+    ctx = TPContext(c.group, region_input=ColumnParallelInput(), rng=tracker, state=CallState(),
+                    summed_grads=SummedGrads(c.group))
+    par = copy.deepcopy(dense)
+    for i in range(2):
+        mlp = par.layers[i].mlp
+        mlp.up = ColumnParallelLinear.from_dense(dense.layers[i].mlp.up, c.group, sequence_parallel=True, context=ctx)
+        mlp.down = RowParallelLinear.from_dense(dense.layers[i].mlp.down, c.group, sequence_parallel=True, context=ctx)
+    where = {"split": "layers.0", "gather": ["layers.0.mlp", "layers.1.mlp"], "exit": "norm"}
+    handles = [par.register_forward_hook(ctx.region_input.clear)] + SequenceParallel(ctx, where).install(par)
+    region_grads.install(par, tracker, ctx.summed_grads, ctx.state, handles)
+    return par.train(), ctx, handles
+
+
+@_check
+def summed_grads_take_one_all_reduce_per_backward_pass(c):
+    """The LayerNorm weights and biases and the row-parallel biases of a sequence-parallel stack
+    (each a partial sum over this rank's tokens) are summed in one all-reduce per backward pass:
+    with two passes accumulated before reading the gradients (each pass summed once, not lost
+    nor doubled), under activation checkpointing, through ``torch.autograd.grad`` (the sums
+    returned, one all-reduce per parameter, ``.grad`` untouched); frozen ones are not summed;
+    inside a synchronizing DDP (its reducer copies each gradient as it is accumulated) one per
+    parameter before accumulation, in its ``no_sync`` passes one in all."""
+    dense = _dense(_CheckpointedStack(), 50)
+    par, ctx, handles = _sequence_parallel_stack(c, dense)
+    replicated = [p for n, p in par.named_parameters() if "ln" in n or n.startswith("norm") or "down.bias" in n]
+    dense_replicated = [p for n, p in dense.named_parameters() if "ln" in n or n.startswith("norm") or "down.bias" in n]
+    xs, gs = [_t(51 + i, (2, 4, 4)) for i in range(2)], [_t(53 + i, (2, 4, 4)) for i in range(2)]
+    out = {}
+
+    def passes(model, runs):
+        counts = []
+        for x, g in runs:
+            with comm.count_collectives() as n:
+                model(x).backward(g)
+            counts.append(n["all_reduce"])
+        return counts
+
+    # two passes accumulated
+    for x, g in zip(xs, gs):
+        dense(x).backward(g)
+    out["accumulated"] = (passes(par, zip(xs, gs)), _grads(par, c.group), {n: p.grad.clone() for n, p in
+                                                                           dense.named_parameters()})
+    # torch.autograd.grad: the sums returned
+    par.zero_grad(set_to_none=True)
+    dense.zero_grad(set_to_none=True)
+    with comm.count_collectives() as n:
+        returned = torch.autograd.grad((par(xs[0]) * gs[0]).sum(), replicated)
+    out["autograd.grad"] = (n["all_reduce"], returned, torch.autograd.grad((dense(xs[0]) * gs[0]).sum(),
+                                                                           dense_replicated),
+                            [p.grad for p in par.parameters()])
+    # activation checkpointing
+    par.context_fn = functools.partial(ctx.rng.checkpoint_context_fn, ctx.state)
+    dense(xs[0]).backward(gs[0])
+    out["checkpointed"] = (passes(par, [(xs[0], gs[0])]), _grads(par, c.group),
+                           {n: p.grad.clone() for n, p in dense.named_parameters()})
+    par.context_fn = None
+    # frozen: nothing to sum
+    par.zero_grad(set_to_none=True)
+    for p in replicated:
+        p.requires_grad_(False)
+    out["frozen"] = passes(par, [(xs[0], gs[0])])
+    for p in replicated:
+        p.requires_grad_(True)
+    # inside a DDP over a group of this rank alone (the model's DP group at dp = 1): synchronizing, per
+    # parameter before accumulation; no_sync, batched
+    own = [dist.new_group([r]) for r in range(WORLD)][c.rank]
+    ddp = torch.nn.parallel.DistributedDataParallel(par, process_group=own)
+    par.zero_grad(set_to_none=True)
+    dense.zero_grad(set_to_none=True)
+    with ddp.no_sync():
+        unsynced = passes(ddp, [(xs[0], gs[0])])
+    synced = passes(ddp, [(xs[1], gs[1])])
+    for x, g in zip(xs, gs):
+        dense(x).backward(g)
+    out["ddp"] = (unsynced + synced, _grads(par, c.group), {n: p.grad.clone() for n, p in dense.named_parameters()})
+    del ddp
+    for h in handles:
+        h.remove()
+    # --- asserts only from here on
+    assert len(replicated) == 8, "3 LayerNorms' weights and biases, 2 row-parallel biases"
+    counts, grads, dense_grads = out["accumulated"]
+    assert counts == [1, 1], counts
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, dense_grads[name], **TOL, msg=lambda m: f"accumulated {name}: {m}")
+    count, returned, expected, left = out["autograd.grad"]
+    assert count == len(replicated), count
+    for got, want in zip(returned, expected):
+        torch.testing.assert_close(got, want, **TOL)
+    assert all(g is None for g in left), "torch.autograd.grad accumulates nothing"
+    counts, grads, dense_grads = out["checkpointed"]
+    assert counts == [1], counts
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, dense_grads[name], **TOL, msg=lambda m: f"checkpointed {name}: {m}")
+    assert out["frozen"] == [0], out["frozen"]
+    counts, grads, dense_grads = out["ddp"]
+    assert counts == [1, len(replicated)], counts
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, dense_grads[name], **TOL, msg=lambda m: f"DDP {name}: {m}")
 
 
 # ---- lm_loss ------------------------------------------------------------------------------
@@ -696,6 +822,10 @@ def test_region_grads_sum_gradients_of_params_that_see_split_tokens(tp2):
 
 def test_sequence_parallel_hooks_match_dense_and_refuse_an_indivisible_length_with_gradients(tp2):
     _ok(tp2, "sequence_parallel_split_gather_exit_match_dense")
+
+
+def test_replicated_gradients_are_summed_in_one_all_reduce_per_backward_pass(tp2):
+    _ok(tp2, "summed_grads_take_one_all_reduce_per_backward_pass")
 
 
 def test_lm_loss_equals_dense_causal_cross_entropy_and_keeps_logits_sharded_only_during_the_call(tp2):

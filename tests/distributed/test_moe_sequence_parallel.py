@@ -145,9 +145,11 @@ def _assert_counts(par, expert_parallel: bool, kv_sums: bool):
     reduce-scatter), its gather's backward a split (no reduce-scatter), the exchange's own
     all-to-alls and row all-gathers. Besides: per layer the attention's all-gather and
     reduce-scatter, the first split's and the exit's all-gather, the embedding's all-reduce and the
-    loss's 3 forward; backward the LM head's all-reduce and one per norm of the split stretch
-    (2 L + 1, H values each), and with KV heads held by groups of ranks (tp 4, 2 KV heads) one per
-    K and V weight (a KV head's rows, head_dim x H values)."""
+    loss's 3 forward; backward the LM head's all-reduce, one of every norm of the split stretch
+    together (2 L + 1 norms, H values each: tpify.grad_sums), per layer the attention's input
+    tokens all-gathered again for q/k/v's weight gradients (they save this rank's tokens), and
+    with KV heads held by groups of ranks (tp 4, 2 KV heads) one per K and V weight (a KV head's
+    rows, head_dim x H values)."""
     from tpify.comm import count_collectives
 
     layers, tokens, hidden, k = 2, 2 * 16, 32, 2
@@ -161,11 +163,11 @@ def _assert_counts(par, expert_parallel: bool, kv_sums: bool):
     if expert_parallel:
         assert (fwd["all_gather"], fwd["reduce_scatter"], fwd["all_reduce"]) == (3 * layers + 1, layers, 4), fwd
         assert (bwd["all_gather"], bwd["reduce_scatter"], bwd["all_reduce"]) == (
-            2 * layers + 1 + 2 * layers, layers, 1 + 2 * layers + 1 + kv), bwd
+            2 * layers + 1 + 2 * layers + layers, layers, 1 + 1 + kv), bwd
         return
     assert (fwd["all_gather"], fwd["reduce_scatter"], fwd["all_reduce"]) == (2 * layers + 1, 2 * layers, 4), fwd
     assert (bwd["all_gather"], bwd["reduce_scatter"], bwd["all_reduce"]) == (
-        2 * layers + 1, 2 * layers, 1 + layers + 2 * layers + 1 + kv), bwd
+        2 * layers + 1 + layers, 2 * layers, 1 + layers + 1 + kv), bwd
     assert bwd["all_reduce_numel"] == (tokens * hidden + layers * tokens * k + (2 * layers + 1) * hidden
                                        + kv * 4 * hidden), bwd
 

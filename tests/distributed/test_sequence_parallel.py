@@ -10,9 +10,13 @@ sequence parallelism are in tpify verify's tp = 4 job, tests/distributed/test_ve
 * the collectives of one step, counted: per layer two all-gathers (attention and MLP inputs) and
   two reduce-scatters (their row-parallel outputs) forward, the reverse backward, each moving
   ``B*T*H/p`` values per rank (the all-reduce they replace moves twice that: the same bytes in
-  all), plus one all-gather at the final norm forward and one at the split backward; the only
-  all-reduces left are the embedding's, the loss's 2, the LM head's input gradient and one per
-  LayerNorm weight / row-parallel bias gradient (small: ``H`` values each);
+  all), plus one all-gather at the final norm forward and one at the split backward, and in
+  backward the attention's and the MLP's input tokens all-gathered again for their column
+  layers' weight gradients (they save ``(B, T/p, H)``, as Megatron's layers do); the only
+  all-reduces left are the embedding's, the loss's 2, the LM head's input gradient and one of
+  every LayerNorm weight and row-parallel bias gradient together (small: ``H`` values each);
+* the column layers save this rank's ``(B, T/p, H)`` tokens, not the gathered input: a decoder
+  layer saves ``2 x (B*T*H - B*T/p*H)`` values fewer;
 * the LayerNorms inside the split stretch see ``(B, T/p, H)``: activation memory ``1/p``; they
   and the column-parallel layers after each all-gather (``(B, T, H)``) get contiguous inputs,
   and those layers share the gather's reduce-scatter (the overlapped matmul in each);
@@ -93,15 +97,17 @@ def _body(rank, world):
         shard = B * T * H // world
         assert fwd["all_gather"] == 2 * L + 1 and fwd["all_gather_numel"] == (2 * L + 1) * shard, dict(fwd)
         assert fwd["reduce_scatter"] == 2 * L and fwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(fwd)
-        assert bwd["all_gather"] == 2 * L + 1 and bwd["all_gather_numel"] == (2 * L + 1) * shard, dict(bwd)
+        # backward: the reverse of forward's, and the attention's and the MLP's input tokens all-gathered again
+        # for their column layers' weight gradients (they saved (B, T/p, H), as Megatron's layers do)
+        assert bwd["all_gather"] == 4 * L + 1 and bwd["all_gather_numel"] == (4 * L + 1) * shard, dict(bwd)
         assert bwd["reduce_scatter"] == 2 * L and bwd["reduce_scatter_numel"] == 2 * L * B * T * H, dict(bwd)
-        # forward all-reduces: the inputs check (4 values), the embedding's and the loss's 2; backward: one
-        # per norm weight/bias and row-parallel bias (partial over T/p tokens), plus the LM head's input
-        # gradient (copy)
-        norm_params = sum(1 for m in norms for _ in m.parameters())
-        row_biases = sum(1 for m in par.modules() if type(m).__name__ == "RowParallelLinear" and m.bias is not None)
+        # forward all-reduces: the inputs check (4 values), the embedding's and the loss's 2; backward: the
+        # LM head's input gradient (copy), and one for every norm weight/bias and row-parallel bias (partial
+        # over T/p tokens) together (tpify.grad_sums; one per parameter before: Megatron sums them in one)
+        replicated = sum(p.numel() for m in norms for p in m.parameters()) + sum(
+            m.bias.numel() for m in par.modules() if type(m).__name__ == "RowParallelLinear" and m.bias is not None)
         assert fwd["all_reduce"] == 4, dict(fwd)
-        assert bwd["all_reduce"] == norm_params + row_biases + 1, (dict(bwd), norm_params, row_biases)
+        assert bwd["all_reduce"] == 2 and bwd["all_reduce_numel"] == B * T * H + replicated, (dict(bwd), replicated)
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(par.generate(ids[:1], **kw), ref.generate(ids[:1], **kw)), name
         with pytest.raises(ValueError, match="sequence length 7 is not divisible by tp_size"):
@@ -209,3 +215,82 @@ def _with_lora_and_checkpointing_body(rank, world):
 def test_sequence_parallelism_with_lora_and_with_gradient_checkpointing_matches_dense():
     results = tputil.spawn(_with_lora_and_checkpointing_body, 2, timeout=300)
     print("measured, tp = 2: max |gradient - dense| with sequence parallelism and LoRA / checkpointing:", results[0])
+
+
+def _watch_saved(model, module, found: list) -> list:
+    """Hooks that put into ``found`` every tensor autograd saves while ``module`` runs, parameters
+    left out; returns their handles."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            found.append(t)
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    return [module.register_forward_pre_hook(lambda *_: hooks.__enter__()),
+            module.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))]
+
+
+def _saved_activations(model, layer, call):
+    """The activations autograd saves while ``layer`` runs inside ``call()`` (parameters left out):
+    ``(bytes of their distinct storages, [(shape, storage id)] per tensor saved)``."""
+    saved = []
+    handles = _watch_saved(model, layer, saved)
+    try:
+        call()
+    finally:
+        for h in handles:
+            h.remove()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return sum(storages.values()), [(tuple(t.shape), t.untyped_storage().data_ptr()) for t in saved]
+
+
+def _saved_bytes_body(rank, world):
+    """One decoder layer's saved activations, Llama and GPT-2 at tp = 2 with sequence parallelism:
+    in all, with the column layers' gathered input saved instead, and what each column layer saves."""
+    import tpify
+
+    out = {}
+    torch.manual_seed(0)
+    ids = torch.randint(3, 101, (B, T), generator=torch.Generator().manual_seed(1))
+    for name, model in _models(world):
+        par = tpify.parallelize(model.double(), tp_size=world, sequence_parallel=True).train()
+        layer = par.model.layers[0] if name == "llama" else par.transformer.h[0]
+        columns = [m for m in layer.modules() if type(m).__name__ == "ColumnParallelLinear"]
+        total, _ = _saved_activations(par, layer, lambda: par(ids, labels=ids).loss)
+        records = [[] for _ in columns]  # in a call of their own: saved-tensor hooks do not nest
+        handles = [h for m, found in zip(columns, records) for h in _watch_saved(par, m, found)]
+        par(ids, labels=ids).loss
+        for h in handles:
+            h.remove()
+        column_saves = [[(tuple(t.shape), t.untyped_storage().data_ptr()) for t in found] for found in records]
+        for m in columns:  # the path with no shared region entry saves the gathered input, as every one did before
+            m.overlap_grad_reduce = False
+        gathered_total, _ = _saved_activations(par, layer, lambda: par(ids, labels=ids).loss)
+        out[name] = (total, gathered_total, column_saves, len(columns))
+    return out
+
+
+def test_sequence_parallel_column_layers_save_their_tokens_not_the_gathered_input():
+    """Under sequence parallelism the column-parallel layers of a gathered module save this rank's
+    ``(B, T/p, H)`` tokens for their weight gradients, not the all-gathered ``(B, T, H)`` input
+    (Megatron-LM saves the sequence shard and all-gathers it again in backward): every tensor a
+    column layer saves besides its weight is of shape ``(B, T/p, H)``, one storage per gathered
+    input (q/k/v share one, gate/up another), and one decoder layer saves exactly
+    ``2 x (B*T*H - B*T/p*H)`` values fewer than with the gathered input saved (the layers'
+    ``overlap_grad_reduce=False`` path, which saves what every column layer saved before):
+    ``1/p`` of the gathered input for the two column-layer inputs of a layer."""
+    world = 2
+    results = tputil.spawn(_saved_bytes_body, world, timeout=300)
+    for name, (total, gathered_total, column_saves, n_columns) in results[0].items():
+        readers = 5 if name == "llama" else 2  # q, k, v, gate, up; GPT-2's c_attn and c_fc
+        assert n_columns == readers, (name, n_columns)
+        assert all(len(saves) == 1 and saves[0][0] == (B, T // world, H) for saves in column_saves), \
+            (name, column_saves)
+        assert len({saves[0][1] for saves in column_saves}) == 2, f"{name}: one storage per gathered input"
+        element = torch.finfo(torch.float64).bits // 8
+        assert gathered_total - total == 2 * (B * T * H - B * (T // world) * H) * element, \
+            (name, total, gathered_total)
+        print(f"measured, {name}, tp = {world}, B x T x H = {B} x {T} x {H}, float64: one decoder layer saves "
+              f"{total} bytes of activations ({gathered_total} with the gathered input saved)")

@@ -530,8 +530,10 @@ def column_linears_sharing_a_sequence_parallel_gather_reduce_scatter_once(c):
                 torch.testing.assert_close(wgs[i], ref_w[i], **TOL, msg=lambda m: f"{name}: weight {i}: {m}")
         assert (shape, contiguous, consumers) == ((2, 4, 6), True, sharing), (name, shape, contiguous, consumers)
         assert fwd == {"all_gather": 1, "all_gather_numel": 24}, (name, fwd)
-        # the shared sum reduce-scattered once (48 values in, 24 out per rank); a non-sharing reader once more
-        assert bwd == {"reduce_scatter": scatters, "reduce_scatter_numel": 48 * scatters}, (name, bwd)
+        # the shared sum reduce-scattered once (48 values in, 24 out per rank); a non-sharing reader once more;
+        # the sharing readers saved this rank's tokens, gathered again once (24 values), as Megatron does
+        assert bwd == {"reduce_scatter": scatters, "reduce_scatter_numel": 48 * scatters, "all_gather": 1,
+                       "all_gather_numel": 24}, (name, bwd)
 
 
 @_check

@@ -3,7 +3,8 @@
 HF ``forward`` methods are never replaced; what tensor parallelism adds around them is hooks,
 each owned by one module and testable on its own:
 
-* :mod:`~tpify.hooks.dropout`: the TP-distinct dropout stream inside sharded regions;
+* :mod:`~tpify.hooks.dropout`: the TP-distinct dropout stream inside sharded regions (switched
+  only when the model may draw dropout);
 * :mod:`~tpify.hooks.head_inputs`: each rank's heads of per-head inputs (ALiBi biases);
 * :mod:`~tpify.hooks.experts`: fused MoE experts split over the group (their inputs and output
   reduced, or their tokens exchanged);
@@ -13,7 +14,7 @@ each owned by one module and testable on its own:
   summed within each group);
 * :mod:`~tpify.hooks.region_grads`: gradients of replicated parameters used inside a sharded
   region or a sequence-parallel stretch, or declared partial (``replicate_sum_grads``), summed
-  over the TP group;
+  over the TP group (:class:`tpify.grad_sums.SummedGrads`: one all-reduce per backward pass);
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
 * :mod:`~tpify.hooks.lm_loss`: the ``labels=`` loss from the vocabulary shards;
 * :mod:`~tpify.hooks.guards`: what the model refuses (inputs that differ between ranks, a
@@ -45,11 +46,11 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
     handles += experts.install(model, layout, ctx)
     handles += latent.install(model, layout, ctx)  # before region_grads: its pre-hooks see the region ended
     per_head.install(model, layout, ctx, handles)
-    handles += dropout.install(model, layout, ctx.rng)
+    handles += dropout.install(model, layout, ctx.rng, mark_regions=layout.tp_size > 1)
     if layout.sequence_parallel is not None and layout.tp_size > 1:
         handles += SequenceParallel(ctx, layout.sequence_parallel).install(model)
     if layout.tp_size > 1:
         declared = tuple(f for f, m in layout.modules.items() if m.style == "replicate_sum_grads")
-        region_grads.install(model, ctx.rng, ctx.group, ctx.state, handles, declared)
+        region_grads.install(model, ctx.rng, ctx.summed_grads, ctx.state, handles, declared)
     handles += lm_loss.install(model, layout, ctx.state)
     return handles

@@ -3,27 +3,24 @@
 A replicated module that runs inside a sharded region (per-head norms between a column- and a
 row-parallel layer) or inside a sequence-parallel stretch (a LayerNorm over ``T/p`` tokens) gets a
 partial gradient on each rank; the true gradient is its sum over the TP group (Megatron-LM,
-arXiv:1909.08053 section 3; Korthikanti et al., arXiv:2205.05198 section 4.2.2).
+arXiv:1909.08053 section 3; Korthikanti et al., arXiv:2205.05198 section 4.2.2), taken for all
+of them together in one all-reduce per backward pass (:class:`tpify.grad_sums.SummedGrads`).
 """
 
 from __future__ import annotations
 
-import weakref
-
-import torch
 from torch import nn
 
-from .. import comm
 from ..context import CallState
+from ..grad_sums import SummedGrads
 from ..layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..sharding import shard_spec_of
-from .per_head import GroupSummedGrads
 
-__all__ = ["ReplicatedInRegion", "install"]
+__all__ = ["ReplicatedInRegion", "WatchedParams", "install"]
 
 
-class ReplicatedInRegion(comm.SharesProcessGroups):
-    """Gradient all-reduce for replicated parameters used inside a sharded region, found by construction.
+class ReplicatedInRegion:
+    """Gradient sums for replicated parameters used inside a sharded region, found by construction.
 
     Between a column-parallel layer's output and the next row-parallel layer's input each rank
     holds only its heads (or its slice of the MLP). A replicated module that runs there (phi's
@@ -36,59 +33,69 @@ class ReplicatedInRegion(comm.SharesProcessGroups):
     mode), or whether the tokens are split (sequence parallelism: a LayerNorm there sees ``T/p``
     tokens, so its gradient is a partial sum as well; not the router of a mixture-of-experts block
     whose tokens were gathered, :attr:`CallState.moe_gathered`, which sees every token); the
-    first time it is, each of the
-    module's parameters gets a gradient hook that all-reduces (sums) its gradient over the TP
-    group. ``found`` lists those modules' FQNs.
+    first time it is, each of the module's trainable parameters is watched by the model's
+    :class:`~tpify.grad_sums.SummedGrads`, which sums the gradients of all of them over the TP
+    group in one all-reduce at the end of each backward pass. ``found`` lists those modules' FQNs.
 
-    The hooks are kept per parameter object, not per module: a wrapper that replaces a module's
-    parameters after a forward (FSDP2's ``fully_shard``, whose unsharded parameters the forward
-    sees) gets its new parameters hooked at their first call. A tensor hook on a leaf runs before
-    the gradient is accumulated into ``.grad`` (torch's ``AccumulateGrad`` tensor pre-hook), so the
-    sum is complete before DDP's reducer (a post-hook of the same node) or FSDP2's post-backward
-    reads the gradient.
+    Parameters are watched per parameter object, not per module: a wrapper that replaces a
+    module's parameters after a forward (FSDP2's ``fully_shard``, whose unsharded parameters the
+    forward sees) gets its new parameters watched at their first call; a parameter frozen (LoRA's
+    base model) is not watched and costs nothing. The sum is complete before DDP's reducer or
+    FSDP2 read a gradient (:mod:`tpify.grad_sums`: per parameter, before accumulation, there).
 
-    Communication: backward, one all-reduce per such parameter (none for a model without them).
+    Communication: backward, one all-reduce (sum) of all such parameters' gradients per backward
+    pass (per bucket of :data:`tpify.grad_sums.BUCKET_BYTES`), with the other replicated
+    parameters the model sums (sequence parallelism's row-parallel biases); none for a model
+    without them.
     """
 
-    def __init__(self, tracker, tp_group, handles: list, state: CallState):
-        self.tracker, self.tp_group, self.handles, self.state = tracker, tp_group, handles, state
+    def __init__(self, tracker, summed: SummedGrads, state: CallState):
+        self.tracker, self.summed, self.state = tracker, summed, state
         self.names: dict[int, str] = {}
         self.found: list[str] = []
-        self._done: dict[int, weakref.ref] = {}  # id -> the parameter already hooked (ids of dead ones are reused)
-
-    def _reduce(self, grad):
-        return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), self.tp_group)
 
     def __call__(self, module, args):
         if not (self.tracker.in_region or (self.state.sequence_active and not self.state.moe_gathered)):
             return None
-        new = [p for p in module.parameters(recurse=False)
-               if p.requires_grad and (id(p) not in self._done or self._done[id(p)]() is not p)]
-        if not new:
-            return None
-        name = self.names.get(id(module), type(module).__name__)
-        if name not in self.found:
-            self.found.append(name)
-        for param in new:
-            self._done[id(param)] = weakref.ref(param)
-            self.handles.append(param.register_hook(self._reduce))
+        new = [p for p in module.parameters(recurse=False) if self.summed.watch(p)]
+        if new:
+            name = self.names.get(id(module), type(module).__name__)
+            if name not in self.found:
+                self.found.append(name)
         return None
 
 
-def install(model: nn.Module, tracker, tp_group, state: CallState, handles: list,
+class WatchedParams:
+    """Forward pre-hook of a module the recipe declares ``replicate_sum_grads``: its named trainable
+    parameters' gradients are partial on each rank, summed over the TP group by the model's
+    :class:`~tpify.grad_sums.SummedGrads` at every backward pass (watched at each call: FSDP2's
+    unsharded parameters are other objects than the sharded ones). Communication: none of its own."""
+
+    def __init__(self, names: tuple[str, ...], summed: SummedGrads):
+        self.names, self.summed = names, summed
+
+    def __call__(self, module, args):
+        for name in self.names:
+            self.summed.watch(getattr(module, name))
+        return None
+
+
+def install(model: nn.Module, tracker, summed: SummedGrads, state: CallState, handles: list,
             declared: tuple[str, ...] = ()) -> ReplicatedInRegion:
     """A :class:`ReplicatedInRegion` pre-hook on every module that holds parameters and is not a
-    parallel layer nor holds split ones (fused experts); the gradient hooks it adds later go into
-    ``handles`` too. ``declared``: the FQNs of modules whose parameters' gradients the recipe says
+    parallel layer nor holds split ones (fused experts), and the forward pre-hook of ``summed``
+    (:meth:`~tpify.grad_sums.SummedGrads.at_root`, how this call's backward sums) on the root;
+    their handles, and ``summed`` itself (whose ``remove`` removes its gradient hooks), go into
+    ``handles``. ``declared``: the FQNs of modules whose parameters' gradients the recipe says
     are partial on each rank (style ``replicate_sum_grads``): summed over the TP group at every
-    backward (:class:`tpify.hooks.per_head.GroupSummedGrads` over the whole group), and left out of
-    the watcher (summed once, not twice)."""
-    watcher = ReplicatedInRegion(tracker, tp_group, handles, state)
+    backward (:class:`WatchedParams`), and left out of the watcher (summed once, not twice)."""
+    watcher = ReplicatedInRegion(tracker, summed, state)
+    handles += [model.register_forward_pre_hook(summed.at_root), summed]
     parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
     for fqn in declared:
         module = model.get_submodule(fqn)
         names = tuple(name for name, _ in module.named_parameters(recurse=False))
-        handles.append(module.register_forward_pre_hook(GroupSummedGrads(names, tp_group, handles)))
+        handles.append(module.register_forward_pre_hook(WatchedParams(names, summed)))
     for fqn, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         if any(shard_spec_of(p) is not None for p in own):  # split by a style (fused experts): not replicated

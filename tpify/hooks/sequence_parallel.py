@@ -132,7 +132,8 @@ class SequenceParallel:
                                  f"tp_size = {self.ctx.size}; pad the batch to a multiple of {self.ctx.size} tokens "
                                  f"(without gradients, e.g. generate(), it runs without sequence parallelism)")
             return None
-        if module.training:  # the block has no weight: its devices are its hidden states'
+        self.ctx.rng.tokens_split = True
+        if module.training and self.ctx.rng.active:  # the block has no weight: its devices are its hidden states'
             self.ctx.rng.switch(TP, devices_of(module, hidden))
         return _replace(args, kwargs, where, comm.scatter_to_sequence_region(hidden, self.ctx.group))
 
@@ -148,13 +149,14 @@ class SequenceParallel:
         return _replace(args, kwargs, where, self.ctx.region_input.gather(hidden, self.ctx.group))
 
     def _after_row(self, module, args, output):
-        if self.state.sequence_active and module.training:
+        if self.state.sequence_active and module.training and self.ctx.rng.active:
             self.ctx.rng.switch(TP, devices_of(module, output))
 
     def _exit(self, module, args, output):
         if not self.state.sequence_active:
             return None
         self.state.sequence_active = False
+        self.ctx.rng.tokens_split = False
         self.ctx.rng.switch(DEFAULT, devices_of(module, output))
         if isinstance(output, torch.Tensor):
             return comm.gather_from_sequence_region(output, self.ctx.group, False)

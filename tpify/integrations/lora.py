@@ -411,9 +411,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         recomputed = {a: t.to(partial.dtype) for a, t in zip(dropped, rest)}
         hs = rest[len(dropped):]
         y = base.add_bias(y.to(partial.dtype), scatter)
-        bias = base.bias
-        if scatter and bias is not None:  # DoRA's y - b meets T/p tokens too: a trained bias's gradient is summed
-            bias, = comm.sum_grad_ranges([bias], [(0, [(0, bias.shape[0])])], base.tp_group)
+        bias = base.summed_bias(scatter)  # DoRA's y - b meets T/p tokens too: a trained bias's gradient is summed
         return self._add_adapters(y, bias, adapters, hs, recomputed, partial_grads=scatter)
 
     # -- merging ----------------------------------------------------------------------------
