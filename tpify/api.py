@@ -137,7 +137,8 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
             sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
-            lm_loss_chunk: int | str | None = None, mesh=None, ep_size: int = 1) -> tuple[int, Layout]:
+            lm_loss_chunk: int | str | None = None, mesh=None, ep_size: int = 1,
+            grad_reduce_dtype: torch.dtype | None = None) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -145,6 +146,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     """
     if getattr(model, "tp_info", None) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
+    check_grad_reduce_dtype(grad_reduce_dtype)
     check_before_parallelize(model)
     if mesh is not None:
         size = check_mesh(mesh, tp_size, tp_group, dp_group)
@@ -160,9 +162,20 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     return size, layout
 
 
+def check_grad_reduce_dtype(value) -> None:
+    """``parallelize(grad_reduce_dtype=...)``: None or a floating ``torch.dtype``.
+
+    Raises:
+        ValueError: anything else (naming it), on every rank before any collective.
+    """
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"grad_reduce_dtype must be None (the dtype of the matmul that made each gradient) or a "
+                         f"floating torch.dtype such as torch.float32, got {value!r}")
+
+
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
            dp_group: "dist.ProcessGroup | None | str" = INFER, tp_groups: list | None = None,
-           mesh=None) -> nn.Module:
+           mesh=None, grad_reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """The collective half of the pipeline, after the agreement: groups, surgery, ``tp_info``, the
     parallel LM loss, the HF methods and the guards.
 
@@ -178,7 +191,8 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
                "model class": type(model).__name__}, group=dp_group)
     shards = layout.replica_shards()
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
-                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups), summed_grads=SummedGrads(tp_group))
+                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups), summed_grads=SummedGrads(tp_group),
+                    grad_reduce_dtype=grad_reduce_dtype)
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
@@ -225,6 +239,7 @@ def parallelize(
     lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
+    grad_reduce_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -280,6 +295,13 @@ def parallelize(
             experts' ranks with all-to-all; :mod:`tpify.hooks.experts`). Attention and the rest
             are tensor-parallel either way. With ``world = dp * tp``, the DP replicas hold the
             same experts on the same TP rank.
+        grad_reduce_dtype: the narrowest dtype the input-gradient all-reduces (reduce-scatters
+            under sequence parallelism) of the column-parallel layers, LoRA adapters and the
+            chunked loss run in. Default None: the dtype of the matmul that made the gradient, as
+            Megatron-LM (``bfloat16`` under bf16 autocast with ``float32`` weights: half the bytes
+            of ``float32``; each rank's partial gradient is exact in it, the sum is rounded once
+            per rank it adds, docs/mechanics.md "Precision of the reductions");
+            ``torch.float32``: float32 or wider (float64 stays float64).
 
     The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
     :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
@@ -314,12 +336,12 @@ def parallelize(
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
-                               lm_loss_chunk, mesh, ep_size)
-        shared = fingerprint(model, layout, size, group)
+                               lm_loss_chunk, mesh, ep_size, grad_reduce_dtype)
+        shared = fingerprint(model, layout, size, group) | {"grad_reduce_dtype": str(grad_reduce_dtype)}
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
-    return finish(model, size, layout, tp_group, dp_group, tp_groups, mesh)
+    return finish(model, size, layout, tp_group, dp_group, tp_groups, mesh, grad_reduce_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +362,7 @@ def from_pretrained(
     lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
+    grad_reduce_dtype: torch.dtype | None = None,
     torch_dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
@@ -370,8 +393,8 @@ def from_pretrained(
             plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
             several are present, the one transformers 5 loads is read (``transformers_weights``
             in config.json, then ``model.safetensors``, then the index), and only its files.
-        tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk, mesh, ep_size:
-            as in :func:`tpify.parallelize` (default: the whole world).
+        tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk, mesh, ep_size,
+            grad_reduce_dtype: as in :func:`tpify.parallelize` (default: the whole world).
         dtype: dtype of the floating parameters (a ``torch.dtype``, its name, or ``"auto"``), as in
             transformers 5; each slice is converted as it is read, and ``config.dtype`` says it
             (what :func:`save_pretrained` writes). Default (``None``/``"auto"``): ``config.dtype``,
@@ -416,11 +439,13 @@ def from_pretrained(
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         dtype, argument = _dtype_argument(dtype, torch_dtype)
         load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
-                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group)
-        checked.fingerprint = load.fingerprint
+                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size,
+                              grad_reduce_dtype), group)
+        checked.fingerprint = load.fingerprint | {"grad_reduce_dtype": str(grad_reduce_dtype)}
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
-        finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh)  # groups, surgery, hooks
+        finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh,  # groups, surgery, hooks
+               grad_reduce_dtype)
         with agreement("reading the checkpoint in tpify.from_pretrained", group=tp_group) as read:
             materialize(model, load.snap, load.source, load.headers, load.dtype, copy=disable_mmap)
             init_missing(model, load.to_init, load.dtype)

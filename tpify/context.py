@@ -86,11 +86,18 @@ class TPContext(comm.SharesProcessGroups):
         replica_groups: ``{n_kv: group}``, for each KV head count ``n_kv < size`` the layout
             replicates over groups of ranks, this rank's group of ``size / n_kv`` consecutive TP
             ranks (holding the same KV head), made once by :func:`tpify.mesh.replica_groups`.
+        grad_reduce_dtype: the narrowest dtype the input-gradient all-reduces (and
+            reduce-scatters) of the column-parallel layers, LoRA's and the chunked loss's run in
+            (:func:`tpify.comm.grad_reduce_dtype`); None (default): the dtype of the matmul that
+            made the gradient (``bfloat16`` under bf16 autocast, as Megatron-LM), ``torch.float32``:
+            float32 or wider (``parallelize(grad_reduce_dtype=...)``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None,
-                 replica_groups: dict | None = None, summed_grads=None):
+                 replica_groups: dict | None = None, summed_grads=None, grad_reduce_dtype=None):
         self.group = group
+        self.grad_reduce_dtype = grad_reduce_dtype
+        self.overlap_checked = False  # CUDA_DEVICE_MAX_CONNECTIONS looked at (tpify.layers.check_overlap_environment)
         self.summed_grads = summed_grads
         self.size = comm.group_size(group)
         self.rank = comm.group_rank(group)

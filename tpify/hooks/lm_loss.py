@@ -260,7 +260,7 @@ class ParallelLMLoss:
             hidden, weight, self._target(pending, hidden.device), bias=head.bias, ignore_index=pending["ignore_index"],
             label_smoothing=0.0, reduction=reduction, tp_group=head.tp_group, vocab_size=head.out_features,
             chunk_size=None if self.chunk == "auto" else self.chunk, softcap=None, logit_ops=ops,
-            defer=self.state.checks)
+            defer=self.state.checks, grad_reduce_dtype=head.ctx.grad_reduce_dtype)
 
     def hook(self, model, args, kwargs, output):
         pending, self.pending = self.pending, None
