@@ -836,7 +836,6 @@ def _linear_cross_entropy_grads(hidden, weight, bias, head_dtype, m, s, g, targe
     n, width = hidden.shape[0], weight.shape[0]
     whole = head_dtype == weight.dtype and torch.promote_types(weight.dtype, torch.float32) == weight.dtype
     blocks = _vocab_blocks(width, whole)
-    w = weight if weight.dtype == head_dtype else weight.to(head_dtype)  # autocast's cast, per backward
     b_ = None if bias is None else (bias if bias.dtype == head_dtype else bias.to(head_dtype))
     grad_x = torch.empty_like(hidden) if want[0] else None
     acc_x = None
@@ -846,7 +845,8 @@ def _linear_cross_entropy_grads(hidden, weight, bias, head_dtype, m, s, g, targe
     acc_b = torch.zeros(width, dtype=compute, device=hidden.device) if want[2] and bias is not None else None
     for a, b in blocks:
         bcols = _Columns(cols.start + a, b - a, max(0, min(b - a, cols.real - a)), cols.vocab)
-        w_blk, bias_blk = w[a:b], None if b_ is None else b_[a:b]
+        w_blk = weight[a:b] if weight.dtype == head_dtype else weight[a:b].to(head_dtype)  # autocast's cast, a block
+        bias_blk = None if b_ is None else b_[a:b]
         acc_w = None
         if grad_w is not None:  # this block's dW: in the gradient itself when it is float32 or wider
             acc_w = grad_w[a:b] if grad_w.dtype == _compute_dtype(grad_w.dtype) else \
@@ -877,6 +877,7 @@ def _linear_cross_entropy_grads(hidden, weight, bias, head_dtype, m, s, g, targe
             del z, derivative, exp_z, grad_z, dy  # this tile's buffers go before the next tile's are made
         if acc_w is not None and acc_w.dtype != grad_w.dtype:
             grad_w[a:b] = acc_w
+        del w_blk, acc_w
     if acc_x is not None:
         grad_x.copy_(acc_x)
     grad_b = None if acc_b is None else acc_b.to(bias.dtype)
@@ -892,8 +893,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (:func:`_linear_cross_entropy_grads`; four matmuls per chunk in all, the unchunked head and
     loss's three plus the recomputed logits), as Cut Cross-Entropy does (Wijmans et al.,
     arXiv:2411.09009, section 4). Nothing of size ``(V/p, H)`` is kept from forward to backward.
-    ``head_dtype``: the dtype of the head's matmul (autocast's, the weight and bias cast to it
-    per pass, never kept; else the weight's)."""
+    ``head_dtype``: the dtype of the head's matmul (autocast's: the weight cast to it whole in
+    forward and a block at a time in backward, never kept; else the weight's)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, eps, group, vocab_size, bad_targets, chunk_size, ops,
@@ -975,7 +976,8 @@ def vocab_parallel_linear_cross_entropy(
         Per chunk one ``(c, V/p)`` buffer in the compute dtype (two with ``softcap`` in
         backward); in backward, besides the gradients it returns, for a half-precision weight
         or under autocast one float32 ``(V/p / 8, H)`` block buffer, the ``(c, V/p / 8)`` tile,
-        the float32 ``(N, H)`` sum of ``dX`` and, under autocast, the weight cast to bfloat16.
+        the float32 ``(N, H)`` sum of ``dX`` and, under autocast, a block of the weight cast to
+        bfloat16 (forward casts the whole weight once, for its chunks, and frees it).
         The default chunk (:func:`default_chunk_size`) keeps the chunk buffer at most 1/8 of the
         weight gradient.
     Communication: per chunk 2 all-reduces, ``c`` values (max; the first chunk's carries the 5
