@@ -28,6 +28,7 @@ head's weight shard, over token chunks, never holding the logits).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import torch
@@ -816,6 +817,37 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, ignore_index, eps
     return loss, m_all, s_all, (ignored, owned, local), cols
 
 
+@functools.cache
+def _float32_output_matmul(device_type: str) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` takes half-precision
+    ``a``, ``b`` and a float32 ``acc`` on this device type: a half-precision GEMM that accumulates
+    in float32 into a float32 output (CUDA in recent torch; Megatron-LM's
+    ``wgrad_gemm_accum_fp32``). Probed once per device type on a 2 x 2 case (no host sync)."""
+    if device_type != "cuda":
+        return False
+    try:
+        acc = torch.zeros(2, 2, device=device_type)
+        one = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _addmm_float32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_wide: torch.Tensor | None = None,
+                    b_wide: torch.Tensor | None = None) -> None:
+    """``acc += a @ b`` with ``a``, ``b`` in the head's dtype and ``acc`` float32 or wider: each
+    product summed in ``acc``'s dtype, never rounded to the operands' dtype. The same dtype:
+    ``addmm_``; CUDA: a half-precision GEMM into the float32 ``acc`` (:func:`_float32_output_matmul`);
+    else the operands upcast (``a_wide``, ``b_wide``: already upcast, reused across calls)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.dtype == torch.float32 and _float32_output_matmul(acc.device.type):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a_wide if a_wide is not None else a.to(acc.dtype), b_wide if b_wide is not None else b.to(acc.dtype))
+
+
 def _linear_cross_entropy_grads(hidden, weight, bias, head_dtype, m, s, g, targets, cols, eps, ops, chunk_size,
                                 want: tuple[bool, bool, bool]):
     """The gradients of ``sum_i g_i loss_i`` with respect to the hidden states ``(N, H)``, the
@@ -847,6 +879,9 @@ def _linear_cross_entropy_grads(hidden, weight, bias, head_dtype, m, s, g, targe
         bcols = _Columns(cols.start + a, b - a, max(0, min(b - a, cols.real - a)), cols.vocab)
         w_blk = weight[a:b] if weight.dtype == head_dtype else weight[a:b].to(head_dtype)  # autocast's cast, a block
         bias_blk = None if b_ is None else b_[a:b]
+        # where no GEMM sums half-precision operands into float32 (the CPU), the operands upcast: w_blk once per block
+        upcast = head_dtype != compute and not _float32_output_matmul(w_blk.device.type)
+        w_wide = w_blk.to(compute) if upcast and acc_x is not None else None
         acc_w = None
         if grad_w is not None:  # this block's dW: in the gradient itself when it is float32 or wider
             acc_w = grad_w[a:b] if grad_w.dtype == _compute_dtype(grad_w.dtype) else \
@@ -863,21 +898,20 @@ def _linear_cross_entropy_grads(hidden, weight, bias, head_dtype, m, s, g, targe
             if scale != 1.0:
                 grad_z.mul_(scale)
             dy = grad_z.to(head_dtype)  # as autograd hands dL/dy to the head, in its dtype
-            if acc_x is not None:
-                acc_x[rows] += dy @ w_blk
+            dy_wide = dy.to(compute) if upcast else None
+            if acc_x is not None:  # this block's share of dX, summed over the blocks in float32
+                _addmm_float32_(acc_x[rows], dy, w_blk, dy_wide, w_wide)
             elif grad_x is not None:
                 grad_x[rows] = dy @ w_blk
             if acc_w is not None:
-                if whole:
-                    acc_w.addmm_(dy.t(), x)
-                else:
-                    acc_w += dy.t() @ x  # a head_dtype matmul, summed in float32
+                _addmm_float32_(acc_w, dy.t(), x, None if dy_wide is None else dy_wide.t(),
+                                x.to(compute) if upcast else None)
             if acc_b is not None:
                 acc_b[a:b] += dy.sum(dim=0, dtype=compute)
-            del z, derivative, exp_z, grad_z, dy  # this tile's buffers go before the next tile's are made
+            del z, derivative, exp_z, grad_z, dy, dy_wide  # this tile's buffers go before the next tile's are made
         if acc_w is not None and acc_w.dtype != grad_w.dtype:
             grad_w[a:b] = acc_w
-        del w_blk, acc_w
+        del w_blk, w_wide, acc_w
     if acc_x is not None:
         grad_x.copy_(acc_x)
     grad_b = None if acc_b is None else acc_b.to(bias.dtype)
