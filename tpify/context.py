@@ -40,16 +40,19 @@ class CallState:
         checks: the model's :class:`~tpify.comm.DeferredChecks`: the data checks of a call (ids
             and targets in range, the same batch on every rank), computed on the device and
             raised at the next call (kept across calls, not reset).
+        checked: the model's :class:`~tpify.comm.CheckedInputs`: the inputs this call compares
+            across the TP group (the vocab-parallel embedding then defers its bounds check).
 
     A copy of the model (``copy.deepcopy``, PEFT's copy of a module) shares it: calls run one at
     a time, and every copy of a layer must follow the call that runs it.
     """
 
-    __slots__ = ("sequence_active", "logits_sharded", "head_deferred", "moe_gathered", "checks")
+    __slots__ = ("sequence_active", "logits_sharded", "head_deferred", "moe_gathered", "checks", "checked")
 
     def __init__(self):
         self.reset()
         self.checks = comm.DeferredChecks()
+        self.checked = comm.CheckedInputs()
 
     def reset(self) -> None:
         """Outside a call: nothing split, logits gathered."""

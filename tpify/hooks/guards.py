@@ -66,7 +66,7 @@ class BatchCheck(comm.SharesProcessGroups):
         self.host_group = host_group(tp_group)
 
     def __call__(self, module, args, kwargs):
-        comm.forget_checked()
+        self.state.checked.forget()
         if torch.compiler.is_compiling():
             return None
         named = [(f"argument {i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -75,7 +75,7 @@ class BatchCheck(comm.SharesProcessGroups):
         if named and comm.group_size(self.tp_group) > 1:
             layout = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named)
             self.state.checks.keep("inputs", comm.inputs_checksum(named), layout)  # compared at the next call
-            comm.remember_checked(named)
+            self.state.checked.remember(named)
         return None
 
     def _raise_found(self, named: list) -> None:
@@ -108,7 +108,7 @@ class BatchCheck(comm.SharesProcessGroups):
     def end(self, *_hook_args) -> None:
         """Forward hook (also when the call raises): the call's checked inputs forgotten, its
         recorded checks copied to the host for the next call."""
-        comm.forget_checked()
+        self.state.checked.forget()
         self.state.checks.submit()
 
     def install(self, model: nn.Module) -> list:
