@@ -78,8 +78,8 @@ AGREEMENT_NOTICE_ENV = "TPIFY_AGREEMENT_NOTICE"
 # model first), rarely half a minute, so a notice after 30 s is seldom noise; and a user looking
 # at a silent terminal learns the likely cause in half a minute, not after the 5-minute timeout.
 _DEFAULT_AGREEMENT_NOTICE_S = 30.0
-_sequence: dict[str, int] = {}  # ranks of a group -> agreements this process has entered on it
-_exit_marker: list = []  # (store, rank) once the marker is registered
+# (store, rank) once the exit marker is registered: process-wide as atexit itself is (one per process).
+_exit_marker: list = []
 
 
 def _seconds_from_env(name: str, default: float) -> float:
@@ -193,7 +193,9 @@ def _exchange(what: str, mine, ranks: list[int]) -> list | None:
         _exit_marker.append((store, me))
         atexit.register(_mark_exited)
     name = "-".join(map(str, ranks))
-    _sequence[name] = n = _sequence.get(name, 0) + 1
+    # this rank's count of the agreements it entered on this group, kept in the store: it lives and
+    # ends with the process group (a new one starts again at 1 on every rank), no process-global count
+    n = store.add(f"sequence/{name}/{me}", 1)
     base = f"agree/{name}/{n}/"
     store.set(base + str(me), pickle.dumps((what, mine)))
     timeout, notice = agreement_timeout(), agreement_notice()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,8 @@ from .context import CallState, TPContext
 from .grad_sums import SummedGrads
 from .hf_methods import check_before_parallelize
 from .hooks import guards
-from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs
+from .info import (TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs, set_tp_info,
+                   tp_info_of)
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
@@ -143,7 +143,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     Raises:
         ValueError, TPUsageError, RecipeError, PlanError: as :func:`parallelize`.
     """
-    if getattr(model, "tp_info", None) is not None:
+    if tp_info_of(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     check_before_parallelize(model)
     if mesh is not None:
@@ -181,10 +181,8 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
                     replica_groups=replica_groups(shards, tp_group, mesh, tp_groups), summed_grads=SummedGrads(tp_group))
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
-    info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
-                  mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups,
-                  model_ref=weakref.ref(model))  # the repr's bytes per rank; a weakref: no cycle through the model
-    model.tp_info = info
+    info = TPInfo(ctx, dp_group, layout, dp_source=dp_source, mesh=mesh, foreign_shards=foreign_shards(model))
+    set_tp_info(model, info)
     record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
     info.guards = guards.install(model, info)  # before every other hook: what would be silently wrong
@@ -637,7 +635,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         specs = param_specs(model)
         checked.fingerprint = {"saved tensors": digest([(k, _dense_shape(t, specs), str(t.dtype)) for k, t in entries]),
                                "max_shard_size": str(max_shard_size)}
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     group = info.tp_group if info is not None else None
     plan = plan_shards(entries, specs, max_shard_size)
     with staged(path, next((t.device for _, t in entries), torch.device("cpu"))) as stage:

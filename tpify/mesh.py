@@ -20,12 +20,14 @@ import itertools
 import logging
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import agree  # agree.agree looked up at the call (a test stands in for it)
 from .agree import host_of_rank
 
 
@@ -40,6 +42,10 @@ INFER = "infer"
 #: The axes of the mesh :func:`init_mesh` builds, outermost first (TP innermost: contiguous ranks).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
+# The meshes init_mesh made, by (device type, shape). Process-wide on purpose: init_mesh is called
+# before any model or context exists, and every later call (each parallelize without a mesh) must get
+# the same mesh back, whose process groups were made collectively over the world and are never
+# freed; the one object that outlives those calls, the default process group, takes no attributes.
 _meshes: dict[tuple[str, int, int, int], DeviceMesh] = {}
 _logger = logging.getLogger(__name__)
 _said_no_process_group: list[bool] = []  # set once this process has said it (once per process)
@@ -182,8 +188,6 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None
     Warns:
         UserWarning: a TP group split across hosts, with ``host_local_tp=None``.
     """
-    from .agree import agree
-
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("init_mesh needs torch.distributed: launch with torchrun and call "
                          "torch.distributed.init_process_group() first")
@@ -198,7 +202,7 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None
     key = (device, *shape) if shape is not None else None
     if key in _meshes and not host_local_tp:  # host_local_tp=True checks the hosts again
         return _meshes[key]
-    hosts = agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate}, error,
+    hosts = agree.agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate}, error,
                   share=host_of_rank())
     split = split_tp_groups(hosts, tp_size) if hosts is not None and host_local_tp is not False else []
     if split:
@@ -368,7 +372,9 @@ def check_replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, d
                          f"does not. Pass mesh= (tpify.init_mesh), or tp_group= with dp_group='infer' (the default)")
 
 
-_replica_groups: dict[tuple, dist.ProcessGroup] = {}
+# {the mesh, or the TP group: {enumeration: this rank's group}}: held by what the groups were cut from,
+# dropped with it (a weak key), never shared with another mesh or an earlier process group.
+_replica_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _tp_group_lists(tp_group: dist.ProcessGroup | None, mesh: DeviceMesh | None,
@@ -397,13 +403,14 @@ def replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, mesh: D
     if not shards or not (dist.is_available() and dist.is_initialized()):
         return {}
     lists = _tp_group_lists(tp_group, mesh, tp_groups)
+    owner = mesh if mesh is not None else tp_group if tp_group is not None else dist.group.WORLD
+    made = _replica_groups.setdefault(owner, {})
     out = {}
     for n_kv in sorted(shards):
         size = len(lists[0])
         g = size // n_kv
-        enumeration = [list(ranks[i: i + g]) for ranks in lists for i in range(0, size, g)]
-        key = (id(dist.group.WORLD), tuple(tuple(e) for e in enumeration))
-        if key not in _replica_groups:
-            _replica_groups[key], _ = dist.new_subgroups_by_enumeration(enumeration)
-        out[n_kv] = _replica_groups[key]
+        enumeration = tuple(tuple(ranks[i: i + g]) for ranks in lists for i in range(0, size, g))
+        if enumeration not in made:
+            made[enumeration], _ = dist.new_subgroups_by_enumeration([list(e) for e in enumeration])
+        out[n_kv] = made[enumeration]
     return out

@@ -20,7 +20,7 @@ from torch import nn
 
 from . import comm
 from .agree import AgreementError
-from .info import param_specs
+from .info import TPUsageError, param_specs, tp_info_of
 from .sharding import is_dtensor, shard_spec_of
 
 __all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_",
@@ -37,15 +37,13 @@ def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _groups(model: nn.Module):
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     return (info.tp_group, info.dp_group) if info is not None else (None, None)
 
 
 def _refuse_fsdp(model: nn.Module, what: str) -> None:
     """Raise when FSDP2 manages ``model``'s parameters (they are DTensors): it reduces gradients
     itself."""
-    from .info import TPUsageError
-
     if any(is_dtensor(p) for p in model.parameters()):
         raise TPUsageError(f"{what}: {type(model).__name__}'s parameters are DTensors (FSDP2's fully_shard): FSDP2 "
                            f"reduces the gradients over the data-parallel dimension itself; do not call {what} on it")
@@ -354,7 +352,7 @@ def check_replicas(model: nn.Module) -> None:
             copies.setdefault(group, set()).update(keys)
     problems = []
     checks = [(tp_group, replicated, "TP ranks")] + [(g, names, "DP replicas") for g, names in copies.items()]
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     checks += [(info.replica_groups[n], names, f"TP ranks holding the same of {n} KV heads")
                for n, names in kv_groups.items()]
     for group, names, what in checks:

@@ -736,7 +736,7 @@ def batch_check_refuses_different_inputs_on_every_rank_before_any_collective(c):
 
 def _tp_model(c, lm_head):
     model = _GuardToy(c.group)
-    model.tp_info = TPInfo(WORLD, c.rank, c.group, None, SimpleNamespace(lm_head=lm_head))
+    model.tp_info = TPInfo(TPContext(c.group), None, SimpleNamespace(lm_head=lm_head))  # tp_size WORLD, rank c.rank
     return model
 
 

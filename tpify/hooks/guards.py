@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import comm
 from ..context import CallState
-from ..info import TPUsageError
+from ..info import TPUsageError, get_tp_info
 from . import state_dict
 
 __all__ = ["BatchCheck", "flush_checks", "host_group", "refuse_foreign_ddp", "refuse_fused_lm_head", "install"]
@@ -161,7 +161,7 @@ def refuse_foreign_ddp(model: nn.Module, args, kwargs):
         return None
     if not any(m is model for m in ddp.module.modules()):
         return None
-    info = model.tp_info
+    info = get_tp_info(model)
     ddp_ranks = _ranks(ddp.process_group)
     tp_ranks = _ranks(info.tp_group) if info.tp_group is not None else [dist.get_rank()]
     if set(ddp_ranks) & set(tp_ranks) != {dist.get_rank()}:  # a DDP peer holds another shard of this replica
@@ -181,7 +181,7 @@ def refuse_fused_lm_head(model: nn.Module, args, kwargs):
     head is split over the vocabulary."""
     if not kwargs.get("fused_lm_head"):
         return None
-    info = model.tp_info
+    info = get_tp_info(model)
     head = info.layout.lm_head
     raise TPUsageError(
         f"{type(model).__name__} was called with fused_lm_head=True: TRL's fused LM head (trl's add_fused_lm_head, "
