@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import AutoConfig
 
 from . import comm, hf_methods, hooks
 from .agree import agree, agreement, digest
 from .context import CallState, TPContext
 from .grad_sums import SummedGrads
 from .hf_methods import check_before_parallelize
+from .hf_plan import recipe_for_unshipped
 from .hooks import guards
 from .info import (TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs, set_tp_info,
                    tp_info_of)
@@ -70,7 +72,6 @@ def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None"
     if not model_type:
         raise ValueError(f"{type(model).__name__} has no config.model_type; pass recipe='path/to/recipe.toml'")
     if model_type not in available_recipes():  # transformers' own TP plan, imported with a notice (tpify/hf_plan.py)
-        from .hf_plan import recipe_for_unshipped
 
         return recipe_for_unshipped(model, model_type)
     return load_recipe(model_type)
@@ -474,8 +475,6 @@ def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, opt
         FileNotFoundError: ``path`` has no ``config.json``.
         CheckpointError, ValueError, PlanError, RecipeError: as :func:`from_pretrained`.
     """
-    from transformers import AutoConfig
-
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: from_pretrained needs a local Hugging Face model "
                                 f"directory (config.json + model.safetensors); nothing is downloaded")

@@ -29,10 +29,14 @@ Gradient clipping by the dense model's norm is :func:`tpify.training.clip_grad_n
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from .agree import agree
-from .info import TPUsageError, find_tp_model, get_tp_info
+from .info import TPUsageError, find_tp_model, get_tp_info, record_specs
+from .mesh import fsdp_mesh, init_mesh, mesh_device_type
 from .sharding import is_dtensor
 
 __all__ = ["replicate_data_parallel", "shard_data_parallel", "transformer_blocks", "planned_dp_shard"]
@@ -47,8 +51,6 @@ def _tp_model(model: nn.Module, what: str) -> nn.Module:
 
 
 def _refuse_wrapped(model: nn.Module, what: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
     if isinstance(model, DistributedDataParallel) or any(isinstance(m, DistributedDataParallel)
                                                          for m in model.modules()):
         raise TPUsageError(f"{what}: the model is already inside a DistributedDataParallel; apply one data-parallel "
@@ -85,9 +87,6 @@ def replicate_data_parallel(model: nn.Module, **ddp_kwargs) -> nn.Module:
             ``process_group`` passed.
         AgreementError: another rank failed, or the ranks disagree on the DP size.
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     error, info = None, None
     try:
         info = get_tp_info(_tp_model(model, "replicate_data_parallel"))
@@ -130,8 +129,6 @@ def _fsdp_mesh_for(info, dp_replicate: int | None):
         ValueError: ``dp_replicate`` does not divide the DP size; the model's groups are not the
             contiguous layout a mesh has (groups passed by hand).
     """
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     dp = world // info.tp_size
     if dp_replicate is not None and (not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate):
@@ -212,11 +209,6 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
             that are not a mesh's layout.
         AgreementError: another rank failed, or the ranks passed other arguments.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    from .info import record_specs
-    from .mesh import fsdp_mesh, init_mesh, mesh_device_type
-
     error, info, shape, units = None, None, None, []
     try:
         tp_model = _tp_model(model, "shard_data_parallel")

@@ -13,13 +13,17 @@ all-reduce: a fallback for loops that cannot run the model inside DDP.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import comm
 from .agree import AgreementError
+from .hooks.guards import flush_checks
 from .info import TPUsageError, param_specs, tp_info_of
 from .sharding import is_dtensor, shard_spec_of
 
@@ -128,7 +132,6 @@ def _replicated_ranges(grad: torch.Tensor, spec) -> list[tuple[int, int]]:
     ranges = spec.replicated_local_ranges()
     if not is_dtensor(grad):
         return ranges
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
     start, stop = offset[spec.dim], offset[spec.dim] + shape[spec.dim]
@@ -277,8 +280,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def _digest(t: torch.Tensor) -> str:
-    import hashlib
-
     local = _local(t).detach().cpu().contiguous()
     return hashlib.sha1(local.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
@@ -321,10 +322,6 @@ def check_replicas(model: nn.Module) -> None:
         ValueError, IndexError, TPUsageError: what the last call's data checks found, on every
             rank of the TP group.
     """
-    import torch.distributed as dist
-
-    from .hooks.guards import flush_checks
-
     flush_checks(model)  # what the last call's data checks found (else raised at the next call)
     tp_group, dp_group = _groups(model)
     specs = param_specs(model)

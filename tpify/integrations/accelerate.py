@@ -49,10 +49,17 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 
 import accelerate
+import torch
+import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from .. import comm
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..data_parallel import replicate_data_parallel, shard_data_parallel
 from ..info import get_tp_info, param_specs
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
@@ -94,8 +101,6 @@ def _plugin_options(plugin) -> dict:
         TPUsageError: FSDP version 1, FSDP's own activation checkpointing, a size-based or custom
             wrap policy, ignored modules, a mixed precision policy that is not FSDP2's.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-
     version = getattr(plugin, "fsdp_version", 1)
     problems = []
     if version != 2:
@@ -255,8 +260,6 @@ class TPAccelerator(accelerate.Accelerator):
 
     def _check_plan(self, info) -> None:
         """Refuse a plan whose sizes are not the model's (local; the same outcome on every rank)."""
-        import torch.distributed as dist
-
         plan = self._plan()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dp = world // info.tp_size
@@ -274,7 +277,6 @@ class TPAccelerator(accelerate.Accelerator):
         models = self._tp_models()
         if not models:
             return None
-        from .. import comm
 
         info = get_tp_info(models[0])
         if info.dp_group is None:  # no data parallelism (comm.group_size(None) would be the world's)
@@ -292,10 +294,6 @@ class TPAccelerator(accelerate.Accelerator):
     def _shard(self, args) -> None:
         """FSDP2 on each tpify model among ``args`` not sharded yet, then the optimizers among
         ``args`` pointed at the sharded parameters (by name), as accelerate does for FSDP2."""
-        import torch
-
-        from ..data_parallel import shard_data_parallel
-
         plan = self._plan()
         optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)
                       or isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
@@ -328,7 +326,6 @@ class TPAccelerator(accelerate.Accelerator):
         self._outputs_to_fp32_after_hooks(prepared)
         if evaluation_mode or sharded or not any(p.requires_grad for p in model.parameters()):
             return prepared
-        from ..data_parallel import replicate_data_parallel
 
         kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
         wrapped = replicate_data_parallel(prepared, **kwargs)  # DDP over the model's DP group (dp 1: unwrapped)
@@ -345,8 +342,6 @@ class TPAccelerator(accelerate.Accelerator):
         them. Here ``forward`` keeps only the autocast, and the same conversion
         (``accelerate.utils.convert_to_fp32``) is a forward hook registered after tpify's: the loss
         is computed from the head's own output, the caller gets float32 outputs as with accelerate."""
-        from types import MethodType
-
         from accelerate.utils import convert_to_fp32, get_mixed_precision_context_manager
 
         original = getattr(model, "_original_forward", None)
@@ -425,7 +420,6 @@ class TPAccelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if output_dir is None:
             raise TPUsageError("TPAccelerator.save_state needs output_dir for tpify models")
-        from ..checkpoint import save_checkpoint
 
         out = Path(output_dir)
         for i, model in enumerate(self._models):
@@ -434,7 +428,6 @@ class TPAccelerator(accelerate.Accelerator):
         save_checkpoint(out / STATE_DIR, models, self._optimizers, self._schedulers, extra={"step": self.step})
         if self.process_index == 0:
             write_manifest(out / STATE_DIR, self._training_layout())
-        from .. import comm
 
         comm.barrier()
         return str(out)
@@ -462,7 +455,6 @@ class TPAccelerator(accelerate.Accelerator):
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if input_dir is None:
             raise TPUsageError("TPAccelerator.load_state needs input_dir for tpify models")
-        from ..checkpoint import load_checkpoint
 
         src = Path(input_dir) / STATE_DIR
         if not src.is_dir() and (Path(input_dir) / MANIFEST_NAME).is_file():
@@ -522,8 +514,6 @@ class TPAccelerator(accelerate.Accelerator):
             return super().gather(tensor)
         from accelerate.utils import recursively_apply
 
-        from .. import comm
-
         def one(t):  # values, not a graph: accelerate's gather is not differentiable either
             t = t.detach()
             return comm.all_gather_dim(t.reshape(1) if t.dim() == 0 else t, 0, view[2].dp_group)
@@ -538,7 +528,6 @@ class TPAccelerator(accelerate.Accelerator):
             from accelerate.utils import gather_object
 
             return gather_object(obj)
-        from .. import comm
 
         return [x for part in comm.all_gather_objects(obj, view[2].dp_group) for x in part]
 
@@ -549,8 +538,6 @@ class TPAccelerator(accelerate.Accelerator):
         if view is None:
             return super().reduce(tensor, reduction=reduction, scale=scale)
         from accelerate.utils import recursively_apply
-
-        from .. import comm
 
         def one(t):
             out = comm.all_reduce(t.detach().clone(), view[2].dp_group, "max" if reduction == "max" else "sum")

@@ -76,21 +76,28 @@ are refused by name).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import json
 import os
 
 import torch
+import torch.distributed as dist
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
+from .. import comm
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..data_parallel import planned_dp_shard
 from ..info import get_tp_info
 from ..random import get_rng_tracker
 from ..sharding import is_dtensor
 from .accelerate import TPAccelerator, data_parallel_plan
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 from .resume import MANIFEST_NAME, check_resume, same_layout, training_layout, write_manifest
-from .trl import is_trl_trainer
+from .trl import (after_init, after_optimizer_loaded, check_trainer, check_trainer_class, data_parallel_metrics,
+                  is_trl_trainer, prepare_args, trl_construction, uses_data_parallel_view)
 
 __all__ = ["TPTrainer", "TPTrainerMixin", "tp_trainer_class", "OPTIMIZER_DIR"]
 
@@ -139,8 +146,6 @@ class TPTrainerMixin:
         name = type(self).__name__
         on_trl = is_trl_trainer(type(self))
         if on_trl:
-            from .trl import check_trainer_class
-
             check_trainer_class(type(self))
         tp_model = tp_model_of(model) if model is not None and not isinstance(model, str) else None
         if tp_model is None:
@@ -148,8 +153,6 @@ class TPTrainerMixin:
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
         if on_trl:
-            from .trl import check_trainer, prepare_args
-
             if args is None:
                 raise TPUsageError(f"{name}: pass args= (TRL's config for the trainer): its defaults count "
                                    f"batches over the whole world, the TP ranks included")
@@ -177,12 +180,8 @@ class TPTrainerMixin:
         self._tp_model = tp_model
         self._tp_plan = plan
         if on_trl:
-            from .trl import uses_data_parallel_view
-
             self._tp_dp_view = uses_data_parallel_view(type(self))
         if on_trl:
-            from .trl import after_init, trl_construction
-
             with trl_construction(type(self), model):
                 super().__init__(*pos, **kwargs)
             self.accelerator.register_tp_model(self.model)
@@ -223,10 +222,7 @@ class TPTrainerMixin:
         """GRPO's generation and loss see the accelerator over DP only
         (:func:`tpify.integrations.trl.data_parallel_metrics`); other trainers the world."""
         if getattr(self, "_tp_dp_view", False):
-            from .trl import data_parallel_metrics
-
             return data_parallel_metrics(self)
-        import contextlib
 
         return contextlib.nullcontext()
 
@@ -247,8 +243,6 @@ class TPTrainerMixin:
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
         if head is not None and torch.is_tensor(logits) and logits.shape[-1] == head.out_features_per_partition \
                 and head.out_features_per_partition != head.out_features:
-            from .. import comm
-
             outputs["logits"] = comm.gather_from_tp_region(logits, head.tp_group)[..., : head.out_features]
         return loss, outputs
 
@@ -277,8 +271,6 @@ class TPTrainerMixin:
         plan = getattr(self, "_tp_plan", None)
         planned = plan is not None and plan.shard and not self._sharded()  # a resume checks before sharding
         if planned:
-            from ..data_parallel import planned_dp_shard
-
             dp_shard = planned_dp_shard(self._tp_model, plan.dp_replicate)
         return training_layout(self.model, [self.optimizer] if with_optimizer else None, written_by="TPTrainer",
                                dp_shard=dp_shard if planned else None)
@@ -287,19 +279,14 @@ class TPTrainerMixin:
         """Every rank: the optimizer state as a torch.distributed.checkpoint in ``tpify_optimizer/``
         (each rank writing its pieces; :func:`tpify.checkpoint.save_checkpoint`), with the
         manifest; the scheduler as Trainer writes it."""
-        from ..checkpoint import save_checkpoint
-
         directory = os.path.join(output_dir, OPTIMIZER_DIR)
         save_checkpoint(directory, self.accelerator.unwrap_model(self.model, keep_torch_compile=False),
                         [self.optimizer], model_state=False, generators=False)
         if self.args.should_save:
             write_manifest(directory, self._training_layout(True))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-        import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            from .. import comm
-
             comm.barrier()
 
     def _save_rng_state(self, output_dir: str) -> None:
@@ -328,7 +315,6 @@ class TPTrainerMixin:
         """
         if checkpoint is None:
             return
-        from ..checkpoint import load_checkpoint
 
         directory = os.path.join(checkpoint, OPTIMIZER_DIR)
         check_resume(directory, self._training_layout(True), "TPTrainer resume (optimizer)", checkpoint=checkpoint,
@@ -337,8 +323,6 @@ class TPTrainerMixin:
                         [self.optimizer], model_state=False, generators=False)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         if is_trl_trainer(type(self)):
-            from .trl import after_optimizer_loaded
-
             after_optimizer_loaded(self, checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
@@ -348,7 +332,6 @@ class TPTrainerMixin:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
-        import json
 
         file = os.path.join(checkpoint, f"tpify_rng_{self.args.process_index}.pt")
         with open(os.path.join(checkpoint, OPTIMIZER_DIR, MANIFEST_NAME)) as f:  # checked by the resume before
