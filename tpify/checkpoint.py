@@ -84,24 +84,18 @@ def sharded_state_dict(model: nn.Module) -> dict:
     """The model's parameters as torch.distributed.checkpoint entries that reshard on load.
 
     Keys: the parameters' names in ``model`` (a tpify model, a PEFT model on one, under DDP or
-    ``torch.compile``), a packed parameter's parts as ``NAME.part<i>`` (module docstring). Values:
-    ``DTensor`` s on the TP mesh (``Shard(dim)``; shape: the dense tensor's, or the part's) whose
-    local tensor is this rank's piece of the dense tensor, or plain tensors (replicated
-    parameters, ``tp_size == 1``). Pass it to ``dcp.save``; to load, build the same dict at the
-    new layout and ``dcp.load`` it (:func:`load_checkpoint` does both, copying back into the
-    parameters).
+    ``torch.compile``), a packed parameter's parts as ``NAME.part<i>``. Values: DTensors on the TP
+    mesh (``Shard(dim)``) with the dense tensor's (or part's) shape, e.g. ``c_attn.weight.part0``
+    ``(H, H)`` of GPT-2's ``(H, 3H)``, a padded vocabulary's ``V`` rows; plain tensors when
+    replicated or at tp 1; the parameters' dtypes (:mod:`tpify.dcp_entries`). ``dcp.save`` it;
+    :func:`load_checkpoint` builds the same dict at the new layout and loads it.
 
-    dtypes: the parameters'. Shapes: the dense tensors', e.g. ``c_attn.weight.part0`` ``(H, H)``
-    for GPT-2's fused ``(H, 3H)`` ``c_attn``; a padded vocabulary's ``V`` rows, not ``Vp``.
-
-    Communication: none for the common specs (the local shards are wrapped, not copied); one
-    all-gather over TP per vocabulary table padded beyond DTensor's chunks (a
-    ``pad_vocab_multiple`` larger than 1; the dense-order fallback); under FSDP2, one all-gather
-    over the DP mesh per parameter (``full_tensor``). Every rank must call it.
+    Communication: none for the common specs (the shards are wrapped, not copied); one all-gather
+    over TP per vocabulary padded beyond DTensor's chunks; under FSDP2 one over DP per parameter.
 
     Raises:
         CheckpointError: ``model`` is not a tpify model.
-        TPUsageError: a DTensor parameter whose TP split tpify did not record (:func:`tpify.info.param_specs`).
+        TPUsageError: a DTensor parameter whose TP split tpify did not record.
     """
     ctx = _context(model)
     specs = param_specs(_unwrap(model))
@@ -114,17 +108,12 @@ def sharded_state_dict(model: nn.Module) -> dict:
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The dense Hugging Face state dict of a parallelized model, on every rank.
 
-    Keys: the Hugging Face names :func:`tpify.save_pretrained` writes (tied copies such as
-    ``lm_head.weight`` left out, as transformers 5 saves them; buffers the checkpoint holds
-    included). Values: the dense tensors (vocabulary padding stripped, packed ``[Q|K|V]`` packed
-    again), contiguous, on the parameters' device, in their dtype. ``model.load_state_dict`` of
-    the dense model, or of ``transformers`` ``from_pretrained``'s model, takes it
-    (``strict=False`` for the tied keys). Holds the whole dense model on every rank: for large
-    models, :func:`tpify.save_pretrained` writes file by file instead.
+    Keys: the names :func:`tpify.save_pretrained` writes (tied copies left out). Values: the dense
+    tensors (padding stripped, ``[Q|K|V]`` packed again), contiguous, on the parameters' device and
+    dtype; the dense model's ``load_state_dict`` takes it (``strict=False`` for tied keys). Holds
+    the whole dense model on every rank (:func:`tpify.save_pretrained` writes file by file instead).
 
-    Communication: per sharded tensor one all-gather over the TP group
-    (:meth:`~tpify.sharding.ShardSpec.gather`); under FSDP2, first one over the DP mesh
-    (``full_tensor``). Every rank must call it.
+    Communication: per sharded tensor one all-gather over TP (under FSDP2 first one over DP).
 
     Raises:
         CheckpointError: ``model`` is not a tpify model.
@@ -199,27 +188,22 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
                     model_state: bool = True, generators: bool = True) -> None:
     """Write a training checkpoint that :func:`load_checkpoint` reads back at any layout.
 
-    ``path`` (a directory) receives DCP's files: ``__<rank>_0.distcp`` written by every rank in
-    parallel (its pieces of the tensors; of the pieces several ranks hold, DCP's planner has one
-    of them write each) and ``.metadata`` (global rank 0). What is in it, by key: ``model.<name>``
-    (:func:`sharded_state_dict` of each model; ``model_<i>.`` for the ``i``-th), ``optim.<name>.<key>``
-    (each optimizer's state, following its parameter; ``optim_<i>.``), ``optim.meta`` (the param
-    groups' hyperparameters and parameter names, the state's structure), ``sched`` (each
-    scheduler's ``state_dict()``), ``extra`` (``extra``, any picklable dict: a step counter),
-    ``layout`` (tp size, world size), ``rng.rank<k>`` (rank ``k``'s generators).
+    ``path`` receives DCP's files: ``__<rank>_0.distcp`` from every rank in parallel and
+    ``.metadata`` from global rank 0. Keys: ``model.<name>`` (:func:`sharded_state_dict`;
+    ``model_<i>.`` for the ``i``-th model), ``optim.<name>.<key>`` (state following its parameter),
+    ``optim.meta`` (param groups, state structure), ``sched``, ``extra``, ``layout`` (tp size, world
+    size), ``rng.rank<k>`` (rank ``k``'s generators).
 
     Args:
-        path: the checkpoint directory (created; DCP overwrites files of the same names).
+        path: the checkpoint directory (created).
         models: a model or a list (tpify models, PEFT models on them, other models).
-        optimizers, schedulers: lists (may be empty), whose parameters are the models'.
-        extra: small picklable values to store (the same on every rank).
-        model_state: store the models' parameters (False: a caller that saves the weights
-            itself, densely, as TPTrainer does; the models still name the optimizers' parameters).
-        generators: store every rank's generators (False: a caller that saves them itself).
+        optimizers, schedulers: lists (may be empty) over the models' parameters.
+        extra: small picklable values (the same on every rank).
+        model_state, generators: False for a caller that saves the weights (TPTrainer: densely) or
+            the generators itself.
 
-    Communication: :func:`sharded_state_dict`'s; then DCP's: a gather of the save plans to
-    the coordinator and a scatter back, one more gather of the write results. Every rank of
-    the world must call it.
+    Communication: :func:`sharded_state_dict`'s, then DCP's (gather and scatter of the save plans,
+    a gather of the results). Every rank of the world calls it.
 
     Raises:
         CheckpointError: no tpify model; an optimizer parameter belongs to none of ``models``.
@@ -340,31 +324,22 @@ def _load_objects(path, keys: list[str]) -> dict:
 
 def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: bool = True,
                     generators: bool = True) -> dict:
-    """Read what :func:`save_checkpoint` wrote into ``models``, ``optimizers`` and ``schedulers``
-    (in place), at this run's layout, which may differ from the saved one; return its ``extra``.
+    """Read what :func:`save_checkpoint` wrote into ``models``, ``optimizers`` and ``schedulers``,
+    in place, at this run's layout (which may differ from the saved one); return its ``extra``.
 
-    Parameters are copied into in place (their holders, an optimizer built over them, stay
-    valid); each optimizer's state is rebuilt from the saved one, by parameter name, and loaded
-    with ``load_state_dict`` (so a fresh optimizer, with no state yet, is fine), its param
-    groups' hyperparameters restored; schedulers get their saved ``state_dict``. Generators: see
-    the module docstring (restored exactly at the saved layout, else rank 0's default stream on
-    every rank and tpify's TP stream restarted). ``model_state``/``generators``: as given to
-    :func:`save_checkpoint` (False: the parameters, or the generators, are left as they are).
+    Parameters are copied into (holders stay valid); each optimizer's state is rebuilt by parameter
+    name and loaded with ``load_state_dict`` (a fresh optimizer is fine); schedulers get their saved
+    state; generators as the module docstring says. ``model_state``/``generators``: as saved.
 
-    Communication: first one agreement (:func:`tpify.agree.agree`, the store) on the local
-    checks; then DCP's (a gather and a scatter of the load plans per load; three loads: the
-    small objects, the tensors, the generators); one all-gather over TP per tensor of the
-    dense-order fallback. Every rank of the world must call it.
+    Communication: one agreement on the local checks first; DCP's (three loads: the small objects,
+    the tensors, the generators); one all-gather over TP per tensor of the dense-order fallback.
+    Every rank of the world calls it.
 
     Raises:
-        CheckpointError: on every rank, before any collective: a parameter of the models is not
-            in the checkpoint or has another dense shape there (another model; the message names
-            up to three, with both shapes), the checkpoint is unreadable: its ``.metadata`` missing or
-            damaged, a ``.distcp`` file missing or truncated (:func:`read_metadata`: named, with its
-            size and the size it needs). While reading, on every rank: what DCP failed to read
-            (its ``CheckpointException``, named). After the first load,
-            alike on every rank (each reads the same objects): an optimizer's param groups list
-            other parameters, the numbers of schedulers differ.
+        CheckpointError: on every rank, before any collective: a parameter missing from the
+            checkpoint or of another dense shape (up to three named); ``.metadata`` or a ``.distcp``
+            missing or truncated (:func:`read_metadata`). While reading: what DCP failed to read.
+            After the first load, alike on every rank: other param groups, another scheduler count.
         AgreementError: on the other ranks, when one rank failed its checks.
     """
     models = _models(models)

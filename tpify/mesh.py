@@ -155,38 +155,26 @@ def _check_sizes(tp_size, dp_replicate, world: int) -> None:
 
 def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None = None,
               device_type: str | None = None) -> DeviceMesh:
-    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh (created once per shape and
-    device type, then cached).
+    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh, made once per shape and
+    device type (then the same mesh again).
 
-    ``dp_shard = world // (dp_replicate * tp_size)``. Row-major: TP groups are contiguous ranks,
-    then the FSDP shard groups, then the replicas. ``mesh["tp"]`` is this rank's TP group;
-    :func:`dp_mesh` the two DP axes flattened (the DP group: DDP); :func:`fsdp_mesh` the 1-D
-    ``"dp_shard"`` mesh (FSDP2) or the 2-D ``("dp_replicate", "dp_shard")`` mesh (HSDP). Pass it to
-    :func:`tpify.parallelize` / :func:`tpify.from_pretrained` as ``mesh=``.
+    ``dp_shard = world // (dp_replicate * tp_size)``, row-major: TP groups are contiguous ranks.
+    ``mesh["tp"]`` is this rank's TP group, :func:`dp_mesh` the DP group (DDP), :func:`fsdp_mesh`
+    FSDP2's (or HSDP's) mesh; pass it as ``mesh=`` to :func:`tpify.parallelize`. A TP group whose
+    ranks are on several hosts (:func:`host_of_rank`, shared in the agreement) raises with
+    ``host_local_tp=True``, warns with ``None`` (default), passes with ``False``. ``device_type``:
+    default :func:`mesh_device_type` (CUDA when usable, whatever the backend is called); call
+    ``torch.cuda.set_device(LOCAL_RANK)`` first.
 
-    Hosts: TP stays inside a host when every host runs a multiple of ``tp_size`` ranks with
-    contiguous global ranks (torchrun's ``--nproc-per-node``, ``LOCAL_WORLD_SIZE``). Every rank
-    shares its host (:func:`host_of_rank`) in the agreement; a TP group whose ranks are on several
-    hosts (its all-reduces would cross the network on every layer) raises with
-    ``host_local_tp=True``, warns with ``None`` (the default) and passes silently with ``False``.
-
-    Device: ``device_type`` (``"cuda"``, ``"cpu"``), default :func:`mesh_device_type`: CUDA
-    when this process can use it, whatever the backend is called (``init_process_group()``,
-    ``"nccl"``, ``"cpu:gloo,cuda:nccl"``); FSDP2 puts the parameters it shards on this device.
-    Call ``torch.cuda.set_device(LOCAL_RANK)`` first (torch's DeviceMesh otherwise picks
-    ``LOCAL_RANK`` itself when CUDA is not yet initialised).
-
-    Communication: one agreement (:func:`tpify.agree.agree`, the store: the same sizes on every
-    rank, every rank's host), then the mesh's process groups (collective over the world); none
-    when the mesh of this shape exists already.
+    Communication: one agreement (the store: sizes and hosts), then the mesh's process groups
+    (collective over the world); none when the mesh exists already.
 
     Raises:
         ValueError: on every rank: sizes that are not positive integers, ``dp_replicate * tp_size``
-            not dividing the world, a TP group split across hosts with ``host_local_tp=True``
-            (naming the ranks, the hosts, ``LOCAL_WORLD_SIZE`` and the fix).
+            not dividing the world, a TP group across hosts with ``host_local_tp=True``.
         AgreementError: another rank failed, or the ranks passed different sizes.
     Warns:
-        UserWarning: a TP group split across hosts, with ``host_local_tp=None``.
+        UserWarning: a TP group across hosts, with ``host_local_tp=None``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("init_mesh needs torch.distributed: launch with torchrun and call "

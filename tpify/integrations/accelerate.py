@@ -1,46 +1,25 @@
-"""``TPAccelerator``: accelerate's ``Accelerator`` for tpify's tensor-parallel models.
+"""``TPAccelerator``: accelerate's ``Accelerator`` for tpify's tensor-parallel models
+(docs/training.md, "accelerate").
 
-accelerate knows tensor parallelism only as DTensor parameters (``ParallelismConfig(tp_size)``)
-and otherwise wraps every model in a ``DistributedDataParallel`` over the whole world, which
-for a tpify model overwrites the other TP ranks' shards with rank 0's, hands the TP ranks of one
-model replica different batches, averages gradients of different shards, and clips by each
-rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with a few methods changed, so that
-``prepare(model, optimizer, dataloader)``, ``backward`` and ``clip_grad_norm_`` are exact
-(docs/mechanics.md "Groups"; Megatron-LM, arXiv:1909.08053, section 3):
+accelerate knows tensor parallelism only as DTensor parameters; on a tpify model it would wrap
+a DDP over the world (rank 0's shards everywhere, other batches per TP rank, averaged gradients
+of different shards, a per-rank clipping norm). :class:`TPAccelerator` changes a few methods so
+that ``prepare``, ``backward`` and ``clip_grad_norm_`` are exact (Megatron-LM, arXiv:1909.08053,
+section 3):
 
-* data parallelism is torch's, over the model's DP group only, chosen with accelerate's own
-  switches (:func:`data_parallel_plan`): by default ``prepare_model`` wraps the model in a
-  ``DistributedDataParallel`` over the DP group (:func:`tpify.data_parallel.replicate_data_parallel`,
-  with the ``DistributedDataParallelKwargs`` handler's options); with an FSDP plugin of version 2
-  (``fsdp_plugin=`` or ``ACCELERATE_USE_FSDP``) or a ``ParallelismConfig`` whose ``dp_shard_size``
-  is above 1, ``prepare`` shards the model with FSDP2 (HSDP when ``dp_replicate_size > 1``;
-  :func:`tpify.data_parallel.shard_data_parallel`) and points the optimizer passed with it at the
-  sharded parameters. accelerate itself never sees the plugin or the config (it would shard or
-  wrap the model over the whole world); ``no_sync``/``accumulate`` skip the DP reduction (DDP's
-  ``no_sync``, FSDP2's ``set_requires_gradient_sync``).
-* ``prepare_data_loader``: the data is split over the DP replicas only (``num_processes = dp``,
-  ``process_index = dp_rank``), with accelerate's own sharding, so every rank of a TP group gets
-  the same batches and the DP replicas different ones.
-* ``clip_grad_norm_``: the norm of the dense model (:func:`tpify.training.params_grad_norm`:
-  sharded gradients' squares summed over TP, replicated ones counted once; under FSDP2 summed
-  over the shard axis first).
-* ``save_model``: the dense Hugging Face checkpoint (or a PEFT model's dense adapter), a
-  collective every rank calls; ``save_state``/``load_state``: that checkpoint plus the training
-  state as a torch.distributed.checkpoint (models, optimizers, schedulers, the step, every
-  rank's generators; :mod:`tpify.checkpoint`) and its manifest (:mod:`tpify.integrations.resume`),
-  read back in place at any layout (another tp_size, dp_size, FSDP2); ``load_state`` refuses, on
-  every rank, a state saved from another model.
-  ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError` (a state dict of
-  shards is not the model's).
-
-* ``gather_for_metrics`` (what Trainer's evaluation and TRL's metrics use) gathers over the DP
-  group only, so each sample counts once; :meth:`~TPAccelerator.data_parallel_view` makes
-  ``gather``, ``reduce``, ``num_processes`` and ``process_index`` do the same inside a block
-  (TRL's GRPO runs its generation and loss in it: :mod:`tpify.integrations.trl`).
-
-Everything else is accelerate's: outside the view ``gather``/``reduce`` span the world, where
-each TP group holds ``tp_size`` copies of one replica's values (means are unchanged, counts and
-sample standard deviations are not).
+* data parallelism is torch's over the model's DP group only (:func:`data_parallel_plan` reads
+  accelerate's switches): DDP by default (:func:`tpify.data_parallel.replicate_data_parallel`);
+  FSDP2/HSDP with an FSDP plugin of version 2 or a ``ParallelismConfig`` with ``dp_shard_size > 1``
+  (:func:`tpify.data_parallel.shard_data_parallel`; accelerate never sees the plugin);
+* ``prepare_data_loader`` splits the data over the DP replicas only (every TP rank of a replica
+  gets the same batches); ``clip_grad_norm_`` clips by the dense model's norm;
+* ``save_model`` writes the dense checkpoint (a collective); ``save_state``/``load_state`` add the
+  training state as a torch.distributed.checkpoint with its manifest, read back at any layout;
+  ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError`;
+* ``gather_for_metrics`` gathers over the DP group (each sample once);
+  :meth:`~TPAccelerator.data_parallel_view` makes ``gather``, ``reduce``, ``num_processes`` and
+  ``process_index`` do the same inside a block. Outside it they span the world, where each TP
+  group holds ``tp_size`` copies of one replica's values.
 """
 
 from __future__ import annotations

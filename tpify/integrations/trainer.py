@@ -1,77 +1,22 @@
 """``TPTrainer`` and ``tp_trainer_class``: ``transformers.Trainer`` (and its subclasses, TRL's
-trainers included) for tpify's tensor-parallel models.
+trainers included) for tpify's tensor-parallel models (docs/training.md, "Trainer").
 
-``transformers.Trainer`` treats a model as tensor-parallel only when its parameters are DTensors
-(transformers' own ``distributed_config``); a tpify model holds plain tensors, one shard per
-rank, so plain ``Trainer`` would wrap it in a DDP over the whole world (tpify refuses that at
-the first forward, see :mod:`tpify.integrations.model`), save rank 0's shards and restore rank
-0's optimizer state on every rank. :class:`TPTrainer` is ``Trainer`` with what must change and
-nothing else:
+Plain ``Trainer`` treats a model as tensor-parallel only when its parameters are DTensors; on a
+tpify model (plain tensors, one shard per rank) it would wrap a DDP over the world (refused at
+the first forward, :mod:`tpify.integrations.model`), save rank 0's shards and restore rank 0's
+optimizer state everywhere. :class:`TPTrainerMixin` changes only that: the accelerator is
+:class:`~tpify.integrations.accelerate.TPAccelerator` (DDP or FSDP2/HSDP over the DP group,
+batches split over DP replicas only, clipping by the dense norm); ``get_tp_size`` is the
+model's (``num_items_in_batch`` counts each token once); evaluation gathers vocab-sharded
+logits; saving writes the dense HF directory (:func:`tpify.save_pretrained`); checkpoints hold
+the optimizer state as a torch.distributed.checkpoint in ``tpify_optimizer/`` with a manifest
+(:mod:`tpify.integrations.resume`), resumed at any layout after the manifest is compared on
+every rank. The optimizer files sit in a subdirectory so that plain ``Trainer`` resuming such a
+checkpoint fails loudly (``optimizer.pt`` missing) instead of restarting the optimizer silently.
 
-* its accelerator is :class:`~tpify.integrations.accelerate.TPAccelerator` (DDP over the DP group
-  only, or FSDP2/HSDP over it; batches split over the DP replicas only, every TP rank of a
-  replica gets the same ones; clipping by the dense model's norm; evaluation gathers count each
-  sample once);
-* ``fsdp=...``/``fsdp_config`` (FSDP version 2) and ``parallelism_config`` are read into the
-  accelerator's :class:`~tpify.integrations.accelerate.DataParallelPlan` and applied by
-  :func:`tpify.data_parallel.shard_data_parallel` over the model's DP group; Trainer's own FSDP
-  code paths (accelerate's ``fully_shard`` over the world, FSDP checkpoints) stay off;
-* in evaluation and prediction, the vocab-sharded logits of an LM head are gathered to the full
-  vocabulary before metrics see them;
-* ``get_tp_size`` is the model's ``tp_size``, so Trainer's ``num_items_in_batch`` counts each
-  token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
-  ``include_num_input_tokens_seen`` counts over the DP group;
-* saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
-  (:func:`tpify.save_pretrained`; for a PEFT model the dense adapter), a collective all ranks join;
-* checkpoints hold the optimizer state as a torch.distributed.checkpoint that resumes at any
-  layout (:mod:`tpify.checkpoint`), with a manifest of the model it fits; resuming into another
-  model is refused on every rank (below).
-
-A checkpoint ``checkpoint-<step>/`` holds::
-
-    config.json, model.safetensors     the dense model (a PEFT model: its dense adapter), any tp_size
-    scheduler.pt, trainer_state.json,  Trainer's own files
-      training_args.bin, rng_state_<k>.pth
-    tpify_rng_<k>.pt                   global rank k's tpify dropout streams
-    tpify_optimizer/
-      tpify_layout.json                the manifest (tpify.integrations.resume)
-      .metadata, __<k>_0.distcp        the optimizer state (DCP), rank k's pieces in its file
-
-Resuming (``train(resume_from_checkpoint=...)``) first compares the manifest with this run on
-every rank (model class, adapters, every optimized parameter's dense shape, the param groups)
-and raises :class:`~tpify.integrations.resume.ResumeError` on every rank when they differ,
-naming what differs; then it reads the dense weights back slice by slice in place and the
-optimizer state resharded to this run's layout: any ``tp_size``, ``dp_size``, FSDP2 sharding
-or ``pad_vocab_multiple``. At the saved layout the run continues exactly (dropout streams
-included); at another, tpify's TP dropout stream restarts from its seed (each rank's Trainer
-generator files are read as Trainer reads them), and the data order follows the new DP size,
-as for plain Trainer at another world size.
-
-The optimizer files sit in a subdirectory on purpose, so that plain ``transformers.Trainer``
-resuming a TPTrainer checkpoint (say, to finish in one process) fails loudly rather than
-silently. Trainer restores the optimizer and scheduler only when it finds ``optimizer.pt`` (or
-``optimizer.bin``, or a subdirectory whose name contains ``optimizer``) and ``scheduler.pt``;
-otherwise it trains on, without a word, with a fresh optimizer and a restarted learning-rate
-schedule. ``tpify_optimizer/`` meets that condition, so Trainer calls
-``torch.load(checkpoint/optimizer.pt)``, which raises ``FileNotFoundError`` on every rank before
-any step; the manifest's ``note`` says what the directory holds. A dense ``optimizer.pt``
-(gathered over TP) would let plain Trainer resume exactly instead, but every checkpoint would
-then cost rank 0 the host memory of the whole dense optimizer state (8 bytes per parameter for
-AdamW's two fp32 moments, 56 GB for a 7B model): not viable for the models tensor parallelism
-is for. To continue in one process, resume with ``TPTrainer`` on a model parallelized at
-``tp_size=1`` (the optimizer state is resharded).
-
-Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP version 1 and the FSDP
-options :func:`~tpify.integrations.accelerate.data_parallel_plan` refuses (FSDP's own activation
-checkpointing, size-based wrapping), fp16 (per-rank loss scaler), ``load_best_model_at_end``, a
-model tpify did not parallelize.
-
-The same mechanism serves any ``Trainer`` subclass: :class:`TPTrainerMixin` holds all of the
-above, :class:`TPTrainer` is it on ``transformers.Trainer``, and :func:`tp_trainer_class` puts it
-on another trainer class, TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and ``RewardTrainer``
-included
-(what TRL needs besides is in :mod:`tpify.integrations.trl`; TRL trainers tpify has not checked
-are refused by name).
+Refused at construction, on every rank: DeepSpeed, FSDP version 1 and the FSDP options
+:func:`~tpify.integrations.accelerate.data_parallel_plan` refuses, fp16, ``load_best_model_at_end``,
+a model tpify did not parallelize, TRL trainers tpify has not checked (:mod:`tpify.integrations.trl`).
 """
 
 from __future__ import annotations
