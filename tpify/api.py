@@ -1,20 +1,16 @@
 """The verbs: :func:`parallelize`, :func:`from_pretrained`, :func:`save_pretrained`,
 :func:`load_weights_`, :func:`remove_hooks`: one pipeline, in one module.
 
-One pipeline, in halves with an agreement between them:
-
 1. :func:`prepare` (local, no collective): refuse what cannot be parallelized, resolve the tp
    size, load the recipe, build the :class:`~tpify.layout.Layout`;
-2. :func:`tpify.agree.agree` (every rank learns every rank's outcome and fingerprint);
-3. :func:`finish` (collective: groups): surgery by the layout (:mod:`tpify.surgery`),
-   ``model.tp_info``, the hooks (:mod:`tpify.hooks`), the guards, the HF methods.
+2. :func:`tpify.agree.agree`: every rank learns every rank's outcome and fingerprint;
+3. :func:`finish` (collective: groups): the :class:`~tpify.context.TPContext`, surgery
+   (:mod:`tpify.surgery`), ``model.tp_info`` (:func:`tpify.info.set_tp_info`), the hooks, the
+   guards, the HF methods.
 
-:func:`parallelize` runs 1-2-3 on a loaded model. :func:`from_pretrained` builds the dense model
-on the meta device (:mod:`tpify.meta_model`), runs 1 there next to its checkpoint checks
-(:mod:`tpify.io`), agrees once on both, runs 3, then reads this rank's slices
-(:mod:`tpify.io.reader`) and agrees again. :func:`save_pretrained` gathers each file's tensors
-to their dense layout and writes a standard HF directory atomically (:mod:`tpify.io.save`).
-Every step that may fail on one rank is followed by an agreement, so it fails on every rank.
+:func:`from_pretrained` runs 1 on a meta model next to its checkpoint checks (:mod:`tpify.io`),
+agrees once on both, runs 3, reads this rank's slices and agrees again; :func:`save_pretrained`
+gathers each file's tensors and writes an HF directory atomically (:mod:`tpify.io.save`).
 Megatron-LM, arXiv:1909.08053, section 3.
 """
 

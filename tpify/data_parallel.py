@@ -50,24 +50,15 @@ def _refuse_wrapped(model: nn.Module, what: str) -> None:
 def replicate_data_parallel(model: nn.Module, **ddp_kwargs) -> nn.Module:
     """``torch.nn.parallel.DistributedDataParallel`` over the model's DP group.
 
-    Each rank keeps its TP shard whole; DDP averages every gradient over the DP group (the ranks
-    holding the same shard), in buckets overlapped with the backward, and broadcasts DP rank 0's
-    parameters and buffers at construction (the same shard of the same dense model). Use the
-    returned module for forward and backward (``ddp.module`` is the model; ``ddp.no_sync()`` for
-    gradient accumulation), :func:`tpify.training.clip_grad_norm_` on either, and
-    :func:`tpify.save_pretrained` on the model. tpify's own gradient work is finished before DDP
-    reads a gradient (module docstring). With no DP group (``dp == 1``) the model is returned
-    unwrapped.
+    Each rank keeps its TP shard whole; DDP averages every gradient over the DP group in buckets
+    overlapped with the backward, and broadcasts DP rank 0's parameters at construction. Use the
+    returned module for forward and backward (``no_sync()`` for accumulation),
+    :func:`tpify.training.clip_grad_norm_` and :func:`tpify.save_pretrained` on the model. With no
+    DP group the model is returned unwrapped. ``ddp_kwargs`` go to ``DistributedDataParallel``,
+    except ``process_group`` (the DP group).
 
-    Args:
-        model: a tpify model, or a PEFT model on one (its TP/DP groups are the model's).
-        ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
-            ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ``device_ids``,
-            ...), except ``process_group``, which is the DP group.
-
-    Communication: one agreement (:func:`tpify.agree.agree`, the store) before DDP's construction
-    (which checks shapes and broadcasts over the DP group); per backward, DDP's bucketed
-    all-reduces over the DP group (one float per gradient element).
+    Communication: one agreement before DDP's construction (which broadcasts over the DP group);
+    per backward, DDP's bucketed all-reduces over the DP group.
 
     Raises:
         TPUsageError: on every rank: not a tpify model, already inside a DDP or sharded by FSDP2,

@@ -51,38 +51,24 @@ OPTIMIZER_DIR = "tpify_optimizer"
 
 
 class TPTrainerMixin:
-    """What a ``transformers.Trainer`` subclass needs to train a tpify model exactly (see the
-    module docstring); put it first among the bases: ``class X(TPTrainerMixin, SFTTrainer)``, or
+    """What a ``transformers.Trainer`` subclass needs to train a tpify model exactly (the module
+    docstring); first among the bases (``class X(TPTrainerMixin, SFTTrainer)``) or through
     :func:`tp_trainer_class`. :class:`TPTrainer` is this mixin on ``transformers.Trainer``.
 
-    Same arguments as the trainer it is mixed into; launch with ``torchrun --nproc-per-node N``
-    where ``N = dp * tp`` and the model was parallelized (or loaded by :func:`tpify.from_pretrained`)
-    with ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica: the global batch is
-    ``per_device_train_batch_size * gradient_accumulation_steps * dp``.
-
-    On a TRL trainer (:data:`tpify.integrations.trl.CHECKED_TRAINERS`: ``SFTTrainer``,
-    ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
-    goes through :func:`tpify.integrations.get_peft_model`, GRPO's seeds are the same on the
-    ranks of a TP group, reference models are tensor-parallel, TRL's logged metrics and GRPO's
-    gathered rewards count each DP replica's samples once, and GRPO's adaptive entropy
-    controller is restored on resume (:mod:`tpify.integrations.trl`).
-
-    Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
-    tensor over TP.
-
-    ``fsdp="full_shard"`` (or ``True``) with ``fsdp_config={"version": 2, ...}`` shards every TP
-    shard further over the DP group with FSDP2 (``reshard_after_forward``, ``cpu_offload``,
-    ``transformer_layer_cls_to_wrap`` are honoured); ``parallelism_config=ParallelismConfig(
-    dp_replicate_size=r, dp_shard_size=s, tp_size=t)`` asks for HSDP (``r > 1``) and checks the
-    sizes against the model. Without either, DDP over the DP group.
+    Same arguments as the trainer; launch ``N = dp * tp`` ranks with the model parallelized at
+    ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica. ``fsdp="full_shard"`` with
+    ``fsdp_config={"version": 2}`` shards with FSDP2 over the DP group; ``parallelism_config`` asks
+    for HSDP; else DDP over the DP group. TRL trainers (:data:`tpify.integrations.trl.CHECKED_TRAINERS`)
+    get what :mod:`tpify.integrations.trl` adds (vocab-parallel fused LM head, ``peft_config``,
+    seeds, reference models, metrics over DP). Communication: the model's and
+    :class:`TPAccelerator`'s; saving gathers every sharded tensor over TP.
 
     Raises:
-        TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP
-            version 1 or unsupported FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer
-            tpify has not checked, or a TRL option it refuses
-            (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
-        ResumeError: (a TPUsageError) resuming a checkpoint written for another model or param
-            groups, without a manifest (or with the old per-rank one), or incomplete; on every rank.
+        TPUsageError: not a tpify model (or a PEFT model on one); DeepSpeed, FSDP version 1 or
+            refused FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer or option tpify
+            refuses (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
+        ResumeError: resuming a checkpoint of another model or param groups, without a manifest, or
+            incomplete; on every rank.
     """
 
     def __init__(self, *pos, **kwargs):
