@@ -360,8 +360,9 @@ def check_replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, d
                          f"does not. Pass mesh= (tpify.init_mesh), or tp_group= with dp_group='infer' (the default)")
 
 
-# {the mesh, or the TP group: {enumeration: this rank's group}}: held by what the groups were cut from,
-# dropped with it (a weak key), never shared with another mesh or an earlier process group.
+# {the mesh, or the TP group: {enumeration: this rank's group}}: kept with what the groups were cut from
+# and dropped with it (a weak key; an equal DeviceMesh, same ranks, axes and device, finds the same
+# groups), never reused from an earlier process group.
 _replica_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -35,6 +35,7 @@ LEAVES: dict[str, tuple[str, ...]] = {
     "tpify.comm": (),
     "tpify.syncs": (),
     "tpify.agree": ("tpify.comm",),
+    "tpify.dcp_entries": ("tpify.sharding",),
 }
 # Inside the comm package, one job per module, imported one way: a module imports only those listed.
 COMM: dict[str, tuple[str, ...]] = {
