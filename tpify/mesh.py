@@ -20,12 +20,14 @@ import itertools
 import logging
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import agree  # agree.agree looked up at the call (a test stands in for it)
 from .agree import host_of_rank
 
 
@@ -40,6 +42,10 @@ INFER = "infer"
 #: The axes of the mesh :func:`init_mesh` builds, outermost first (TP innermost: contiguous ranks).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
+# The meshes init_mesh made, by (device type, shape). Process-wide on purpose: init_mesh is called
+# before any model or context exists, and every later call (each parallelize without a mesh) must get
+# the same mesh back, whose process groups were made collectively over the world and are never
+# freed; the one object that outlives those calls, the default process group, takes no attributes.
 _meshes: dict[tuple[str, int, int, int], DeviceMesh] = {}
 _logger = logging.getLogger(__name__)
 _said_no_process_group: list[bool] = []  # set once this process has said it (once per process)
@@ -149,41 +155,27 @@ def _check_sizes(tp_size, dp_replicate, world: int) -> None:
 
 def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None = None,
               device_type: str | None = None) -> DeviceMesh:
-    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh (created once per shape and
-    device type, then cached).
+    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh, made once per shape and
+    device type (then the same mesh again).
 
-    ``dp_shard = world // (dp_replicate * tp_size)``. Row-major: TP groups are contiguous ranks,
-    then the FSDP shard groups, then the replicas. ``mesh["tp"]`` is this rank's TP group;
-    :func:`dp_mesh` the two DP axes flattened (the DP group: DDP); :func:`fsdp_mesh` the 1-D
-    ``"dp_shard"`` mesh (FSDP2) or the 2-D ``("dp_replicate", "dp_shard")`` mesh (HSDP). Pass it to
-    :func:`tpify.parallelize` / :func:`tpify.from_pretrained` as ``mesh=``.
+    ``dp_shard = world // (dp_replicate * tp_size)``, row-major: TP groups are contiguous ranks.
+    ``mesh["tp"]`` is this rank's TP group, :func:`dp_mesh` the DP group (DDP), :func:`fsdp_mesh`
+    FSDP2's (or HSDP's) mesh; pass it as ``mesh=`` to :func:`tpify.parallelize`. A TP group whose
+    ranks are on several hosts (:func:`host_of_rank`, shared in the agreement) raises with
+    ``host_local_tp=True``, warns with ``None`` (default), passes with ``False``. ``device_type``:
+    default :func:`mesh_device_type` (CUDA when usable, whatever the backend is called); call
+    ``torch.cuda.set_device(LOCAL_RANK)`` first.
 
-    Hosts: TP stays inside a host when every host runs a multiple of ``tp_size`` ranks with
-    contiguous global ranks (torchrun's ``--nproc-per-node``, ``LOCAL_WORLD_SIZE``). Every rank
-    shares its host (:func:`host_of_rank`) in the agreement; a TP group whose ranks are on several
-    hosts (its all-reduces would cross the network on every layer) raises with
-    ``host_local_tp=True``, warns with ``None`` (the default) and passes silently with ``False``.
-
-    Device: ``device_type`` (``"cuda"``, ``"cpu"``), default :func:`mesh_device_type`: CUDA
-    when this process can use it, whatever the backend is called (``init_process_group()``,
-    ``"nccl"``, ``"cpu:gloo,cuda:nccl"``); FSDP2 puts the parameters it shards on this device.
-    Call ``torch.cuda.set_device(LOCAL_RANK)`` first (torch's DeviceMesh otherwise picks
-    ``LOCAL_RANK`` itself when CUDA is not yet initialised).
-
-    Communication: one agreement (:func:`tpify.agree.agree`, the store: the same sizes on every
-    rank, every rank's host), then the mesh's process groups (collective over the world); none
-    when the mesh of this shape exists already.
+    Communication: one agreement (the store: sizes and hosts), then the mesh's process groups
+    (collective over the world); none when the mesh exists already.
 
     Raises:
         ValueError: on every rank: sizes that are not positive integers, ``dp_replicate * tp_size``
-            not dividing the world, a TP group split across hosts with ``host_local_tp=True``
-            (naming the ranks, the hosts, ``LOCAL_WORLD_SIZE`` and the fix).
+            not dividing the world, a TP group across hosts with ``host_local_tp=True``.
         AgreementError: another rank failed, or the ranks passed different sizes.
     Warns:
-        UserWarning: a TP group split across hosts, with ``host_local_tp=None``.
+        UserWarning: a TP group across hosts, with ``host_local_tp=None``.
     """
-    from .agree import agree
-
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("init_mesh needs torch.distributed: launch with torchrun and call "
                          "torch.distributed.init_process_group() first")
@@ -198,7 +190,7 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None
     key = (device, *shape) if shape is not None else None
     if key in _meshes and not host_local_tp:  # host_local_tp=True checks the hosts again
         return _meshes[key]
-    hosts = agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate}, error,
+    hosts = agree.agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate}, error,
                   share=host_of_rank())
     split = split_tp_groups(hosts, tp_size) if hosts is not None and host_local_tp is not False else []
     if split:
@@ -368,7 +360,10 @@ def check_replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, d
                          f"does not. Pass mesh= (tpify.init_mesh), or tp_group= with dp_group='infer' (the default)")
 
 
-_replica_groups: dict[tuple, dist.ProcessGroup] = {}
+# {the mesh, or the TP group: {enumeration: this rank's group}}: kept with what the groups were cut from
+# and dropped with it (a weak key; an equal DeviceMesh, same ranks, axes and device, finds the same
+# groups), never reused from an earlier process group.
+_replica_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _tp_group_lists(tp_group: dist.ProcessGroup | None, mesh: DeviceMesh | None,
@@ -397,13 +392,14 @@ def replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, mesh: D
     if not shards or not (dist.is_available() and dist.is_initialized()):
         return {}
     lists = _tp_group_lists(tp_group, mesh, tp_groups)
+    owner = mesh if mesh is not None else tp_group if tp_group is not None else dist.group.WORLD
+    made = _replica_groups.setdefault(owner, {})
     out = {}
     for n_kv in sorted(shards):
         size = len(lists[0])
         g = size // n_kv
-        enumeration = [list(ranks[i: i + g]) for ranks in lists for i in range(0, size, g)]
-        key = (id(dist.group.WORLD), tuple(tuple(e) for e in enumeration))
-        if key not in _replica_groups:
-            _replica_groups[key], _ = dist.new_subgroups_by_enumeration(enumeration)
-        out[n_kv] = _replica_groups[key]
+        enumeration = tuple(tuple(ranks[i: i + g]) for ranks in lists for i in range(0, size, g))
+        if enumeration not in made:
+            made[enumeration], _ = dist.new_subgroups_by_enumeration([list(e) for e in enumeration])
+        out[n_kv] = made[enumeration]
     return out
