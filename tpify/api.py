@@ -44,8 +44,9 @@ from .io.reader import check_loaded, materialize
 from .io.save import gather_dense, plan_shards, shard_size_limit, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
-from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, mesh_device_type,
-                   replica_groups, resolve_groups, resolve_tp_size)
+from .context_parallel import check_model as check_context_parallel
+from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, cp_group_of, cp_size_of,
+                   cp_tp_group_of, mesh_device_type, replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
@@ -148,6 +149,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     check_before_parallelize(model)
     if mesh is not None:
         size = check_mesh(mesh, tp_size, tp_group, dp_group)
+        check_context_parallel(model, cp_size_of(mesh))
     else:
         size = resolve_tp_size(tp_size, tp_group)
         check_dp_group(dp_group, tp_group)
@@ -177,13 +179,15 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
               {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
                "model class": type(model).__name__}, group=dp_group)
     shards = layout.replica_shards()
+    cp_group = cp_group_of(mesh)  # context parallelism: replicated parameters' partial gradients summed over cp x tp
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
-                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups), summed_grads=SummedGrads(tp_group))
+                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups),
+                    summed_grads=SummedGrads(cp_tp_group_of(mesh, tp_group)), cp_group=cp_group)
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
                   mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups,
-                  model_ref=weakref.ref(model))  # the repr's bytes per rank; a weakref: no cycle through the model
+                  model_ref=weakref.ref(model), cp_group=cp_group)  # model_ref a weakref: no cycle through the model
     model.tp_info = info
     record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
@@ -268,10 +272,14 @@ def parallelize(
             labels nothing changes (``generate`` works). ``"auto"``: the chunk
             :func:`tpify.loss.default_chunk_size` picks from the tokens and ``H``. Default None:
             the loss from the logits shard (docs/loss.md).
-        mesh: a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh of the whole world
+        mesh: a ``("dp_replicate", "dp_shard", "cp", "tp")`` DeviceMesh of the whole world
             (:func:`tpify.init_mesh`), instead of ``tp_size``/``tp_group``: its ``"tp"`` axis is
             the TP group, its data-parallel axes flattened the DP group, and
             :func:`tpify.shard_data_parallel` shards over them (HSDP with ``dp_replicate > 1``).
+            A ``"cp"`` axis of more than one rank makes the model context-parallel
+            (:mod:`tpify.context_parallel`: each rank holds ``T / cp`` tokens of every sequence,
+            split by :func:`tpify.context_parallel.split_batch`; docs/context-parallelism.md);
+            model types not verified under it are refused (``TPUsageError``).
             Default: ``tpify.init_mesh(tp_size)`` when no ``tp_group`` is given.
         ep_size: for the recipe's ``experts`` modules (fused MoE experts): 1 (default),
             tensor-parallel experts (every expert's intermediate dimension split, the output

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import nn
 
-from .comm import SharesProcessGroups
+from .comm import SharesProcessGroups, group_rank, group_size
 from .sharding import KeepsShardSpecs, is_dtensor, shard_spec_of
 
 __all__ = ["TPInfo", "TPUsageError", "get_tp_info", "find_tp_model", "param_specs", "record_specs", "foreign_shards"]
@@ -69,6 +69,9 @@ class TPInfo(SharesProcessGroups):
         model_ref: a ``weakref.ref`` to the model that holds this object (the repr's and
             :meth:`describe`'s parameters), or None; a deep copy of the model points its copy at
             the copied model.
+        cp_group: the context-parallel group (the mesh's ``"cp"`` axis: ranks holding the same
+            shards that split the tokens of the same sequences, :mod:`tpify.context_parallel`), or
+            None; :attr:`cp_size` and :attr:`cp_rank` its size and this rank's place in it.
     """
 
     tp_size: int
@@ -86,6 +89,17 @@ class TPInfo(SharesProcessGroups):
     foreign_shards: list = field(default_factory=list)
     replica_groups: dict = field(default_factory=dict)
     model_ref: object = field(default=None, compare=False)  # weakref.ref to the model holding this TPInfo
+    cp_group: dist.ProcessGroup | None = None
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks of the context-parallel group (1 without context parallelism)."""
+        return group_size(self.cp_group) if self.cp_group is not None else 1
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in the context-parallel group (0 without context parallelism)."""
+        return group_rank(self.cp_group) if self.cp_group is not None else 0
 
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)  # within a model's deepcopy: the copied model's parameters (memo)
@@ -124,7 +138,9 @@ class TPInfo(SharesProcessGroups):
         nbytes = self.param_bytes()
         memory = "" if nbytes is None else (
             f", parameters {_mib(nbytes[0])} on this rank ({nbytes[0] / max(nbytes[1], 1):.3f} x dense)")
-        return (f"TPInfo(tp_size={self.tp_size}, tp_rank={self.tp_rank}, tp_group={_ranks(self.tp_group)}, "
+        cp = (f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_group={_ranks(self.cp_group)}, "
+              if self.cp_group is not None else "")
+        return (f"TPInfo(tp_size={self.tp_size}, tp_rank={self.tp_rank}, tp_group={_ranks(self.tp_group)}, {cp}"
                 f"dp_group={_ranks(self.dp_group, none='none')} ({self.dp_source}), modules: {styles}{memory}; "
                 f".describe() for the layout)")
 
