@@ -38,7 +38,7 @@ from . import comm
 from .info import TPUsageError, find_tp_model, get_tp_info
 
 __all__ = ["load_balanced_index", "sequence_order", "split_batch", "gather_sequence", "check_model", "cp_of",
-           "VERIFIED_MODEL_TYPES", "SPLIT_KEYS"]
+           "refuse", "VERIFIED_MODEL_TYPES", "SPLIT_KEYS"]
 
 #: Model types whose attention, positions and loss tpify has verified exact under context
 #: parallelism (tests/distributed/test_context_parallel.py): attention through transformers'
@@ -255,3 +255,18 @@ def check_model(model: nn.Module, cp_size: int) -> None:
     if problems:
         raise TPUsageError(f"context parallelism (cp_size {cp_size}) on {type(model).__name__}: "
                            + "; ".join(problems) + ". Run it with cp_size=1 (tpify.init_mesh(tp_size, cp_size=1))")
+
+
+def refuse(info, what: str) -> None:
+    """Raise for a tool that does not support context parallelism yet, given the model's
+    :class:`~tpify.info.TPInfo` (nothing at ``cp_size == 1``). Local.
+
+    Raises:
+        TPUsageError: ``info.cp_size > 1``, naming ``what`` and what runs instead.
+    """
+    if info is not None and info.cp_size > 1:
+        raise TPUsageError(f"{what} does not support context parallelism yet (the model was parallelized with "
+                           f"cp_size {info.cp_size}); under context parallelism train with your own loop: "
+                           f"tpify.context_parallel.split_batch on every batch, the model's loss, backward (the "
+                           f"gradients are summed over the CP group by tpify), tpify.training.clip_grad_norm_ and "
+                           f"the optimizer; or parallelize with cp_size=1 (docs/context-parallelism.md)")

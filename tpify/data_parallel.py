@@ -32,6 +32,7 @@ from __future__ import annotations
 from torch import nn
 
 from .agree import agree
+from .context_parallel import refuse as refuse_context_parallel
 from .info import TPUsageError, find_tp_model, get_tp_info
 from .sharding import is_dtensor
 
@@ -207,7 +208,7 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
 
     Raises:
         TPUsageError: on every rank: not a tpify model; already sharded or inside a DDP; no
-            transformer block found (pass ``blocks=``).
+            transformer block found (pass ``blocks=``); a context-parallel model (not supported yet).
         ValueError: on every rank: ``dp_replicate`` not dividing the DP size; groups made by hand
             that are not a mesh's layout.
         AgreementError: another rank failed, or the ranks passed other arguments.
@@ -221,6 +222,7 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
     try:
         tp_model = _tp_model(model, "shard_data_parallel")
         info = get_tp_info(tp_model)
+        refuse_context_parallel(info, "tpify.shard_data_parallel (FSDP2)")
         _refuse_wrapped(model, "shard_data_parallel")
         units = transformer_blocks(model, blocks)
         if not units:

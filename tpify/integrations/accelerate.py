@@ -53,6 +53,7 @@ from pathlib import Path
 import accelerate
 from accelerate.data_loader import prepare_data_loader
 
+from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info, param_specs
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
@@ -233,6 +234,7 @@ class TPAccelerator(accelerate.Accelerator):
         if any(m is tp_model for m in models):
             return
         info = get_tp_info(tp_model)
+        refuse_context_parallel(info, "TPAccelerator")
         if models:
             first = get_tp_info(models[0])
             if (first.tp_group, first.dp_group) != (info.tp_group, info.dp_group):

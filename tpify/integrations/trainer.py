@@ -84,6 +84,7 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
+from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info
 from ..random import get_rng_tracker
 from ..sharding import is_dtensor
@@ -147,6 +148,7 @@ class TPTrainerMixin:
             raise TPUsageError(f"{name} trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
+        refuse_context_parallel(get_tp_info(tp_model), name)
         if on_trl:
             from .trl import check_trainer, prepare_args
 
