@@ -297,10 +297,10 @@ def check_mesh(mesh, tp_size: int | None, tp_group, dp_group) -> int:
     world = dist.get_world_size()
     if mesh.size() != world:
         shape = " x ".join(f"{n} {mesh.size(i)}" for i, n in enumerate(names))
-        raise ValueError(f"mesh {shape} = {mesh.size()} ranks, but the world has {world}: the data-parallel, "
-                         f"context-parallel and tensor-parallel sizes must multiply to the world size; build it with "
-                         f"tpify.init_mesh(tp_size, dp_replicate, cp_size=cp) (dp_shard = world // (dp_replicate * "
-                         f"cp * tp_size))")
+        raise ValueError(f"mesh {shape} = {mesh.size()} ranks, but the world has {world}: the data-parallel and "
+                         f"tensor-parallel sizes (and the context-parallel size) must multiply to the world size; "
+                         f"build it with tpify.init_mesh(tp_size, dp_replicate, cp_size=cp) (dp_shard = world // "
+                         f"(dp_replicate * cp * tp_size))")
     unknown = [n for i, n in enumerate(names) if n not in (*MESH_DIMS, "dp") and mesh.size(i) > 1]
     if unknown:
         raise ValueError(f"mesh has axes {names}; tpify knows {MESH_DIMS} (and 'dp'), and would not split the model "

@@ -178,7 +178,8 @@ def _slow(rank, world):
             what = f"{name} cp {cp} x tp {tp}{' sp' if sp else ''}"
             _compare(par, ref, what, _ids(), worst)
             _compare(par, ref, what + " packed", _ids(2), worst, position_ids=_packed_positions())
-        _compare(par, ref, f"gpt2 cp {cp} x tp {tp} num_items_in_batch", _ids(3), worst, num_items=23)
+        _compare(par, ref, f"gpt2 cp {cp} x tp {tp}{' sp' if sp else ''} num_items_in_batch", _ids(3), worst,
+                 num_items=23)
         ref, short = _reference("llama"), _ids(4, tokens=T - 3)  # padded to the next multiple of 2 x cp by split_batch
         par = tpify.parallelize(copy.deepcopy(ref), mesh=mesh, sequence_parallel=sp)
         _compare(par, ref, f"llama cp {cp} x tp {tp} padded", short, worst, pad_token_id=0)

@@ -75,6 +75,25 @@ class ContextParallelCall:
         self.calls = 0
         self._masks: dict = {}
 
+    @classmethod
+    def from_positions(cls, group, size: int, rank: int, gathered: torch.Tensor) -> tuple["ContextParallelCall",
+                                                                                            torch.Tensor]:
+        """The call of rank ``rank`` of ``size`` from the position ids of every rank's tokens,
+        ``gathered`` ``(B', T)`` in rank order (an all-gather of each rank's ``(B', T/cp)``), and a
+        0-dim bool: True when every document after the first of a sequence starts at position 0.
+
+        Documents are transformers' (``find_packed_sequence_indices``): a new one wherever the
+        position ids, in sequence order, do not go up by one. Pure; no communication."""
+        total = gathered.shape[1]
+        k_index = sequence_order(total, size, gathered.device)
+        natural = gathered.index_select(1, torch.argsort(k_index))  # sequence order
+        starts = torch.ones_like(natural, dtype=torch.bool)
+        starts[:, 1:] = natural[:, 1:] != natural[:, :-1] + 1
+        ok = ~(starts[:, 1:] & (natural[:, 1:] != 0)).any()
+        docs = starts.cumsum(1)
+        q_index = load_balanced_index(total, size, rank, gathered.device)
+        return cls(group, size, q_index, k_index, docs.index_select(1, q_index), docs.index_select(1, k_index)), ok
+
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """``(B', 1, T / cp, T)`` bool, True where a local query attends to a gathered key: the same
         document, the key not after the query and, with ``sliding_window = w``, fewer than ``w``
@@ -243,19 +262,9 @@ class ContextParallelHooks(comm.SharesProcessGroups):
         self.summed.at_root(model)
         self.call = None
         positions, tokens = self._check(model, args, kwargs)
-        total = tokens * self.size
-        device = positions.device
-        q_index = load_balanced_index(total, self.size, self.rank, device)
-        k_index = sequence_order(total, self.size, device)
         gathered = comm.all_gather_dim(positions.contiguous(), 1, self.group)  # (B', T) in rank order
-        natural = gathered.index_select(1, torch.argsort(k_index))
-        starts = torch.ones_like(natural, dtype=torch.bool)
-        starts[:, 1:] = natural[:, 1:] != natural[:, :-1] + 1  # transformers' find_packed_sequence_indices
-        comm.raise_unless(~(starts[:, 1:] & (natural[:, 1:] != 0)).any(), ValueError, _FIRST_DOCUMENT_ONLY,
-                          defer=self.ctx.state.checks)
-        docs = starts.cumsum(1)
-        self.call = ContextParallelCall(self.group, self.size, q_index, k_index, docs.index_select(1, q_index),
-                                        docs.index_select(1, k_index))
+        self.call, ok = ContextParallelCall.from_positions(self.group, self.size, self.rank, gathered)
+        comm.raise_unless(ok, ValueError, _FIRST_DOCUMENT_ONLY, defer=self.ctx.state.checks)
         kwargs[CALL_KWARG] = self.call
         if "use_cache" in inspect.signature(type(model).forward).parameters:
             kwargs["use_cache"] = False
