@@ -115,8 +115,9 @@ def _quick(rank, world):
             assert par.tp_info.cp_size == cp and par.tp_info.tp_size == tp
             _compare(par, ref, f"{name} cp {cp} x tp {tp}", _ids(), worst)
     # the collectives of one step at cp 2 (tp 1): forward, the position ids and per layer [K | V] all-gathered,
-    # the loss's one all-reduce of 2 values; backward, per layer one reduce-scatter of [dK | dV], one all-reduce
-    # of every gradient (one bucket)
+    # the loss's one all-reduce of 2 values; backward, per layer [K | V] all-gathered again (the attention is
+    # recomputed: only this rank's q, k, v are kept) and one reduce-scatter of [dK | dV], one all-reduce of every
+    # gradient (one bucket)
     mesh = tpify.init_mesh(1, cp_size=2)
     ref = _reference("llama")
     par = tpify.parallelize(copy.deepcopy(ref), mesh=mesh)
@@ -129,8 +130,8 @@ def _quick(rank, world):
     assert dict(fwd) == {"all_gather": L + 1, "all_gather_numel": L * kv + T // 2, "all_reduce": 1,
                          "all_reduce_numel": 2}, dict(fwd)
     params = sum(p.numel() for p in par.parameters())
-    assert dict(bwd) == {"reduce_scatter": L, "reduce_scatter_numel": 2 * L * kv, "all_reduce": 1,
-                         "all_reduce_numel": params}, dict(bwd)
+    assert dict(bwd) == {"all_gather": L, "all_gather_numel": L * kv, "reduce_scatter": L,
+                         "reduce_scatter_numel": 2 * L * kv, "all_reduce": 1, "all_reduce_numel": params}, dict(bwd)
     # what is refused, on every rank alike
     ids = _ids()
     mine = split_batch({"input_ids": ids, "labels": ids}, par)

@@ -34,6 +34,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import comm
 from ..context import TPContext
@@ -67,13 +68,12 @@ class ContextParallelCall:
         calls: attention layers that ran in this call (checked against the model's layers).
     """
 
-    __slots__ = ("group", "size", "q_index", "k_index", "doc_q", "doc_k", "calls", "_masks")
+    __slots__ = ("group", "size", "q_index", "k_index", "doc_q", "doc_k", "calls")
 
     def __init__(self, group, size: int, q_index, k_index, doc_q, doc_k):
         self.group, self.size = group, size
         self.q_index, self.k_index, self.doc_q, self.doc_k = q_index, k_index, doc_q, doc_k
         self.calls = 0
-        self._masks: dict = {}
 
     @classmethod
     def from_positions(cls, group, size: int, rank: int, gathered: torch.Tensor) -> tuple["ContextParallelCall",
@@ -97,16 +97,15 @@ class ContextParallelCall:
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """``(B', 1, T / cp, T)`` bool, True where a local query attends to a gathered key: the same
         document, the key not after the query and, with ``sliding_window = w``, fewer than ``w``
-        tokens before it (transformers' ``sliding_window_overlay``: ``k > q - w``). Built once per
-        window per call."""
-        if sliding_window not in self._masks:
-            q, k = self.q_index[:, None], self.k_index[None, :]
-            allowed = k <= q
-            if sliding_window is not None:
-                allowed = allowed & (k > q - sliding_window)
-            same = self.doc_q[:, :, None] == self.doc_k[:, None, :]
-            self._masks[sliding_window] = (same & allowed).unsqueeze(1)
-        return self._masks[sliding_window]
+        tokens before it (transformers' ``sliding_window_overlay``: ``k > q - w``). Built at each
+        attention call (a few element-wise ops over ``T^2 / cp`` values) and not kept: it lives
+        while the attention kernel runs."""
+        q, k = self.q_index[:, None], self.k_index[None, :]
+        allowed = k <= q
+        if sliding_window is not None:
+            allowed = allowed & (k > q - sliding_window)
+        same = self.doc_q[:, :, None] == self.doc_k[:, None, :]
+        return (same & allowed).unsqueeze(1)
 
 
 def _refused_kwargs(module: nn.Module, attention_mask, dropout: float, kwargs: dict) -> list[str]:
@@ -142,10 +141,14 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     it, ``scale=scaling``.
 
     Communication: forward, one all-gather of ``[K | V]`` (``B * n_kv * T/cp * (d + d_v)`` values
-    per rank) over the CP group; backward, one reduce-scatter of ``[dK | dV]`` (each rank's
-    queries give part of the gradient of every key). Memory: the gathered ``K``, ``V`` of the
-    whole sequence per layer, the ``(B, 1, T/cp, T)`` mask per call, and what the SDPA kernel
-    keeps for ``T/cp`` queries over ``T`` keys (1/cp of the dense scores).
+    per rank) over the CP group; backward, the same all-gather again and one reduce-scatter of
+    ``[dK | dV]`` (each rank's queries give part of the gradient of every key). Memory: with
+    gradients, the gather and the attention run under activation recomputation
+    (``torch.utils.checkpoint``, non-reentrant), so a layer keeps for its backward only this
+    rank's ``q``, ``k``, ``v`` (``1/cp`` of the dense model's attention inputs); the gathered
+    ``K``, ``V`` of the whole sequence (repeated to the query heads) and the ``(B', 1, T/cp, T)``
+    boolean mask exist only while one layer's attention runs (forward, and its recomputation in
+    backward). Cost: the attention forward runs twice per step.
 
     Raises:
         TPUsageError: the call did not come through a context-parallel model's forward (no
@@ -163,6 +166,19 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
         raise TPUsageError(f"{type(module).__name__} under context parallelism: tpify's attention over the split "
                            f"sequence does not compute {'; '.join(problems)}. Nothing was computed")
     call.calls += 1
+    window = kwargs.get("sliding_window")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        # backward gathers K/V again and recomputes the attention: only this rank's q, k, v are saved
+        out = checkpoint(_attend, query, key, value, call, window, scaling, use_reentrant=False)
+    else:
+        out = _attend(query, key, value, call, window, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: ContextParallelCall,
+            window: int | None, scaling: float | None) -> torch.Tensor:
+    """``(B, n, T/cp, d_v)``: this rank's queries over the keys and values of every rank (one
+    all-gather of ``[K | V]``, backward a reduce-scatter of ``[dK | dV]``), under the call's mask."""
     d_k = key.shape[-1]
     kv = torch.cat([key, value], dim=-1).transpose(1, 2)  # (B, T/cp, n_kv, d + d_v)
     kv = comm.gather_from_sequence_region(kv, call.group, partial_grad=True).transpose(1, 2)  # (B, n_kv, T, d + d_v)
@@ -171,9 +187,7 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     if groups > 1:  # grouped-query heads: each KV head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=call.mask(kwargs.get("sliding_window")),
-                                         scale=scaling)  # (B, n, T/cp, d_v)
-    return out.transpose(1, 2).contiguous(), None
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=call.mask(window), scale=scaling)
 
 
 def _argument(model: nn.Module, args: tuple, kwargs: dict, name: str):
