@@ -19,7 +19,8 @@ Conv1D, tied head) at cp 2, cp 4, cp 2 x tp 2 and cp 2 x tp 2 with sequence para
 sequences (position ids that restart, no attention across documents), ``num_items_in_batch``,
 a sequence padded by ``split_batch``, gradient checkpointing, the chunked LM loss; DDP over
 dp 2 x cp 2 with a different sequence per replica (the gradients of the dense model's loss over
-both sequences).
+both sequences); 3 AdamW steps of 2 accumulated micro-batches, clipped by
+``tpify.training.clip_grad_norm_`` (the norms and the final weights equal dense).
 """
 
 import copy
@@ -195,7 +196,37 @@ def _slow(rank, world):
     par = tpify.parallelize(copy.deepcopy(ref), mesh=mesh, lm_loss_chunk=5)
     _compare(par, ref, "mistral cp 2 x tp 2 chunked loss", _ids(6), worst)
     worst.update(_ddp(rank))
+    worst.update(_adamw_steps())
     return worst
+
+
+def _adamw_steps():
+    """3 AdamW steps of 2 accumulated micro-batches each, clipped at the dense model's norm, cp 2 x tp 2."""
+    import tpify
+    from tpify.authoring.compare import dense_named
+    from tpify.context_parallel import split_batch
+    from tpify.training import clip_grad_norm_
+
+    ref = _reference("llama")
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2))
+    opt_ref, opt_par = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, par))
+    norms = []
+    for step in range(3):
+        for micro in range(2):
+            ids = _ids(10 + 2 * step + micro)
+            (ref(ids, labels=ids, use_cache=False).loss / 2).backward()
+            (par(**split_batch({"input_ids": ids, "labels": ids}, par)).loss / 2).backward()
+        norms.append((float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)), float(clip_grad_norm_(par, 1.0))))
+        opt_ref.step(), opt_par.step()
+        opt_ref.zero_grad(), opt_par.zero_grad()
+    for want, got in norms:
+        assert abs(want - got) <= 1e-10 * want, norms
+    want, got = dense_named(ref), dense_named(par)
+    err = 0.0
+    for fqn, w in want.items():
+        torch.testing.assert_close(got[fqn], w, **TOL, msg=lambda m: f"AdamW steps: weight {fqn}: {m}")
+        err = max(err, float((got[fqn] - w).abs().max()))
+    return {"llama cp 2 x tp 2, 3 AdamW steps x 2 micro-batches, clipped (weights)": err}
 
 
 def _ddp(rank):
