@@ -20,7 +20,8 @@ sequences (position ids that restart, no attention across documents), ``num_item
 a sequence padded by ``split_batch``, gradient checkpointing, the chunked LM loss; DDP over
 dp 2 x cp 2 with a different sequence per replica (the gradients of the dense model's loss over
 both sequences); 3 AdamW steps of 2 accumulated micro-batches, clipped by
-``tpify.training.clip_grad_norm_`` (the norms and the final weights equal dense).
+``tpify.training.clip_grad_norm_`` (the norms and the final weights equal dense); LoRA on every
+parallel linear layer against dense PEFT (cp 2 x tp 2).
 """
 
 import copy
@@ -197,7 +198,39 @@ def _slow(rank, world):
     _compare(par, ref, "mistral cp 2 x tp 2 chunked loss", _ids(6), worst)
     worst.update(_ddp(rank))
     worst.update(_adamw_steps())
+    worst.update(_lora())
     return worst
+
+
+def _lora():
+    """LoRA on every parallel linear layer at cp 2 x tp 2, against dense PEFT: the loss and every adapter gradient."""
+    import peft
+
+    import tpify
+    from tpify.authoring.compare import dense_named
+    from tpify.context_parallel import split_batch
+    from tpify.integrations import get_peft_model
+
+    config = dict(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    ref = _reference("llama")
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2))
+    torch.manual_seed(1)
+    lora_ref = peft.get_peft_model(ref, peft.LoraConfig(**config))
+    torch.manual_seed(1)
+    lora_par = get_peft_model(par, peft.LoraConfig(**config))
+    ids = _ids(20)
+    loss_ref = lora_ref(ids, labels=ids, use_cache=False).loss
+    loss_par = lora_par(**split_batch({"input_ids": ids, "labels": ids}, lora_par)).loss
+    torch.testing.assert_close(loss_par, loss_ref, **TOL)
+    loss_ref.backward()
+    loss_par.backward()
+    want = {n: g for n, g in dense_named(lora_ref, "grad").items() if g is not None}
+    got = dense_named(lora_par, "grad")
+    assert want and all("lora_" in n for n in want), sorted(want)
+    for fqn, g in want.items():
+        torch.testing.assert_close(got[fqn], g, **TOL, msg=lambda m: f"LoRA cp 2 x tp 2: grad {fqn}: {m}")
+    return {"llama LoRA cp 2 x tp 2": max(float((got[f] - g).abs().max()) for f, g in want.items())}
 
 
 def _adamw_steps():
