@@ -11,8 +11,10 @@ runs on them unchanged. What this module adds, without replacing any HF ``forwar
   reduce-scatters ``[dK | dV]``), and the local queries attend to the whole sequence under a
   boolean mask built from global positions: causal, sliding window, one document to itself
   (packed sequences), grouped-query heads repeated. Exact: the dense model's softmax over the
-  same keys. Llama 3's form (arXiv:2407.21783, section 3.3.2); the ring form (Liu et al.,
-  arXiv:2310.01889) is not implemented.
+  same keys. The gather and the attention are recomputed in backward (only this rank's ``q``,
+  ``k``, ``v`` are kept: activation memory ``1/cp``). Llama 3's form (arXiv:2407.21783, section
+  3.3.2); the ring form (Liu et al., arXiv:2310.01889) and the all-to-all (Ulysses) form are not
+  implemented.
 * :class:`ContextParallelHooks`: a forward pre-hook on the model that checks the call, gathers
   the position ids over the CP group (one small all-gather), builds the call's
   :class:`ContextParallelCall` and passes it to the attention function as a keyword argument
@@ -29,6 +31,7 @@ The loss over the split sequence (targets counted over the CP group) is :mod:`tp
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -190,11 +193,17 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: C
     return F.scaled_dot_product_attention(query, key, value, attn_mask=call.mask(window), scale=scaling)
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_params(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s parameters after ``self``, read once per class."""
+    return tuple(inspect.signature(cls.forward).parameters)[1:]
+
+
 def _argument(model: nn.Module, args: tuple, kwargs: dict, name: str):
     """The value of ``name`` in a call of ``model`` (keyword, or positional by its forward's signature)."""
     if name in kwargs:
         return kwargs[name]
-    params = list(inspect.signature(type(model).forward).parameters)[1:]
+    params = _forward_params(type(model))
     if name in params and params.index(name) < len(args):
         return args[params.index(name)]
     return None
@@ -280,7 +289,7 @@ class ContextParallelHooks(comm.SharesProcessGroups):
         self.call, ok = ContextParallelCall.from_positions(self.group, self.size, self.rank, gathered)
         comm.raise_unless(ok, ValueError, _FIRST_DOCUMENT_ONLY, defer=self.ctx.state.checks)
         kwargs[CALL_KWARG] = self.call
-        if "use_cache" in inspect.signature(type(model).forward).parameters:
+        if "use_cache" in _forward_params(type(model)):
             kwargs["use_cache"] = False
         return args, kwargs
 
@@ -338,11 +347,17 @@ class _AttnImplementation:
         self.config._attn_implementation = self.old
 
 
-def _refuse_generate(self, *args, **kwargs):
-    raise TPUsageError(f"{type(self).__name__}.generate under context parallelism: decoding one token at a time has "
-                       f"no sequence to split over the CP group. Generate with a model parallelized with cp_size=1 "
-                       f"(load the saved checkpoint with tpify.from_pretrained(path, tp_size=...)). Nothing was "
-                       f"computed")
+class _RefuseGenerate:
+    """``model.generate`` of a context-parallel model (holds the class name only: no cycle through the model)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise TPUsageError(f"{self.name}.generate under context parallelism: decoding one token at a time has no "
+                           f"sequence to split over the CP group. Generate with a model parallelized with cp_size=1 "
+                           f"(load the saved checkpoint with tpify.from_pretrained(path, tp_size=...)). Nothing was "
+                           f"computed")
 
 
 def install(model: nn.Module, layout, ctx: TPContext) -> list:
@@ -364,4 +379,4 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
             model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True),
             model.register_forward_hook(owner.hook),
             owner.summed,
-            _InstanceAttribute(model, "generate", _refuse_generate.__get__(model))]
+            _InstanceAttribute(model, "generate", _RefuseGenerate(type(model).__name__))]
