@@ -42,8 +42,9 @@ from .io.reader import check_loaded, materialize
 from .io.save import gather_dense, plan_shards, shard_size_limit, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
-from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, mesh_device_type,
-                   replica_groups, resolve_groups, resolve_tp_size)
+from .context_parallel import check_model as check_context_parallel
+from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, cp_group_of, cp_size_of,
+                   cp_tp_group_of, mesh_device_type, replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
@@ -139,6 +140,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     check_before_parallelize(model)
     if mesh is not None:
         size = check_mesh(mesh, tp_size, tp_group, dp_group)
+        check_context_parallel(model, cp_size_of(mesh))
     else:
         size = resolve_tp_size(tp_size, tp_group)
         check_dp_group(dp_group, tp_group)
@@ -168,8 +170,10 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
               {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
                "model class": type(model).__name__}, group=dp_group)
     shards = layout.replica_shards()
+    # context parallelism: replicated parameters' partial gradients summed over cp x tp
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
-                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups), summed_grads=SummedGrads(tp_group))
+                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups),
+                    summed_grads=SummedGrads(cp_tp_group_of(mesh, tp_group)), cp_group=cp_group_of(mesh))
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(ctx, dp_group, layout, dp_source=dp_source, mesh=mesh, foreign_shards=foreign_shards(model))

@@ -78,11 +78,16 @@ class TPContext(comm.SharesProcessGroups):
         replica_groups: ``{n_kv: group}``: for each KV head count ``n_kv < size`` held by groups of
             ranks, this rank's group of ``size / n_kv`` consecutive TP ranks
             (:func:`tpify.mesh.replica_groups`).
+        cp_group, cp_size, cp_rank: the context-parallel group (the ranks that split the tokens of
+            the same sequences, :mod:`tpify.context_parallel`; ``None`` and size 1 without it).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None,
-                 replica_groups: dict | None = None, summed_grads=None):
+                 replica_groups: dict | None = None, summed_grads=None, cp_group: dist.ProcessGroup | None = None):
         self.group = group
+        self.cp_group = cp_group
+        self.cp_size = comm.group_size(cp_group) if cp_group is not None else 1
+        self.cp_rank = comm.group_rank(cp_group) if cp_group is not None else 0
         self.summed_grads = summed_grads
         self.size = comm.group_size(group)
         self.rank = comm.group_rank(group)

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.nn.parallel import DistributedDataParallel
 
 from .agree import agree
+from .context_parallel import refuse as refuse_context_parallel
 from .info import TPUsageError, find_tp_model, get_tp_info, record_specs
 from .mesh import fsdp_mesh, init_mesh, mesh_device_type
 from .sharding import is_dtensor
@@ -171,6 +172,7 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
     try:
         tp_model = _tp_model(model, "shard_data_parallel")
         info = get_tp_info(tp_model)
+        refuse_context_parallel(info, "tpify.shard_data_parallel (FSDP2)")
         _refuse_wrapped(model, "shard_data_parallel")
         units = transformer_blocks(model, blocks)
         if not units:

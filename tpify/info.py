@@ -37,7 +37,7 @@ class TPInfo(SharesProcessGroups):
 
     Attributes:
         ctx: the model's :class:`~tpify.context.TPContext`, the one its layers and hooks share;
-            ``tp_size``, ``tp_rank``, ``tp_group``, ``rng``, ``state`` and ``replica_groups`` read it.
+            ``tp_size``, ``tp_rank``, ``tp_group``, ``rng``, ``state``, ``replica_groups`` and ``cp_group``/``cp_size``/``cp_rank`` read it.
         dp_group: the DP process group (``None``: no data parallelism); ``dp_source`` how it was
             found: ``"mesh"``, ``"argument"``, ``"inferred"`` (the ranks holding the same TP rank)
             or ``"none"``.
@@ -92,6 +92,22 @@ class TPInfo(SharesProcessGroups):
         return self.ctx.state
 
     @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group (the mesh's ``"cp"`` axis: ranks that split the tokens of the
+        same sequences, :mod:`tpify.context_parallel`), or None."""
+        return self.ctx.cp_group
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks of the context-parallel group (1 without context parallelism)."""
+        return self.ctx.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in the context-parallel group (0 without context parallelism)."""
+        return self.ctx.cp_rank
+
+    @property
     def replica_groups(self) -> dict:
         """``{n_kv: group}``: this rank's group of the ranks holding the same KV head."""
         return self.ctx.replica_groups
@@ -133,7 +149,9 @@ class TPInfo(SharesProcessGroups):
         nbytes = self.param_bytes()
         memory = "" if nbytes is None else (
             f", parameters {_mib(nbytes[0])} on this rank ({nbytes[0] / max(nbytes[1], 1):.3f} x dense)")
-        return (f"TPInfo(tp_size={self.tp_size}, tp_rank={self.tp_rank}, tp_group={_ranks(self.tp_group)}, "
+        cp = (f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_group={_ranks(self.cp_group)}, "
+              if self.cp_group is not None else "")
+        return (f"TPInfo(tp_size={self.tp_size}, tp_rank={self.tp_rank}, tp_group={_ranks(self.tp_group)}, {cp}"
                 f"dp_group={_ranks(self.dp_group, none='none')} ({self.dp_source}), modules: {styles}{memory}; "
                 f".describe() for the layout)")
 

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from .. import comm
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import replicate_data_parallel, shard_data_parallel
+from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info, param_specs
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
@@ -217,6 +218,7 @@ class TPAccelerator(accelerate.Accelerator):
         if any(m is tp_model for m in models):
             return
         info = get_tp_info(tp_model)
+        refuse_context_parallel(info, "TPAccelerator")
         if models:
             first = get_tp_info(models[0])
             if (first.tp_group, first.dp_group) != (info.tp_group, info.dp_group):

@@ -35,6 +35,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from .. import comm
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import planned_dp_shard
+from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info
 from ..random import get_rng_tracker
 from ..sharding import is_dtensor
@@ -83,6 +84,7 @@ class TPTrainerMixin:
             raise TPUsageError(f"{name} trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
+        refuse_context_parallel(get_tp_info(tp_model), name)
         if on_trl:
             if args is None:
                 raise TPUsageError(f"{name}: pass args= (TRL's config for the trainer): its defaults count "
