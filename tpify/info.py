@@ -42,7 +42,7 @@ class TPInfo(SharesProcessGroups):
             found: ``"mesh"``, ``"argument"``, ``"inferred"`` (the ranks holding the same TP rank)
             or ``"none"``.
         layout: the :class:`~tpify.layout.Layout` the model was split by.
-        mesh: the ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh the groups come from, or None.
+        mesh: the ``("dp_replicate", "dp_shard", "cp", "tp")`` DeviceMesh the groups come from, or None.
         hooks: the handles of the hooks that make the model compute what the dense one does
             (:func:`tpify.remove_hooks` removes them); guards: those that refuse what would be
             silently wrong (kept).
