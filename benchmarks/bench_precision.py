@@ -3,7 +3,8 @@ and the dtypes tensor parallelism's reductions run in, each against a baseline i
 
 (a) The chunked linear cross-entropy (``tpify.loss.vocab_parallel_linear_cross_entropy``, tp 1,
     ``V = 32,000``, ``H = 512``, ``N = 2,048`` tokens, chunks of 256: ``--vocab``, ``--hidden``,
-    ``--tokens``, ``--chunk``; on the CPU, or ``--device cuda``), with bfloat16 weights and with float32 weights under bf16 autocast, forward and
+    ``--tokens``, ``--chunk``; on the CPU, or ``--device cuda``), with bfloat16 weights and with
+    float32 weights under bf16 autocast, forward and
     backward: the bytes saved from forward to backward beyond its inputs
     (``torch.autograd.graph.saved_tensors_hooks``, each storage once), the peak bytes allocated
     above the inputs (``torch.profiler``'s allocator events, as bench_loss.py), the wall time (the

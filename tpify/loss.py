@@ -721,9 +721,9 @@ def default_chunk_size(tokens: int, hidden: int) -> int:
     the ``(N, H)`` input instead, ``c ~ N H / V``, arXiv:2410.10989, section 3.3). Time: each chunk
     streams the weight shard through four matmuls (its logits in forward; again, ``dX`` and ``dW``
     in backward) and reads and writes the weight gradient's float32 sum, about ``20 V/p H`` bytes
-    for ``8 c V/p H`` flops, so ``c >= 256`` keeps about 100 flops per byte; where memory bandwidth is scarcer than that (GPUs in bf16, shared CPUs) a
-    larger ``chunk_size`` (1024) is faster, for a larger buffer (docs/benchmarks.md). At
-    H = 2,048 this is 256 tokens.
+    for ``8 c V/p H`` flops, so ``c >= 256`` keeps about 100 flops per byte; where memory bandwidth
+    is scarcer than that (GPUs in bf16, shared CPUs) a larger ``chunk_size`` (1024) is faster, for
+    a larger buffer (docs/benchmarks.md). At H = 2,048 this is 256 tokens.
 
     Raises:
         ValueError: ``tokens`` or ``hidden`` is not a positive integer.

@@ -16,6 +16,8 @@ each owned by one module and testable on its own:
   region or a sequence-parallel stretch, or declared partial (``replicate_sum_grads``), summed
   over the TP group (:class:`tpify.grad_sums.SummedGrads`: one all-reduce per backward pass);
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
+* :mod:`~tpify.hooks.context_parallel`: attention over a sequence split over the CP group, the
+  call's checks, the gradients summed over the group;
 * :mod:`~tpify.hooks.lm_loss`: the ``labels=`` loss from the vocabulary shards;
 * :mod:`~tpify.hooks.guards`: what the model refuses (inputs that differ between ranks, a
   foreign DDP, TRL's fused LM head; with :mod:`~tpify.hooks.state_dict`, another rank's shards
@@ -31,7 +33,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..context import TPContext
-from . import dropout, experts, head_inputs, latent, lm_loss, per_head, region_grads
+from . import context_parallel, dropout, experts, head_inputs, latent, lm_loss, per_head, region_grads
 from .sequence_parallel import SequenceParallel
 
 __all__ = ["install"]
@@ -52,5 +54,6 @@ def install(model: nn.Module, layout, ctx: TPContext) -> list:
     if layout.tp_size > 1:
         declared = tuple(f for f, m in layout.modules.items() if m.style == "replicate_sum_grads")
         region_grads.install(model, ctx.rng, ctx.summed_grads, ctx.state, handles, declared)
-    handles += lm_loss.install(model, layout, ctx.state)
+    handles += context_parallel.install(model, layout, ctx)  # before lm_loss: its pre-hook checks the labels
+    handles += lm_loss.install(model, layout, ctx.state, cp_group=ctx.cp_group)
     return handles
