@@ -198,12 +198,12 @@ def _lora(dense_base, par_base, autocast_adapter_dtype=True):
                 assert name == name2, (name, name2)
                 full = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)), dtype=p.dtype) * 0.1
                 p.copy_(full)
-                spec = tpify_spec(q)
+                spec = _spec(q)
                 q.copy_(spec.slice_dense(full, lora.tp_info.tp_rank) if spec is not None else full)
     return dense, lora
 
 
-def tpify_spec(p):
+def _spec(p):
     from tpify.sharding import shard_spec_of
 
     return shard_spec_of(p)
