@@ -288,7 +288,7 @@ class ParallelLMLoss:
         return type(output)(loss=loss, **values)
 
 
-def install(model: nn.Module, layout, state: CallState) -> list:
+def install(model: nn.Module, layout, ctx) -> list:
     """Make ``model(..., labels=labels).loss`` use :func:`~tpify.loss.vocab_parallel_cross_entropy`
     (or, with ``layout.lm_loss_chunk``, :func:`~tpify.loss.vocab_parallel_linear_cross_entropy`).
 
@@ -334,6 +334,7 @@ def install(model: nn.Module, layout, state: CallState) -> list:
     """
     if layout.lm_head is None:
         return []
+    state = ctx.state
     head = model.get_submodule(layout.lm_head)
     owner = ParallelLMLoss(head, layout.loss_kind, layout.honours_num_items, layout.loss_terms, state,
                            layout.logit_ops, layout.lm_loss_chunk)

@@ -16,7 +16,7 @@ from ..context import ModeArgument, TPContext
 from ..layers import RowParallelLinear
 from ..random import DEFAULT, TP, devices_of
 
-__all__ = ["SequenceParallel", "ScatterOutput", "MoEBlock"]
+__all__ = ["install", "SequenceParallel", "ScatterOutput", "MoEBlock"]
 
 
 class ScatterOutput(ModeArgument):
@@ -264,3 +264,11 @@ class _OwnTokensGradient(torch.autograd.Function):
         mine = torch.zeros_like(full)
         mine[:, rank * chunk:(rank + 1) * chunk] = full[:, rank * chunk:(rank + 1) * chunk]
         return mine.view_as(grad), None, None, None, None
+
+
+def install(model: nn.Module, layout, ctx: TPContext) -> list:
+    """:class:`SequenceParallel`'s hooks for ``layout.sequence_parallel`` (none without it, or at
+    ``ctx.size == 1``); the handles. Communication: none here."""
+    if layout.sequence_parallel is None or ctx.size == 1:
+        return []
+    return SequenceParallel(ctx, layout.sequence_parallel).install(model)
