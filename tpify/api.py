@@ -69,7 +69,7 @@ def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not model_type:
         raise ValueError(f"{type(model).__name__} has no config.model_type; pass recipe='path/to/recipe.toml'")
-    if model_type not in available_recipes():  # transformers' own TP plan, imported with a notice (tpify/hf_plan.py)
+    if model_type not in available_recipes():  # transformers' own TP plan, imported with a notice (tpify/hf_plan/)
         from .hf_plan import recipe_for_unshipped
 
         return recipe_for_unshipped(model, model_type)
@@ -277,7 +277,7 @@ def parallelize(
             tensor-parallel experts (every expert's intermediate dimension split, the output
             all-reduced); or ``tp_size``, expert parallelism over the TP group (rank ``r`` holds
             experts ``[r E/p, (r+1) E/p)`` whole; each rank routes its share of the tokens to the
-            experts' ranks with all-to-all; :mod:`tpify.hooks.experts`). Attention and the rest
+            experts' ranks with all-to-all; :mod:`tpify.styles.experts`). Attention and the rest
             are tensor-parallel either way. With ``world = dp * tp``, the DP replicas hold the
             same experts on the same TP rank.
 

@@ -38,6 +38,31 @@ LEAVES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Packages of the core whose files import no tpify module but these (the direction inside the core):
+# the styles are below the recipe, the layout and the hooks (they own their module hooks and read
+# no layout); the model-level hooks read the layout as data, never the styles, the recipe or the
+# planner; transformers' plans are imported through the recipe and the styles.
+BELOW: dict[str, tuple[str, ...]] = {
+    "tpify.styles": ("tpify.styles", "tpify.comm", "tpify.context", "tpify.hf_modules", "tpify.layers",
+                     "tpify.sharding", "tpify.syncs"),
+    "tpify.hooks": ("tpify.hooks", "tpify.agree", "tpify.comm", "tpify.context", "tpify.grad_sums",
+                    "tpify.hf_modules", "tpify.info", "tpify.layers", "tpify.loss", "tpify.random",
+                    "tpify.sharding", "tpify.syncs"),
+    "tpify.hf_plan": ("tpify.hf_plan", "tpify.hf_modules", "tpify.recipe", "tpify.styles"),
+    "tpify.recipe": ("tpify.hf_modules", "tpify.loss", "tpify.styles"),
+    "tpify.compose": ("tpify.hf_modules", "tpify.recipe", "tpify.styles"),
+    "tpify.planner": ("tpify.hf_modules", "tpify.recipe", "tpify.sharding", "tpify.styles"),
+}
+# Modules only their own package's face may import (implementation details behind it).
+BEHIND: dict[str, tuple[str, ...]] = {
+    "tpify.planner": ("tpify.layout",),
+    "tpify.hf_plan.state": ("tpify.hf_plan",),
+    "tpify.hf_plan.leftovers": ("tpify.hf_plan",),
+    "tpify.hf_plan.refused": ("tpify.hf_plan",),
+    "tpify.styles.experts_hooks": ("tpify.styles",),
+}
+
+
 def _module_name(path: Path, root: Path) -> str:
     """``tpify.authoring.verify`` for ``root/authoring/verify.py`` (``root`` is the ``tpify`` folder)."""
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
@@ -103,6 +128,40 @@ def test_the_leaves_of_the_core_import_only_below_them():
                 continue
             if name != leaf and not _inside(name, leaf) and not any(_inside(name, a) for a in allowed):
                 problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {leaf} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def _files_of(package: str) -> list[Path]:
+    """The ``.py`` files of a tpify module or package (``tpify.styles`` -> ``tpify/styles/*.py``)."""
+    path = ROOT / package.split(".", 1)[1].replace(".", "/")
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+
+
+def test_the_core_imports_go_down():
+    """Each package of :data:`BELOW` imports no tpify module but those listed (the styles own
+    their module hooks and are imported by the recipe, the planner and transformers' plans, never
+    the other way round; the model-level hooks never read the styles, the recipe or the planner)."""
+    problems = []
+    for package, allowed in BELOW.items():
+        for path in _files_of(package):
+            for line, name in tpify_imports(path):
+                if name == "tpify" or any(_inside(name, a) for a in allowed):
+                    continue
+                problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {package} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_modules_behind_a_face_are_imported_only_by_it():
+    """The planner is imported by the layout only, the parts of tpify.hf_plan and the experts'
+    hooks by their own package only."""
+    problems = []
+    for path in sorted(ROOT.rglob("*.py")):
+        importer = _module_name(path, ROOT)
+        for line, name in tpify_imports(path):
+            for module, allowed in BEHIND.items():
+                if _inside(name, module) and importer != module and not any(_inside(importer, a) for a in allowed):
+                    problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {importer} imports {name} (only "
+                                    f"{', '.join(allowed)} may)")
     assert not problems, "\n".join(problems)
 
 

@@ -180,7 +180,7 @@ class MoEBlock:
       experts' are partial sums per rank); the router's input gradient, the same whole tensor on
       every rank, is kept only for this rank's tokens (a pre-hook on each router,
       :class:`_OwnTokensGradient`), so that the reduce-scatter counts it once; the experts leave
-      their output a partial sum (:class:`tpify.hooks.experts.TensorParallelExperts`) and a
+      their output a partial sum (:class:`tpify.styles.experts_hooks.TensorParallelExperts`) and a
       forward hook on the block reduce-scatters it along ``T`` (Megatron's sequence-parallel MLP,
       Korthikanti et al., arXiv:2205.05198, section 4.2.2);
     * expert parallelism: every gradient reaching the gathered input is complete on every rank
