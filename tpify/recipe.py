@@ -44,6 +44,7 @@ from pathlib import Path
 from .hf_modules import config_get
 from .loss import LOGIT_OPS
 from .styles import STYLES, RuleError
+from .styles.base import foreign_key
 
 __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "load_recipe", "recipe_dirs",
            "available_recipes"]
@@ -432,10 +433,7 @@ def _read_rule(i: int, raw, fail) -> Rule:
 def _no_style(own: dict, where: str) -> None:
     """A rule without a style takes no style key (the message of a style that does)."""
     if own:
-        key = next(iter(own))
-        message = next((s.KEYS[key] for s in STYLES.values() if key in s.KEYS), f"'{key}' is unknown")
-        raise RuleError(f"{where}: {message}")
-    return None
+        raise RuleError(f"{where}: {foreign_key(next(iter(own)))}")
 
 
 def _read_head_inputs(raw, where: str, fail) -> list[tuple[str, int, str]]:

@@ -16,7 +16,7 @@ Megatron-LM (Shoeybi et al., arXiv:1909.08053, section 3) is the method; docs/re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -27,7 +27,7 @@ from ..hf_modules import SHARDABLE_TYPES, config_get, module_kind, overrides_for
 from ..sharding import ShardSpec
 
 __all__ = ["Style", "ModuleLayout", "PlanContext", "NoOptions", "RuleError", "STYLES", "register", "unregister",
-           "style_of", "AFTER_SUM", "WHOLE"]
+           "style_of", "foreign_key", "AFTER_SUM", "WHOLE"]
 
 #: ``dim`` of an ``experts`` rule's parameter that is not split: a bias added to every expert's
 #: output (``down_proj_bias (E, H)``), kept whole and counted once after the sum over the ranks.
@@ -46,7 +46,7 @@ class NoOptions:
     """The options of a style that takes no recipe key of its own."""
 
     #: Fields whose string values (or string items) name config attributes (``[[include]]``
-    #: rewrites them into the sub-config, :func:`tpify.recipe.compose`).
+    #: rewrites them into the sub-config, :func:`tpify.compose.compose`).
     CONFIG_REFS = ()
 
 
@@ -68,7 +68,7 @@ def with_config_prefix(options, at: Callable[[str], str]):
             changes[key] = tuple(at(v) if isinstance(v, str) else v for v in value)
         elif isinstance(value, str):
             changes[key] = at(value)
-    return options.__class__(**{**{f.name: getattr(options, f.name) for f in fields(options)}, **changes})
+    return replace(options, **changes)
 
 
 def config_ref_or_int(value, minimum: int) -> bool:
@@ -259,8 +259,7 @@ class Style:
         message of a registered style that does (``'parts' is only for style 'packed_colwise'``)."""
         for key in raw:
             if key not in self.KEYS:
-                message = next((s.KEYS[key] for s in STYLES.values() if key in s.KEYS), f"'{key}' is unknown")
-                raise RuleError(f"{where}: {message}")
+                raise RuleError(f"{where}: {foreign_key(key)}")
 
     def head_owner(self, fqn: str, module: nn.Module, rule, widths: set[int]) -> str | None:
         """The module that holds attention heads, judged from this rule on module ``fqn`` (no
@@ -392,6 +391,12 @@ def register(style):
         raise ValueError(f"a style named {obj.name!r} is registered already ({type(STYLES[obj.name]).__name__})")
     STYLES[obj.name] = obj
     return style
+
+
+def foreign_key(key: str) -> str:
+    """What a rule is told when it gives ``key`` to a style that does not take it: the message of
+    the registered style that does (its ``KEYS``)."""
+    return next((s.KEYS[key] for s in STYLES.values() if key in s.KEYS), f"'{key}' is no style's key")
 
 
 def unregister(name: str) -> None:

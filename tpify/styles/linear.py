@@ -226,9 +226,6 @@ class ColwiseRep(Colwise):
     vocab_rows = True
     KEYS = {}
 
-    def read_rule(self, raw, where):
-        return Style.read_rule(self, raw, where)
-
     def head_owner(self, fqn, module, rule, widths):
         return None
 
