@@ -78,8 +78,8 @@ AGREEMENT_NOTICE_ENV = "TPIFY_AGREEMENT_NOTICE"
 # model first), rarely half a minute, so a notice after 30 s is seldom noise; and a user looking
 # at a silent terminal learns the likely cause in half a minute, not after the 5-minute timeout.
 _DEFAULT_AGREEMENT_NOTICE_S = 30.0
-_sequence: dict[str, int] = {}  # ranks of a group -> agreements this process has entered on it
-_exit_marker: list = []  # (store, rank) once the marker is registered
+# (store, rank) once the exit marker is registered: process-wide as atexit itself is (one per process).
+_exit_marker: list = []
 
 
 def _seconds_from_env(name: str, default: float) -> float:
@@ -193,7 +193,9 @@ def _exchange(what: str, mine, ranks: list[int]) -> list | None:
         _exit_marker.append((store, me))
         atexit.register(_mark_exited)
     name = "-".join(map(str, ranks))
-    _sequence[name] = n = _sequence.get(name, 0) + 1
+    # this rank's count of the agreements it entered on this group, kept in the store: it lives and
+    # ends with the process group (a new one starts again at 1 on every rank), no process-global count
+    n = store.add(f"sequence/{name}/{me}", 1)
     base = f"agree/{name}/{n}/"
     store.set(base + str(me), pickle.dumps((what, mine)))
     timeout, notice = agreement_timeout(), agreement_notice()
@@ -240,45 +242,29 @@ def agree(what: str, fingerprint: dict, error: BaseException | None = None,
           group: dist.ProcessGroup | None = None, share=None) -> list | None:
     """The first communication of a tpify entry point: every rank learns every rank's outcome.
 
-    Each rank brings what it checked locally: a ``fingerprint`` (small, picklable values that must
-    be equal on every rank: the tp size, a digest of the config, the recipe and the plan, the
-    dtype, a path) and the ``error`` its own checks raised, if any. Every rank posts these to the
-    rendezvous store and reads the others', then every rank decides alike: a rank that failed
-    raises its own error, the others raise an :class:`AgreementError` naming that rank and its
-    error; if the fingerprints differ, every rank raises an :class:`AgreementError` listing each
-    differing value per rank. So bad input on one rank, or ranks launched with different
-    arguments, stop every rank with an error instead of a hang or a collective mismatch.
+    Each rank posts its ``fingerprint`` (small picklable values that must be equal on every rank:
+    tp size, digests of config, recipe and plan, dtype, a path) and the ``error`` its local checks
+    raised, if any, to the rendezvous store, and reads the others'. Then every rank decides alike:
+    a rank that failed raises its own error, the others an :class:`AgreementError` naming it;
+    differing fingerprints raise on every rank, listing each value per rank. A rank that never
+    comes is found fast: it exited (a marker written at exit), it entered another tpify call
+    (agreements are numbered per group), or ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (300) passed; a
+    rank still waiting after ``$TPIFY_AGREEMENT_NOTICE`` seconds (30) warns once. Every rank also
+    shares its :func:`device_placement`: ranks of one host on one GPU under NCCL raise here, before
+    the first NCCL collective.
 
-    A call made on some ranks only (``if rank == 0: tpify.save_pretrained(...)``) does not hang
-    either: the waiting rank raises as soon as a missing rank has exited (a marker it writes at
-    interpreter exit), or when that rank enters another tpify entry point (each rank numbers its
-    agreements per group), or after ``$TPIFY_AGREEMENT_TIMEOUT`` seconds (default 300). A rank
-    still waiting after ``$TPIFY_AGREEMENT_NOTICE`` seconds (default 30) warns once, on that
-    rank (``RuntimeWarning``): which ranks it waits for in which call, the likely cause (a call
-    under ``if rank == 0:``), and when it will raise.
+    ``share``: a picklable value not compared; every rank receives every rank's, in rank order
+    (``None`` when not given). Without torch.distributed (or one rank) it only re-raises ``error``.
 
-    Every rank shares its :func:`device_placement` too: under NCCL, ranks of one host on one GPU
-    (no ``torch.cuda.set_device(LOCAL_RANK)``) raise on every rank here, before the first NCCL
-    collective (which would refuse them on some ranks and leave the others waiting).
-
-    ``share``: a small picklable value of this rank's that is not compared (each rank's own
-    process-group ranks, say); once the agreement holds, every rank receives every rank's, in
-    the group's rank order, as the return value (``None`` when ``share`` is None).
-
-    Without torch.distributed (or a one-rank group) it only re-raises ``error`` (and returns
-    ``[share]``).
-
-    Communication: none through the process group (so no collective can be mismatched): a
-    few small keys in the default group's store (``tpify/agree/...``), removed by the last
-    reader; an ``all_gather_object`` over ``group`` where the default group has no store.
+    Communication: none through the process group: a few keys in the default group's store,
+    removed by the last reader (an ``all_gather_object`` over ``group`` where there is no store).
 
     Raises:
-        AgreementError: another rank failed, the ranks disagree, are in different tpify calls,
-            or a rank exited or did not come within the timeout; under NCCL, ranks of one host
-            on one GPU (naming ``torch.cuda.set_device(LOCAL_RANK)`` and ``CUDA_VISIBLE_DEVICES``).
+        AgreementError: another rank failed, the ranks disagree, are in different tpify calls, a
+            rank exited or did not come in time; under NCCL, ranks of one host on one GPU.
         ValueError: ``$TPIFY_AGREEMENT_TIMEOUT`` or ``$TPIFY_AGREEMENT_NOTICE`` is not a positive number.
     Warns:
-        RuntimeWarning: once, after ``$TPIFY_AGREEMENT_NOTICE`` seconds of waiting for other ranks.
+        RuntimeWarning: once, after ``$TPIFY_AGREEMENT_NOTICE`` seconds of waiting.
     """
     if group_size(group) == 1:  # one rank, or no torch.distributed
         if error is not None:
@@ -350,15 +336,9 @@ def agreement(what: str, group: dist.ProcessGroup | None = None, share=None) -> 
 def on_writing_rank(where: str, device: torch.device | str | None = None) -> Iterator[bool]:
     """A block that writes, run on the writing rank (global rank 0); every rank learns whether it succeeded.
 
-    Yields whether this process is the writing rank (always true without torch.distributed); the
-    block writes under ``if writing:`` and issues no collective itself. On exit, every rank takes
-    part in one all-reduce (max) of one int over the world, 1 when the block raised on some rank
-    (any exception, ``KeyboardInterrupt`` included). Every rank must enter the block, each time.
-
-    Args:
-        where: what the block does (``"writing model-00001-of-00002.safetensors"``), for the
-            error the other ranks raise.
-        device: where the flag lives: the model's device (NCCL reduces only CUDA tensors).
+    Yields whether this process writes (always without torch.distributed); the block writes under
+    ``if writing:`` and issues no collective. On exit one all-reduce (max) of one int over the
+    world, on ``device`` (the model's: NCCL reduces only CUDA tensors). Every rank enters the block.
 
     Raises:
         The block's own exception, on the rank that raised it (after the all-reduce).
@@ -382,19 +362,15 @@ def on_writing_rank(where: str, device: torch.device | str | None = None) -> Ite
 
 @contextlib.contextmanager
 def on_every_rank(where: str) -> Iterator[int]:
-    """A block every rank runs, each doing its own part (writing its own files of a save);
-    every rank learns whether every rank's part succeeded.
+    """A block every rank runs, each doing its own part (its own files of a save); every rank
+    learns whether every part succeeded.
 
-    Yields this process's global rank (0 without torch.distributed). The block issues no
-    collective itself. On exit every rank takes part in one ``all_gather_object`` over the world
-    of its outcome (``None`` or its error's message), so the block's end is a barrier at which
-    every rank's part is complete. Every rank must enter the block, each time.
+    Yields this process's global rank. On exit one ``all_gather_object`` over the world of each
+    rank's outcome: the block's end is a barrier at which every part is complete.
 
     Raises:
-        The block's own exception (any, ``KeyboardInterrupt`` included), on the rank that raised
-        it (after the gather).
-        RuntimeError: on every other rank when the block raised somewhere, naming ``where``,
-            the ranks and the first one's error.
+        The block's own exception, on the rank that raised it (after the gather).
+        RuntimeError: on every other rank, naming ``where``, the ranks and the first one's error.
     """
     error = None
     try:

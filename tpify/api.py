@@ -1,20 +1,16 @@
 """The verbs: :func:`parallelize`, :func:`from_pretrained`, :func:`save_pretrained`,
 :func:`load_weights_`, :func:`remove_hooks`: one pipeline, in one module.
 
-One pipeline, in halves with an agreement between them:
-
 1. :func:`prepare` (local, no collective): refuse what cannot be parallelized, resolve the tp
    size, load the recipe, build the :class:`~tpify.layout.Layout`;
-2. :func:`tpify.agree.agree` (every rank learns every rank's outcome and fingerprint);
-3. :func:`finish` (collective: groups): surgery by the layout (:mod:`tpify.surgery`),
-   ``model.tp_info``, the hooks (:mod:`tpify.hooks`), the guards, the HF methods.
+2. :func:`tpify.agree.agree`: every rank learns every rank's outcome and fingerprint;
+3. :func:`finish` (collective: groups): the :class:`~tpify.context.TPContext`, surgery
+   (:mod:`tpify.surgery`), ``model.tp_info`` (:func:`tpify.info.set_tp_info`), the hooks, the
+   guards, the HF methods.
 
-:func:`parallelize` runs 1-2-3 on a loaded model. :func:`from_pretrained` builds the dense model
-on the meta device (:mod:`tpify.meta_model`), runs 1 there next to its checkpoint checks
-(:mod:`tpify.io`), agrees once on both, runs 3, then reads this rank's slices
-(:mod:`tpify.io.reader`) and agrees again. :func:`save_pretrained` gathers each file's tensors
-to their dense layout and writes a standard HF directory atomically (:mod:`tpify.io.save`).
-Every step that may fail on one rank is followed by an agreement, so it fails on every rank.
+:func:`from_pretrained` runs 1 on a meta model next to its checkpoint checks (:mod:`tpify.io`),
+agrees once on both, runs 3, reads this rank's slices and agrees again; :func:`save_pretrained`
+gathers each file's tensors and writes an HF directory atomically (:mod:`tpify.io.save`).
 Megatron-LM, arXiv:1909.08053, section 3.
 """
 
@@ -23,29 +19,32 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import AutoConfig
 
 from . import comm, hf_methods, hooks
 from .agree import agree, agreement, digest
 from .context import CallState, TPContext
 from .grad_sums import SummedGrads
 from .hf_methods import check_before_parallelize
+from .hf_plan import recipe_for_unshipped
 from .hooks import guards
-from .info import TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs
+from .info import (TPInfo, TPUsageError, foreign_shards, get_tp_info, param_specs, record_specs, set_tp_info,
+                   tp_info_of)
 from .io.files import Snapshot, TensorHeader, open_checkpoint, stored_float_dtype
 from .io.keys import dense_shapes, match_checkpoint, replicated_head, saved_tensors
 from .io.reader import check_loaded, materialize
 from .io.save import gather_dense, plan_shards, shard_size_limit, staged
 from .layers import ColumnParallelInput
 from .layout import Layout, build_layout
-from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, mesh_device_type,
-                   replica_groups, resolve_groups, resolve_tp_size)
+from .context_parallel import check_model as check_context_parallel
+from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, cp_group_of, cp_size_of,
+                   cp_tp_group_of, mesh_device_type, replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
@@ -70,7 +69,6 @@ def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None"
     if not model_type:
         raise ValueError(f"{type(model).__name__} has no config.model_type; pass recipe='path/to/recipe.toml'")
     if model_type not in available_recipes():  # transformers' own TP plan, imported with a notice (tpify/hf_plan/)
-        from .hf_plan import recipe_for_unshipped
 
         return recipe_for_unshipped(model, model_type)
     return load_recipe(model_type)
@@ -81,15 +79,9 @@ _SAMPLES_PER_TENSOR = 16
 
 
 def weights_digest(tensors) -> str | None:
-    """A digest of a sample of the values of ``tensors`` (``None`` if any is on the meta device).
-
-    The ranks of a TP group must start from the same dense weights: a model built with
-    ``from_config`` without a common seed holds different random weights on each rank, and its
-    shards would make a model that exists nowhere, with replicated weights that differ. Up to
-    16 evenly spaced elements of each tensor (first and last included) are compared, by their
-    values converted to float64 (exact for every floating and integer dtype up to 2**53): any
-    two independent random initialisations differ there. One gather of the samples (one
-    device-to-host copy), no collective.
+    """A digest of up to 16 evenly spaced values of each tensor, as float64 (exact up to 2**53),
+    or None if any is on the meta device: ranks that built ``from_config`` without a common seed
+    differ there. One device-to-host copy; no collective.
     """
     tensors = list(tensors)
     if not tensors or any(t.is_meta for t in tensors):
@@ -143,11 +135,12 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     Raises:
         ValueError, TPUsageError, RecipeError, PlanError: as :func:`parallelize`.
     """
-    if getattr(model, "tp_info", None) is not None:
+    if tp_info_of(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     check_before_parallelize(model)
     if mesh is not None:
         size = check_mesh(mesh, tp_size, tp_group, dp_group)
+        check_context_parallel(model, cp_size_of(mesh))
     else:
         size = resolve_tp_size(tp_size, tp_group)
         check_dp_group(dp_group, tp_group)
@@ -177,14 +170,14 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
               {"tp_size": size, "tp rank": comm.group_rank(tp_group), "layout": layout.digest(),
                "model class": type(model).__name__}, group=dp_group)
     shards = layout.replica_shards()
+    # context parallelism: replicated parameters' partial gradients summed over cp x tp
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
-                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups), summed_grads=SummedGrads(tp_group))
+                    replica_groups=replica_groups(shards, tp_group, mesh, tp_groups),
+                    summed_grads=SummedGrads(cp_tp_group_of(mesh, tp_group)), cp_group=cp_group_of(mesh))
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
-    info = TPInfo(size, ctx.rank, tp_group, dp_group, layout, ctx.rng, dp_source=dp_source, state=ctx.state,
-                  mesh=mesh, foreign_shards=foreign_shards(model), replica_groups=ctx.replica_groups,
-                  model_ref=weakref.ref(model))  # the repr's bytes per rank; a weakref: no cycle through the model
-    model.tp_info = info
+    info = TPInfo(ctx, dp_group, layout, dp_source=dp_source, mesh=mesh, foreign_shards=foreign_shards(model))
+    set_tp_info(model, info)
     record_specs(model)  # each parameter's ShardSpec by name, for once FSDP2 has replaced them
     info.hooks = hooks.install(model, layout, ctx)  # what makes the model compute what the dense one does
     info.guards = guards.install(model, info)  # before every other hook: what would be silently wrong
@@ -193,15 +186,11 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
 
 
 def remove_hooks(model: nn.Module) -> int:
-    """Remove the hooks tpify added to a parallelized model to compute what the dense model does;
-    return how many.
+    """Remove the hooks that make a parallelized model compute what the dense one does; return how many.
 
-    Afterwards the model still computes the same forward (the parallel layers stay), but dropout
-    in sharded regions draws from the default stream and ``labels=`` gives HF's own loss on the
-    gathered logits. The guards stay (``tp_info.guards``): inputs that differ between the ranks
-    of the TP group, a DDP over other ranks than the model's DP group and TRL's fused LM head
-    (which reads the vocabulary shard ``lm_head.weight`` as if it were the whole head) are still
-    refused, since without them the model would train silently wrong.
+    The parallel layers stay (same forward); dropout in sharded regions then draws from the
+    default stream and ``labels=`` gives HF's loss on the gathered logits. The guards stay
+    (``tp_info.guards``): what would train silently wrong is still refused.
 
     Raises:
         ValueError: the model was not parallelized by tpify.
@@ -228,87 +217,27 @@ def parallelize(
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
-    The model must be loaded, identically, on every rank of the TP group. The recipe for
-    ``config.model_type`` (or ``recipe``) decides which modules become
-    ``ColumnParallelLinear``/``RowParallelLinear``/``VocabParallelEmbedding`` (Megatron-LM,
-    arXiv:1909.08053, section 3); each rank keeps only its shard and the dense weights are freed.
-    Tied weights stay tied. HF ``forward`` methods are untouched, so ``model(...)``,
-    ``model(..., labels=...).loss`` and ``model.generate()`` behave as on the dense model.
-    Without labels ``.logits`` hold the full vocabulary (padding stripped) on every rank; with
-    ``labels`` the loss is computed by ``vocab_parallel_cross_entropy`` from the vocab-sharded
-    logits and ``.logits`` is this rank's shard ``(B, T, V_padded/tp_size)`` (see tpify/loss.py).
+    Megatron-LM (arXiv:1909.08053, section 3): the recipe of ``config.model_type`` (or ``recipe``)
+    picks the modules that become ``ColumnParallelLinear``, ``RowParallelLinear`` and
+    ``VocabParallelEmbedding``; each rank keeps its shard, tied weights stay tied, HF ``forward``
+    is untouched (``model(...)``, ``labels=``, ``generate()`` behave as on the dense model). The
+    model must be loaded identically on every rank of the TP group. Every argument, and what
+    ``model.tp_info`` holds: docs/parallelize.md.
 
-    Args:
-        model: a ``transformers`` ``PreTrainedModel`` (or any module with a matching recipe).
-        tp_size: ranks per TP group; default the whole world (or ``tp_group``'s size). With
-            ``tp_size < world``, TP groups of contiguous ranks are made and the rest is DP.
-        tp_group: an existing process group to use as the TP group.
-        dp_group: with ``tp_group``, the DP group (the ranks holding the same TP rank, one of each
-            TP group; they must hold the same shard: checked by an agreement over it), or ``None``
-            for no data parallelism (ranks outside the TP group do something else). Default
-            ``"infer"``: with ``tp_group`` smaller than the world, inferred from every rank's TP
-            group (every rank of the world must then call ``parallelize``; the agreement is over
-            the world); without ``tp_group``, the mesh's. ``model.tp_info.dp_source`` says which.
-        recipe: a ``model_type`` name, a path to a ``.toml`` recipe, a mapping, or a Recipe.
-        pad_vocab_multiple: pad vocabulary-split tables (embedding, LM head) to a multiple of
-            ``pad_vocab_multiple * tp_size`` rows (Megatron-LM's ``make_vocab_size_divisible_by``,
-            128 there, keeps every rank's GEMM width a multiple of a tile; 64 suits current
-            GPUs). Default 1: the least padding that makes the rows divisible; at most 65,536
-            (:data:`tpify.layout.MAX_PAD_VOCAB_MULTIPLE`). The padded rows
-            are zeros no id reaches, never in the loss, stripped from gathered logits and saves.
-        sequence_parallel: also split along the tokens what tensor parallelism leaves
-            replicated (LayerNorms, dropout, residual adds; Korthikanti et al.,
-            arXiv:2205.05198), where the recipe marks it (``[sequence_parallel]``): all-reduces
-            become reduce-scatter + all-gather pairs (same bytes), activation memory there
-            ``1/tp_size``. Training batches need ``T`` divisible by ``tp_size``
-            (:class:`tpify.hooks.sequence_parallel.SequenceParallel`).
-        lm_loss_chunk: compute the ``labels=`` loss from the LM head's input in chunks of this
-            many tokens (:func:`tpify.loss.vocab_parallel_linear_cross_entropy`): with labels the
-            head does not run, no ``(B, T, V/p)`` logits exist, and ``.logits`` is None; without
-            labels nothing changes (``generate`` works). ``"auto"``: the chunk
-            :func:`tpify.loss.default_chunk_size` picks from the tokens and ``H``. Default None:
-            the loss from the logits shard (docs/loss.md).
-        mesh: a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh of the whole world
-            (:func:`tpify.init_mesh`), instead of ``tp_size``/``tp_group``: its ``"tp"`` axis is
-            the TP group, its data-parallel axes flattened the DP group, and
-            :func:`tpify.shard_data_parallel` shards over them (HSDP with ``dp_replicate > 1``).
-            Default: ``tpify.init_mesh(tp_size)`` when no ``tp_group`` is given.
-        ep_size: for the recipe's ``experts`` modules (fused MoE experts): 1 (default),
-            tensor-parallel experts (every expert's intermediate dimension split, the output
-            all-reduced); or ``tp_size``, expert parallelism over the TP group (rank ``r`` holds
-            experts ``[r E/p, (r+1) E/p)`` whole; each rank routes its share of the tokens to the
-            experts' ranks with all-to-all; :mod:`tpify.styles.experts`). Attention and the rest
-            are tensor-parallel either way. With ``world = dp * tp``, the DP replicas hold the
-            same experts on the same TP rank.
-
-    The model's ``save_pretrained`` then writes the dense checkpoint (collective, like
-    :func:`tpify.save_pretrained`), ``resize_token_embeddings`` raises, and running it inside a
-    ``DistributedDataParallel`` over other ranks than its DP group raises
-    (:mod:`tpify.integrations.model`). ``state_dict()`` returns this rank's shards, tagged with
-    their tp rank and layout; ``load_state_dict`` loads a rank's own, slices dense tensors to this
-    rank's shard and refuses other ranks' shards on every rank (:mod:`tpify.hooks.state_dict`).
-
-    Communication: first one agreement (:func:`tpify.agree.agree`: the rendezvous store, or one
-    all-gather of a small object over the world, or over ``tp_group``): every rank learns every rank's local outcome, so bad input on
-    one rank, or ranks launched with different models, configs, recipes, tp sizes or dtypes,
-    raise on every rank (:class:`~tpify.agree.AgreementError` on the others) instead of hanging;
-    then creating the TP/DP groups (collective over the world).
+    Shapes: ``.logits`` ``(B, T, V)`` on every rank (vocabulary padding stripped); with ``labels=``
+    the loss is vocab-parallel (:mod:`tpify.loss`) and ``.logits`` this rank's shard
+    ``(B, T, V_padded / tp_size)`` (None with ``lm_loss_chunk``).
+    Communication: one agreement (:func:`tpify.agree.agree`, the rendezvous store: no collective),
+    then the TP/DP groups and the KV replica groups (collective over the world).
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
-        TPUsageError: gradient checkpointing enabled before parallelizing (enable it after).
-        PlanError: a PEFT model (parallelize first, then add adapters), uncovered modules,
-            indivisible head counts or features (the message names the module, the numbers and
-            the tp sizes that would work); a ``pad_vocab_multiple`` outside 1 to 65,536 (on
-            every rank, before anything is allocated or communicated).
-        TPUsageError: a model whose parameters are already DTensors (FSDP2's ``fully_shard``
-            or a DTensor TP plan applied before ``parallelize``: shard with FSDP after it).
-        ValueError: inconsistent ``tp_size``/``tp_group``, ``tp_size > 1`` without
-            ``torch.distributed``, a ``dp_group`` without ``tp_group``, not containing this rank
-            or sharing ranks with the TP group, TP groups that do not split the world evenly
-            (when the DP group is inferred).
-        AgreementError: another rank failed its checks, or the ranks disagree (listed per rank:
-            tp size, config, recipe, dtypes, a sample of the weights, ...).
+        PlanError: a PEFT model; uncovered modules; indivisible head counts or features (naming the
+            module, the numbers and the tp sizes that work); ``pad_vocab_multiple`` outside 1 to 65,536.
+        TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first).
+        ValueError: inconsistent ``tp_size`` / ``tp_group`` / ``dp_group`` / ``mesh``; ``tp_size > 1``
+            without torch.distributed; TP groups that do not split the world evenly.
+        AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
     """
     error, layout, size, shared = None, None, None, {}
     group, share = agreement_scope(tp_group, dp_group)
@@ -342,74 +271,30 @@ def from_pretrained(
     ep_size: int = 1,
     torch_dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
-    """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slice.
+    """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slices.
 
-    The model is built on the meta device, parallelized there by the recipe (the same sequence
-    as :func:`tpify.parallelize`), and every parameter is then read with
-    ``safe_open(file).get_slice(name)`` through its :class:`~tpify.sharding.ShardSpec`: rank
-    ``r`` reads only the rows/columns it holds (packed ``[Q|K|V]`` per part, padded vocabularies
-    padded with zero rows), replicated parameters are read whole. Shards that are one range of
-    their split dimension in the stored dtype (replicated tensors, unpadded vocabulary rows,
-    column-parallel ``nn.Linear`` weights: contiguous; row-parallel ``nn.Linear`` weights: a
-    strided slice of every row, not contiguous) are zero-copy views of a private
-    (copy-on-write) mapping of the file, read from the page cache when first used, as
-    transformers 5 does for a whole model; the others (packed parts, padded vocabularies, a
-    dtype conversion) are copied into owned memory. A rank's peak memory is about its shard
-    (plus, for strided views, the page-cache pages its rows share with the next rank's) plus
-    one block (16 MiB) in flight, never the dense model.
-    As with transformers, replacing or deleting the files afterwards is safe, rewriting them in
-    place while the model lives is not (``disable_mmap=True`` copies everything). Tied parameters
-    (``lm_head.weight`` = ``wte.weight``) are read once and stay one Parameter. Non-persistent
-    buffers (BERT ``position_ids``, rotary ``inv_freq``) are computed by the model's constructor
-    exactly as transformers does. Keys are mapped as transformers 5 maps them: the base-model
-    prefix (``bert.``) is added or stripped, legacy ``LayerNorm.gamma/beta`` are renamed;
-    checkpoint tensors stored for non-persistent buffers (old ``position_ids``) are ignored.
+    The dense model is built on the meta device and parallelized there as :func:`parallelize`
+    does; each parameter is then read through its :class:`~tpify.sharding.ShardSpec` with
+    ``safe_open(file).get_slice(name)``: rank ``r`` reads only its rows or columns (one-range
+    shards as zero-copy views of the file's mapping unless ``disable_mmap``), never the dense
+    model. ``dtype`` (or its deprecated name ``torch_dtype``), ``model_class`` and the key mapping
+    behave as transformers 5's; ``tp_size``, ``tp_group``, ``dp_group``, ``mesh``, ``recipe``,
+    ``pad_vocab_multiple``, ``sequence_parallel``, ``lm_loss_chunk``, ``ep_size`` as in
+    :func:`parallelize`. Every argument: docs/loading-and-saving.md. Returns the parallelized
+    model, in eval mode.
 
-    Args:
-        path: local directory with ``config.json`` and ``model.safetensors`` or several files
-            plus ``model.safetensors.index.json`` (``weight_map``). Nothing is downloaded. Where
-            several are present, the one transformers 5 loads is read (``transformers_weights``
-            in config.json, then ``model.safetensors``, then the index), and only its files.
-        tp_size, tp_group, dp_group, pad_vocab_multiple, sequence_parallel, lm_loss_chunk, mesh, ep_size:
-            as in :func:`tpify.parallelize` (default: the whole world).
-        dtype: dtype of the floating parameters (a ``torch.dtype``, its name, or ``"auto"``), as in
-            transformers 5; each slice is converted as it is read, and ``config.dtype`` says it
-            (what :func:`save_pretrained` writes). Default (``None``/``"auto"``): ``config.dtype``,
-            else the checkpoint's dtype.
-        torch_dtype: the deprecated name of ``dtype`` (transformers 4's), accepted with a
-            ``FutureWarning``; passing both is an error.
-        model_class: the ``transformers`` class to build; default ``config.architectures[0]``.
-            A head class loads a base-model checkpoint (keys without ``bert.``) and vice versa.
-            Head parameters absent from a base checkpoint are initialised by the model's
-            ``_init_weights`` under a fixed seed (identical on every rank) with a warning, as
-            transformers does; they must be replicated (a missing sharded tensor is an error).
-        recipe: a recipe name, path, mapping or Recipe; default ``config.model_type``.
-        disable_mmap: copy every shard into owned memory, none left as a view of the file's
-            mapping (transformers' ``disable_mmap``): the model then no longer depends on the
-            files at all, at the cost of a copy (slower where first-touching new memory is slow).
-
-    Returns:
-        The parallelized model (``model.tp_info`` set), in eval mode like transformers' loads.
-
-    Communication: one agreement (:func:`tpify.agree.agree`) after the local checks, so a rank whose copy
-    of the checkpoint is missing, truncated or different (tensor names and shapes, dtype) stops
-    every rank with an error instead of a hang; then :func:`tpify.parallelize`'s agreement and
-    groups; reading issues no collective, and one more agreement after it reports a file that
-    failed while reading on any rank to every rank.
+    Communication: one agreement on the local checks (the checkpoint's names, shapes and dtype),
+    :func:`parallelize`'s groups, no collective while reading, one agreement after it.
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
+        FileNotFoundError: ``path`` has no ``config.json``.
         ValueError: ``dtype`` and ``torch_dtype`` both given; a dtype that is not floating.
-        CheckpointError: no safetensors weights; a truncated/corrupt file (named); tensors the
-            model needs that the checkpoint lacks; tensors whose shape differs from the model's;
-            an index that lists a tensor in two files, a tensor stored in two files, a file the
-            index names that is missing, files of different saves (:func:`tpify.io.files.open_checkpoint`).
-        PlanError, RecipeError, ValueError: as :func:`tpify.parallelize`.
-        AgreementError: on the other ranks, when one rank raised one of these; when the ranks'
-            checkpoints or arguments differ.
+        CheckpointError: no safetensors weights; a truncated or corrupt file; tensors missing or of
+            another shape; an index and its files that disagree (:func:`tpify.io.files.open_checkpoint`).
+        PlanError, RecipeError, ValueError: as :func:`parallelize`.
+        AgreementError: on the other ranks when one raised; the ranks' checkpoints or arguments differ.
     Warns:
-        UserWarning: checkpoint tensors the model does not use (like transformers' "unexpected").
-        FutureWarning: ``torch_dtype=`` (use ``dtype=``).
+        UserWarning: checkpoint tensors the model does not use; FutureWarning: ``torch_dtype=``.
     """
     path = Path(path)
     group, share = agreement_scope(tp_group, dp_group)
@@ -476,8 +361,6 @@ def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, opt
         FileNotFoundError: ``path`` has no ``config.json``.
         CheckpointError, ValueError, PlanError, RecipeError: as :func:`from_pretrained`.
     """
-    from transformers import AutoConfig
-
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: from_pretrained needs a local Hugging Face model "
                                 f"directory (config.json + model.safetensors); nothing is downloaded")
@@ -524,18 +407,14 @@ def _replicated_fingerprint(model: nn.Module) -> dict:
 def load_weights_(model: nn.Module, path: str | os.PathLike) -> None:
     """Read a dense Hugging Face safetensors checkpoint into a parallelized model, in place.
 
-    Each rank reads only its slices (as :func:`from_pretrained`) and copies them into the
-    existing parameters and persistent buffers, converted to their dtype, so optimizers and other
-    holders keep pointing at the same tensors (used to resume a Trainer run). Every tensor the
-    model needs must be in the checkpoint with its dense shape.
-
-    Communication: as :func:`from_pretrained`, one agreement (:func:`tpify.agree.agree`, over
-    the model's TP group) after the local checks, so a rank whose copy is missing, truncated or
-    different stops every rank, and one after reading. Call it on every rank of the TP group.
+    Each rank reads only its slices (as :func:`from_pretrained`) and copies them into the existing
+    parameters and persistent buffers (converted to their dtype), so optimizers keep pointing at
+    them. Communication: one agreement over the TP group after the local checks, one after reading.
 
     Raises:
         FileNotFoundError, CheckpointError: as :func:`from_pretrained`.
-        AgreementError: on the other ranks, when one rank raised; when the ranks' checkpoints differ.
+        TPUsageError: the parameters are DTensors (FSDP2).
+        AgreementError: on the other ranks when one raised; the ranks' checkpoints differ.
     """
     info = get_tp_info(model)  # raises for a model tpify did not parallelize
     path = Path(path)
@@ -575,57 +454,23 @@ def _open_for_load_weights(model: nn.Module, path: Path, renames) -> tuple[Snaps
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "2GB") -> None:
-    """Save a (parallelized) model as a standard Hugging Face directory, its files written by several ranks.
+    """Save a parallelized model as a standard Hugging Face directory, its files written by several ranks.
 
-    Every tensor is gathered to its dense layout with :meth:`ShardSpec.gather` (vocab padding
-    stripped, packed ``[Q|K|V]`` re-packed), so ``transformers.AutoModel*.from_pretrained(path)``
-    loads it, and :func:`from_pretrained` loads it at any valid tp size. Tied copies
-    (``lm_head.weight``) are not stored, as transformers 5 does. Tensors are grouped in files of
-    at most ``max_shard_size`` (``model-0000i-of-0000n.safetensors`` plus
-    ``model.safetensors.index.json``; one ``model.safetensors`` when all fit). The files are
-    assigned to the ranks in turn (every rank that sees the temporary directory: one host, or a
-    shared filesystem; else rank 0 alone) and written in rounds of one file per rank, in
-    parallel: a rank holds the dense tensors of one file at a time, never the whole dense model.
+    Every tensor is gathered to its dense layout (:meth:`ShardSpec.gather`: padding stripped,
+    packed ``[Q|K|V]`` packed again), grouped into files of at most ``max_shard_size`` written in
+    rounds of one file per rank (a rank holds one file's dense tensors at a time); transformers and
+    :func:`from_pretrained` (any tp size) load the result. ``path`` goes from the checkpoint it
+    holds to the new one atomically (:mod:`tpify.io.save`): a failure on any rank leaves it
+    untouched; files other than weights and configs are kept. Details: docs/loading-and-saving.md.
 
-    What it touches: global rank 0 creates a temporary directory ``.NAME.tmp-<id>`` beside
-    ``path`` (beside the directory a symlinked ``path`` points to), first removing such
-    directories that no live save holds (left by a killed save); every writer writes its files
-    into it; once every rank's files are complete (an agreement after each round), rank 0 writes
-    the index and the configs and moves the checkpoint in. A failure on any rank raises on every
-    rank before anything is moved: ``path`` is untouched. A new ``path`` is that directory renamed. An existing ``path`` goes from the checkpoint it holds to the new one by
-    one atomic rename or unlink (:mod:`tpify.io.save`): at every instant, a kill included,
-    ``path`` holds one whole checkpoint, the old one or the new one, and transformers and
-    :func:`from_pretrained` load the same one. Then ``config.json`` and
-    ``generation_config.json`` are replaced (each atomically), and the weight files of earlier
-    saves that the new checkpoint does not use (``model*.safetensors``, its index,
-    ``pytorch_model*.bin``) are removed. Every other file (tokenizer, notes, Trainer
-    ``checkpoint-*`` directories) is kept, as transformers' ``save_pretrained`` does. Shard files
-    get the standard names when no file in ``path`` has them, else
-    ``model-<id>-0000i-of-0000n.safetensors`` (``<id>``: 8 hex digits of this save's id), so
-    a save never overwrites a file the current checkpoint uses; repeated saves alternate. Every
-    file of one save carries its id (``tpify_save_id`` in the safetensors and index metadata).
-    Not synced to disk (``fsync``), as transformers does not: the guarantee holds against a
-    killed process, not a power cut.
-
-    Under FSDP2 (``fully_shard`` over the DP dimension, parameters that are DTensors) each tensor
-    is first gathered over the DP dimension (``DTensor.full_tensor``), then over TP.
-
-    Communication: per tensor, one all-gather over the TP group (every rank of every TP group
-    must call this function); two all-gathers of small objects (the save's id, who sees the
-    directory) and, per round of files, one all-gather of each rank's outcome over the world; one
-    all-reduce of one int around the creation of the directory and one around the move, so a
-    failure on any rank raises on every rank instead of hanging them.
+    Communication: per tensor one all-gather over the TP group (under FSDP2 first one over DP);
+    small object gathers and one agreement per round of files over the world. Every rank calls it.
 
     Raises:
-        ValueError: ``path`` is an existing file; ``max_shard_size`` is not a positive size (an
-            int of bytes, or a string such as ``"2GB"``, ``"500MB"``, ``"5GiB"``), on every rank
-            before any communication.
-        AgreementError: on the other ranks, when ``path`` is a file on one rank; when the ranks
-            hold different models (the first communication compares them, :func:`tpify.agree.agree`).
-        RuntimeError: on the other ranks, when a rank failed writing its files (that rank raises
-            its own error; ``path`` is untouched), or when rank 0 failed moving the checkpoint in
-            (``path`` then holds one whole checkpoint, the old one unless the failure came after
-            the switch, at worst with unused new shard files the next save removes).
+        ValueError: ``path`` is a file; ``max_shard_size`` is not a positive size (every rank, first).
+        AgreementError: on the other ranks when one raised; the ranks hold different models.
+        RuntimeError: on the other ranks, when a rank failed writing or rank 0 failed moving the
+            checkpoint in (``path`` then holds one whole checkpoint).
     """
     path = Path(path)
     entries = saved_tensors(model)
@@ -637,7 +482,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         specs = param_specs(model)
         checked.fingerprint = {"saved tensors": digest([(k, _dense_shape(t, specs), str(t.dtype)) for k, t in entries]),
                                "max_shard_size": str(max_shard_size)}
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     group = info.tp_group if info is not None else None
     plan = plan_shards(entries, specs, max_shard_size)
     with staged(path, next((t.device for _, t in entries), torch.device("cpu"))) as stage:

@@ -1,239 +1,69 @@
 """Training checkpoints that load at any layout, with torch.distributed.checkpoint (DCP).
 
-A parallelized model's ``state_dict()`` holds each rank's *shards* under the dense names
-(``transformer.h.0.attn.c_attn.weight`` of shape ``[768, 2304 / tp]`` on every rank), tagged with
-the rank and layout they belong to (:mod:`tpify.hooks.state_dict`, which makes ``load_state_dict``
-refuse them on another rank): neither the dense tensor nor a description DCP can reshard. This
-module gives two views instead:
+A parallelized model's ``state_dict()`` holds each rank's shards under the dense names, tagged
+with their rank and layout (:mod:`tpify.hooks.state_dict`): nothing DCP can reshard. Two views
+instead: :func:`dense_state_dict` (the dense Hugging Face tensors, gathered, on every rank) and
+:func:`sharded_state_dict` (each parameter as DTensors on the TP mesh, :mod:`tpify.dcp_entries`),
+so that ``dcp.load`` at another ``tp_size`` or ``dp_size`` reads each rank's new slices.
 
-* :func:`dense_state_dict`: the dense Hugging Face tensors, gathered (what
-  :func:`tpify.save_pretrained` writes), on every rank;
-* :func:`sharded_state_dict`: each parameter as DCP sees a tensor split over ranks, a
-  ``DTensor`` on the TP mesh whose placement says which rows or columns of the dense tensor this
-  rank holds, so ``dcp.load`` at another ``tp_size`` (or ``dp_size``) reads each rank's new
-  slices from whatever ranks wrote them.
-
-How a :class:`~tpify.sharding.ShardSpec` becomes DCP entries (one tensor per logical part):
-
-* no spec (replicated): the tensor itself under its name (DCP writes one copy: its planner
-  keeps one of the identical entries every rank offers);
-* one part, split evenly (``ColumnParallelLinear``, ``RowParallelLinear``) or unevenly by
-  torch.chunk's rule (an intermediate size ``p`` does not divide: ``ceil(n / p)`` per rank, the
-  last ranks fewer, which is DTensor's own uneven ``Shard``): ``DTensor.from_local`` with
-  ``Shard(dim)`` on the TP mesh, no copy and no communication;
-* packed parts (GPT-2's fused ``c_attn`` ``[Q | K | V]``, ``gate_up_proj``): rank ``r`` holds
-  ``[Q_r | K_r | V_r]``, which is no slice of the packed tensor, so each part is its own logical
-  tensor, ``NAME.part<i>``, split as above (evenly, or unevenly part by part); a replicated part
-  (multi-query K/V) is a plain tensor;
-* a padded vocabulary (``V`` rows padded to ``Vp``, rank ``r`` holding rows ``[r Vp/p, (r+1)
-  Vp/p)`` of which those ``>= V`` are padding): the logical tensor is the ``V`` real rows. When
-  ``Vp / p == ceil(V / p)`` (``pad_vocab_multiple=1``, the default) these are exactly DTensor's
-  uneven ``Shard(0)`` chunks: no communication. Otherwise (a larger ``pad_vocab_multiple``), the
-  **dense-order fallback**: the tensor is all-gathered over TP and each rank offers DTensor's
-  canonical chunk of the dense rows (one all-gather per such tensor when saving, one when loading).
-
-Optimizer state follows its parameter: a state tensor of the parameter's shape (AdamW's
-``exp_avg``, ``exp_avg_sq``) gets the parameter's entries under ``optim.<NAME>.<key>``; other
-state (AdamW's ``step``) is replicated. Under FSDP2 (parameters that are DTensors over the DP
-mesh) each TP shard and its optimizer state is first gathered over the DP mesh
-(``full_tensor``), then described as above; loading slices it back (each rank its own rows).
-
-What is restored where (:func:`load_checkpoint`): the model's parameters and the optimizer
-state at any layout; the scheduler and the param groups' hyperparameters as saved; the random
-generators of each rank (Python, NumPy, torch CPU and CUDA, tpify's dropout streams) only when
-the layout is the one saved (same ``tp_size`` and world size). At another layout every rank
-takes global rank 0's Python, NumPy and torch generators (the default stream, which must be the
-same on every TP rank) and restarts tpify's TP stream from ``seed + 2718 + tp_rank``
-(:mod:`tpify.random`): the masks of dropout in sharded regions then differ from the
-uninterrupted run's, as they do between any two ``tp_size`` s.
-
-Each rank writes its own part in parallel (DCP's ``FileSystemWriter``: one ``__<rank>_0.distcp``
-file per rank, ``.metadata`` from the coordinator, global rank 0).
+:func:`save_checkpoint` / :func:`load_checkpoint` add the optimizer state (a state tensor of its
+parameter's shape follows the parameter, ``optim.<NAME>.<key>``; other state is replicated), the
+schedulers, the param groups' hyperparameters and the generators. Under FSDP2 each TP shard is
+first gathered over the DP mesh (``full_tensor``) and sliced back on load. The generators of
+each rank are restored only at the saved layout (same ``tp_size`` and world size); at another,
+every rank takes global rank 0's Python, NumPy and torch generators and tpify's TP stream
+restarts from ``seed + 2718 + tp_rank`` (:mod:`tpify.random`), so dropout masks in sharded
+regions differ from the uninterrupted run's, as between any two ``tp_size`` s. Each rank writes
+its own ``__<rank>_0.distcp`` in parallel; global rank 0 writes ``.metadata``.
 """
 
 from __future__ import annotations
 
 import io
 import random
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from .agree import agree
+from .dcp_entries import ShardContext, load_targets, save_entries, tp_shard
 from .info import find_tp_model, get_tp_info, param_specs
 from .io import CheckpointError
-from .sharding import ShardSpec, chunk_range, copy_local_, is_dtensor
+from .io.keys import saved_tensors
+from .mesh import mesh_device_type, model_device_type
+from .random import get_rng_tracker
+from .sharding import ShardSpec, copy_local_, is_dtensor
 
 __all__ = ["sharded_state_dict", "dense_state_dict", "save_checkpoint", "load_checkpoint", "checkpoint_layout",
            "read_metadata"]
 
-_PART = ".part"
-_meshes: dict = {}
 
-
-# ---------------------------------------------------------------------------------------------
-# One TP shard <-> DCP entries.
-
-@dataclass
-class _Context:
-    """What describing a rank's shards needs: the TP mesh, size and rank (``mesh`` None at tp 1)."""
-
-    mesh: object
-    tp_size: int
-    tp_rank: int
-
-
-def _context(model: nn.Module) -> _Context:
+def _context(model: nn.Module) -> ShardContext:
+    """The TP mesh, size and rank of ``model``'s shards: the mesh's ``"tp"`` axis, or the TP group
+    as a 1-D mesh on the shards' own device (never the backend's name: DCP then copies no shard
+    to another device), made once per device type and kept in :attr:`TPInfo.tp_meshes`."""
     tp_model = find_tp_model(model)
     if tp_model is None:
         raise CheckpointError(f"{type(model).__name__} was not parallelized by tpify: a tpify checkpoint describes "
                               f"a tpify model's shards; use torch.distributed.checkpoint directly for other models")
     info = get_tp_info(tp_model)
     if info.tp_size == 1:
-        return _Context(None, 1, 0)
+        return ShardContext(None, 1, 0)
     if info.mesh is not None:
-        return _Context(info.mesh["tp"], info.tp_size, info.tp_rank)
-    from .mesh import mesh_device_type, model_device_type
-
-    group = info.tp_group if info.tp_group is not None else dist.group.WORLD
-    # the shards' own device, never the backend's name: DCP then copies no shard to another device
+        return ShardContext(info.mesh["tp"], info.tp_size, info.tp_rank)
     device = model_device_type(tp_model) or mesh_device_type()
-    key = (id(group), device)
-    if key not in _meshes:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        _meshes[key] = DeviceMesh.from_group(group, device)
-    return _Context(_meshes[key], info.tp_size, info.tp_rank)
-
-
-def _canonical(size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """``(start, stop)``: the rows of a dimension of ``size`` DTensor's ``Shard`` gives ``tp_rank``
-    (``torch.chunk``'s sizes: ``ceil(size / tp_size)``, the last ones shorter or empty), the rule
-    an uneven :class:`~tpify.sharding.ShardSpec` splits by."""
-    return chunk_range(size, tp_size, tp_rank)
-
-
-@dataclass
-class _Part:
-    """One logical tensor of a parameter: ``key``; its dense shape; this rank's ``[start, stop)``
-    along ``dim`` within it and where they sit in the local TP shard (``local_offset``)."""
-
-    key: str
-    shape: tuple[int, ...]
-    dim: int
-    start: int
-    stop: int
-    local_offset: int
-    replicated: bool  # the same whole tensor on every TP rank (no spec, tp 1, a replicated part)
-    even: bool = True  # every TP rank's rows are DTensor's Shard chunk (else: the dense-order fallback)
-
-
-def _parts(key: str, shard_shape: tuple[int, ...], spec: ShardSpec | None, ctx: _Context) -> list[_Part]:
-    """The logical tensors ``key``'s TP shard (of ``shard_shape``) holds a piece of."""
-    if spec is None:
-        return [_Part(key, tuple(shard_shape), 0, 0, shard_shape[0] if shard_shape else 0, 0, True)]
-    dense = list(shard_shape)
-    if spec.padded_size is not None or len(spec.parts) == 1:
-        dense[spec.dim] = spec.global_size
-        # Decided from every rank's rows, so that every rank takes the same path (the fallback's collectives).
-        every = [(spec.ranges(r) or [(spec.global_size, spec.global_size)])[0] for r in range(ctx.tp_size)]
-        even = all(rows == _canonical(spec.global_size, ctx.tp_size, r) for r, rows in enumerate(every))
-        start, stop = every[ctx.tp_rank]
-        return [_Part(key, tuple(dense), spec.dim, start, stop, 0, ctx.tp_size == 1, even)]
-    out, offset, local = [], 0, 0
-    for i, (size, (a, b)) in enumerate(zip(spec.parts, spec.ranges(ctx.tp_rank))):
-        dense[spec.dim] = size
-        grouped = i in spec.replicated and spec.replica_group_size < ctx.tp_size  # a KV head per group of ranks
-        replicated = ctx.tp_size == 1 or (i in spec.replicated and not grouped)
-        out.append(_Part(f"{key}{_PART}{i}", tuple(dense), spec.dim, a - offset, b - offset, local, replicated,
-                         not grouped))
-        offset += size
-        local += b - a
-    return out  # packed parts are unpadded: each split evenly (or by torch.chunk's rule), or KV heads per group
-
-
-def _dtensor(local: torch.Tensor, part: _Part, ctx: _Context):
-    from torch.distributed.tensor import DTensor, Shard
-
-    return DTensor.from_local(local, ctx.mesh, [Shard(part.dim)], run_check=False, shape=torch.Size(part.shape),
-                              stride=torch.empty(part.shape, device="meta").stride())
-
-
-def _save_entries(key: str, shard: torch.Tensor, spec: ShardSpec | None, ctx: _Context) -> dict:
-    """DCP entries for one TP shard (a plain tensor: this rank's whole shard)."""
-    out, full = {}, None
-    for part in _parts(key, tuple(shard.shape), spec, ctx):
-        piece = shard.narrow(part.dim, part.local_offset, part.stop - part.start) if spec is not None else shard
-        if part.replicated:
-            out[part.key] = piece
-        elif part.even:
-            out[part.key] = _dtensor(piece, part, ctx)
-        else:  # dense-order fallback: the dense rows, DTensor's canonical chunk of them
-            if full is None:
-                full = _gather_dense(shard, spec, ctx)
-            base = sum(spec.parts[: int(part.key.rsplit(_PART, 1)[1])]) if part.key != key else 0
-            a, b = _canonical(part.shape[part.dim], ctx.tp_size, ctx.tp_rank)
-            out[part.key] = _dtensor(full.narrow(part.dim, base + a, b - a).clone(), part, ctx)
-    return out
-
-
-def _gather_dense(shard: torch.Tensor, spec: ShardSpec, ctx: _Context) -> torch.Tensor:
-    """The dense tensor of a TP shard: one all-gather over the TP group (:meth:`ShardSpec.gather`)."""
-    return spec.gather(shard, ctx.mesh.get_group())
-
-
-def _load_targets(key: str, shard_shape, dtype, device, spec: ShardSpec | None,
-                  ctx: _Context) -> tuple[dict, Callable[[], torch.Tensor]]:
-    """``(entries, assemble)``: empty DCP entries for one TP shard, and a function that, after
-    ``dcp.load`` filled them, returns this rank's TP shard (padding rows zero)."""
-    parts = _parts(key, tuple(shard_shape), spec, ctx)
-    entries, pieces = {}, []
-    for part in parts:
-        if part.replicated:
-            buffer = torch.empty(part.shape, dtype=dtype, device=device)
-            entries[part.key] = buffer
-            pieces.append(lambda buffer=buffer: buffer)
-            continue
-        a, b = _canonical(part.shape[part.dim], ctx.tp_size, ctx.tp_rank)
-        local = list(part.shape)
-        local[part.dim] = b - a
-        target = _dtensor(torch.empty(local, dtype=dtype, device=device), part, ctx)
-        entries[part.key] = target
-        if part.even:
-            pieces.append(lambda target=target: target.to_local())
-        else:  # dense-order fallback: all-gather the canonical chunks, take this rank's rows
-            pieces.append(lambda part=part, target=target: target.full_tensor().narrow(
-                part.dim, part.start, part.stop - part.start))
-
-    def assemble() -> torch.Tensor:
-        got = [p() for p in pieces]
-        if spec is None:
-            return got[0]
-        have = sum(t.shape[spec.dim] for t in got)
-        size = spec.local_size_of(ctx.tp_rank)
-        if have < size:  # the padding rows of a vocabulary: zeros
-            pad = list(shard_shape)
-            pad[spec.dim] = size - have
-            got.append(torch.zeros(pad, dtype=dtype, device=device))
-        return torch.cat(got, dim=spec.dim) if len(got) > 1 else got[0]
-
-    return entries, assemble
-
-
-def _tp_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's whole TP shard of ``t``: ``t`` itself, or, for FSDP2's DTensor over the DP
-    mesh, its slices all-gathered over that mesh (``full_tensor``)."""
-    t = t.detach()
-    return t.full_tensor() if is_dtensor(t) else t
-
-
-def _shard_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """The shape of this rank's whole TP shard (a DTensor's global shape is the TP shard's)."""
-    return tuple(t.shape)
+    if device not in info.tp_meshes:
+        group = info.tp_group if info.tp_group is not None else dist.group.WORLD
+        info.tp_meshes[device] = DeviceMesh.from_group(group, device)
+    return ShardContext(info.tp_meshes[device], info.tp_size, info.tp_rank)
 
 
 def _named_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -242,8 +72,6 @@ def _named_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
     while isinstance(model, DistributedDataParallel):
         model = model.module
     return getattr(model, "_orig_mod", model)
@@ -256,53 +84,40 @@ def sharded_state_dict(model: nn.Module) -> dict:
     """The model's parameters as torch.distributed.checkpoint entries that reshard on load.
 
     Keys: the parameters' names in ``model`` (a tpify model, a PEFT model on one, under DDP or
-    ``torch.compile``), a packed parameter's parts as ``NAME.part<i>`` (module docstring). Values:
-    ``DTensor`` s on the TP mesh (``Shard(dim)``; shape: the dense tensor's, or the part's) whose
-    local tensor is this rank's piece of the dense tensor, or plain tensors (replicated
-    parameters, ``tp_size == 1``). Pass it to ``dcp.save``; to load, build the same dict at the
-    new layout and ``dcp.load`` it (:func:`load_checkpoint` does both, copying back into the
-    parameters).
+    ``torch.compile``), a packed parameter's parts as ``NAME.part<i>``. Values: DTensors on the TP
+    mesh (``Shard(dim)``) with the dense tensor's (or part's) shape, e.g. ``c_attn.weight.part0``
+    ``(H, H)`` of GPT-2's ``(H, 3H)``, a padded vocabulary's ``V`` rows; plain tensors when
+    replicated or at tp 1; the parameters' dtypes (:mod:`tpify.dcp_entries`). ``dcp.save`` it;
+    :func:`load_checkpoint` builds the same dict at the new layout and loads it.
 
-    dtypes: the parameters'. Shapes: the dense tensors', e.g. ``c_attn.weight.part0`` ``(H, H)``
-    for GPT-2's fused ``(H, 3H)`` ``c_attn``; a padded vocabulary's ``V`` rows, not ``Vp``.
-
-    Communication: none for the common specs (the local shards are wrapped, not copied); one
-    all-gather over TP per vocabulary table padded beyond DTensor's chunks (a
-    ``pad_vocab_multiple`` larger than 1; the dense-order fallback); under FSDP2, one all-gather
-    over the DP mesh per parameter (``full_tensor``). Every rank must call it.
+    Communication: none for the common specs (the shards are wrapped, not copied); one all-gather
+    over TP per vocabulary padded beyond DTensor's chunks; under FSDP2 one over DP per parameter.
 
     Raises:
         CheckpointError: ``model`` is not a tpify model.
-        TPUsageError: a DTensor parameter whose TP split tpify did not record (:func:`tpify.info.param_specs`).
+        TPUsageError: a DTensor parameter whose TP split tpify did not record.
     """
     ctx = _context(model)
     specs = param_specs(_unwrap(model))
     out = {}
     for name, p in _named_params(model):
-        out.update(_save_entries(name, _tp_shard(p), specs.get(id(p)), ctx))
+        out.update(save_entries(name, tp_shard(p), specs.get(id(p)), ctx))
     return out
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The dense Hugging Face state dict of a parallelized model, on every rank.
 
-    Keys: the Hugging Face names :func:`tpify.save_pretrained` writes (tied copies such as
-    ``lm_head.weight`` left out, as transformers 5 saves them; buffers the checkpoint holds
-    included). Values: the dense tensors (vocabulary padding stripped, packed ``[Q|K|V]`` packed
-    again), contiguous, on the parameters' device, in their dtype. ``model.load_state_dict`` of
-    the dense model, or of ``transformers`` ``from_pretrained``'s model, takes it
-    (``strict=False`` for the tied keys). Holds the whole dense model on every rank: for large
-    models, :func:`tpify.save_pretrained` writes file by file instead.
+    Keys: the names :func:`tpify.save_pretrained` writes (tied copies left out). Values: the dense
+    tensors (padding stripped, ``[Q|K|V]`` packed again), contiguous, on the parameters' device and
+    dtype; the dense model's ``load_state_dict`` takes it (``strict=False`` for tied keys). Holds
+    the whole dense model on every rank (:func:`tpify.save_pretrained` writes file by file instead).
 
-    Communication: per sharded tensor one all-gather over the TP group
-    (:meth:`~tpify.sharding.ShardSpec.gather`); under FSDP2, first one over the DP mesh
-    (``full_tensor``). Every rank must call it.
+    Communication: per sharded tensor one all-gather over TP (under FSDP2 first one over DP).
 
     Raises:
         CheckpointError: ``model`` is not a tpify model.
     """
-    from .io.keys import saved_tensors
-
     tp_model = find_tp_model(_unwrap(model))
     if tp_model is None:
         raise CheckpointError(f"dense_state_dict: {type(model).__name__} was not parallelized by tpify; its own "
@@ -311,7 +126,7 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     specs = param_specs(tp_model)
     out = {}
     for key, t in saved_tensors(tp_model):
-        local = _tp_shard(t)
+        local = tp_shard(t)
         spec = specs.get(id(t))
         out[key] = (spec.gather(local, info.tp_group) if spec is not None else local).contiguous()
     return out
@@ -334,7 +149,7 @@ def _optimizer(opt):
     return inner if inner is not None and hasattr(inner, "param_groups") else opt
 
 
-def _param_index(models: list[nn.Module]) -> tuple[dict[int, str], dict[int, ShardSpec | None], _Context]:
+def _param_index(models: list[nn.Module]) -> tuple[dict[int, str], dict[int, ShardSpec | None], ShardContext]:
     """``(names, specs, ctx)``: every parameter's checkpoint name (``model.``/``model_<i>.``
     prefixed) and spec, by id."""
     names, specs, ctx = {}, {}, None
@@ -355,10 +170,6 @@ def checkpoint_layout() -> dict:
 
 
 def _rng_state(models) -> dict:
-    import numpy as np
-
-    from .random import get_rng_tracker
-
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "tpify": [get_rng_tracker(find_tp_model(_unwrap(m))).state_dict() for m in models
@@ -377,39 +188,32 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
                     model_state: bool = True, generators: bool = True) -> None:
     """Write a training checkpoint that :func:`load_checkpoint` reads back at any layout.
 
-    ``path`` (a directory) receives DCP's files: ``__<rank>_0.distcp`` written by every rank in
-    parallel (its pieces of the tensors; of the pieces several ranks hold, DCP's planner has one
-    of them write each) and ``.metadata`` (global rank 0). What is in it, by key: ``model.<name>``
-    (:func:`sharded_state_dict` of each model; ``model_<i>.`` for the ``i``-th), ``optim.<name>.<key>``
-    (each optimizer's state, following its parameter; ``optim_<i>.``), ``optim.meta`` (the param
-    groups' hyperparameters and parameter names, the state's structure), ``sched`` (each
-    scheduler's ``state_dict()``), ``extra`` (``extra``, any picklable dict: a step counter),
-    ``layout`` (tp size, world size), ``rng.rank<k>`` (rank ``k``'s generators).
+    ``path`` receives DCP's files: ``__<rank>_0.distcp`` from every rank in parallel and
+    ``.metadata`` from global rank 0. Keys: ``model.<name>`` (:func:`sharded_state_dict`;
+    ``model_<i>.`` for the ``i``-th model), ``optim.<name>.<key>`` (state following its parameter),
+    ``optim.meta`` (param groups, state structure), ``sched``, ``extra``, ``layout`` (tp size, world
+    size), ``rng.rank<k>`` (rank ``k``'s generators).
 
     Args:
-        path: the checkpoint directory (created; DCP overwrites files of the same names).
+        path: the checkpoint directory (created).
         models: a model or a list (tpify models, PEFT models on them, other models).
-        optimizers, schedulers: lists (may be empty), whose parameters are the models'.
-        extra: small picklable values to store (the same on every rank).
-        model_state: store the models' parameters (False: a caller that saves the weights
-            itself, densely, as TPTrainer does; the models still name the optimizers' parameters).
-        generators: store every rank's generators (False: a caller that saves them itself).
+        optimizers, schedulers: lists (may be empty) over the models' parameters.
+        extra: small picklable values (the same on every rank).
+        model_state, generators: False for a caller that saves the weights (TPTrainer: densely) or
+            the generators itself.
 
-    Communication: :func:`sharded_state_dict`'s; then DCP's: a gather of the save plans to
-    the coordinator and a scatter back, one more gather of the write results. Every rank of
-    the world must call it.
+    Communication: :func:`sharded_state_dict`'s, then DCP's (gather and scatter of the save plans,
+    a gather of the results). Every rank of the world calls it.
 
     Raises:
         CheckpointError: no tpify model; an optimizer parameter belongs to none of ``models``.
     """
-    import torch.distributed.checkpoint as dcp
-
     models = _models(models)
     names, specs, ctx = _param_index(models)
     state: dict = {}
     for i, model in enumerate(models if model_state else ()):
         for name, p in _named_params(model):
-            state.update(_save_entries(_prefix(i, "model") + name, _tp_shard(p), specs.get(id(p)), ctx))
+            state.update(save_entries(_prefix(i, "model") + name, tp_shard(p), specs.get(id(p)), ctx))
     for i, opt in enumerate(_optimizer(o) for o in optimizers):
         meta = {"param_groups": [], "state": {}}
         saved = opt.state_dict()
@@ -427,7 +231,7 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
                 key = _prefix(i, "optim") + name + "." + k
                 if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
                     kinds[k] = ("param", None)
-                    state.update(_save_entries(key, _tp_shard(v), specs.get(id(p)), ctx))
+                    state.update(save_entries(key, tp_shard(v), specs.get(id(p)), ctx))
                 elif torch.is_tensor(v):
                     kinds[k] = ("tensor", None)
                     state[key] = v.full_tensor() if is_dtensor(v) else v
@@ -467,8 +271,6 @@ def read_metadata(path):
             shorter than the metadata says (truncated); the message names every such file, its
             size and the size it needs, and says to resume from an earlier checkpoint.
     """
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -497,9 +299,6 @@ def _dcp_load(state: dict, path) -> None:
     """``dcp.load`` (a collective), a failure while reading named: DCP gathers every rank's
     exception into a ``CheckpointException`` raised on every rank; this raises a
     :class:`CheckpointError` naming the checkpoint and the first rank's error instead."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
     except CheckpointException as e:
@@ -525,31 +324,22 @@ def _load_objects(path, keys: list[str]) -> dict:
 
 def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: bool = True,
                     generators: bool = True) -> dict:
-    """Read what :func:`save_checkpoint` wrote into ``models``, ``optimizers`` and ``schedulers``
-    (in place), at this run's layout, which may differ from the saved one; return its ``extra``.
+    """Read what :func:`save_checkpoint` wrote into ``models``, ``optimizers`` and ``schedulers``,
+    in place, at this run's layout (which may differ from the saved one); return its ``extra``.
 
-    Parameters are copied into in place (their holders, an optimizer built over them, stay
-    valid); each optimizer's state is rebuilt from the saved one, by parameter name, and loaded
-    with ``load_state_dict`` (so a fresh optimizer, with no state yet, is fine), its param
-    groups' hyperparameters restored; schedulers get their saved ``state_dict``. Generators: see
-    the module docstring (restored exactly at the saved layout, else rank 0's default stream on
-    every rank and tpify's TP stream restarted). ``model_state``/``generators``: as given to
-    :func:`save_checkpoint` (False: the parameters, or the generators, are left as they are).
+    Parameters are copied into (holders stay valid); each optimizer's state is rebuilt by parameter
+    name and loaded with ``load_state_dict`` (a fresh optimizer is fine); schedulers get their saved
+    state; generators as the module docstring says. ``model_state``/``generators``: as saved.
 
-    Communication: first one agreement (:func:`tpify.agree.agree`, the store) on the local
-    checks; then DCP's (a gather and a scatter of the load plans per load; three loads: the
-    small objects, the tensors, the generators); one all-gather over TP per tensor of the
-    dense-order fallback. Every rank of the world must call it.
+    Communication: one agreement on the local checks first; DCP's (three loads: the small objects,
+    the tensors, the generators); one all-gather over TP per tensor of the dense-order fallback.
+    Every rank of the world calls it.
 
     Raises:
-        CheckpointError: on every rank, before any collective: a parameter of the models is not
-            in the checkpoint or has another dense shape there (another model; the message names
-            up to three, with both shapes), the checkpoint is unreadable: its ``.metadata`` missing or
-            damaged, a ``.distcp`` file missing or truncated (:func:`read_metadata`: named, with its
-            size and the size it needs). While reading, on every rank: what DCP failed to read
-            (its ``CheckpointException``, named). After the first load,
-            alike on every rank (each reads the same objects): an optimizer's param groups list
-            other parameters, the numbers of schedulers differ.
+        CheckpointError: on every rank, before any collective: a parameter missing from the
+            checkpoint or of another dense shape (up to three named); ``.metadata`` or a ``.distcp``
+            missing or truncated (:func:`read_metadata`). While reading: what DCP failed to read.
+            After the first load, alike on every rank: other param groups, another scheduler count.
         AgreementError: on the other ranks, when one rank failed its checks.
     """
     models = _models(models)
@@ -565,7 +355,7 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
                 by_name[key] = p
                 if not model_state:
                     continue
-                entries, assemble = _load_targets(key, _shard_shape(p), p.dtype, p.device, specs.get(id(p)), ctx)
+                entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
                 for k, t in entries.items():
                     saved = getattr(metadata.get(k), "size", None)
                     if saved is None:
@@ -610,7 +400,7 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
                     state[key] = buffer
                     values[k] = buffer
                 else:
-                    entries, assemble = _load_targets(key, _shard_shape(p), p.dtype, p.device, specs.get(id(p)), ctx)
+                    entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
                     state.update(entries)
                     values[k] = (p, assemble)
         groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -627,8 +417,6 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
                     p, assemble = v
                     shard = assemble()
                     if is_dtensor(p):
-                        from torch.distributed.tensor import distribute_tensor
-
                         values[k] = distribute_tensor(shard, p.device_mesh, p.placements, src_data_rank=None)
                     else:
                         values[k] = shard
@@ -640,13 +428,9 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
     return objects["extra"]
 
 
-def _restore_rng(path, models, saved_layout: dict, ctx: _Context) -> None:
+def _restore_rng(path, models, saved_layout: dict, ctx: ShardContext) -> None:
     """Every rank's generators as saved at the same layout; else rank 0's default stream on
     every rank and tpify's TP stream restarted (the module docstring)."""
-    import numpy as np
-
-    from .random import get_rng_tracker
-
     same = saved_layout == {"tp_size": ctx.tp_size, **checkpoint_layout()}
     key = f"rng.rank{_rank() if same else 0}"
     rng = _load_objects(path, [key])[key]

@@ -1,16 +1,11 @@
 """The resolved context a parallelized model's layers and hooks share, and its per-call state.
 
-:class:`TPContext` is made once per model by :func:`tpify.parallelize` and passed down to every
-parallel layer and hook at construction: the TP group with its size and rank (resolved once, not
-asked for per layer), the model's one :class:`~tpify.layers.ColumnParallelInput` (layers reading
-one activation share its region entry), the dropout-stream tracker, the replicated parameters
-whose gradients are summed over the group (:class:`~tpify.grad_sums.SummedGrads`). :class:`CallState` is what
-one forward call decides and several hooks need: whether the tokens are split this call
-(sequence parallelism runs only when ``T`` divides), whether the LM head keeps its logits split
-over the vocabulary (the parallel loss) or does not run at all (the chunked loss). The hooks own it (``tpify.hooks``): they set it and
-pass it to the layers as forward arguments; the layers never read it. Activation
-recomputation (gradient checkpointing) restores it for the recomputed forward
-(:meth:`CallState.snapshot`).
+:class:`TPContext` is made once per model by :func:`tpify.parallelize`, passed to every parallel
+layer and hook at construction and held by the model's :class:`~tpify.info.TPInfo` (``ctx``).
+:class:`CallState` is what one forward call decides and several hooks need (tokens split,
+logits kept sharded or not computed); the hooks set it and pass it to the layers as forward
+arguments (:class:`ModeArgument`), the layers never read it; activation recomputation restores
+it (:meth:`CallState.snapshot`).
 """
 
 from __future__ import annotations
@@ -26,30 +21,28 @@ class CallState:
     """What the current forward call of one model decided, shared by its hooks.
 
     Attributes:
-        sequence_active: the tokens are split along ``T`` in this call (sequence parallelism:
-            ``T`` is a multiple of ``tp_size``); False outside a call and in calls that run
-            without it (``generate`` with other lengths, no gradients).
-        logits_sharded: the call computes the parallel LM loss: the LM head (and any copy of it)
-            keeps its output split over the vocabulary.
-        head_deferred: the call computes the chunked LM loss (``lm_loss_chunk``): the LM head
-            returns its input, and the loss hook computes the loss from it and the head's weight.
-        moe_gathered: the call is inside a mixture-of-experts block whose tokens sequence
-            parallelism gathered: its router runs on every token (its gradient is complete on
-            each rank, not a partial sum), and tensor-parallel experts leave their output a
-            partial sum that the block reduce-scatters (:mod:`tpify.hooks.sequence_parallel`).
-        checks: the model's :class:`~tpify.comm.DeferredChecks`: the data checks of a call (ids
-            and targets in range, the same batch on every rank), computed on the device and
-            raised at the next call (kept across calls, not reset).
+        sequence_active: the tokens are split along ``T`` in this call (sequence parallelism with
+            ``T`` a multiple of ``tp_size``); False outside a call.
+        logits_sharded: the call computes the parallel LM loss (the LM head keeps its output split).
+        head_deferred: the call computes the chunked LM loss (``lm_loss_chunk``): the LM head returns
+            its input.
+        moe_gathered: inside a mixture-of-experts block whose tokens sequence parallelism gathered
+            (:mod:`tpify.hooks.sequence_parallel`).
+        checks: the model's :class:`~tpify.comm.DeferredChecks` (a call's data checks, raised at the
+            next call; kept across calls).
+        checked: the model's :class:`~tpify.comm.CheckedInputs`: the inputs this call compares
+            across the TP group (the vocab-parallel embedding then defers its bounds check).
 
-    A copy of the model (``copy.deepcopy``, PEFT's copy of a module) shares it: calls run one at
-    a time, and every copy of a layer must follow the call that runs it.
+    A copy of the model (``copy.deepcopy``, PEFT's copy of a module) shares it: calls run one at a
+    time, and every copy of a layer must follow the call that runs it.
     """
 
-    __slots__ = ("sequence_active", "logits_sharded", "head_deferred", "moe_gathered", "checks")
+    __slots__ = ("sequence_active", "logits_sharded", "head_deferred", "moe_gathered", "checks", "checked")
 
     def __init__(self):
         self.reset()
         self.checks = comm.DeferredChecks()
+        self.checked = comm.CheckedInputs()
 
     def reset(self) -> None:
         """Outside a call: nothing split, logits gathered."""
@@ -74,23 +67,27 @@ class TPContext(comm.SharesProcessGroups):
     """The facts every parallel layer and hook of one model shares, resolved once.
 
     Attributes:
-        group: the TP process group (``None``: the default group, or no torch.distributed).
-        size, rank: its size and this process's rank in it.
-        region_input: the model's :class:`~tpify.layers.ColumnParallelInput` (or None: a layer
-            built alone gets its own).
-        rng: the model's :class:`~tpify.random.RNGStreamTracker` (or None: no dropout streams).
+        group, size, rank: the TP process group (``None``: the default group, or no
+            torch.distributed), its size and this process's rank in it.
+        region_input: the model's :class:`~tpify.layers.ColumnParallelInput` (None: a layer built
+            alone gets its own).
+        rng: the model's :class:`~tpify.random.RNGStreamTracker` (None: no dropout streams).
         state: the model's :class:`CallState`.
-        summed_grads: the model's :class:`~tpify.grad_sums.SummedGrads`, the replicated parameters
-            whose gradients are summed over the group in one all-reduce per backward pass (or
-            None: a layer built alone sums its own, one all-reduce each).
-        replica_groups: ``{n_kv: group}``, for each KV head count ``n_kv < size`` the layout
-            replicates over groups of ranks, this rank's group of ``size / n_kv`` consecutive TP
-            ranks (holding the same KV head), made once by :func:`tpify.mesh.replica_groups`.
+        summed_grads: the model's :class:`~tpify.grad_sums.SummedGrads` (replicated parameters whose
+            gradients are summed over the group in one all-reduce per backward), or None.
+        replica_groups: ``{n_kv: group}``: for each KV head count ``n_kv < size`` held by groups of
+            ranks, this rank's group of ``size / n_kv`` consecutive TP ranks
+            (:func:`tpify.mesh.replica_groups`).
+        cp_group, cp_size, cp_rank: the context-parallel group (the ranks that split the tokens of
+            the same sequences, :mod:`tpify.context_parallel`; ``None`` and size 1 without it).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None,
-                 replica_groups: dict | None = None, summed_grads=None):
+                 replica_groups: dict | None = None, summed_grads=None, cp_group: dist.ProcessGroup | None = None):
         self.group = group
+        self.cp_group = cp_group
+        self.cp_size = comm.group_size(cp_group) if cp_group is not None else 1
+        self.cp_rank = comm.group_rank(cp_group) if cp_group is not None else 0
         self.summed_grads = summed_grads
         self.size = comm.group_size(group)
         self.rank = comm.group_rank(group)

@@ -1,38 +1,30 @@
-"""PyTorch's data-parallel engines on a tensor-parallel model: DDP over the DP group, FSDP2 and HSDP.
+"""PyTorch's data-parallel engines on a tensor-parallel model: DDP over the DP group, FSDP2 and HSDP
+(docs/scaling-out.md).
 
-tpify splits one model replica over the ranks of a TP group; data parallelism over the replicas
-is torch's own, applied here to the parallelized model (never an engine of tpify's):
-
-* :func:`replicate_data_parallel`: ``DistributedDataParallel(model, process_group=dp_group)``.
-  Every rank keeps its TP shard whole; DDP all-reduces (averages) the gradients over the DP group
-  in buckets, each launched as soon as its parameters' gradients are accumulated, so the
-  reduction overlaps the rest of the backward; ``no_sync()`` skips it for accumulation steps.
+* :func:`replicate_data_parallel`: ``DistributedDataParallel(model, process_group=dp_group)``:
+  every rank keeps its TP shard whole; DDP averages gradients over the DP group in buckets,
+  overlapped with the backward.
 * :func:`shard_data_parallel`: FSDP2's ``fully_shard`` per transformer block, then on the model,
-  over the data-parallel axes of the model's DeviceMesh (:func:`tpify.mesh.fsdp_mesh`): each TP
-  shard is split further along its dim 0 over ``dp_shard`` ranks (parameters, gradients and the
-  optimizer state that follows them), and, with ``dp_replicate > 1``, replicated over the
-  ``dp_replicate`` groups (HSDP: reduce-scatter inside a group, all-reduce across groups).
+  over the DP axes of the model's mesh (:func:`tpify.mesh.fsdp_mesh`): each TP shard split again
+  along dim 0 over ``dp_shard`` and, with ``dp_replicate > 1``, replicated (HSDP).
 
-What tpify does to gradients itself finishes before either engine reads a gradient: the
-all-reduces of replicated parameters inside a sharded region or a sequence-parallel stretch are
-tensor hooks on the parameter (torch runs them before ``AccumulateGrad``; DDP's reducer is a
-post-hook of that node, FSDP2's reduce-scatter runs after the block's backward), and the
-row-parallel bias under sequence parallelism, the packed replicated parts and LoRA's factors are
-summed inside the autograd graph (:func:`tpify.comm.sum_grad_ranges`,
-:func:`tpify.comm.copy_many_to_tp_region`). Each DP replica's gradient is therefore the dense
-model's gradient of its batch before the engine averages it over DP.
-
-Gradient clipping by the dense model's norm is :func:`tpify.training.clip_grad_norm_` under both
-(under FSDP2 it sums the gradients' squares over the shard axis, then over TP); saving,
-:func:`tpify.save_pretrained` (under FSDP2 each tensor is gathered over DP, then over TP).
+What tpify does to gradients itself (replicated parameters summed inside a sharded or
+sequence-parallel region: tensor hooks that run before ``AccumulateGrad``, or sums inside the
+autograd graph) finishes before either engine reads a gradient, so each replica's gradient is
+the dense model's gradient of its batch. Clipping: :func:`tpify.training.clip_grad_norm_`.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from .agree import agree
-from .info import TPUsageError, find_tp_model, get_tp_info
+from .context_parallel import refuse as refuse_context_parallel
+from .info import TPUsageError, find_tp_model, get_tp_info, record_specs
+from .mesh import fsdp_mesh, init_mesh, mesh_device_type
 from .sharding import is_dtensor
 
 __all__ = ["replicate_data_parallel", "shard_data_parallel", "transformer_blocks", "planned_dp_shard"]
@@ -47,8 +39,6 @@ def _tp_model(model: nn.Module, what: str) -> nn.Module:
 
 
 def _refuse_wrapped(model: nn.Module, what: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
     if isinstance(model, DistributedDataParallel) or any(isinstance(m, DistributedDataParallel)
                                                          for m in model.modules()):
         raise TPUsageError(f"{what}: the model is already inside a DistributedDataParallel; apply one data-parallel "
@@ -61,33 +51,21 @@ def _refuse_wrapped(model: nn.Module, what: str) -> None:
 def replicate_data_parallel(model: nn.Module, **ddp_kwargs) -> nn.Module:
     """``torch.nn.parallel.DistributedDataParallel`` over the model's DP group.
 
-    Each rank keeps its TP shard whole; DDP averages every gradient over the DP group (the ranks
-    holding the same shard), in buckets overlapped with the backward, and broadcasts DP rank 0's
-    parameters and buffers at construction (the same shard of the same dense model). Use the
-    returned module for forward and backward (``ddp.module`` is the model; ``ddp.no_sync()`` for
-    gradient accumulation), :func:`tpify.training.clip_grad_norm_` on either, and
-    :func:`tpify.save_pretrained` on the model. tpify's own gradient work is finished before DDP
-    reads a gradient (module docstring). With no DP group (``dp == 1``) the model is returned
-    unwrapped.
+    Each rank keeps its TP shard whole; DDP averages every gradient over the DP group in buckets
+    overlapped with the backward, and broadcasts DP rank 0's parameters at construction. Use the
+    returned module for forward and backward (``no_sync()`` for accumulation),
+    :func:`tpify.training.clip_grad_norm_` and :func:`tpify.save_pretrained` on the model. With no
+    DP group the model is returned unwrapped. ``ddp_kwargs`` go to ``DistributedDataParallel``,
+    except ``process_group`` (the DP group).
 
-    Args:
-        model: a tpify model, or a PEFT model on one (its TP/DP groups are the model's).
-        ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
-            ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ``device_ids``,
-            ...), except ``process_group``, which is the DP group.
-
-    Communication: one agreement (:func:`tpify.agree.agree`, the store) before DDP's construction
-    (which checks shapes and broadcasts over the DP group); per backward, DDP's bucketed
-    all-reduces over the DP group (one float per gradient element).
+    Communication: one agreement before DDP's construction (which broadcasts over the DP group);
+    per backward, DDP's bucketed all-reduces over the DP group.
 
     Raises:
         TPUsageError: on every rank: not a tpify model, already inside a DDP or sharded by FSDP2,
             ``process_group`` passed.
         AgreementError: another rank failed, or the ranks disagree on the DP size.
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     error, info = None, None
     try:
         info = get_tp_info(_tp_model(model, "replicate_data_parallel"))
@@ -130,8 +108,6 @@ def _fsdp_mesh_for(info, dp_replicate: int | None):
         ValueError: ``dp_replicate`` does not divide the DP size; the model's groups are not the
             contiguous layout a mesh has (groups passed by hand).
     """
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     dp = world // info.tp_size
     if dp_replicate is not None and (not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate):
@@ -168,59 +144,35 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
                         mp_policy=None, offload_policy=None, blocks=None) -> nn.Module:
     """FSDP2 (or HSDP) over the data-parallel axes of a tensor-parallel model, in place; returns it.
 
-    ``fully_shard`` on every transformer block (:func:`transformer_blocks`, in module order), then
-    on the tpify model itself (the root unit: embeddings, the LM head, tied or not, in one unit,
-    and the final norm), over :func:`tpify.mesh.fsdp_mesh` of the model's mesh: 1-D
-    ``"dp_shard"`` (FSDP2), or 2-D ``("dp_replicate", "dp_shard")`` when ``dp_replicate > 1``
-    (HSDP). FSDP2 then holds, per rank, ``1/dp_shard`` of each of its TP shards (dim 0, padded
-    evenly) as DTensors; the optimizer built afterwards holds its state for those slices only.
-    The forward all-gathers a unit's slices over ``dp_shard`` just before the unit runs (tpify's
-    layers see their whole TP shard, as without FSDP), the backward reduce-scatters its gradient
-    (HSDP: then all-reduces it over ``dp_replicate``), averaged over the whole DP group. Build the
-    optimizer after this call; add LoRA adapters (:func:`tpify.integrations.get_peft_model`)
+    ``fully_shard`` on every transformer block (:func:`transformer_blocks`), then on the tpify
+    model (embeddings, LM head and final norm in one root unit), over :func:`tpify.mesh.fsdp_mesh`:
+    1-D ``"dp_shard"``, or 2-D ``("dp_replicate", "dp_shard")`` when ``dp_replicate > 1``. Each rank
+    then holds ``1/dp_shard`` of each TP shard (dim 0) as a DTensor; tpify's layers still see
+    their whole TP shard in the forward. Build the optimizer after this call; add LoRA adapters
     before it.
-
-    Then: :func:`tpify.training.clip_grad_norm_` clips by the dense model's norm (shard axis,
-    then TP); :func:`tpify.training.check_replicas` compares each rank's slices;
-    :func:`tpify.save_pretrained` gathers each tensor over DP, then TP; ``generate`` works (every
-    rank of the world calls it: each forward all-gathers over DP).
 
     Args:
         model: a tpify model (or a PEFT model on one), not yet wrapped.
-        dp_replicate: replicas of the sharded model (HSDP); ``dp_shard = dp / dp_replicate``.
-            Default: the model's mesh's (1 for a mesh :func:`tpify.parallelize` made: FSDP2 over
-            the whole DP group). Another value builds the mesh of that shape
-            (:func:`tpify.mesh.init_mesh`; the same ranks: its DP axes flattened are the model's
-            DP group).
-        reshard_after_forward, mp_policy, offload_policy: ``fully_shard``'s own arguments, passed
-            through to every unit (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32)``: bf16 compute, fp32 gradient reduction;
-            ``CPUOffloadPolicy()``: parameters, gradients and optimizer state on the host).
-            ``None``: FSDP2's defaults.
-        blocks: the block classes (or class names) to shard one by one; default the model's
-            ``_no_split_modules``.
+        dp_replicate: replicas of the sharded model (HSDP); default the model's mesh's (1 for the
+            mesh :func:`tpify.parallelize` made); another value builds that mesh (same ranks).
+        reshard_after_forward, mp_policy, offload_policy: ``fully_shard``'s own, passed to every unit.
+        blocks: the block classes (or names) to shard one by one; default ``_no_split_modules``.
 
-    Communication: one agreement (:func:`tpify.agree.agree`, the store) on the arguments before
-    any collective; the mesh's groups when it is new; ``fully_shard`` itself issues none. Per
-    step, FSDP2's all-gathers and reduce-scatters over ``dp_shard`` (and all-reduces over
-    ``dp_replicate``), one per unit each way.
+    Communication: one agreement on the arguments first; the mesh's groups when new. Per step,
+    FSDP2's all-gathers and reduce-scatters over ``dp_shard`` (all-reduces over ``dp_replicate``).
 
     Raises:
         TPUsageError: on every rank: not a tpify model; already sharded or inside a DDP; no
             transformer block found (pass ``blocks=``).
-        ValueError: on every rank: ``dp_replicate`` not dividing the DP size; groups made by hand
-            that are not a mesh's layout.
+        ValueError: on every rank: ``dp_replicate`` not dividing the DP size; hand-made groups that
+            are not a mesh's layout.
         AgreementError: another rank failed, or the ranks passed other arguments.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    from .info import record_specs
-    from .mesh import fsdp_mesh, init_mesh, mesh_device_type
-
     error, info, shape, units = None, None, None, []
     try:
         tp_model = _tp_model(model, "shard_data_parallel")
         info = get_tp_info(tp_model)
+        refuse_context_parallel(info, "tpify.shard_data_parallel (FSDP2)")
         _refuse_wrapped(model, "shard_data_parallel")
         units = transformer_blocks(model, blocks)
         if not units:

@@ -77,6 +77,20 @@ class SummedGrads(comm.SharesProcessGroups):
         self._hooks[id(param)] = (ref, param.register_hook(functools.partial(self._partial_grad, ref)))
         return True
 
+    def watches(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is summed by this object."""
+        known = self._hooks.get(id(param))
+        return known is not None and known[0]() is param
+
+    def unwatch(self, param: torch.Tensor) -> bool:
+        """Stop summing ``param``'s gradient (another :class:`SummedGrads` sums it over a larger
+        group: context parallelism's, :mod:`tpify.hooks.context_parallel`); True if it was watched.
+        Call it between backward passes (a pass already running keeps what it kept)."""
+        if not self.watches(param):
+            return False
+        self._hooks.pop(id(param))[1].remove()
+        return True
+
     def remove(self) -> None:
         """Remove every gradient hook (:func:`tpify.remove_hooks`); parameters watched later are hooked anew."""
         for _, handle in self._hooks.values():

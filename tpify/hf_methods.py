@@ -29,7 +29,7 @@ import types
 
 from torch import nn
 
-from .info import TPUsageError
+from .info import TPUsageError, get_tp_info
 
 __all__ = ["install", "check_before_parallelize"]
 
@@ -97,7 +97,7 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **k
         raise TPUsageError("gradient checkpointing of a tensor-parallel model must be non-reentrant and use tpify's "
                            "context_fn (it restores the dropout streams and the sequence split in the recomputation); "
                            "drop use_reentrant=True and context_fn from gradient_checkpointing_kwargs")
-    info = self.tp_info
+    info = get_tp_info(self)
     kw.update(use_reentrant=False, context_fn=partial(info.rng.checkpoint_context_fn, info.state))
     enable = getattr(PreTrainedModel, "_activation_checkpointing_enable", None)
     if enable is not None:

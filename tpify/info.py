@@ -1,18 +1,18 @@
 """What tpify sets on a model, and the one place that reads it.
 
-:func:`tpify.parallelize` stores a :class:`TPInfo` as ``model.tp_info`` (the only attribute tpify
-sets on the root model; a model is parallelized by tpify exactly when it has one). Everything
-else asks this module: :func:`get_tp_info`, :func:`find_tp_model` (through wrappers: PEFT, DDP,
-``torch.compile``), :func:`param_specs` (each parameter's :class:`~tpify.sharding.ShardSpec`,
-also once FSDP2 has replaced the parameters). :class:`TPUsageError` is the error for a tool or
-method used on a tensor-parallel model in a way tpify does not support.
+:func:`tpify.parallelize` stores a :class:`TPInfo` as ``model.tp_info`` (:func:`set_tp_info`; a
+model is parallelized by tpify exactly when it has one). Everything else asks this module:
+:func:`get_tp_info` (raises), :func:`tp_info_of` (or None), :func:`find_tp_model` (through
+wrappers: PEFT, DDP, ``torch.compile``), :func:`param_specs` (each parameter's
+:class:`~tpify.sharding.ShardSpec`, also once FSDP2 has replaced the parameters).
+:class:`TPUsageError` is the error for a tool or method used on a tensor-parallel model in a
+way tpify does not support.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import nn
@@ -20,72 +20,97 @@ from torch import nn
 from .comm import SharesProcessGroups
 from .sharding import KeepsShardSpecs, is_dtensor, shard_spec_of
 
-__all__ = ["TPInfo", "TPUsageError", "get_tp_info", "find_tp_model", "param_specs", "record_specs", "foreign_shards"]
+__all__ = ["TPInfo", "TPUsageError", "get_tp_info", "tp_info_of", "set_tp_info", "find_tp_model", "param_specs",
+           "record_specs", "foreign_shards"]
 
 
 class TPUsageError(RuntimeError):
     """A tool or method was used on a tensor-parallel model in a way tpify does not support."""
 
 
-@dataclass(repr=False)
 class TPInfo(SharesProcessGroups):
-    """What tpify did to a model; stored as ``model.tp_info``.
+    """What tpify did to a model; stored as ``model.tp_info`` (:func:`set_tp_info`).
 
-    ``repr(info)`` (what ``print(model.tp_info)`` shows) is one line: the tp size and rank, the
-    ranks of the TP and DP groups, the parallel modules counted by style and the bytes of this
-    rank's parameters; :meth:`describe` gives the whole layout (every module's style and rule,
-    every parameter's local shape and split).
+    ``repr(info)`` is one line (tp size and rank, the TP and DP groups' ranks, the parallel
+    modules counted by style, this rank's parameter bytes); :meth:`describe` gives the whole
+    layout (every module's style and rule, every parameter's local shape and split).
 
     Attributes:
-        tp_size, tp_rank: the TP group's size and this process's rank in it.
-        tp_group, dp_group: the process groups (``None``: the default group / no DP group).
+        ctx: the model's :class:`~tpify.context.TPContext`, the one its layers and hooks share;
+            ``tp_size``, ``tp_rank``, ``tp_group``, ``rng``, ``state``, ``replica_groups`` and ``cp_group``/``cp_size``/``cp_rank`` read it.
+        dp_group: the DP process group (``None``: no data parallelism); ``dp_source`` how it was
+            found: ``"mesh"``, ``"argument"``, ``"inferred"`` (the ranks holding the same TP rank)
+            or ``"none"``.
         layout: the :class:`~tpify.layout.Layout` the model was split by.
-        rng: the model's dropout-stream tracker (:class:`tpify.random.RNGStreamTracker`).
-        hooks: the hook handles that make the model compute what the dense one does (dropout
-            streams, head inputs, sequence parallelism, the parallel LM loss);
-            :func:`tpify.remove_hooks` removes them.
-        guards: the hook handles that refuse what would be silently wrong (inputs that differ
-            between the ranks of the TP group, a foreign DDP, TRL's fused LM head); kept by
-            :func:`tpify.remove_hooks`.
-        specs: every parameter's :class:`~tpify.sharding.ShardSpec` (``None``: replicated), by
-            FQN in the parallelized model, recorded after surgery: a wrapper that replaces the
-            parameters (FSDP2's ``fully_shard``) drops the ``tp_shard_spec`` attribute, and
-            the gradient norm, the replica check and saving then read the spec from here.
-        dp_source: how ``dp_group`` was found: ``"mesh"`` (the DeviceMesh, :func:`tpify.mesh.init_mesh`),
-            ``"argument"`` (``parallelize(dp_group=...)``), ``"inferred"`` (from the TP groups of
-            every rank: the ranks holding the same TP rank) or ``"none"`` (no data parallelism).
-        state: the model's per-call state that hooks share (:class:`tpify.context.CallState`).
-        mesh: the ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh the groups come from
-            (:func:`tpify.mesh.init_mesh`, or ``parallelize(mesh=...)``), or None (groups passed
-            or inferred); :mod:`tpify.data_parallel` shards over its data-parallel axes.
-        foreign_shards: ``(parameter, spec)`` of the split parameters that modules tpify did not
-            build hold (fused experts keep their transformers class; :func:`foreign_shards`).
-        replica_groups: ``{n_kv: group}``: this rank's group of the ranks holding the same KV
-            head, for each KV head count held by groups of ranks (:func:`tpify.mesh.replica_groups`).
-            ``copy.deepcopy`` of the model copies them along with this object and puts each spec
-            back on the copy (a deep copy of a Parameter drops its attributes, and a shard without
-            its spec would count as replicated in the gradient norm and be saved at its local
-            shape).
-        model_ref: a ``weakref.ref`` to the model that holds this object (the repr's and
-            :meth:`describe`'s parameters), or None; a deep copy of the model points its copy at
-            the copied model.
+        mesh: the ``("dp_replicate", "dp_shard", "cp", "tp")`` DeviceMesh the groups come from, or None.
+        hooks: the handles of the hooks that make the model compute what the dense one does
+            (:func:`tpify.remove_hooks` removes them); guards: those that refuse what would be
+            silently wrong (kept).
+        specs: every parameter's :class:`~tpify.sharding.ShardSpec` (``None``: replicated) by FQN,
+            for once a wrapper (FSDP2) has replaced the parameters and dropped the attribute.
+        foreign_shards: ``(parameter, spec)`` of split parameters held by modules tpify did not
+            build (:func:`foreign_shards`); a deep copy of the model puts each spec back.
+        tp_meshes: ``{device type: DeviceMesh}``, the TP group as a 1-D mesh, made once per device
+            type by :mod:`tpify.checkpoint` (DCP's DTensors) when the groups come from no mesh.
+        model_ref: a ``weakref.ref`` to the model holding this object (for the repr's bytes), or None.
     """
 
-    tp_size: int
-    tp_rank: int
-    tp_group: dist.ProcessGroup | None
-    dp_group: dist.ProcessGroup | None
-    layout: object
-    rng: object = None
-    hooks: list = field(default_factory=list)
-    guards: list = field(default_factory=list)
-    specs: dict = field(default_factory=dict)
-    dp_source: str = "none"
-    state: object = None
-    mesh: object = None
-    foreign_shards: list = field(default_factory=list)
-    replica_groups: dict = field(default_factory=dict)
-    model_ref: object = field(default=None, compare=False)  # weakref.ref to the model holding this TPInfo
+    def __init__(self, ctx, dp_group: dist.ProcessGroup | None, layout, *, dp_source: str = "none", mesh=None,
+                 foreign_shards: list | None = None):
+        self.ctx = ctx
+        self.dp_group = dp_group
+        self.layout = layout
+        self.dp_source = dp_source
+        self.mesh = mesh
+        self.hooks: list = []
+        self.guards: list = []
+        self.specs: dict = {}
+        self.foreign_shards = list(foreign_shards or [])
+        self.tp_meshes: dict = {}
+        self.model_ref = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.ctx.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return self.ctx.group
+
+    @property
+    def rng(self):
+        """The model's dropout-stream tracker (:class:`tpify.random.RNGStreamTracker`)."""
+        return self.ctx.rng
+
+    @property
+    def state(self):
+        """The model's per-call state that its hooks share (:class:`tpify.context.CallState`)."""
+        return self.ctx.state
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group (the mesh's ``"cp"`` axis: ranks that split the tokens of the
+        same sequences, :mod:`tpify.context_parallel`), or None."""
+        return self.ctx.cp_group
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks of the context-parallel group (1 without context parallelism)."""
+        return self.ctx.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in the context-parallel group (0 without context parallelism)."""
+        return self.ctx.cp_rank
+
+    @property
+    def replica_groups(self) -> dict:
+        """``{n_kv: group}``: this rank's group of the ranks holding the same KV head."""
+        return self.ctx.replica_groups
 
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)  # within a model's deepcopy: the copied model's parameters (memo)
@@ -124,7 +149,9 @@ class TPInfo(SharesProcessGroups):
         nbytes = self.param_bytes()
         memory = "" if nbytes is None else (
             f", parameters {_mib(nbytes[0])} on this rank ({nbytes[0] / max(nbytes[1], 1):.3f} x dense)")
-        return (f"TPInfo(tp_size={self.tp_size}, tp_rank={self.tp_rank}, tp_group={_ranks(self.tp_group)}, "
+        cp = (f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, cp_group={_ranks(self.cp_group)}, "
+              if self.cp_group is not None else "")
+        return (f"TPInfo(tp_size={self.tp_size}, tp_rank={self.tp_rank}, tp_group={_ranks(self.tp_group)}, {cp}"
                 f"dp_group={_ranks(self.dp_group, none='none')} ({self.dp_source}), modules: {styles}{memory}; "
                 f".describe() for the layout)")
 
@@ -218,10 +245,24 @@ def get_tp_info(model: nn.Module) -> TPInfo:
     Raises:
         ValueError: the model was not parallelized by tpify.
     """
-    info = getattr(model, "tp_info", None)
-    if not isinstance(info, TPInfo):
+    info = tp_info_of(model)
+    if info is None:
         raise ValueError(f"{type(model).__name__} was not parallelized by tpify (no tp_info)")
     return info
+
+
+def tp_info_of(model) -> TPInfo | None:
+    """The :class:`TPInfo` of ``model`` (or of the model a PEFT wrapper forwards attributes to),
+    or None for a model tpify did not parallelize."""
+    info = getattr(model, "tp_info", None)
+    return info if isinstance(info, TPInfo) else None
+
+
+def set_tp_info(model: nn.Module, info: TPInfo) -> None:
+    """Store ``info`` as ``model.tp_info`` (the only attribute tpify sets on the root model), with
+    a weak reference back to the model (no cycle through it)."""
+    info.model_ref = weakref.ref(model)
+    model.tp_info = info
 
 
 def find_tp_model(model) -> nn.Module | None:

@@ -755,7 +755,7 @@ class VocabParallelEmbedding(KeepsShardSpecs, nn.Module):
             low, high = torch.aminmax(input_ids)
             bad = (low < 0) | (high >= self.num_embeddings)
             message = f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}) (index out of range in self)"
-            if comm.was_checked(input_ids):
+            if self.ctx.state.checked.holds(input_ids):
                 # the model's call compares these ids across the TP group (tpify.hooks.guards.BatchCheck): the
                 # bounds are read at its next call, no host sync (ids outside every rank's rows embed as zeros)
                 comm.raise_unless(~bad, IndexError, message, defer=self.ctx.state.checks,

@@ -4,14 +4,16 @@ Given by the caller (``tp_group``, ``dp_group``), inferred (a ``tp_group`` small
 world: the DP group is the ranks holding the same TP rank), or made here on a mesh: this module
 is the one place tpify builds a :class:`~torch.distributed.device_mesh.DeviceMesh`.
 
-``world = dp_replicate * dp_shard * tp`` ranks are laid out as a 3-D DeviceMesh with axes
-``("dp_replicate", "dp_shard", "tp")`` in row-major order (:func:`init_mesh`), so the ranks of one
-TP group are contiguous (ranks ``0 .. tp-1`` form the first), which keeps TP inside a host when
-each host runs a multiple of ``tp`` processes (docs/mechanics.md, "Groups"). The two data-parallel
-axes flattened are the axis ``"dp"`` (:func:`dp_mesh`): the DP group, over which DDP averages
-gradients; FSDP2 shards over ``"dp_shard"`` and, with ``dp_replicate > 1``, replicates over
-``"dp_replicate"`` (HSDP; :mod:`tpify.data_parallel`). The same names as accelerate's
-``ParallelismConfig`` and torchtitan's meshes.
+``world = dp_replicate * dp_shard * cp * tp`` ranks are laid out as a 4-D DeviceMesh with axes
+``("dp_replicate", "dp_shard", "cp", "tp")`` in row-major order (:func:`init_mesh`), so the ranks of
+one TP group are contiguous (ranks ``0 .. tp-1`` form the first), which keeps TP inside a host when
+each host runs a multiple of ``tp`` processes (docs/mechanics.md, "Groups"), and the ranks of one
+context-parallel group (the ``"cp"`` axis: each holds ``T/cp`` tokens of every sequence,
+:mod:`tpify.context_parallel`) come next. The two data-parallel axes flattened are the axis ``"dp"``
+(:func:`dp_mesh`): the DP group, over which DDP averages gradients; FSDP2 shards over
+``"dp_shard"`` and, with ``dp_replicate > 1``, replicates over ``"dp_replicate"`` (HSDP;
+:mod:`tpify.data_parallel`). The same names and order as torchtitan's meshes (and accelerate's
+``ParallelismConfig``).
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import itertools
 import logging
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import agree  # agree.agree looked up at the call (a test stands in for it)
 from .agree import host_of_rank
 
 
-__all__ = ["init_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS", "resolve_tp_size", "INFER", "check_dp_group",
+__all__ = ["init_mesh", "dp_mesh", "fsdp_mesh", "cp_group_of", "cp_tp_group_of", "cp_size_of", "MESH_DIMS",
+           "resolve_tp_size", "INFER", "check_dp_group",
            "check_mesh", "agreement_scope", "resolve_groups", "host_of_rank", "split_tp_groups", "check_replica_groups",
            "replica_groups", "mesh_device_type", "model_device_type"]
 
@@ -37,10 +42,15 @@ __all__ = ["init_mesh", "dp_mesh", "fsdp_mesh", "MESH_DIMS", "resolve_tp_size", 
 #: every rank's TP group (``None`` says: no data parallelism).
 INFER = "infer"
 
-#: The axes of the mesh :func:`init_mesh` builds, outermost first (TP innermost: contiguous ranks).
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+#: The axes of the mesh :func:`init_mesh` builds, outermost first (TP innermost: contiguous ranks;
+#: then context parallelism), torchtitan's order.
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
-_meshes: dict[tuple[str, int, int, int], DeviceMesh] = {}
+# The meshes init_mesh made, by (device type, shape). Process-wide on purpose: init_mesh is called
+# before any model or context exists, and every later call (each parallelize without a mesh) must get
+# the same mesh back, whose process groups were made collectively over the world and are never
+# freed; the one object that outlives those calls, the default process group, takes no attributes.
+_meshes: dict[tuple[str, int, int, int, int], DeviceMesh] = {}
 _logger = logging.getLogger(__name__)
 _said_no_process_group: list[bool] = []  # set once this process has said it (once per process)
 
@@ -136,69 +146,60 @@ def split_tp_groups(hosts: list[str], tp_size: int) -> list[str]:
     return out
 
 
-def _check_sizes(tp_size, dp_replicate, world: int) -> None:
+def _check_sizes(tp_size, dp_replicate, world: int, cp_size=1) -> None:
     """Local checks of :func:`init_mesh`'s sizes. Raises ValueError naming the numbers and the fix."""
-    for name, value in (("tp_size", tp_size), ("dp_replicate", dp_replicate)):
+    for name, value in (("tp_size", tp_size), ("dp_replicate", dp_replicate), ("cp_size", cp_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"init_mesh: {name} must be a positive integer, got {value!r}")
-    if world % (tp_size * dp_replicate):
-        raise ValueError(f"init_mesh: dp_replicate {dp_replicate} x tp_size {tp_size} = {dp_replicate * tp_size} does "
-                         f"not divide the world size {world}: the mesh dp_replicate x dp_shard x tp must be the "
-                         f"world; pass sizes whose product divides {world}")
+    if world % (tp_size * dp_replicate * cp_size):
+        cp = f" x cp_size {cp_size}" if cp_size > 1 else ""
+        raise ValueError(f"init_mesh: dp_replicate {dp_replicate}{cp} x tp_size {tp_size} = "
+                         f"{dp_replicate * cp_size * tp_size} does not divide the world size {world}: the mesh "
+                         f"dp_replicate x dp_shard x cp x tp must be the world; pass sizes whose product divides "
+                         f"{world}")
 
 
-def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None = None,
+def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, host_local_tp: bool | None = None,
               device_type: str | None = None) -> DeviceMesh:
-    """The world as a ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh (created once per shape and
-    device type, then cached).
+    """The world as a ``("dp_replicate", "dp_shard", "cp", "tp")`` DeviceMesh, made once per shape
+    and device type (then the same mesh again).
 
-    ``dp_shard = world // (dp_replicate * tp_size)``. Row-major: TP groups are contiguous ranks,
-    then the FSDP shard groups, then the replicas. ``mesh["tp"]`` is this rank's TP group;
-    :func:`dp_mesh` the two DP axes flattened (the DP group: DDP); :func:`fsdp_mesh` the 1-D
-    ``"dp_shard"`` mesh (FSDP2) or the 2-D ``("dp_replicate", "dp_shard")`` mesh (HSDP). Pass it to
-    :func:`tpify.parallelize` / :func:`tpify.from_pretrained` as ``mesh=``.
+    ``dp_shard = world // (dp_replicate * cp_size * tp_size)``, row-major (torchtitan's order): TP
+    groups are contiguous ranks, then the context-parallel groups (``mesh["cp"]``: ranks that each
+    hold ``T / cp_size`` tokens of the same sequences, :mod:`tpify.context_parallel`; with
+    ``cp_size > 1`` also the flattened axis ``"cp_tp"``, :func:`cp_tp_group_of`).
+    ``mesh["tp"]`` is this rank's TP group, :func:`dp_mesh` the DP group (DDP), :func:`fsdp_mesh`
+    FSDP2's (or HSDP's) mesh; pass it as ``mesh=`` to :func:`tpify.parallelize`. A TP group whose
+    ranks are on several hosts (:func:`host_of_rank`, shared in the agreement) raises with
+    ``host_local_tp=True``, warns with ``None`` (default), passes with ``False``. ``device_type``:
+    default :func:`mesh_device_type` (CUDA when usable, whatever the backend is called); call
+    ``torch.cuda.set_device(LOCAL_RANK)`` first.
 
-    Hosts: TP stays inside a host when every host runs a multiple of ``tp_size`` ranks with
-    contiguous global ranks (torchrun's ``--nproc-per-node``, ``LOCAL_WORLD_SIZE``). Every rank
-    shares its host (:func:`host_of_rank`) in the agreement; a TP group whose ranks are on several
-    hosts (its all-reduces would cross the network on every layer) raises with
-    ``host_local_tp=True``, warns with ``None`` (the default) and passes silently with ``False``.
-
-    Device: ``device_type`` (``"cuda"``, ``"cpu"``), default :func:`mesh_device_type`: CUDA
-    when this process can use it, whatever the backend is called (``init_process_group()``,
-    ``"nccl"``, ``"cpu:gloo,cuda:nccl"``); FSDP2 puts the parameters it shards on this device.
-    Call ``torch.cuda.set_device(LOCAL_RANK)`` first (torch's DeviceMesh otherwise picks
-    ``LOCAL_RANK`` itself when CUDA is not yet initialised).
-
-    Communication: one agreement (:func:`tpify.agree.agree`, the store: the same sizes on every
-    rank, every rank's host), then the mesh's process groups (collective over the world); none
-    when the mesh of this shape exists already.
+    Communication: one agreement (the store: sizes and hosts), then the mesh's process groups
+    (collective over the world); none when the mesh exists already.
 
     Raises:
-        ValueError: on every rank: sizes that are not positive integers, ``dp_replicate * tp_size``
-            not dividing the world, a TP group split across hosts with ``host_local_tp=True``
-            (naming the ranks, the hosts, ``LOCAL_WORLD_SIZE`` and the fix).
+        ValueError: on every rank: sizes that are not positive integers, ``dp_replicate * cp_size *
+            tp_size`` not dividing the world, a TP group across hosts with ``host_local_tp=True``.
         AgreementError: another rank failed, or the ranks passed different sizes.
     Warns:
-        UserWarning: a TP group split across hosts, with ``host_local_tp=None``.
+        UserWarning: a TP group across hosts, with ``host_local_tp=None``.
     """
-    from .agree import agree
-
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("init_mesh needs torch.distributed: launch with torchrun and call "
                          "torch.distributed.init_process_group() first")
     world = dist.get_world_size()
     error = None
     try:
-        _check_sizes(tp_size, dp_replicate, world)
+        _check_sizes(tp_size, dp_replicate, world, cp_size)
     except ValueError as e:
         error = e
     device = device_type or mesh_device_type()
-    shape = (dp_replicate, world // (tp_size * dp_replicate), tp_size) if error is None else None
+    shape = (dp_replicate, world // (tp_size * cp_size * dp_replicate), cp_size, tp_size) if error is None else None
     key = (device, *shape) if shape is not None else None
     if key in _meshes and not host_local_tp:  # host_local_tp=True checks the hosts again
         return _meshes[key]
-    hosts = agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate}, error,
+    hosts = agree.agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate, "cp_size": cp_size}, error,
                   share=host_of_rank())
     split = split_tp_groups(hosts, tp_size) if hosts is not None and host_local_tp is not False else []
     if split:
@@ -214,6 +215,8 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, host_local_tp: bool | None
     if key not in _meshes:
         mesh = init_device_mesh(device, shape, mesh_dim_names=MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if cp_size > 1:
+            mesh["cp", "tp"]._flatten("cp_tp")
         _meshes[key] = mesh
     return _meshes[key]
 
@@ -226,6 +229,33 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if "dp_replicate" in names and "dp_shard" in names:
         return mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh["dp"]
+
+
+def cp_size_of(mesh: DeviceMesh | None) -> int:
+    """The size of ``mesh``'s ``"cp"`` axis (1 without a mesh or without the axis). Local."""
+    if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh["cp"].size()
+
+
+def cp_group_of(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    """This rank's context-parallel group: the ranks of ``mesh``'s ``"cp"`` axis, which hold the
+    same shards and split the tokens of the same sequences (:mod:`tpify.context_parallel`); None
+    when the axis is absent or has one rank. Local after :func:`init_mesh`."""
+    if cp_size_of(mesh) == 1:
+        return None
+    return mesh["cp"].get_group()
+
+
+def cp_tp_group_of(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The ranks of one data-parallel replica under context parallelism: ``mesh``'s ``("cp", "tp")``
+    axes flattened (``cp x tp`` ranks). A replicated parameter used where TP splits the activations
+    (or sequence parallelism the tokens) gets a partial gradient on each rank of it, summed over
+    it (:class:`tpify.grad_sums.SummedGrads`). ``tp_group`` itself without context parallelism.
+    Local after :func:`init_mesh`."""
+    if cp_size_of(mesh) == 1:
+        return tp_group
+    return mesh["cp", "tp"]._flatten("cp_tp").get_group()
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -245,9 +275,9 @@ def check_mesh(mesh, tp_size: int | None, tp_group, dp_group) -> int:
 
     Raises:
         ValueError: ``mesh`` is not a DeviceMesh with a ``"tp"`` axis and the data-parallel axes
-            (``"dp_replicate"`` and ``"dp_shard"``, or ``"dp"``); it does not cover the world
-            (``dp x tp`` must be the world size); ``tp_group`` or ``dp_group`` given too; a
-            ``tp_size`` other than the mesh's.
+            (``"dp_replicate"`` and ``"dp_shard"``, or ``"dp"``; ``"cp"`` optional); it does not
+            cover the world (``dp x cp x tp`` must be the world size); it has another axis of more
+            than one rank; ``tp_group`` or ``dp_group`` given too; a ``tp_size`` other than the mesh's.
     """
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch DeviceMesh (tpify.init_mesh builds one), got {type(mesh).__name__}")
@@ -259,8 +289,13 @@ def check_mesh(mesh, tp_size: int | None, tp_group, dp_group) -> int:
     if mesh.size() != world:
         shape = " x ".join(f"{n} {mesh.size(i)}" for i, n in enumerate(names))
         raise ValueError(f"mesh {shape} = {mesh.size()} ranks, but the world has {world}: the data-parallel and "
-                         f"tensor-parallel sizes must multiply to the world size; build it with "
-                         f"tpify.init_mesh(tp_size, dp_replicate) (dp_shard = world // (dp_replicate * tp_size))")
+                         f"tensor-parallel sizes (and the context-parallel size) must multiply to the world size; "
+                         f"build it with tpify.init_mesh(tp_size, dp_replicate, cp_size=cp) (dp_shard = world // "
+                         f"(dp_replicate * cp * tp_size))")
+    unknown = [n for i, n in enumerate(names) if n not in (*MESH_DIMS, "dp") and mesh.size(i) > 1]
+    if unknown:
+        raise ValueError(f"mesh has axes {names}; tpify knows {MESH_DIMS} (and 'dp'), and would not split the model "
+                         f"or the data over {unknown}: build the mesh with tpify.init_mesh")
     if tp_group is not None or dp_group != INFER:
         raise ValueError("pass mesh= alone, or tp_group= (and dp_group=), not both: the mesh makes both groups")
     size = mesh["tp"].size()
@@ -368,7 +403,10 @@ def check_replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, d
                          f"does not. Pass mesh= (tpify.init_mesh), or tp_group= with dp_group='infer' (the default)")
 
 
-_replica_groups: dict[tuple, dist.ProcessGroup] = {}
+# {the mesh, or the TP group: {enumeration: this rank's group}}: kept with what the groups were cut from
+# and dropped with it (a weak key; an equal DeviceMesh, same ranks, axes and device, finds the same
+# groups), never reused from an earlier process group.
+_replica_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _tp_group_lists(tp_group: dist.ProcessGroup | None, mesh: DeviceMesh | None,
@@ -397,13 +435,14 @@ def replica_groups(shards: set[int], tp_group: dist.ProcessGroup | None, mesh: D
     if not shards or not (dist.is_available() and dist.is_initialized()):
         return {}
     lists = _tp_group_lists(tp_group, mesh, tp_groups)
+    owner = mesh if mesh is not None else tp_group if tp_group is not None else dist.group.WORLD
+    made = _replica_groups.setdefault(owner, {})
     out = {}
     for n_kv in sorted(shards):
         size = len(lists[0])
         g = size // n_kv
-        enumeration = [list(ranks[i: i + g]) for ranks in lists for i in range(0, size, g)]
-        key = (id(dist.group.WORLD), tuple(tuple(e) for e in enumeration))
-        if key not in _replica_groups:
-            _replica_groups[key], _ = dist.new_subgroups_by_enumeration(enumeration)
-        out[n_kv] = _replica_groups[key]
+        enumeration = tuple(tuple(ranks[i: i + g]) for ranks in lists for i in range(0, size, g))
+        if enumeration not in made:
+            made[enumeration], _ = dist.new_subgroups_by_enumeration([list(e) for e in enumeration])
+        out[n_kv] = made[enumeration]
     return out

@@ -13,14 +13,18 @@ all-reduce: a fallback for loops that cannot run the model inside DDP.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import comm
 from .agree import AgreementError
-from .info import param_specs
+from .hooks.guards import flush_checks
+from .info import TPUsageError, param_specs, tp_info_of
 from .sharding import is_dtensor, shard_spec_of
 
 __all__ = ["sync_gradients", "grad_norm", "clip_grad_norm_", "params_grad_norm", "clip_params_grad_norm_",
@@ -37,46 +41,34 @@ def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _groups(model: nn.Module):
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     return (info.tp_group, info.dp_group) if info is not None else (None, None)
 
 
 def _refuse_fsdp(model: nn.Module, what: str) -> None:
     """Raise when FSDP2 manages ``model``'s parameters (they are DTensors): it reduces gradients
     itself."""
-    from .info import TPUsageError
-
     if any(is_dtensor(p) for p in model.parameters()):
         raise TPUsageError(f"{what}: {type(model).__name__}'s parameters are DTensors (FSDP2's fully_shard): FSDP2 "
                            f"reduces the gradients over the data-parallel dimension itself; do not call {what} on it")
 
 
 def sync_gradients(model: nn.Module) -> None:
-    """Average every gradient over the model's DP group, in place, after the backward: a fallback.
+    """Average every gradient over the model's DP group, in place, after the backward: a fallback
+    for loops that cannot run the model inside DDP (prefer
+    :func:`tpify.data_parallel.replicate_data_parallel`, which overlaps the reduction with the
+    backward; benchmarks/bench_scaling.py measures both).
 
-    Prefer torch's DDP over the DP group (:func:`tpify.data_parallel.replicate_data_parallel`,
-    what :class:`~tpify.integrations.TPTrainer`, :class:`~tpify.integrations.TPAccelerator` and
-    ``tpify finetune`` use): it reduces in buckets while the backward still runs, without a second
-    copy of the gradients. This function waits for the whole backward, and holds a flat copy of
-    every gradient of one dtype while it reduces it (benchmarks/bench_scaling.py measures both);
-    use it where the model cannot run inside DDP.
-
-    Gradients are flattened into one buffer per dtype, so a step issues one all-reduce per
-    dtype (of all gradient elements this rank holds) instead of one per parameter. The trainable
-    parameters that hold a gradient may differ between DP replicas (a module unused by one
-    replica's batch): one all-reduce of a presence mask first makes them agree, a missing
-    gradient counts as zero, and a parameter no replica has a gradient for keeps ``grad=None``
-    (so optimizers skip it exactly as in a single process).
-
-    Averaging is linear and idempotent on replicated values, so calling it twice, or on
-    gradients that were partly averaged already, gives the same result.
+    One buffer per gradient dtype, one all-reduce each. Parameters that hold a gradient may differ
+    between replicas (a module one batch did not use): a presence mask is all-reduced first, a
+    missing gradient counts as zero, and a parameter no replica has a gradient for keeps
+    ``grad=None``. Idempotent on values already averaged.
 
     Communication: over the DP group, one all-reduce of one int per trainable parameter, then one
-    all-reduce (sum) per gradient dtype; none when ``dp == 1`` or the model has no DP group.
+    all-reduce (sum) per gradient dtype; none when ``dp == 1`` or there is no DP group.
 
     Raises:
-        TPUsageError: the model is wrapped by FSDP2 (DTensor parameters), which reduces its
-            gradients itself.
+        TPUsageError: FSDP2 wraps the model (DTensor parameters): it reduces gradients itself.
     """
     _refuse_fsdp(model, "tpify.training.sync_gradients")
     _, dp_group = _groups(model)
@@ -130,7 +122,6 @@ def _replicated_ranges(grad: torch.Tensor, spec) -> list[tuple[int, int]]:
     ranges = spec.replicated_local_ranges()
     if not is_dtensor(grad):
         return ranges
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
     start, stop = offset[spec.dim], offset[spec.dim] + shape[spec.dim]
@@ -164,33 +155,20 @@ def params_grad_norm(params: Iterable[torch.Tensor], tp_group, norm_type: float 
                      specs: dict | None = None) -> torch.Tensor:
     """The L2 norm of the dense gradient of ``params``, identical on every rank of ``tp_group``.
 
-    ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: a parameter with a
-    :class:`~tpify.sharding.ShardSpec` holds a shard, summed over the TP group; a replicated one
-    (and the replicated parts of a packed shard, multi-query K/V) holds the same gradient on every
-    TP rank and is counted once (KV heads held by groups of ``g`` ranks: ``1/g`` of their squares
-    per rank, summed over TP). Under FSDP2 the
-    replicated parts' rows this rank holds are found from the DTensor's offset along its split
-    dimension. Padded vocabulary rows have zero gradient. An uneven split (torch.chunk's rule:
-    ranks holding different numbers of rows, possibly none) needs nothing more: every element is
-    on one rank, and this rank's squares are summed whatever their count. A gradient that
-    FSDP2 splits over the data-parallel dimension (a DTensor with a ``Shard`` placement) is
-    summed over that dimension first, so the norm is that of the dense model under
-    ``fully_shard`` too (``torch.nn.utils.clip_grad_norm_`` there sums over the DP dimension only:
-    each TP rank would clip by its own norm and the replicated weights would drift apart).
-    Returns a float32 scalar tensor (float64 when a gradient is float64) on the gradients' device.
+    ``sqrt(sum over TP of ||g_sharded||^2 + ||g_replicated||^2)``: a shard (a parameter with a
+    :class:`~tpify.sharding.ShardSpec`) is summed over TP, a replicated parameter or replicated
+    part (multi-query K/V) counted once (KV heads held by groups of ``g`` ranks: ``1/g`` of their
+    squares per rank); uneven splits and padded rows need nothing more. Under FSDP2 a gradient split
+    over the DP dimension is summed over it first (``torch.nn.utils.clip_grad_norm_`` would give each
+    TP rank its own norm, and the replicas would drift apart). Squares from ``torch._foreach_norm``
+    per (device, dtype), accumulated in the result's dtype: a float32 scalar (float64 when a gradient
+    is) on the gradients' device; no host sync.
 
-    How: the gradients (and the slices of the packed ones, replicated parts apart) are sorted
-    into those summed over TP and those counted once, and each list's squares come from
-    ``torch._foreach_norm`` per (device, dtype), accumulated in the result's dtype (as
-    :func:`torch.nn.utils.clip_grad_norm_` does; no float32 copy of a half-precision gradient).
-    No host sync: the norm stays on the device.
+    ``specs``: ``{id(parameter): ShardSpec or None}`` (:func:`tpify.info.param_specs`), needed for
+    FSDP2's DTensors; default each parameter's attribute.
 
-    ``specs``: ``{id(parameter): ShardSpec or None}`` (:func:`tpify.api.param_specs`), needed
-    when the parameters are FSDP2 DTensors (which lose their ``tp_shard_spec``); default: each
-    parameter's attribute.
-
-    Communication: one all-reduce (sum) of one value over ``tp_group``; under FSDP2, before it,
-    one all-reduce of two values over each data-parallel group the gradients are split over.
+    Communication: one all-reduce of one value over ``tp_group``; under FSDP2, before it, one of
+    two values over each data-parallel group the gradients are split over.
 
     Raises:
         NotImplementedError: ``norm_type`` other than 2.
@@ -279,8 +257,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def _digest(t: torch.Tensor) -> str:
-    import hashlib
-
     local = _local(t).detach().cpu().contiguous()
     return hashlib.sha1(local.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
@@ -292,41 +268,23 @@ def _replicated_groups(t: torch.Tensor) -> tuple:
 
 
 def check_replicas(model: nn.Module) -> None:
-    """Check, bit for bit, that the copies of every parameter that should be equal are equal.
+    """Check, bit for bit (a SHA-1 of each parameter's bytes), that the copies that should be equal are.
 
-    A replicated parameter (no :class:`~tpify.sharding.ShardSpec`: LayerNorms, position
-    embeddings, row-parallel biases, replicated heads) must be identical on the ranks of a TP
-    group, and every parameter, shard or not, identical on the DP replicas of the same TP rank.
-    Under FSDP2 (:func:`tpify.data_parallel.shard_data_parallel`) each rank compares its local
-    slice: a replicated parameter's slices across the TP group, and across the DP dimension
-    only the replicas HSDP keeps (its ``dp_replicate`` axis); slices FSDP2 splits over
-    ``dp_shard`` are not copies and are not compared there.
-    They drift apart silently when ranks apply different updates (a clip by a per-rank norm, a
-    DDP over the wrong group, a different batch on one TP rank); this compares a SHA-1 of each
-    parameter's bytes across the groups. ``tpify finetune`` calls it after loading and before
-    every save. First it raises what the model's last call's data checks found (inputs that
-    differ between the TP ranks, ids or targets out of range: :func:`tpify.hooks.guards.flush_checks`,
-    else raised at the model's next call), so that a run that ends with a save never leaves one
-    unread.
+    A replicated parameter must be identical on the ranks of a TP group, and every parameter on the
+    DP replicas of a TP rank; they drift apart silently when ranks apply different updates (a
+    per-rank clipping norm, a DDP over the wrong group, another batch on one TP rank). Under FSDP2
+    each rank compares its local slice (over DP, only the replicas HSDP keeps). First it raises what
+    the model's last call's data checks found (:func:`tpify.hooks.guards.flush_checks`).
+    ``tpify finetune`` calls it after loading and before every save.
 
-    Communication: at tp > 1, one all-reduce of 4 values on the host (the last call's inputs,
-    when a call left them to compare); one ``all_gather_object`` of the digests over the TP group, one over the DP
-    group (under HSDP: over the replicate group instead); with KV heads held by groups of ranks,
-    one over each rank's KV group; then the problems found, one ``all_gather_object`` over the TP
-    group and one over the DP group, so that every rank of the model learns them (under FSDP2 a
-    drift in one TP group is seen by that group's ranks only: the DP side compares no slices).
-    Cost: hashing every parameter once on the host.
+    Communication: at tp > 1 one all-reduce of 4 values on the host (the last call's inputs); one
+    ``all_gather_object`` of the digests over the TP group, the DP group (HSDP: the replicate group)
+    and each KV group; then the problems found over TP and DP, so that every rank learns them.
 
     Raises:
-        AgreementError: on every rank of the model (every TP group, every DP replica), naming the
-            parameters that differ and the ranks.
-        ValueError, IndexError, TPUsageError: what the last call's data checks found, on every
-            rank of the TP group.
+        AgreementError: on every rank of the model, naming the parameters that differ and the ranks.
+        ValueError, IndexError, TPUsageError: what the last call's data checks found.
     """
-    import torch.distributed as dist
-
-    from .hooks.guards import flush_checks
-
     flush_checks(model)  # what the last call's data checks found (else raised at the next call)
     tp_group, dp_group = _groups(model)
     specs = param_specs(model)
@@ -354,7 +312,7 @@ def check_replicas(model: nn.Module) -> None:
             copies.setdefault(group, set()).update(keys)
     problems = []
     checks = [(tp_group, replicated, "TP ranks")] + [(g, names, "DP replicas") for g, names in copies.items()]
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     checks += [(info.replica_groups[n], names, f"TP ranks holding the same of {n} KV heads")
                for n, names in kv_groups.items()]
     for group, names, what in checks:

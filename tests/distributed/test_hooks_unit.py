@@ -692,10 +692,11 @@ class _GuardToy(nn.Module):
     def __init__(self, group):
         super().__init__()
         self.group, self.lin, self.entered, self.checked = group, nn.Linear(2, 2), 0, []
+        self.state = CallState()  # the model's per-call state, shared with its guard
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
         self.entered += 1
-        self.checked.append(comm.was_checked(input_ids))
+        self.checked.append(self.state.checked.holds(input_ids))
         comm.all_reduce(torch.ones(3), self.group)
         return input_ids
 
@@ -708,7 +709,7 @@ def batch_check_refuses_different_inputs_on_every_rank_before_any_collective(c):
         comm.all_reduce(torch.zeros(2), c.group)
 
     model.register_forward_pre_hook(communicating_pre_hook)
-    handles = guards.BatchCheck("_GuardToy", c.group).install(model)
+    handles = guards.BatchCheck("_GuardToy", c.group, model.state).install(model)
     ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(60))
     mask = torch.ones(2, 5, dtype=torch.long)
     counts, errors = {}, {}
@@ -726,7 +727,7 @@ def batch_check_refuses_different_inputs_on_every_rank_before_any_collective(c):
         with comm.count_collectives() as n:
             errors[name] = _raised(call)
         counts[name] = dict(n)
-    checked_after = comm.was_checked(ids)
+    checked_after = model.state.checked.holds(ids)
     for h in handles:
         h.remove()
     # --- asserts only from here on
@@ -746,7 +747,7 @@ def batch_check_refuses_different_inputs_on_every_rank_before_any_collective(c):
 
 def _tp_model(c, lm_head):
     model = _GuardToy(c.group)
-    model.tp_info = TPInfo(WORLD, c.rank, c.group, None, SimpleNamespace(lm_head=lm_head))
+    model.tp_info = TPInfo(TPContext(c.group), None, SimpleNamespace(lm_head=lm_head))  # tp_size WORLD, rank c.rank
     return model
 
 

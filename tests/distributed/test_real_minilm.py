@@ -48,7 +48,7 @@ def test_minilm_matches_dense(tp):
 
 
 def test_main_job_runs_and_reports():
-    """The README's second command, ``tpify embed``: 2 ranks on the embedded MiniLM, with the promised report."""
+    """``tpify embed`` (docs/commands.md): 2 ranks on the embedded MiniLM, with the promised report."""
     out = subprocess.run([sys.executable, "-m", "tpify.cli", "embed"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout

@@ -89,8 +89,7 @@ def test_the_checkpoints_tp_mesh_is_on_the_device_of_the_shards(monkeypatch, bac
 
     made = []
     monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(lambda group, device: made.append(device) or device))
-    monkeypatch.setattr(checkpoint, "_meshes", {})
-    info = SimpleNamespace(tp_size=2, tp_rank=0, mesh=None, tp_group=object())
+    info = SimpleNamespace(tp_size=2, tp_rank=0, mesh=None, tp_group=object(), tp_meshes={})
     monkeypatch.setattr(checkpoint, "get_tp_info", lambda model: info)
     for model, cuda, want in ((_on_cuda_model(), True, "cuda"), (nn.Linear(2, 2), True, "cpu"),
                               (nn.Linear(2, 2), False, "cpu")):

@@ -35,6 +35,17 @@ LEAVES: dict[str, tuple[str, ...]] = {
     "tpify.comm": (),
     "tpify.syncs": (),
     "tpify.agree": ("tpify.comm",),
+    "tpify.dcp_entries": ("tpify.sharding",),
+}
+# Inside the comm package, one job per module, imported one way: a module imports only those listed.
+COMM: dict[str, tuple[str, ...]] = {
+    "tpify.comm.counting": (),
+    "tpify.comm.groups": (),
+    "tpify.comm.collectives": ("tpify.comm.counting", "tpify.comm.groups"),
+    "tpify.comm.regions": ("tpify.comm.collectives", "tpify.comm.groups"),
+    "tpify.comm.rows": ("tpify.comm.collectives", "tpify.comm.groups"),
+    "tpify.comm.deferred": (),
+    "tpify.comm.inputs": ("tpify.comm.collectives", "tpify.comm.deferred", "tpify.comm.groups"),
 }
 
 
@@ -45,9 +56,9 @@ LEAVES: dict[str, tuple[str, ...]] = {
 BELOW: dict[str, tuple[str, ...]] = {
     "tpify.styles": ("tpify.styles", "tpify.comm", "tpify.context", "tpify.hf_modules", "tpify.layers",
                      "tpify.sharding", "tpify.syncs"),
-    "tpify.hooks": ("tpify.hooks", "tpify.agree", "tpify.comm", "tpify.context", "tpify.grad_sums",
-                    "tpify.hf_modules", "tpify.info", "tpify.layers", "tpify.loss", "tpify.random",
-                    "tpify.sharding", "tpify.syncs"),
+    "tpify.hooks": ("tpify.hooks", "tpify.agree", "tpify.comm", "tpify.context", "tpify.context_parallel",
+                    "tpify.grad_sums", "tpify.hf_modules", "tpify.info", "tpify.layers", "tpify.loss",
+                    "tpify.random", "tpify.sharding", "tpify.syncs"),
     "tpify.hf_plan": ("tpify.hf_plan", "tpify.hf_modules", "tpify.recipe", "tpify.styles"),
     "tpify.recipe": ("tpify.hf_modules", "tpify.loss", "tpify.styles"),
     "tpify.compose": ("tpify.hf_modules", "tpify.recipe", "tpify.styles"),
@@ -122,19 +133,33 @@ def test_the_leaves_of_the_core_import_only_below_them():
     than the ones listed: the core's imports form no circle through them."""
     problems = []
     for leaf, allowed in LEAVES.items():
-        path = ROOT / (leaf.split(".", 1)[1].replace(".", "/") + ".py")
-        for line, name in tpify_imports(path):
-            if name == "tpify":  # ``from . import comm`` names the package, then the module
-                continue
-            if name != leaf and not _inside(name, leaf) and not any(_inside(name, a) for a in allowed):
-                problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {leaf} imports {name}")
+        for path in _files(leaf):
+            for line, name in tpify_imports(path):
+                if name == "tpify":  # ``from . import comm`` names the package, then the module
+                    continue
+                if name != leaf and not _inside(name, leaf) and not any(_inside(name, a) for a in allowed):
+                    problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {leaf} imports {name}")
     assert not problems, "\n".join(problems)
 
 
-def _files_of(package: str) -> list[Path]:
-    """The ``.py`` files of a tpify module or package (``tpify.styles`` -> ``tpify/styles/*.py``)."""
-    path = ROOT / package.split(".", 1)[1].replace(".", "/")
-    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+def test_the_comm_modules_import_one_way():
+    """Each module of ``tpify.comm`` (one job each) imports only the ones :data:`COMM` lists, and
+    every module of the package is listed."""
+    modules = {_module_name(p, ROOT) for p in _files("tpify.comm")} - {"tpify.comm"}
+    assert modules == set(COMM), f"list every module of tpify.comm in COMM: {sorted(modules ^ set(COMM))}"
+    problems = []
+    for module, allowed in COMM.items():
+        path = _files(module)[0]
+        for line, name in tpify_imports(path):
+            if name != module and not any(name == a or name.startswith(a + ".") for a in allowed):
+                problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {module} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def _files(module: str) -> list[Path]:
+    """The files of ``module``: its ``.py`` file, or every file of its package."""
+    base = ROOT.joinpath(*module.split(".")[1:])
+    return sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
 
 
 def test_the_core_imports_go_down():
@@ -143,7 +168,7 @@ def test_the_core_imports_go_down():
     the other way round; the model-level hooks never read the styles, the recipe or the planner)."""
     problems = []
     for package, allowed in BELOW.items():
-        for path in _files_of(package):
+        for path in _files(package):
             for line, name in tpify_imports(path):
                 if name == "tpify" or any(_inside(name, a) for a in allowed):
                     continue

@@ -31,6 +31,7 @@ import tpify
 from .. import comm
 from ..agree import step_outcome
 from ..hf_modules import config_get
+from ..info import get_tp_info
 from .compare import ATOL, RTOL, TOLERANCE, compare, dense_named, float32_tolerance
 from .inputs import TOKENS, case_config, case_loss, float_outputs, loss_of, make_inputs
 from .reference import DenseNotFinite, Reference, dense_reference, use_eager_experts
@@ -246,7 +247,7 @@ def _gradients(case: _CaseRun) -> None:
 def _sequence_parallel(case: _CaseRun) -> None:
     """The recipe's ``[sequence_parallel]`` regions: outputs, loss and every gradient again, with
     ``sequence_parallel=True``, on a batch whose length ``tp_size`` divides (none without the table)."""
-    if case.par.tp_info.layout.recipe.sequence_parallel is None:
+    if get_tp_info(case.par).layout.recipe.sequence_parallel is None:
         return
     tokens = case.tp_size * -(-TOKENS // case.tp_size)
     inputs, labels, _ = make_inputs(case.task, case.cls, case.config, tokens, case.reference.padding,
@@ -318,7 +319,7 @@ def _sharded_load(case: _CaseRun, dense_back: torch.nn.Module) -> None:
 
 def _saved_config_divides(case: _CaseRun) -> None:
     """Each ``divide_config`` value: dense in the saved ``config.json``, ``dense / tp_size`` on the model."""
-    config_divides = case.par.tp_info.layout.config_divides
+    config_divides = get_tp_info(case.par).layout.config_divides
     if not config_divides:
         return
     from transformers import AutoConfig

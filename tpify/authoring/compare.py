@@ -63,10 +63,10 @@ def dense_named(model: torch.nn.Module, attr: str | None = None) -> dict[str, to
     group must call it, in the same order); under FSDP2 one over DP per parameter before it;
     none on a dense model.
     """
-    from ..info import param_specs
+    from ..info import param_specs, tp_info_of
     from ..sharding import is_dtensor
 
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     group = info.tp_group if info is not None else None
     specs = param_specs(model)
     out: dict[str, torch.Tensor | None] = {}

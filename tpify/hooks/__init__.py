@@ -15,6 +15,8 @@ a module they share:
 * :mod:`~tpify.hooks.sequence_parallel`: the split, gather and exit of sequence parallelism;
 * :mod:`~tpify.hooks.region_grads`: gradients of replicated parameters used inside a sharded
   region or a sequence-parallel stretch, or declared partial, summed over the TP group;
+* :mod:`~tpify.hooks.context_parallel`: attention over a sequence split over the CP group, the
+  call's checks, the gradients summed over the group (before lm_loss, whose labels it checks);
 * :mod:`~tpify.hooks.lm_loss`: the ``labels=`` loss from the vocabulary shards.
 
 :mod:`~tpify.hooks.guards` (with :mod:`~tpify.hooks.state_dict`) holds what the model refuses,
@@ -27,7 +29,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..context import TPContext
-from . import dropout, head_inputs, lm_loss, region_grads, sequence_parallel
+from . import context_parallel, dropout, head_inputs, lm_loss, region_grads, sequence_parallel
 
 __all__ = ["install", "INSTALLERS", "region_entry", "module_styles"]
 
@@ -49,7 +51,7 @@ def module_styles(model: nn.Module, layout, ctx: TPContext) -> list:
 
 #: The installers, in the order they run (see the module docstring for why this order).
 INSTALLERS = (region_entry, head_inputs.install, module_styles, dropout.install, sequence_parallel.install,
-              region_grads.install, lm_loss.install)
+              region_grads.install, context_parallel.install, lm_loss.install)
 
 
 def install(model: nn.Module, layout, ctx: TPContext) -> list:

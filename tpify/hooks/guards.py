@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import comm
 from ..context import CallState
-from ..info import TPUsageError
+from ..info import TPUsageError, get_tp_info
 from . import state_dict
 
 __all__ = ["BatchCheck", "flush_checks", "host_group", "refuse_foreign_ddp", "refuse_fused_lm_head", "install"]
@@ -66,7 +66,7 @@ class BatchCheck(comm.SharesProcessGroups):
         self.host_group = host_group(tp_group)
 
     def __call__(self, module, args, kwargs):
-        comm.forget_checked()
+        self.state.checked.forget()
         if torch.compiler.is_compiling():
             return None
         named = [(f"argument {i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -75,7 +75,7 @@ class BatchCheck(comm.SharesProcessGroups):
         if named and comm.group_size(self.tp_group) > 1:
             layout = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in named)
             self.state.checks.keep("inputs", comm.inputs_checksum(named), layout)  # compared at the next call
-            comm.remember_checked(named)
+            self.state.checked.remember(named)
         return None
 
     def _raise_found(self, named: list) -> None:
@@ -108,7 +108,7 @@ class BatchCheck(comm.SharesProcessGroups):
     def end(self, *_hook_args) -> None:
         """Forward hook (also when the call raises): the call's checked inputs forgotten, its
         recorded checks copied to the host for the next call."""
-        comm.forget_checked()
+        self.state.checked.forget()
         self.state.checks.submit()
 
     def install(self, model: nn.Module) -> list:
@@ -161,7 +161,7 @@ def refuse_foreign_ddp(model: nn.Module, args, kwargs):
         return None
     if not any(m is model for m in ddp.module.modules()):
         return None
-    info = model.tp_info
+    info = get_tp_info(model)
     ddp_ranks = _ranks(ddp.process_group)
     tp_ranks = _ranks(info.tp_group) if info.tp_group is not None else [dist.get_rank()]
     if set(ddp_ranks) & set(tp_ranks) != {dist.get_rank()}:  # a DDP peer holds another shard of this replica
@@ -181,7 +181,7 @@ def refuse_fused_lm_head(model: nn.Module, args, kwargs):
     head is split over the vocabulary."""
     if not kwargs.get("fused_lm_head"):
         return None
-    info = model.tp_info
+    info = get_tp_info(model)
     head = info.layout.lm_head
     raise TPUsageError(
         f"{type(model).__name__} was called with fused_lm_head=True: TRL's fused LM head (trl's add_fused_lm_head, "

@@ -118,8 +118,9 @@ class ParallelLMLoss:
     in flight."""
 
     def __init__(self, head: nn.Module, kind: str | None, honours_num_items: bool, terms=(),
-                 state: CallState | None = None, logit_ops=(), chunk: int | None = None):
+                 state: CallState | None = None, logit_ops=(), chunk: int | None = None, cp_group=None):
         self.head = head
+        self.cp_group = cp_group  # context parallelism: the ranks holding the other tokens of the sequences
         self.kind = kind
         self.honours_num_items = honours_num_items
         self.terms = tuple(terms)
@@ -144,6 +145,11 @@ class ParallelLMLoss:
                 that the recipe does not declare: HF would have added it to ``labels=``'s loss, and
                 the vocab-parallel loss, which replaces HF's, would silently drop it.
         """
+        if self.cp_group is not None and any(output.get(name) is not None for name, _ in self.terms
+                                             if hasattr(output, "get")):
+            raise TPUsageError(f"{type(model).__name__} under context parallelism: the loss terms "
+                               f"{[name for name, _ in self.terms]} are computed over this rank's tokens only; run "
+                               f"without them (output_router_logits=False) or with cp_size=1")
         declared = {name for name, _ in self.terms}
         fields = output.keys() if hasattr(output, "keys") else ()
         undeclared = [k for k in fields if k.endswith("loss") and k != "loss" and k not in declared
@@ -262,6 +268,19 @@ class ParallelLMLoss:
             chunk_size=None if self.chunk == "auto" else self.chunk, softcap=None, logit_ops=ops,
             defer=self.state.checks)
 
+    def _over_context_parallel(self, total: torch.Tensor, pending: dict, device, num_items) -> torch.Tensor:
+        """The dense model's loss from this rank's sum over its tokens under context parallelism:
+        the sums (and, without ``num_items_in_batch``, the counts of targets not ignored) added over
+        the CP group in one all-reduce of 2 values, whose backward is the identity
+        (:func:`tpify.comm.reduce_from_tp_region` over the CP group): every rank's ``loss`` is the
+        dense one, and its backward gives the gradient of its own tokens' terms, which the CP
+        gradient sum (:mod:`tpify.hooks.context_parallel`) adds up."""
+        if num_items is not None:
+            return mean_or_nan(comm.reduce_from_tp_region(total, self.cp_group), num_items)
+        count = (self._target(pending, device) != pending["ignore_index"]).sum()
+        packed = comm.reduce_from_tp_region(torch.stack([total, count.to(total.dtype)]), self.cp_group)
+        return mean_or_nan(packed[0], packed[1].detach())
+
     def hook(self, model, args, kwargs, output):
         pending, self.pending = self.pending, None
         if pending is None:
@@ -274,12 +293,14 @@ class ParallelLMLoss:
                              f"{[name for name, _ in self.terms]} from the model's output fields; call "
                              f"{type(model).__name__} with return_dict=True")
         num_items = pending["num_items_in_batch"] if self.honours_num_items else None
-        reduction = "mean" if num_items is None else "sum"
+        reduction = "mean" if num_items is None and self.cp_group is None else "sum"
         if chunked:
             loss = self._chunked_loss(model, returned, pending, reduction)
         else:
             loss = self._sharded_logits_loss(model, returned, pending, reduction)
-        if num_items is not None:
+        if self.cp_group is not None:
+            loss = self._over_context_parallel(loss, pending, returned.device, num_items)
+        elif num_items is not None:
             loss = mean_or_nan(loss, num_items)
         loss = self._add_terms(model, output, loss)
         if isinstance(output, tuple):
@@ -328,6 +349,12 @@ def install(model: nn.Module, layout, ctx) -> list:
     loss that is not a plain LM loss) keep HF's own loss, computed from the gathered logits:
     correct, but not vocab-parallel (one all-gather of ``B*T*V/p`` logits per rank).
 
+    Under context parallelism (``cp_group``: each rank holds ``T/cp`` tokens and their shifted
+    targets, :func:`tpify.context_parallel.split_batch`) the loss is the dense one on every rank:
+    each rank's sum over its tokens and its count of targets are added over the CP group (one
+    all-reduce of 2 values, identity backward), then divided (or the sum divided by
+    ``num_items_in_batch``, the count over the whole sequences).
+
     Returns:
         the hook handles (the model's pre-hook and hook, the head's pre-hooks and the forward hook
         watching its output), or ``[]`` when the layout has no LM head.
@@ -337,7 +364,7 @@ def install(model: nn.Module, layout, ctx) -> list:
     state = ctx.state
     head = model.get_submodule(layout.lm_head)
     owner = ParallelLMLoss(head, layout.loss_kind, layout.honours_num_items, layout.loss_terms, state,
-                           layout.logit_ops, layout.lm_loss_chunk)
+                           layout.logit_ops, layout.lm_loss_chunk, cp_group=ctx.cp_group)
     handles = [model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True),
                model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False),
                head.register_forward_pre_hook(KeepLogitsSharded(state), with_kwargs=True)]

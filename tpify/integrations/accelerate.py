@@ -1,46 +1,25 @@
-"""``TPAccelerator``: accelerate's ``Accelerator`` for tpify's tensor-parallel models.
+"""``TPAccelerator``: accelerate's ``Accelerator`` for tpify's tensor-parallel models
+(docs/training.md, "accelerate").
 
-accelerate knows tensor parallelism only as DTensor parameters (``ParallelismConfig(tp_size)``)
-and otherwise wraps every model in a ``DistributedDataParallel`` over the whole world, which
-for a tpify model overwrites the other TP ranks' shards with rank 0's, hands the TP ranks of one
-model replica different batches, averages gradients of different shards, and clips by each
-rank's local norm. :class:`TPAccelerator` is ``Accelerator`` with a few methods changed, so that
-``prepare(model, optimizer, dataloader)``, ``backward`` and ``clip_grad_norm_`` are exact
-(docs/mechanics.md "Groups"; Megatron-LM, arXiv:1909.08053, section 3):
+accelerate knows tensor parallelism only as DTensor parameters; on a tpify model it would wrap
+a DDP over the world (rank 0's shards everywhere, other batches per TP rank, averaged gradients
+of different shards, a per-rank clipping norm). :class:`TPAccelerator` changes a few methods so
+that ``prepare``, ``backward`` and ``clip_grad_norm_`` are exact (Megatron-LM, arXiv:1909.08053,
+section 3):
 
-* data parallelism is torch's, over the model's DP group only, chosen with accelerate's own
-  switches (:func:`data_parallel_plan`): by default ``prepare_model`` wraps the model in a
-  ``DistributedDataParallel`` over the DP group (:func:`tpify.data_parallel.replicate_data_parallel`,
-  with the ``DistributedDataParallelKwargs`` handler's options); with an FSDP plugin of version 2
-  (``fsdp_plugin=`` or ``ACCELERATE_USE_FSDP``) or a ``ParallelismConfig`` whose ``dp_shard_size``
-  is above 1, ``prepare`` shards the model with FSDP2 (HSDP when ``dp_replicate_size > 1``;
-  :func:`tpify.data_parallel.shard_data_parallel`) and points the optimizer passed with it at the
-  sharded parameters. accelerate itself never sees the plugin or the config (it would shard or
-  wrap the model over the whole world); ``no_sync``/``accumulate`` skip the DP reduction (DDP's
-  ``no_sync``, FSDP2's ``set_requires_gradient_sync``).
-* ``prepare_data_loader``: the data is split over the DP replicas only (``num_processes = dp``,
-  ``process_index = dp_rank``), with accelerate's own sharding, so every rank of a TP group gets
-  the same batches and the DP replicas different ones.
-* ``clip_grad_norm_``: the norm of the dense model (:func:`tpify.training.params_grad_norm`:
-  sharded gradients' squares summed over TP, replicated ones counted once; under FSDP2 summed
-  over the shard axis first).
-* ``save_model``: the dense Hugging Face checkpoint (or a PEFT model's dense adapter), a
-  collective every rank calls; ``save_state``/``load_state``: that checkpoint plus the training
-  state as a torch.distributed.checkpoint (models, optimizers, schedulers, the step, every
-  rank's generators; :mod:`tpify.checkpoint`) and its manifest (:mod:`tpify.integrations.resume`),
-  read back in place at any layout (another tp_size, dp_size, FSDP2); ``load_state`` refuses, on
-  every rank, a state saved from another model.
-  ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError` (a state dict of
-  shards is not the model's).
-
-* ``gather_for_metrics`` (what Trainer's evaluation and TRL's metrics use) gathers over the DP
-  group only, so each sample counts once; :meth:`~TPAccelerator.data_parallel_view` makes
-  ``gather``, ``reduce``, ``num_processes`` and ``process_index`` do the same inside a block
-  (TRL's GRPO runs its generation and loss in it: :mod:`tpify.integrations.trl`).
-
-Everything else is accelerate's: outside the view ``gather``/``reduce`` span the world, where
-each TP group holds ``tp_size`` copies of one replica's values (means are unchanged, counts and
-sample standard deviations are not).
+* data parallelism is torch's over the model's DP group only (:func:`data_parallel_plan` reads
+  accelerate's switches): DDP by default (:func:`tpify.data_parallel.replicate_data_parallel`);
+  FSDP2/HSDP with an FSDP plugin of version 2 or a ``ParallelismConfig`` with ``dp_shard_size > 1``
+  (:func:`tpify.data_parallel.shard_data_parallel`; accelerate never sees the plugin);
+* ``prepare_data_loader`` splits the data over the DP replicas only (every TP rank of a replica
+  gets the same batches); ``clip_grad_norm_`` clips by the dense model's norm;
+* ``save_model`` writes the dense checkpoint (a collective); ``save_state``/``load_state`` add the
+  training state as a torch.distributed.checkpoint with its manifest, read back at any layout;
+  ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError`;
+* ``gather_for_metrics`` gathers over the DP group (each sample once);
+  :meth:`~TPAccelerator.data_parallel_view` makes ``gather``, ``reduce``, ``num_processes`` and
+  ``process_index`` do the same inside a block. Outside it they span the world, where each TP
+  group holds ``tp_size`` copies of one replica's values.
 """
 
 from __future__ import annotations
@@ -49,10 +28,18 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 
 import accelerate
+import torch
+import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from .. import comm
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..data_parallel import replicate_data_parallel, shard_data_parallel
+from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info, param_specs
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
@@ -94,8 +81,6 @@ def _plugin_options(plugin) -> dict:
         TPUsageError: FSDP version 1, FSDP's own activation checkpointing, a size-based or custom
             wrap policy, ignored modules, a mixed precision policy that is not FSDP2's.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-
     version = getattr(plugin, "fsdp_version", 1)
     problems = []
     if version != 2:
@@ -233,6 +218,7 @@ class TPAccelerator(accelerate.Accelerator):
         if any(m is tp_model for m in models):
             return
         info = get_tp_info(tp_model)
+        refuse_context_parallel(info, "TPAccelerator")
         if models:
             first = get_tp_info(models[0])
             if (first.tp_group, first.dp_group) != (info.tp_group, info.dp_group):
@@ -255,8 +241,6 @@ class TPAccelerator(accelerate.Accelerator):
 
     def _check_plan(self, info) -> None:
         """Refuse a plan whose sizes are not the model's (local; the same outcome on every rank)."""
-        import torch.distributed as dist
-
         plan = self._plan()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dp = world // info.tp_size
@@ -274,7 +258,6 @@ class TPAccelerator(accelerate.Accelerator):
         models = self._tp_models()
         if not models:
             return None
-        from .. import comm
 
         info = get_tp_info(models[0])
         if info.dp_group is None:  # no data parallelism (comm.group_size(None) would be the world's)
@@ -292,10 +275,6 @@ class TPAccelerator(accelerate.Accelerator):
     def _shard(self, args) -> None:
         """FSDP2 on each tpify model among ``args`` not sharded yet, then the optimizers among
         ``args`` pointed at the sharded parameters (by name), as accelerate does for FSDP2."""
-        import torch
-
-        from ..data_parallel import shard_data_parallel
-
         plan = self._plan()
         optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)
                       or isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
@@ -328,7 +307,6 @@ class TPAccelerator(accelerate.Accelerator):
         self._outputs_to_fp32_after_hooks(prepared)
         if evaluation_mode or sharded or not any(p.requires_grad for p in model.parameters()):
             return prepared
-        from ..data_parallel import replicate_data_parallel
 
         kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
         wrapped = replicate_data_parallel(prepared, **kwargs)  # DDP over the model's DP group (dp 1: unwrapped)
@@ -345,8 +323,6 @@ class TPAccelerator(accelerate.Accelerator):
         them. Here ``forward`` keeps only the autocast, and the same conversion
         (``accelerate.utils.convert_to_fp32``) is a forward hook registered after tpify's: the loss
         is computed from the head's own output, the caller gets float32 outputs as with accelerate."""
-        from types import MethodType
-
         from accelerate.utils import convert_to_fp32, get_mixed_precision_context_manager
 
         original = getattr(model, "_original_forward", None)
@@ -425,7 +401,6 @@ class TPAccelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if output_dir is None:
             raise TPUsageError("TPAccelerator.save_state needs output_dir for tpify models")
-        from ..checkpoint import save_checkpoint
 
         out = Path(output_dir)
         for i, model in enumerate(self._models):
@@ -434,7 +409,6 @@ class TPAccelerator(accelerate.Accelerator):
         save_checkpoint(out / STATE_DIR, models, self._optimizers, self._schedulers, extra={"step": self.step})
         if self.process_index == 0:
             write_manifest(out / STATE_DIR, self._training_layout())
-        from .. import comm
 
         comm.barrier()
         return str(out)
@@ -462,7 +436,6 @@ class TPAccelerator(accelerate.Accelerator):
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if input_dir is None:
             raise TPUsageError("TPAccelerator.load_state needs input_dir for tpify models")
-        from ..checkpoint import load_checkpoint
 
         src = Path(input_dir) / STATE_DIR
         if not src.is_dir() and (Path(input_dir) / MANIFEST_NAME).is_file():
@@ -522,8 +495,6 @@ class TPAccelerator(accelerate.Accelerator):
             return super().gather(tensor)
         from accelerate.utils import recursively_apply
 
-        from .. import comm
-
         def one(t):  # values, not a graph: accelerate's gather is not differentiable either
             t = t.detach()
             return comm.all_gather_dim(t.reshape(1) if t.dim() == 0 else t, 0, view[2].dp_group)
@@ -538,7 +509,6 @@ class TPAccelerator(accelerate.Accelerator):
             from accelerate.utils import gather_object
 
             return gather_object(obj)
-        from .. import comm
 
         return [x for part in comm.all_gather_objects(obj, view[2].dp_group) for x in part]
 
@@ -549,8 +519,6 @@ class TPAccelerator(accelerate.Accelerator):
         if view is None:
             return super().reduce(tensor, reduction=reduction, scale=scale)
         from accelerate.utils import recursively_apply
-
-        from .. import comm
 
         def one(t):
             out = comm.all_reduce(t.detach().clone(), view[2].dp_group, "max" if reduction == "max" else "sum")

@@ -1,96 +1,49 @@
 """``TPTrainer`` and ``tp_trainer_class``: ``transformers.Trainer`` (and its subclasses, TRL's
-trainers included) for tpify's tensor-parallel models.
+trainers included) for tpify's tensor-parallel models (docs/training.md, "Trainer").
 
-``transformers.Trainer`` treats a model as tensor-parallel only when its parameters are DTensors
-(transformers' own ``distributed_config``); a tpify model holds plain tensors, one shard per
-rank, so plain ``Trainer`` would wrap it in a DDP over the whole world (tpify refuses that at
-the first forward, see :mod:`tpify.integrations.model`), save rank 0's shards and restore rank
-0's optimizer state on every rank. :class:`TPTrainer` is ``Trainer`` with what must change and
-nothing else:
+Plain ``Trainer`` treats a model as tensor-parallel only when its parameters are DTensors; on a
+tpify model (plain tensors, one shard per rank) it would wrap a DDP over the world (refused at
+the first forward, :mod:`tpify.integrations.model`), save rank 0's shards and restore rank 0's
+optimizer state everywhere. :class:`TPTrainerMixin` changes only that: the accelerator is
+:class:`~tpify.integrations.accelerate.TPAccelerator` (DDP or FSDP2/HSDP over the DP group,
+batches split over DP replicas only, clipping by the dense norm); ``get_tp_size`` is the
+model's (``num_items_in_batch`` counts each token once); evaluation gathers vocab-sharded
+logits; saving writes the dense HF directory (:func:`tpify.save_pretrained`); checkpoints hold
+the optimizer state as a torch.distributed.checkpoint in ``tpify_optimizer/`` with a manifest
+(:mod:`tpify.integrations.resume`), resumed at any layout after the manifest is compared on
+every rank. The optimizer files sit in a subdirectory so that plain ``Trainer`` resuming such a
+checkpoint fails loudly (``optimizer.pt`` missing) instead of restarting the optimizer silently.
 
-* its accelerator is :class:`~tpify.integrations.accelerate.TPAccelerator` (DDP over the DP group
-  only, or FSDP2/HSDP over it; batches split over the DP replicas only, every TP rank of a
-  replica gets the same ones; clipping by the dense model's norm; evaluation gathers count each
-  sample once);
-* ``fsdp=...``/``fsdp_config`` (FSDP version 2) and ``parallelism_config`` are read into the
-  accelerator's :class:`~tpify.integrations.accelerate.DataParallelPlan` and applied by
-  :func:`tpify.data_parallel.shard_data_parallel` over the model's DP group; Trainer's own FSDP
-  code paths (accelerate's ``fully_shard`` over the world, FSDP checkpoints) stay off;
-* in evaluation and prediction, the vocab-sharded logits of an LM head are gathered to the full
-  vocabulary before metrics see them;
-* ``get_tp_size`` is the model's ``tp_size``, so Trainer's ``num_items_in_batch`` counts each
-  token once (Trainer divides its world-wide count by it) and the loss scale is ``dp``;
-  ``include_num_input_tokens_seen`` counts over the DP group;
-* saving (``save_model`` and every checkpoint) writes the dense Hugging Face directory
-  (:func:`tpify.save_pretrained`; for a PEFT model the dense adapter), a collective all ranks join;
-* checkpoints hold the optimizer state as a torch.distributed.checkpoint that resumes at any
-  layout (:mod:`tpify.checkpoint`), with a manifest of the model it fits; resuming into another
-  model is refused on every rank (below).
-
-A checkpoint ``checkpoint-<step>/`` holds::
-
-    config.json, model.safetensors     the dense model (a PEFT model: its dense adapter), any tp_size
-    scheduler.pt, trainer_state.json,  Trainer's own files
-      training_args.bin, rng_state_<k>.pth
-    tpify_rng_<k>.pt                   global rank k's tpify dropout streams
-    tpify_optimizer/
-      tpify_layout.json                the manifest (tpify.integrations.resume)
-      .metadata, __<k>_0.distcp        the optimizer state (DCP), rank k's pieces in its file
-
-Resuming (``train(resume_from_checkpoint=...)``) first compares the manifest with this run on
-every rank (model class, adapters, every optimized parameter's dense shape, the param groups)
-and raises :class:`~tpify.integrations.resume.ResumeError` on every rank when they differ,
-naming what differs; then it reads the dense weights back slice by slice in place and the
-optimizer state resharded to this run's layout: any ``tp_size``, ``dp_size``, FSDP2 sharding
-or ``pad_vocab_multiple``. At the saved layout the run continues exactly (dropout streams
-included); at another, tpify's TP dropout stream restarts from its seed (each rank's Trainer
-generator files are read as Trainer reads them), and the data order follows the new DP size,
-as for plain Trainer at another world size.
-
-The optimizer files sit in a subdirectory on purpose, so that plain ``transformers.Trainer``
-resuming a TPTrainer checkpoint (say, to finish in one process) fails loudly rather than
-silently. Trainer restores the optimizer and scheduler only when it finds ``optimizer.pt`` (or
-``optimizer.bin``, or a subdirectory whose name contains ``optimizer``) and ``scheduler.pt``;
-otherwise it trains on, without a word, with a fresh optimizer and a restarted learning-rate
-schedule. ``tpify_optimizer/`` meets that condition, so Trainer calls
-``torch.load(checkpoint/optimizer.pt)``, which raises ``FileNotFoundError`` on every rank before
-any step; the manifest's ``note`` says what the directory holds. A dense ``optimizer.pt``
-(gathered over TP) would let plain Trainer resume exactly instead, but every checkpoint would
-then cost rank 0 the host memory of the whole dense optimizer state (8 bytes per parameter for
-AdamW's two fp32 moments, 56 GB for a 7B model): not viable for the models tensor parallelism
-is for. To continue in one process, resume with ``TPTrainer`` on a model parallelized at
-``tp_size=1`` (the optimizer state is resharded).
-
-Unsupported here (raised at construction, on every rank): DeepSpeed, FSDP version 1 and the FSDP
-options :func:`~tpify.integrations.accelerate.data_parallel_plan` refuses (FSDP's own activation
-checkpointing, size-based wrapping), fp16 (per-rank loss scaler), ``load_best_model_at_end``, a
-model tpify did not parallelize.
-
-The same mechanism serves any ``Trainer`` subclass: :class:`TPTrainerMixin` holds all of the
-above, :class:`TPTrainer` is it on ``transformers.Trainer``, and :func:`tp_trainer_class` puts it
-on another trainer class, TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and ``RewardTrainer``
-included
-(what TRL needs besides is in :mod:`tpify.integrations.trl`; TRL trainers tpify has not checked
-are refused by name).
+Refused at construction, on every rank: DeepSpeed, FSDP version 1 and the FSDP options
+:func:`~tpify.integrations.accelerate.data_parallel_plan` refuses, fp16, ``load_best_model_at_end``,
+a model tpify did not parallelize, TRL trainers tpify has not checked (:mod:`tpify.integrations.trl`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import json
 import os
 
 import torch
+import torch.distributed as dist
 import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
+from .. import comm
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..data_parallel import planned_dp_shard
+from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info
 from ..random import get_rng_tracker
 from ..sharding import is_dtensor
 from .accelerate import TPAccelerator, data_parallel_plan
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 from .resume import MANIFEST_NAME, check_resume, same_layout, training_layout, write_manifest
-from .trl import is_trl_trainer
+from .trl import (after_init, after_optimizer_loaded, check_trainer, check_trainer_class, data_parallel_metrics,
+                  is_trl_trainer, prepare_args, trl_construction, uses_data_parallel_view)
 
 __all__ = ["TPTrainer", "TPTrainerMixin", "tp_trainer_class", "OPTIMIZER_DIR"]
 
@@ -99,38 +52,24 @@ OPTIMIZER_DIR = "tpify_optimizer"
 
 
 class TPTrainerMixin:
-    """What a ``transformers.Trainer`` subclass needs to train a tpify model exactly (see the
-    module docstring); put it first among the bases: ``class X(TPTrainerMixin, SFTTrainer)``, or
+    """What a ``transformers.Trainer`` subclass needs to train a tpify model exactly (the module
+    docstring); first among the bases (``class X(TPTrainerMixin, SFTTrainer)``) or through
     :func:`tp_trainer_class`. :class:`TPTrainer` is this mixin on ``transformers.Trainer``.
 
-    Same arguments as the trainer it is mixed into; launch with ``torchrun --nproc-per-node N``
-    where ``N = dp * tp`` and the model was parallelized (or loaded by :func:`tpify.from_pretrained`)
-    with ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica: the global batch is
-    ``per_device_train_batch_size * gradient_accumulation_steps * dp``.
-
-    On a TRL trainer (:data:`tpify.integrations.trl.CHECKED_TRAINERS`: ``SFTTrainer``,
-    ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``), TRL's fused LM head runs vocab-parallel, ``peft_config=``
-    goes through :func:`tpify.integrations.get_peft_model`, GRPO's seeds are the same on the
-    ranks of a TP group, reference models are tensor-parallel, TRL's logged metrics and GRPO's
-    gathered rewards count each DP replica's samples once, and GRPO's adaptive entropy
-    controller is restored on resume (:mod:`tpify.integrations.trl`).
-
-    Communication: that of the model and :class:`TPAccelerator`; saving gathers every sharded
-    tensor over TP.
-
-    ``fsdp="full_shard"`` (or ``True``) with ``fsdp_config={"version": 2, ...}`` shards every TP
-    shard further over the DP group with FSDP2 (``reshard_after_forward``, ``cpu_offload``,
-    ``transformer_layer_cls_to_wrap`` are honoured); ``parallelism_config=ParallelismConfig(
-    dp_replicate_size=r, dp_shard_size=s, tp_size=t)`` asks for HSDP (``r > 1``) and checks the
-    sizes against the model. Without either, DDP over the DP group.
+    Same arguments as the trainer; launch ``N = dp * tp`` ranks with the model parallelized at
+    ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica. ``fsdp="full_shard"`` with
+    ``fsdp_config={"version": 2}`` shards with FSDP2 over the DP group; ``parallelism_config`` asks
+    for HSDP; else DDP over the DP group. TRL trainers (:data:`tpify.integrations.trl.CHECKED_TRAINERS`)
+    get what :mod:`tpify.integrations.trl` adds (vocab-parallel fused LM head, ``peft_config``,
+    seeds, reference models, metrics over DP). Communication: the model's and
+    :class:`TPAccelerator`'s; saving gathers every sharded tensor over TP.
 
     Raises:
-        TPUsageError: the model is not a tpify model (or a PEFT model on one); DeepSpeed, FSDP
-            version 1 or unsupported FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer
-            tpify has not checked, or a TRL option it refuses
-            (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
-        ResumeError: (a TPUsageError) resuming a checkpoint written for another model or param
-            groups, without a manifest (or with the old per-rank one), or incomplete; on every rank.
+        TPUsageError: not a tpify model (or a PEFT model on one); DeepSpeed, FSDP version 1 or
+            refused FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer or option tpify
+            refuses (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
+        ResumeError: resuming a checkpoint of another model or param groups, without a manifest, or
+            incomplete; on every rank.
     """
 
     def __init__(self, *pos, **kwargs):
@@ -139,17 +78,14 @@ class TPTrainerMixin:
         name = type(self).__name__
         on_trl = is_trl_trainer(type(self))
         if on_trl:
-            from .trl import check_trainer_class
-
             check_trainer_class(type(self))
         tp_model = tp_model_of(model) if model is not None and not isinstance(model, str) else None
         if tp_model is None:
             raise TPUsageError(f"{name} trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
+        refuse_context_parallel(get_tp_info(tp_model), name)
         if on_trl:
-            from .trl import check_trainer, prepare_args
-
             if args is None:
                 raise TPUsageError(f"{name}: pass args= (TRL's config for the trainer): its defaults count "
                                    f"batches over the whole world, the TP ranks included")
@@ -177,12 +113,8 @@ class TPTrainerMixin:
         self._tp_model = tp_model
         self._tp_plan = plan
         if on_trl:
-            from .trl import uses_data_parallel_view
-
             self._tp_dp_view = uses_data_parallel_view(type(self))
         if on_trl:
-            from .trl import after_init, trl_construction
-
             with trl_construction(type(self), model):
                 super().__init__(*pos, **kwargs)
             self.accelerator.register_tp_model(self.model)
@@ -223,10 +155,7 @@ class TPTrainerMixin:
         """GRPO's generation and loss see the accelerator over DP only
         (:func:`tpify.integrations.trl.data_parallel_metrics`); other trainers the world."""
         if getattr(self, "_tp_dp_view", False):
-            from .trl import data_parallel_metrics
-
             return data_parallel_metrics(self)
-        import contextlib
 
         return contextlib.nullcontext()
 
@@ -247,8 +176,6 @@ class TPTrainerMixin:
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
         if head is not None and torch.is_tensor(logits) and logits.shape[-1] == head.out_features_per_partition \
                 and head.out_features_per_partition != head.out_features:
-            from .. import comm
-
             outputs["logits"] = comm.gather_from_tp_region(logits, head.tp_group)[..., : head.out_features]
         return loss, outputs
 
@@ -277,8 +204,6 @@ class TPTrainerMixin:
         plan = getattr(self, "_tp_plan", None)
         planned = plan is not None and plan.shard and not self._sharded()  # a resume checks before sharding
         if planned:
-            from ..data_parallel import planned_dp_shard
-
             dp_shard = planned_dp_shard(self._tp_model, plan.dp_replicate)
         return training_layout(self.model, [self.optimizer] if with_optimizer else None, written_by="TPTrainer",
                                dp_shard=dp_shard if planned else None)
@@ -287,19 +212,14 @@ class TPTrainerMixin:
         """Every rank: the optimizer state as a torch.distributed.checkpoint in ``tpify_optimizer/``
         (each rank writing its pieces; :func:`tpify.checkpoint.save_checkpoint`), with the
         manifest; the scheduler as Trainer writes it."""
-        from ..checkpoint import save_checkpoint
-
         directory = os.path.join(output_dir, OPTIMIZER_DIR)
         save_checkpoint(directory, self.accelerator.unwrap_model(self.model, keep_torch_compile=False),
                         [self.optimizer], model_state=False, generators=False)
         if self.args.should_save:
             write_manifest(directory, self._training_layout(True))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-        import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            from .. import comm
-
             comm.barrier()
 
     def _save_rng_state(self, output_dir: str) -> None:
@@ -328,7 +248,6 @@ class TPTrainerMixin:
         """
         if checkpoint is None:
             return
-        from ..checkpoint import load_checkpoint
 
         directory = os.path.join(checkpoint, OPTIMIZER_DIR)
         check_resume(directory, self._training_layout(True), "TPTrainer resume (optimizer)", checkpoint=checkpoint,
@@ -337,8 +256,6 @@ class TPTrainerMixin:
                         [self.optimizer], model_state=False, generators=False)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         if is_trl_trainer(type(self)):
-            from .trl import after_optimizer_loaded
-
             after_optimizer_loaded(self, checkpoint)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
@@ -348,7 +265,6 @@ class TPTrainerMixin:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
             return
-        import json
 
         file = os.path.join(checkpoint, f"tpify_rng_{self.args.process_index}.pt")
         with open(os.path.join(checkpoint, OPTIMIZER_DIR, MANIFEST_NAME)) as f:  # checked by the resume before

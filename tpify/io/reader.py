@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..info import get_tp_info
 from ..sharding import ShardSpec, shard_spec_of
 from . import CheckpointError
 from .files import Snapshot, TensorHeader
@@ -187,7 +188,7 @@ def materialize(model: nn.Module, snap: Snapshot, source: dict[str, str], header
     Shows a progress bar on TP rank 0. Local: no communication; a read that fails raises
     safetensors' or the OS's error as it is (the caller's agreement reports it to every rank).
     """
-    tp_rank = model.tp_info.tp_rank
+    tp_rank = get_tp_info(model).tp_rank
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     tensors: dict[int, tuple[str, torch.Tensor]] = {}
     for mname, module in model.named_modules():

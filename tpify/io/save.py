@@ -32,6 +32,7 @@ from torch import nn
 from ..agree import on_every_rank, on_writing_rank
 from ..comm import all_gather_objects
 from ..hf_modules import config_get, config_set
+from ..info import tp_info_of
 from ..sharding import ShardSpec, is_dtensor, shard_spec_of
 from .files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, SAVE_ID
 
@@ -279,7 +280,7 @@ def _dense_config(model: nn.Module):
     (a model loaded from a float32 checkpoint with ``dtype=torch.bfloat16``, or converted with
     ``.to(torch.bfloat16)``, keeps the config's ``"float32"``, and transformers would reload the
     bfloat16 files at twice the memory). Restored afterwards."""
-    info = getattr(model, "tp_info", None)
+    info = tp_info_of(model)
     divided = dict(info.layout.config_divides) if info is not None else {}
     config = model.config
     divided["architectures"] = [type(model).__name__]

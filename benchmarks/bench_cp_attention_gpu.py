@@ -1,0 +1,131 @@
+"""One context-parallel rank's attention on a GPU, against the dense attention: time, memory, error.
+
+tpify's attention over a split sequence (:func:`tpify.hooks.context_parallel._attend`) on one
+rank is this rank's ``T/cp`` queries over the keys and values of the whole sequence (gathered in
+rank order) under a boolean mask built from the global positions. Here that is run in one
+process: the "gathered" K/V are the whole sequence's, permuted to rank order (a one-rank group
+gathers nothing), so the kernel, the mask and the recomputation are the real ones and the
+all-gather is left out (its time is the interconnect's, not measured here).
+
+Per ``T`` and cp, for the first and the last rank of the group (front and back chunks): the
+median time of forward + backward (``torch.utils.checkpoint`` around it, as in the model: the
+forward runs twice), the peak memory above the inputs (``torch.cuda.max_memory_allocated``), and
+the largest difference of its output rows from the dense causal attention's rows (SDPA,
+``is_causal=True``, ``enable_gqa``); dense is cp = 1. bfloat16 and float32 (the tolerance of a
+kernel: the dense side takes the flash kernel, the masked side the memory-efficient one).
+Rounds interleaved: each round runs every configuration once, in turn.
+
+Run on a GPU: ``python benchmarks/bench_cp_attention_gpu.py``; ``--device cpu --tokens 256`` checks
+the script on a CPU (times by the wall clock, no memory figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _inputs(tokens: int, heads: int, kv_heads: int, dim: int, dtype, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(1, kv_heads, tokens, dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(1, kv_heads, tokens, dim, device=device, dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _dense(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _measure(fn, args, rounds_out: list, peaks: list):
+    leaves = [a.detach().requires_grad_() for a in args]
+    cuda = leaves[0].is_cuda
+    if not cuda:
+        start = time.perf_counter()
+        out = fn(*leaves)
+        out.float().square().sum().backward()
+        rounds_out.append(1e3 * (time.perf_counter() - start))
+        peaks.append(float("nan"))
+        return out.detach()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn(*leaves)
+    out.float().square().sum().backward()
+    end.record()
+    torch.cuda.synchronize()
+    rounds_out.append(start.elapsed_time(end))
+    peaks.append(torch.cuda.max_memory_allocated() - base)
+    return out.detach()
+
+
+def main(argv=None) -> int:
+    from tpify.context_parallel import load_balanced_index, sequence_order
+    from tpify.hooks.context_parallel import ContextParallelCall, _attend
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    device = args.device
+    heads, kv_heads, dim = 32, 8, 128
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}; B 1, {heads} query / {kv_heads} KV heads, head dim {dim}")
+    print("| dtype | T | cp | rank | fwd+bwd ms (median) | x dense | peak MiB above inputs | x dense | "
+          "max abs diff from dense rows |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for dtype in (torch.bfloat16, torch.float32):
+        for tokens in args.tokens:
+            q, k, v = _inputs(tokens, heads, kv_heads, dim, dtype, device)
+            configs = [("dense", None, None)]
+            for cp in args.cp:
+                for rank in (0, cp - 1):
+                    configs.append((f"cp{cp}", cp, rank))
+            times = {c[0] + str(c[2]): [] for c in configs}
+            peaks = {c[0] + str(c[2]): [] for c in configs}
+            outs = {}
+            for _ in range(args.rounds):
+                for name, cp, rank in configs:
+                    key = name + str(rank)
+                    if cp is None:
+                        outs[key] = _measure(_dense, (q, k, v), times[key], peaks[key])
+                        continue
+                    order = sequence_order(tokens, cp, device=device)
+                    index = load_balanced_index(tokens, cp, rank, device=device)
+                    call, _ = ContextParallelCall.from_positions(None, cp, rank, order[None])
+                    local_q = q.index_select(2, index)
+                    gathered_k, gathered_v = k.index_select(2, order), v.index_select(2, order)
+
+                    def run(qq, kk, vv, call=call):
+                        return checkpoint(_attend, qq, kk, vv, call, None, None, use_reentrant=False)
+
+                    outs[key] = (_measure(run, (local_q, gathered_k, gathered_v), times[key], peaks[key]), index)
+            t_dense, p_dense = statistics.median(times["denseNone"]), statistics.median(peaks["denseNone"])
+            dense_out = outs["denseNone"]
+            print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | 1 | - | {t_dense:.2f} | 1.00 | "
+                  f"{p_dense / 2**20:.0f} | 1.00 | 0 |")
+            for name, cp, rank in configs[1:]:
+                key = name + str(rank)
+                out, index = outs[key]
+                diff = float((out.float() - dense_out.index_select(2, index).float()).abs().max())
+                t, p = statistics.median(times[key]), statistics.median(peaks[key])
+                print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | {cp} | {rank} | {t:.2f} | "
+                      f"{t / t_dense:.2f} | {p / 2**20:.0f} | {p / p_dense:.2f} | {diff:.1e} |")
+            del q, k, v, outs
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
