@@ -80,7 +80,7 @@ class NoRotaryLlamaModel(LlamaModel):
 # ---------------------------------------------------------------------------------------------
 # A parameter per KV head (as doge's DogeAttention.A): Llama whose attention scales each KV head's
 # values by its own ``kv_gate`` value. At tp_size above the KV heads each value is held by the
-# ranks whose query heads read that KV head, its gradient summed over them (tpify.hooks.per_head).
+# ranks whose query heads read that KV head, its gradient summed over them (tpify.styles.per_head).
 
 from transformers import LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama as _llama  # noqa: E402

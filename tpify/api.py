@@ -68,7 +68,7 @@ def resolve_recipe(model: nn.Module, recipe: "str | Path | dict | Recipe | None"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not model_type:
         raise ValueError(f"{type(model).__name__} has no config.model_type; pass recipe='path/to/recipe.toml'")
-    if model_type not in available_recipes():  # transformers' own TP plan, imported with a notice (tpify/hf_plan.py)
+    if model_type not in available_recipes():  # transformers' own TP plan, imported with a notice (tpify/hf_plan/)
 
         return recipe_for_unshipped(model, model_type)
     return load_recipe(model_type)

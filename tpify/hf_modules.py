@@ -9,10 +9,12 @@ module and its class; no communication, nothing set on any module.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
-__all__ = ["SHARDABLE_TYPES", "is_conv1d", "module_kind", "dense_dims", "overrides_forward", "qualname",
-           "base_model_and_prefix", "relative_name", "base_model", "relative_fqn", "is_peft", "config_get",
+__all__ = ["SHARDABLE_TYPES", "is_conv1d", "module_kind", "dense_dims", "overrides_forward", "forward_source",
+           "qualname", "base_model_and_prefix", "relative_name", "base_model", "relative_fqn", "is_peft", "config_get",
            "config_set", "config_has",
            "head_dims"]
 
@@ -67,6 +69,14 @@ def overrides_forward(module: nn.Module) -> str | None:
             if klass.__name__ == "Conv1D":
                 return None if type(module).forward is klass.forward else "Conv1D"
     return None
+
+
+def forward_source(module: nn.Module) -> str:
+    """The source of ``type(module).forward`` (what its forward reads), or "" where it cannot be read."""
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def qualname(module: nn.Module) -> str:

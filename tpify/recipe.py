@@ -25,47 +25,32 @@ File format (``recipes/<model_type>.toml``)::
     style = "replicate"
     optional = true                   # no warning when it matches nothing (head-specific)
 
-Styles (the names of Hugging Face's and PyTorch's TP plans):
-    ``colwise``: :class:`~tpify.layers.ColumnParallelLinear`, output left sharded.
-    ``packed_colwise``: the same, each packed part split separately.
-    ``colwise_rep``: column-parallel with the output gathered (LM heads; vocab padded if needed).
-    ``rowwise``: :class:`~tpify.layers.RowParallelLinear`, input already sharded.
-    ``embedding_rowwise``: :class:`~tpify.layers.VocabParallelEmbedding`.
-    ``embedding_colwise``: :class:`~tpify.layers.ColumnParallelEmbedding` (columns are heads).
-    ``experts``: the named parameters of a module (fused 3-D MoE experts) split along a dimension
-        (``params``); its output is a partial sum, all-reduced (or, with ``ep_size``, whole experts
-        per rank and the tokens exchanged).
-    ``latent``: a low-rank down projection of multi-head latent attention, a full copy on every
-        rank; the last ``shared`` output features (the rotary key every head reads) get their
-        gradient summed over the ranks.
-    ``per_head``: the named parameters of a module holding one value per head (attention sinks)
-        split with the heads (``params``; ``kv_heads`` for one value per KV head).
-    ``replicate``: left as it is, a full copy on every rank (a container: everything inside it; with
-        ``params``, a list of its own parameter names: only those, its children keeping their rules).
-
-Every key, with an example per feature, is in ``docs/recipes.md``.
+A rule's own keys are those every rule may have (``match``, ``style``, ``divide``,
+``head_inputs``, ``kv_heads`` / ``kv_groups`` / ``kv_counts``, ``optional``, ``when``); the keys
+of a style (``parts``, ``params``, ``shared``, ...) are read by that style
+(:meth:`tpify.styles.Style.read_rule`: the rule's ``options``). The styles are
+:data:`tpify.styles.STYLES`; every key, with an example per feature, is in ``docs/recipes.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .hf_modules import base_model_and_prefix, config_get, config_has
+from .hf_modules import config_get
 from .loss import LOGIT_OPS
-from .styles import AFTER_SUM, WHOLE
-from .styles import STYLES as _STYLE_OBJECTS
+from .styles import STYLES, RuleError
+from .styles.base import foreign_key
 
 __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "load_recipe", "recipe_dirs",
-           "available_recipes", "compose"]
+           "available_recipes"]
 
-STYLES = tuple(_STYLE_OBJECTS)  # the style names a rule may give (tpify.styles: one object each)
-_RULE_KEYS = {"match", "style", "parts", "replicated_parts", "kv_heads", "kv_groups", "kv_counts", "divide", "head_inputs",
-              "optional", "when", "params", "shared", "identity_from"}
-_PARAM_KEYS = {"dim", "parts"}
+#: The keys every rule may have, whatever its style; a style's own keys are its ``KEYS``.
+_COMMON_KEYS = {"match", "style", "divide", "head_inputs", "optional", "when", "kv_heads", "kv_groups", "kv_counts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
              "sequence_parallel", "rule", "include"}
 _SP_KEYS = {"split", "gather", "exit"}
@@ -77,6 +62,16 @@ LOSS_KINDS = ("causal", "masked", "seq2seq", "none")
 _LOSS_KEYS = set(LOSS_KINDS) | {"ignores_num_items", "terms", "logits"}
 _TERM_KEYS = {"output", "coefficient"}
 _CHECKPOINT_KEYS = {"renames"}
+
+
+def rule_keys() -> set[str]:
+    """Every key a rule may have: the common ones and each registered style's."""
+    return _COMMON_KEYS | {key for style in STYLES.values() for key in style.KEYS}
+
+
+def _option_names() -> set[str]:
+    """The option fields of every registered style (``parts``, ``params``, ``shared``, ...)."""
+    return {f.name for style in STYLES.values() for f in dataclasses.fields(style.Options)}
 
 
 class RecipeError(ValueError):
@@ -98,35 +93,61 @@ def _compile_glob(pattern: str) -> re.Pattern:
 
 @dataclass
 class Rule:
-    """One ``[[rule]]`` of a recipe: FQN globs and what to do with the modules they match."""
+    """One ``[[rule]]`` of a recipe: FQN globs and what to do with the modules they match.
+
+    Attributes:
+        index, patterns: its place in the recipe and its globs (``match``).
+        style: the style's name, or None (a rule of facts only).
+        divide, head_inputs: module attributes divided by ``tp_size``; forward arguments holding
+            one entry per head (``(argument, head dimension, config head count)``).
+        kv_heads: the KV heads of what it matches (a config attribute or a number): what
+            ``kv_groups`` / ``kv_counts`` divide by, or the styles that split by KV heads read.
+        kv_groups, kv_counts: attributes holding query heads per KV head (HF's
+            ``num_key_value_groups``) and KV head counts (phi3's ``num_key_value_heads``).
+        optional, when: no warning when it matches nothing; ``config.<key> == value`` conditions.
+        options: the style's own keys as its :meth:`~tpify.styles.Style.read_rule` read them (a
+            frozen dataclass), None without a style. ``rule.<option>`` reads one (``rule.parts``);
+            an option its style does not take reads as None.
+        origin: where an included rule comes from: "<recipe file> at <prefix>" (:func:`tpify.compose.compose`).
+    """
 
     index: int
     patterns: tuple[str, ...]
     style: str | None = None
-    parts: int | tuple[str | int, ...] | None = None
     divide: tuple[str, ...] = ()
     optional: bool = False
     when: tuple[tuple[str, object], ...] = ()
-    replicated_parts: tuple[int, ...] = ()
-    head_inputs: tuple[tuple[str, int, str], ...] = ()  # (argument name, head dimension, config head count)
-    params: tuple[tuple[str, int, int], ...] = ()  # (parameter name, split dimension, packed parts) of 'experts'
-    # KV heads of the layers (colwise) or of their replicated_parts (packed_colwise): config attribute or
-    # number; held by groups of tp_size / kv_heads ranks when tp_size is a multiple of them
+    head_inputs: tuple[tuple[str, int, str], ...] = ()
     kv_heads: str | int | None = None
-    # attributes of the matched module holding query heads per KV head (HF's num_key_value_groups):
-    # divided by tp_size / kv_heads when each KV head is held by a group of ranks
     kv_groups: tuple[str, ...] = ()
-    # attributes of the matched module holding its KV heads (phi3's num_key_value_heads): divided by
-    # tp_size when it divides the KV heads, else by kv_heads (each rank then holds one KV head)
     kv_counts: tuple[str, ...] = ()
-    # 'latent' only: the trailing output features every head reads directly (DeepSeek's k_pe, a
-    # config attribute or a number); their gradient is summed over the ranks
-    shared: str | int | None = None
-    # 'experts' only: the expert index from which the router's choices are zero-computation identity
-    # experts (longcat_flash: the token itself, weighted), a config attribute or a number
-    identity_from: str | int | None = None
-    origin: str = ""  # where an included rule comes from: "<recipe file> at <prefix>" (compose)
-    _regexes: list[re.Pattern] | None = field(default=None, repr=False, compare=False)  # compiled on first use
+    options: object = None
+    origin: str = ""
+    _regexes: list[re.Pattern] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.options is None and self.style in STYLES:
+            try:
+                self.options = STYLES[self.style].Options()  # a style whose keys are all optional
+            except TypeError:
+                pass
+
+    def __getattr__(self, name: str):
+        """A style option read as an attribute (``rule.parts``): None where the rule's style takes
+        no such option. Raises AttributeError for any other name."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        options = self.__dict__.get("options")
+        if options is not None and hasattr(options, name) and not name.isupper():
+            return getattr(options, name)
+        if name in _option_names():
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def styler(self):
+        """The :class:`~tpify.styles.Style` of :attr:`style`, or None."""
+        return STYLES[self.style] if self.style is not None else None
 
     def matches(self, fqn: str) -> bool:
         """True when ``fqn`` (relative to the base model) matches one of the rule's globs."""
@@ -223,12 +244,14 @@ class Recipe:
     renames: tuple[tuple[str, str], ...] = ()
     subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
     sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob[, "scope": prefix]}
-    includes: tuple[Include, ...] = ()  # other recipes applied to sub-modules (compose() flattens them)
+    includes: tuple[Include, ...] = ()  # other recipes applied to sub-modules (tpify.compose flattens them)
 
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
-        return ([(r.patterns, r.style, r.parts, r.divide, r.optional, r.when, r.replicated_parts, r.head_inputs,
-                  r.params, r.kv_heads, r.kv_groups, r.kv_counts, r.shared, r.identity_from) for r in self.rules]
+        return ([(r.patterns, r.style, r.divide, r.optional, r.when, r.head_inputs, r.kv_heads, r.kv_groups,
+                  r.kv_counts, None if r.options is None else (type(r.options).__name__,
+                                                               dataclasses.astuple(r.options)))
+                 for r in self.rules]
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops),
@@ -236,12 +259,13 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
-        """Validate and build a recipe from the parsed TOML mapping.
+        """Validate and build a recipe from the parsed TOML mapping, one reader per table.
 
         Raises:
             RecipeError: unknown keys, a missing ``match``, an unknown style, a rule with neither
-                ``style`` nor ``divide``, ``parts`` on a style that is not ``packed_colwise``,
-                or a value of the wrong type. The message names ``source`` and the rule.
+                ``style`` nor ``divide``, a key its style does not take (``parts`` on a style that
+                is not ``packed_colwise``), or a value of the wrong type. The message names
+                ``source`` and the rule.
         """
         def fail(msg: str):
             raise RecipeError(f"recipe {source}: {msg}")
@@ -254,183 +278,183 @@ class Recipe:
         model_type = data.get("model_type")
         if not isinstance(model_type, str) or not model_type:
             fail("'model_type' must be a non-empty string")
-        divisible = data.get("divisible", [])
-        if not isinstance(divisible, list) or not all(isinstance(d, str) for d in divisible):
-            fail("'divisible' must be a list of config attribute names")
-        divide_config = data.get("divide_config", [])
-        if not isinstance(divide_config, list) or not all(isinstance(d, str) for d in divide_config):
-            fail("'divide_config' must be a list of config attribute names")
-        loss_table = data.get("loss", {})
-        if not isinstance(loss_table, dict) or set(loss_table) - _LOSS_KEYS:
-            fail(f"[loss] must be a table with keys among {sorted(_LOSS_KEYS)}")
-        loss: dict[str, str] = {}
-        loss_terms = []
-        for term in loss_table.get("terms", []) if isinstance(loss_table.get("terms", []), list) else [None]:
-            coefficient = term.get("coefficient") if isinstance(term, dict) else None
-            if (not isinstance(term, dict) or set(term) != _TERM_KEYS or not isinstance(term["output"], str)
-                    or not term["output"] or isinstance(coefficient, bool)
-                    or not isinstance(coefficient, (str, int, float)) or coefficient == ""):
-                fail("[loss] terms must be a list of { output = the model output's field (\"aux_loss\"), "
-                     "coefficient = the config attribute HF multiplies it by (\"router_aux_loss_coef\"), or a "
-                     "number } tables")
-            loss_terms.append((term["output"], coefficient))
-        logit_ops = []
-        raw_ops = loss_table.get("logits", [])
-        for item in raw_ops if isinstance(raw_ops, list) else [None]:
-            op, value = next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (None, None)
-            if (op not in LOGIT_OPS or isinstance(value, bool) or not isinstance(value, (str, int, float))
-                    or value in ("", 0)):
-                fail(f"[loss] logits must be a list of {{ op = value }} tables, op one of {list(LOGIT_OPS)} and value "
-                     f"the config attribute HF reads (\"final_logit_softcapping\") or a non-zero number, in the order "
-                     f"the model applies them to its LM head's output")
-            logit_ops.append((op, value))
-        for kind, names in loss_table.items():
-            if kind in ("terms", "logits"):
-                continue
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                fail(f"[loss] {kind} must be a list of head class names")
-            if kind == "ignores_num_items":
-                continue
-            for name in names:
-                if name in loss:
-                    fail(f"[loss] lists {name} under both {loss[name]!r} and {kind!r}")
-                loss[name] = kind
-        checkpoint = data.get("checkpoint", {})
-        if not isinstance(checkpoint, dict) or set(checkpoint) - _CHECKPOINT_KEYS:
-            fail(f"[checkpoint] must be a table with keys among {sorted(_CHECKPOINT_KEYS)}")
-        renames = checkpoint.get("renames", [])
-        if not isinstance(renames, list) or not all(
-                isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) and x for x in r) for r in renames):
-            fail("[checkpoint] renames must be a list of [old suffix, new suffix] pairs of non-empty strings")
-        subclasses: dict[str, tuple[str, str | None]] = {}
-        raw_sub = data.get("subclasses", {})
-        if not isinstance(raw_sub, dict):
-            fail("[subclasses] must be a table of class name = { forward = 'plain' | 'scaled', scale = attribute }")
-        for name, entry in raw_sub.items():
-            if not isinstance(entry, dict) or set(entry) - {"forward", "scale"} or entry.get("forward") not in SUBCLASS_FORWARDS:
-                fail(f"[subclasses] {name} must be a table with forward = one of {list(SUBCLASS_FORWARDS)} "
-                     f"(and scale = a module attribute name for 'scaled')")
-            scale = entry.get("scale")
-            if (entry["forward"] == "scaled") != isinstance(scale, str) or scale == "":
-                fail(f"[subclasses] {name}: forward = 'scaled' needs scale = the name of the module attribute "
-                     f"holding the factor (a float); 'plain' takes no scale")
-            subclasses[name] = (entry["forward"], scale)
-        sp = data.get("sequence_parallel")
-        if sp is not None:
-            ok = (isinstance(sp, dict) and _SP_KEYS <= set(sp) <= _SP_KEYS | _SP_OPTIONAL
-                  and isinstance(sp.get("scope", "x"), str) and sp.get("scope", "x") and isinstance(sp["split"], str) and sp["split"]
-                  and isinstance(sp["exit"], str) and sp["exit"] and isinstance(sp["gather"], list) and sp["gather"]
-                  and all(isinstance(g, str) and g for g in sp["gather"]))
-            if not ok:
-                fail("[sequence_parallel] must be a table with split = the glob of the module whose input is split "
-                     "along the tokens, gather = globs of the modules whose input is all-gathered (attention, MLP), "
-                     "exit = the glob of the module whose output is all-gathered (and optionally scope = the "
-                     "module whose column- and row-parallel layers must all be gathered, by default the whole model)")
+        divisible = _names(data, "divisible", "'divisible' must be a list of config attribute names", fail)
+        divide_config = _names(data, "divide_config", "'divide_config' must be a list of config attribute names", fail)
+        loss, ignores, terms, ops = _read_loss(data.get("loss", {}), fail)
+        renames = _read_checkpoint(data.get("checkpoint", {}), fail)
+        subclasses = _read_subclasses(data.get("subclasses", {}), fail)
+        sp = _read_sequence_parallel(data.get("sequence_parallel"), fail)
         includes = _includes(data.get("include", []), fail)
         raw_rules = data.get("rule", [])
         if not isinstance(raw_rules, list) or not (raw_rules or includes):
             fail("a recipe needs at least one [[rule]] (or [[include]])")
-        rules = []
-        for i, raw in enumerate(raw_rules):
-            where = f"rule #{i}"
-            if not isinstance(raw, dict):
-                fail(f"{where} must be a table")
-            unknown = set(raw) - _RULE_KEYS
-            if unknown:
-                fail(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")
-            match = raw.get("match")
-            patterns = [match] if isinstance(match, str) else match
-            if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
-                fail(f"{where} needs 'match': a glob string or a list of them (\"\": the base model itself)")
-            style = raw.get("style")
-            if style is not None and style not in STYLES:
-                fail(f"{where} (match={patterns}) has unknown style {style!r}; known styles: {list(STYLES)}")
-            divide = raw.get("divide", [])
-            if not isinstance(divide, list) or not all(isinstance(d, str) for d in divide):
-                fail(f"{where} (match={patterns}): 'divide' must be a list of attribute names")
-            raw_inputs = raw.get("head_inputs", [])
-            head_inputs = []
-            for item in raw_inputs if isinstance(raw_inputs, list) else [None]:  # not a list: the error below
-                if (not isinstance(item, dict) or set(item) != _HEAD_INPUT_KEYS or not isinstance(item["arg"], str)
-                        or not isinstance(item["dim"], int) or isinstance(item["dim"], bool)
-                        or not isinstance(item["heads"], str)):
-                    fail(f"{where} (match={patterns}): 'head_inputs' must be a list of {{ arg = forward argument "
-                         f"name, dim = its head dimension (an integer), heads = config attribute of the dense head "
-                         f"count }}")
-                head_inputs.append((item["arg"], item["dim"], item["heads"]))
-            kv_groups = raw.get("kv_groups", [])
-            if not isinstance(kv_groups, list) or not all(isinstance(d, str) and d for d in kv_groups):
-                fail(f"{where} (match={patterns}): 'kv_groups' must be a list of attribute names")
-            kv_counts = raw.get("kv_counts", [])
-            if not isinstance(kv_counts, list) or not all(isinstance(d, str) and d for d in kv_counts):
-                fail(f"{where} (match={patterns}): 'kv_counts' must be a list of attribute names")
-            if style is None and not divide and not head_inputs and not kv_groups and not kv_counts:
-                fail(f"{where} (match={patterns}) needs a 'style' or a 'divide' list (or 'head_inputs', 'kv_groups', "
-                     f"'kv_counts')")
-            parts = raw.get("parts")
-            if parts is not None:
-                if style != "packed_colwise":
-                    fail(f"{where} (match={patterns}): 'parts' is only for style 'packed_colwise'")
-                ok = (isinstance(parts, int) and not isinstance(parts, bool) and parts >= 2) or (
-                    isinstance(parts, list) and len(parts) >= 2 and all(
-                        (isinstance(p, str) and p) or (isinstance(p, int) and not isinstance(p, bool) and p >= 1)
-                        for p in parts))
-                if not ok:
-                    fail(f"{where} (match={patterns}): 'parts' must be an integer >= 2 (equal parts) or a list of "
-                         ">= 2 weights, each a config attribute name or a positive integer")
-                parts = parts if isinstance(parts, int) else tuple(parts)
-            elif style == "packed_colwise":
-                fail(f"{where} (match={patterns}): style 'packed_colwise' needs 'parts'")
-            replicated_parts = raw.get("replicated_parts", [])
-            if replicated_parts:
-                count = parts if isinstance(parts, int) else len(parts or ())
-                if (style != "packed_colwise" or not isinstance(replicated_parts, list)
-                        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count
-                                   for i in replicated_parts)
-                        or len(set(replicated_parts)) != len(replicated_parts) or len(replicated_parts) >= count):
-                    fail(f"{where} (match={patterns}): 'replicated_parts' is for style 'packed_colwise': a list of "
-                         f"distinct part indices (0-based, below {count}) naming some, not all, of the parts")
-            kv_heads = raw.get("kv_heads")
-            if (kv_groups or kv_counts) and (style is not None or kv_heads is None):
-                fail(f"{where} (match={patterns}): 'kv_groups' (attributes holding query heads per KV head) and "
-                     f"'kv_counts' (attributes holding the KV heads) need 'kv_heads' (the KV heads, a config attribute "
-                     f"name or a positive integer) and no 'style'")
-            if kv_heads is not None and not kv_groups and not kv_counts and (
-                    style not in ("colwise", "packed_colwise", "per_head")
-                    or (style == "packed_colwise" and not replicated_parts)
-                    or not ((isinstance(kv_heads, str) and kv_heads)
-                            or (isinstance(kv_heads, int) and not isinstance(kv_heads, bool) and kv_heads >= 1))):
-                fail(f"{where} (match={patterns}): 'kv_heads' (a config attribute name or a positive integer: the KV "
-                     f"heads of a 'colwise' layer, of a 'packed_colwise' layer's replicated_parts, or of a "
-                     f"'per_head' rule's parameters) is for those styles only")
-            params = _rule_params(raw.get("params"), style, f"{where} (match={patterns})", fail)
-            shared = raw.get("shared")
-            if shared is not None and (style != "latent" or not (
-                    (isinstance(shared, str) and shared)
-                    or (isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0))):
-                fail(f"{where} (match={patterns}): 'shared' (the trailing output features every head reads, a config "
-                     f"attribute name or a non-negative integer) is for style 'latent' only")
-            identity_from = raw.get("identity_from")
-            if identity_from is not None and (style != "experts" or not (
-                    (isinstance(identity_from, str) and identity_from)
-                    or (isinstance(identity_from, int) and not isinstance(identity_from, bool) and identity_from >= 0))):
-                fail(f"{where} (match={patterns}): 'identity_from' (the first expert index of the zero-computation "
-                     f"identity experts, a config attribute name or a non-negative integer) is for style 'experts' "
-                     f"only")
-            optional = raw.get("optional", False)
-            if not isinstance(optional, bool):
-                fail(f"{where} (match={patterns}): 'optional' must be true or false")
-            when = raw.get("when", {})
-            if not isinstance(when, dict) or not all(isinstance(v, (bool, int, float, str)) for v in when.values()):
-                fail(f"{where} (match={patterns}): 'when' must be a table of config attribute = value "
-                     f"(booleans, numbers or strings)")
-            rules.append(Rule(i, tuple(patterns), style, parts, tuple(divide), optional, tuple(sorted(when.items())),
-                              tuple(replicated_parts), tuple(head_inputs), params, kv_heads=kv_heads,
-                              kv_groups=tuple(kv_groups), kv_counts=tuple(kv_counts), shared=shared,
-                              identity_from=identity_from))
+        rules = [_read_rule(i, raw, fail) for i, raw in enumerate(raw_rules)]
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
-                   loss, tuple(loss_table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops),
-                   tuple(tuple(r) for r in renames), subclasses, sp, includes)
+                   loss, ignores, terms, ops, renames, subclasses, sp, includes)
+
+
+def _names(data: dict, key: str, message: str, fail) -> list[str]:
+    """A top-level list of config attribute names."""
+    names = data.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(d, str) for d in names):
+        fail(message)
+    return names
+
+
+def _read_loss(table, fail) -> tuple[dict, tuple, tuple, tuple]:
+    """``[loss]``: ``(head class -> kind, ignores_num_items, terms, logit ops)``."""
+    if not isinstance(table, dict) or set(table) - _LOSS_KEYS:
+        fail(f"[loss] must be a table with keys among {sorted(_LOSS_KEYS)}")
+    loss_terms = []
+    for term in table.get("terms", []) if isinstance(table.get("terms", []), list) else [None]:
+        coefficient = term.get("coefficient") if isinstance(term, dict) else None
+        if (not isinstance(term, dict) or set(term) != _TERM_KEYS or not isinstance(term["output"], str)
+                or not term["output"] or isinstance(coefficient, bool)
+                or not isinstance(coefficient, (str, int, float)) or coefficient == ""):
+            fail("[loss] terms must be a list of { output = the model output's field (\"aux_loss\"), "
+                 "coefficient = the config attribute HF multiplies it by (\"router_aux_loss_coef\"), or a "
+                 "number } tables")
+        loss_terms.append((term["output"], coefficient))
+    logit_ops = []
+    raw_ops = table.get("logits", [])
+    for item in raw_ops if isinstance(raw_ops, list) else [None]:
+        op, value = next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (None, None)
+        if (op not in LOGIT_OPS or isinstance(value, bool) or not isinstance(value, (str, int, float))
+                or value in ("", 0)):
+            fail(f"[loss] logits must be a list of {{ op = value }} tables, op one of {list(LOGIT_OPS)} and value "
+                 f"the config attribute HF reads (\"final_logit_softcapping\") or a non-zero number, in the order "
+                 f"the model applies them to its LM head's output")
+        logit_ops.append((op, value))
+    loss: dict[str, str] = {}
+    for kind, names in table.items():
+        if kind in ("terms", "logits"):
+            continue
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            fail(f"[loss] {kind} must be a list of head class names")
+        if kind == "ignores_num_items":
+            continue
+        for name in names:
+            if name in loss:
+                fail(f"[loss] lists {name} under both {loss[name]!r} and {kind!r}")
+            loss[name] = kind
+    return loss, tuple(table.get("ignores_num_items", [])), tuple(loss_terms), tuple(logit_ops)
+
+
+def _read_checkpoint(table, fail) -> tuple[tuple[str, str], ...]:
+    """``[checkpoint] renames``: ``((old suffix, new suffix), ...)``."""
+    if not isinstance(table, dict) or set(table) - _CHECKPOINT_KEYS:
+        fail(f"[checkpoint] must be a table with keys among {sorted(_CHECKPOINT_KEYS)}")
+    renames = table.get("renames", [])
+    if not isinstance(renames, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) and x for x in r) for r in renames):
+        fail("[checkpoint] renames must be a list of [old suffix, new suffix] pairs of non-empty strings")
+    return tuple(tuple(r) for r in renames)
+
+
+def _read_subclasses(raw, fail) -> dict[str, tuple[str, str | None]]:
+    """``[subclasses]``: class name -> ``(forward, scale attribute)``."""
+    if not isinstance(raw, dict):
+        fail("[subclasses] must be a table of class name = { forward = 'plain' | 'scaled', scale = attribute }")
+    subclasses = {}
+    for name, entry in raw.items():
+        if not isinstance(entry, dict) or set(entry) - {"forward", "scale"} or entry.get("forward") not in SUBCLASS_FORWARDS:
+            fail(f"[subclasses] {name} must be a table with forward = one of {list(SUBCLASS_FORWARDS)} "
+                 f"(and scale = a module attribute name for 'scaled')")
+        scale = entry.get("scale")
+        if (entry["forward"] == "scaled") != isinstance(scale, str) or scale == "":
+            fail(f"[subclasses] {name}: forward = 'scaled' needs scale = the name of the module attribute "
+                 f"holding the factor (a float); 'plain' takes no scale")
+        subclasses[name] = (entry["forward"], scale)
+    return subclasses
+
+
+def _read_sequence_parallel(sp, fail) -> dict | None:
+    """``[sequence_parallel]``: split, gather, exit (and optionally scope) globs."""
+    if sp is None:
+        return None
+    ok = (isinstance(sp, dict) and _SP_KEYS <= set(sp) <= _SP_KEYS | _SP_OPTIONAL
+          and isinstance(sp.get("scope", "x"), str) and sp.get("scope", "x") and isinstance(sp["split"], str)
+          and sp["split"] and isinstance(sp["exit"], str) and sp["exit"] and isinstance(sp["gather"], list)
+          and sp["gather"] and all(isinstance(g, str) and g for g in sp["gather"]))
+    if not ok:
+        fail("[sequence_parallel] must be a table with split = the glob of the module whose input is split "
+             "along the tokens, gather = globs of the modules whose input is all-gathered (attention, MLP), "
+             "exit = the glob of the module whose output is all-gathered (and optionally scope = the "
+             "module whose column- and row-parallel layers must all be gathered, by default the whole model)")
+    return sp
+
+
+def _read_rule(i: int, raw, fail) -> Rule:
+    """One ``[[rule]]``: its common keys here, its style's keys by the style (:meth:`Style.read_rule`)."""
+    where = f"rule #{i}"
+    if not isinstance(raw, dict):
+        fail(f"{where} must be a table")
+    allowed = rule_keys()
+    unknown = set(raw) - allowed
+    if unknown:
+        fail(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    match = raw.get("match")
+    patterns = [match] if isinstance(match, str) else match
+    if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
+        fail(f"{where} needs 'match': a glob string or a list of them (\"\": the base model itself)")
+    style = raw.get("style")
+    if style is not None and style not in STYLES:
+        fail(f"{where} (match={patterns}) has unknown style {style!r}; known styles: {list(STYLES)}")
+    where = f"{where} (match={patterns})"
+    divide = raw.get("divide", [])
+    if not isinstance(divide, list) or not all(isinstance(d, str) for d in divide):
+        fail(f"{where}: 'divide' must be a list of attribute names")
+    head_inputs = _read_head_inputs(raw.get("head_inputs", []), where, fail)
+    kv_groups, kv_counts = (_attribute_list(raw, key, where, fail) for key in ("kv_groups", "kv_counts"))
+    if style is None and not divide and not head_inputs and not kv_groups and not kv_counts:
+        fail(f"{where} needs a 'style' or a 'divide' list (or 'head_inputs', 'kv_groups', 'kv_counts')")
+    kv_heads = raw.get("kv_heads")
+    if (kv_groups or kv_counts) and (style is not None or kv_heads is None):
+        fail(f"{where}: 'kv_groups' (attributes holding query heads per KV head) and 'kv_counts' (attributes "
+             f"holding the KV heads) need 'kv_heads' (the KV heads, a config attribute name or a positive integer) "
+             f"and no 'style'")
+    own = {k: v for k, v in raw.items() if k not in _COMMON_KEYS or (k == "kv_heads" and not kv_groups and not kv_counts)}
+    if own.get("replicated_parts") == []:
+        del own["replicated_parts"]  # an empty list says nothing (any style may give it)
+    try:
+        options = STYLES[style].read_rule(own, where) if style is not None else _no_style(own, where)
+    except RuleError as e:
+        fail(str(e))
+    optional = raw.get("optional", False)
+    if not isinstance(optional, bool):
+        fail(f"{where}: 'optional' must be true or false")
+    when = raw.get("when", {})
+    if not isinstance(when, dict) or not all(isinstance(v, (bool, int, float, str)) for v in when.values()):
+        fail(f"{where}: 'when' must be a table of config attribute = value (booleans, numbers or strings)")
+    return Rule(i, tuple(patterns), style, tuple(divide), optional, tuple(sorted(when.items())), tuple(head_inputs),
+                kv_heads, tuple(kv_groups), tuple(kv_counts), options)
+
+
+def _no_style(own: dict, where: str) -> None:
+    """A rule without a style takes no style key (the message of a style that does)."""
+    if own:
+        raise RuleError(f"{where}: {foreign_key(next(iter(own)))}")
+
+
+def _read_head_inputs(raw, where: str, fail) -> list[tuple[str, int, str]]:
+    """A rule's ``head_inputs``: ``[(argument, head dimension, config head count)]``."""
+    found = []
+    for item in raw if isinstance(raw, list) else [None]:  # not a list: the error below
+        if (not isinstance(item, dict) or set(item) != _HEAD_INPUT_KEYS or not isinstance(item["arg"], str)
+                or not isinstance(item["dim"], int) or isinstance(item["dim"], bool)
+                or not isinstance(item["heads"], str)):
+            fail(f"{where}: 'head_inputs' must be a list of {{ arg = forward argument name, dim = its head dimension "
+                 f"(an integer), heads = config attribute of the dense head count }}")
+        found.append((item["arg"], item["dim"], item["heads"]))
+    return found
+
+
+def _attribute_list(raw: dict, key: str, where: str, fail) -> list[str]:
+    """A rule's list of module attribute names (``kv_groups``, ``kv_counts``)."""
+    names = raw.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(d, str) and d for d in names):
+        fail(f"{where}: '{key}' must be a list of attribute names")
+    return names
 
 
 def _includes(raw, fail) -> tuple[Include, ...]:
@@ -451,52 +475,6 @@ def _includes(raw, fail) -> tuple[Include, ...]:
     if len(set(prefixes)) != len(prefixes):
         fail(f"[[include]] names a prefix twice: {prefixes}")
     return tuple(found)
-
-
-def _rule_params(raw, style, where: str, fail) -> tuple[tuple[str, int, int], ...]:
-    """A rule's ``params`` table: ``{ name = { dim = d, parts = n } }`` -> ``((name, d, n), ...)``
-    sorted by name (``parts`` 1 when not given); ``{ after_sum = true }`` (``experts`` only: a bias
-    added to each expert's output, kept whole and counted once) -> ``(name, AFTER_SUM, 1)``. The
-    ``experts`` and ``per_head`` styles take it, and need it. ``replicate`` takes a list of the
-    module's own parameter names instead (``["positional_embedding_vlm"]`` -> ``(name, WHOLE, 1)``):
-    those parameters whole on purpose, the module's children keeping their own rules."""
-    if style == "replicate" and raw is not None:
-        if not (isinstance(raw, list) and raw and all(isinstance(n, str) and n and "." not in n for n in raw)
-                and len(set(raw)) == len(raw)):
-            fail(f"{where}: 'params' of style 'replicate' must be a list of distinct names of the module's own "
-                 f"parameters, kept whole on purpose (its children keep their own rules)")
-        return tuple((name, WHOLE, 1) for name in sorted(raw))
-    if raw is None:
-        if style == "experts":
-            fail(f"{where}: style 'experts' needs 'params', the parameters it splits and how: params = "
-                 f"{{ gate_up_proj = {{ dim = 1, parts = 2 }}, down_proj = {{ dim = 2 }} }}")
-        if style == "per_head":
-            fail(f"{where}: style 'per_head' needs 'params', the parameters holding one value per head and their head "
-                 f"dimension: params = {{ sinks = {{ dim = 0 }} }}")
-        return ()
-    if style not in ("experts", "per_head"):
-        fail(f"{where}: 'params' is only for styles 'experts' and 'per_head' (and, as a list of the module's own "
-             f"parameter names kept whole, 'replicate')")
-
-    def split(spec) -> bool:
-        return (set(spec) <= _PARAM_KEYS and "dim" in spec
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values())
-                and spec["dim"] >= 0 and spec.get("parts", 1) >= 1)
-
-    def after_sum(spec) -> bool:
-        return style == "experts" and spec == {"after_sum": True}
-
-    ok = isinstance(raw, dict) and raw and all(
-        isinstance(name, str) and name and "." not in name and isinstance(spec, dict) and spec
-        and (split(spec) or after_sum(spec)) for name, spec in raw.items())
-    if not ok:
-        fail(f"{where}: 'params' must be a table of parameter name = {{ dim = the dimension split over the ranks "
-             f"(an integer >= 0), parts = the number of equal packed parts along it, each split alike (optional, "
-             f"an integer >= 1) }}" + (", or {{ after_sum = true }} (a bias added to each expert's output: kept "
-                                       "whole, counted once after the sum over the ranks)" if style == "experts"
-                                       else ""))
-    return tuple(sorted((name, AFTER_SUM, 1) if "after_sum" in spec else (name, spec["dim"], spec.get("parts", 1))
-                        for name, spec in raw.items()))
 
 
 def loss_terms_of(config) -> list[dict]:
@@ -577,112 +555,3 @@ def load_recipe(recipe: "str | Path | dict | Recipe") -> Recipe:
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"recipe {path}: not valid TOML: {e}") from e
     return Recipe.from_dict(data, str(path))
-
-
-def compose(recipe: Recipe, model) -> Recipe:
-    """``recipe`` with its ``[[include]]`` tables applied: one flat recipe for ``model``.
-
-    Each include applies another recipe (its ``recipe``, else the ``model_type`` of the sub-config
-    at ``config``) to the sub-module at ``prefix`` (relative to the base model): the included
-    rules' globs are prefixed with it (and with the sub-module's own base-model prefix, when it
-    has one), and every config attribute they read (``divisible``, ``divide_config``,
-    ``kv_heads``, ``parts`` weights, ``head_inputs`` heads, ``when`` keys) becomes a dotted path
-    into the sub-config (``text_config.num_attention_heads``), so it resolves against the part it
-    was written for. Included recipes may include others (applied first, against their own
-    sub-config). Their ``[subclasses]`` and checkpoint renames are added; their
-    ``[sequence_parallel]`` table is prefixed and scoped to the sub-module (its column- and
-    row-parallel layers must lie in a gathered module; the other parts' layers, which run outside
-    the split stretch, need not); at most one part may have one. Their ``[loss]`` tables are not
-    taken: the head classes are the composite's, and the including recipe declares them. The
-    recipe's own rules come first (their indices unchanged), then each include's in order. Local.
-
-    Raises:
-        RecipeError: a sub-config that the model's config does not hold, a sub-module the model
-            does not have, no recipe for the part's model_type (named, with the shipped ones),
-            a config attribute the included recipe reads that the sub-config lacks (each named,
-            with the rule that reads it), two ``[sequence_parallel]`` tables, or one
-            ``[subclasses]`` entry given two ways.
-    """
-    if not recipe.includes:
-        return recipe
-    config = getattr(model, "config", None)
-    base, _ = base_model_and_prefix(model)
-    rules = list(recipe.rules)
-    subclasses, renames = dict(recipe.subclasses), list(recipe.renames)
-    divisible, divide_config = list(recipe.divisible), list(recipe.divide_config)
-    sp = recipe.sequence_parallel
-    for number, inc in enumerate(recipe.includes):
-        where = f"recipe {recipe.source}: [[include]] #{number} (prefix = {inc.prefix!r}, config = {inc.config!r})"
-        sub = config_get(config, inc.config)
-        if sub is None or isinstance(sub, (bool, int, float, str, list, tuple, dict)):
-            raise RecipeError(f"{where}: {type(config).__name__} holds no sub-config at {inc.config!r} ({sub!r}); "
-                              f"name the attribute that holds the part's config (text_config, vision_config)")
-        try:
-            module = base.get_submodule(inc.prefix)
-        except AttributeError:
-            raise RecipeError(f"{where}: {type(model).__name__} has no module {inc.prefix!r} (relative to its base "
-                              f"model {type(base).__name__}); its children are "
-                              f"{[n for n, _ in base.named_children()]}") from None
-        name = inc.recipe or getattr(sub, "model_type", None)
-        if not name:
-            raise RecipeError(f"{where}: the sub-config {type(sub).__name__} has no model_type; give recipe = ...")
-        try:
-            inner = compose(load_recipe(name), module)
-        except RecipeError as e:
-            raise RecipeError(f"{where}: the part {type(module).__name__} ({inc.config}.model_type = "
-                              f"{getattr(sub, 'model_type', None)!r}) cannot be planned: {e} For a part: a recipe file "
-                              f"named after its model_type in a recipes folder, or recipe = ... in this [[include]]"
-                              ) from None
-        _check_sub_config(inner, sub, where)
-        inner_prefix = base_model_and_prefix(module)[1]
-        prefix = f"{inc.prefix}.{inner_prefix}" if inner_prefix else inc.prefix
-
-        def at(name: str, path: str = inc.config) -> str:
-            return f"{path}.{name}"
-
-        for r in inner.rules:
-            parts = tuple(at(p) if isinstance(p, str) else p for p in r.parts) if isinstance(r.parts, tuple) \
-                else r.parts
-            rules.append(Rule(len(rules), tuple(f"{prefix}.{p}" for p in r.patterns), r.style, parts, r.divide,
-                              r.optional, tuple((at(k), v) for k, v in r.when), r.replicated_parts,
-                              tuple((a, d, at(h)) for a, d, h in r.head_inputs), r.params,
-                              at(r.kv_heads) if isinstance(r.kv_heads, str) else r.kv_heads, r.kv_groups,
-                              kv_counts=r.kv_counts, shared=at(r.shared) if isinstance(r.shared, str) else r.shared,
-                              identity_from=at(r.identity_from) if isinstance(r.identity_from, str)
-                              else r.identity_from,
-                              origin=f"{inner.source} at {prefix}" + (f" ({r.origin})" if r.origin else "")))
-        divisible += [at(n) for n in inner.divisible]
-        divide_config += [at(n) for n in inner.divide_config]
-        renames += [r for r in inner.renames if r not in renames]
-        for cls_name, entry in inner.subclasses.items():
-            if subclasses.setdefault(cls_name, entry) != entry:
-                raise RecipeError(f"{where}: [subclasses] {cls_name} is {entry} in {inner.source} but "
-                                  f"{subclasses[cls_name]} elsewhere")
-        if inner.sequence_parallel is not None:
-            if sp is not None:
-                raise RecipeError(f"{where}: {inner.source} has a [sequence_parallel] table, and so has another part; "
-                                  f"one stretch of split tokens per model")
-            isp = inner.sequence_parallel
-            sp = {"split": f"{prefix}.{isp['split']}", "gather": [f"{prefix}.{g}" for g in isp["gather"]],
-                  "exit": f"{prefix}.{isp['exit']}", "scope": f"{prefix}.{isp['scope']}" if "scope" in isp else prefix}
-    return Recipe(recipe.model_type, rules, tuple(divisible), recipe.source, recipe.description, tuple(divide_config),
-                  recipe.loss, recipe.ignores_num_items, recipe.loss_terms, recipe.logit_ops, tuple(renames),
-                  subclasses, sp)
-
-
-def _check_sub_config(recipe: Recipe, sub, where: str) -> None:
-    """Every config attribute ``recipe``'s rules read holds on ``sub`` (``when`` keys aside: a
-    condition on a missing attribute is simply false), else a RecipeError naming each."""
-    reads = [(n, "divisible") for n in recipe.divisible] + [(n, "divide_config") for n in recipe.divide_config]
-    for r in recipe.rules:
-        if isinstance(r.kv_heads, str):
-            reads.append((r.kv_heads, f"kv_heads of {r.describe()}"))
-        if isinstance(r.parts, tuple):
-            reads += [(p, f"parts of {r.describe()}") for p in r.parts if isinstance(p, str)]
-        reads += [(h, f"head_inputs of {r.describe()}") for _, _, h in r.head_inputs]
-    missing = [f"{name} ({what})" for name, what in reads if not config_has(sub, name)]
-    if missing:
-        raise RecipeError(f"{where}: recipe {recipe.source} reads config attributes that the sub-config "
-                          f"{type(sub).__name__} (model_type {getattr(sub, 'model_type', None)!r}) does not have: "
-                          f"{missing}. Include a recipe written for this part's family (recipe = ...), or write one "
-                          f"(docs/recipes.md)")

@@ -1,4 +1,4 @@
-"""transformers' own TP plans (tpify/hf_plan.py) and ``tpify draft`` recipes, proved exact at tp = 2.
+"""transformers' own TP plans (tpify/hf_plan/) and ``tpify draft`` recipes, proved exact at tp = 2.
 
 ONE spawned job (tests/tputil.spawn, 2 gloo ranks) runs :func:`tpify.authoring.checks.check_case` for:
 

@@ -66,6 +66,15 @@ TOL = dict(atol=1e-12, rtol=1e-12)
 EXACT = dict(atol=0, rtol=0)
 
 
+#: The layout of a toy model no style installs hooks on (what region_grads reads of a layout).
+NO_STYLES = SimpleNamespace(modules={})
+
+
+def _watcher(handles):
+    """The :class:`region_grads.ReplicatedInRegion` among ``region_grads.install``'s handles."""
+    return next(h for h in handles if isinstance(h, region_grads.ReplicatedInRegion))
+
+
 def _t(seed, shape):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
@@ -161,7 +170,8 @@ def dropout_streams_inside_and_outside_a_region(c):
     seed = 1234
     tracker = _tracker(c, seed)
     model = _DropoutToy(tracker).double()
-    handles = dropout.install(model, SimpleNamespace(region_starts=("up",), region_ends=("down",)), tracker)
+    handles = dropout.install(model, SimpleNamespace(region_starts=("up",), region_ends=("down",)),
+                              TPContext(c.group, rng=tracker))
     torch.manual_seed(seed)
     x = torch.zeros(2, 4, dtype=F64)
     model.train()
@@ -219,7 +229,7 @@ def head_inputs_sliced_to_this_ranks_heads(c):
     mine = slice(2 * c.rank, 2 * c.rank + 2)  # heads r*n/p .. (r+1)*n/p - 1
     model = _HeadsToy()
     layout = SimpleNamespace(head_inputs={"attn": (("alibi", 0, n), ("mask", -3, n))})  # mask (B, n, T, T): dim 1
-    handles = head_inputs.install(model, layout, c.group)
+    handles = head_inputs.install(model, layout, TPContext(c.group))
     hidden = _t(0, (B, T, 8))
     alibi = _t(1, (B * n, 1, T)).requires_grad_()  # batch-major, heads fastest (bloom)
     mask, broadcast = _t(2, (B, n, T, T)), _t(3, (B, 1, T, T))
@@ -273,8 +283,9 @@ def region_grads_sums_gradients_of_replicated_params_used_inside_a_region(c):
     par = copy.deepcopy(dense)
     par.up = ColumnParallelLinear.from_dense(dense.up, c.group, context=ctx)
     par.down = RowParallelLinear.from_dense(dense.down, c.group, context=ctx)
-    handles = dropout.install(par, SimpleNamespace(region_starts=("up",), region_ends=("down",)), tracker)
-    watcher = region_grads.install(par, tracker, SummedGrads(c.group), state, handles)
+    handles = dropout.install(par, SimpleNamespace(region_starts=("up",), region_ends=("down",)), ctx)
+    handles += region_grads.install(par, NO_STYLES, ctx)
+    watcher = _watcher(handles)
     x, g = _t(20, (2, 3, 4)), _t(21, (2, 3, 4))
     xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     dense(xd).backward(g)
@@ -323,8 +334,8 @@ def region_grads_sums_gradients_of_params_that_see_this_ranks_tokens(c):
     dense = _dense(_SplitTokensToy(CallState(), 0), 30)
     par = copy.deepcopy(dense)
     par.state, par.rank = state, c.rank
-    handles = []
-    watcher = region_grads.install(par, _tracker(c, 0), SummedGrads(c.group), state, handles)
+    handles = region_grads.install(par, NO_STYLES, TPContext(c.group, rng=_tracker(c, 0), state=state))
+    watcher = _watcher(handles)
     x, g1, g2 = _t(31, (2, 4, 4)), _t(32, (2, 4, 4)), _t(33, (2, 4, 4))
     (dense.split_norm(x) * g1).sum().add((dense.full_norm(x) * g2).sum()).backward()
     part, full = par(x)
@@ -383,7 +394,7 @@ def sequence_parallel_split_gather_exit_match_dense(c):
         mlp.down = RowParallelLinear.from_dense(dense.layers[i].mlp.down, c.group, sequence_parallel=True, context=ctx)
     where = {"split": "layers.0", "gather": ["layers.0.mlp", "layers.1.mlp"], "exit": "norm"}
     handles = [par.register_forward_hook(ctx.region_input.clear)] + SequenceParallel(ctx, where).install(par)
-    region_grads.install(par, tracker, SummedGrads(c.group), ctx.state, handles)
+    handles += region_grads.install(par, NO_STYLES, ctx)
     seen_ln, seen_scatter = [], []
     spies = [par.layers[1].ln.register_forward_pre_hook(
                  lambda m, args: seen_ln.append((ctx.state.sequence_active, tuple(args[0].shape)))),
@@ -457,7 +468,7 @@ def _sequence_parallel_stack(c, dense):
         mlp.down = RowParallelLinear.from_dense(dense.layers[i].mlp.down, c.group, sequence_parallel=True, context=ctx)
     where = {"split": "layers.0", "gather": ["layers.0.mlp", "layers.1.mlp"], "exit": "norm"}
     handles = [par.register_forward_hook(ctx.region_input.clear)] + SequenceParallel(ctx, where).install(par)
-    region_grads.install(par, tracker, ctx.summed_grads, ctx.state, handles)
+    handles += region_grads.install(par, NO_STYLES, ctx)
     return par.train(), ctx, handles
 
 
@@ -594,7 +605,7 @@ def _lm_layout(terms=()):
 def lm_loss_from_vocab_shards_equals_dense_causal_cross_entropy(c):
     state = CallState()
     dense, par = _lm_pair(c, state)
-    handles = lm_loss.install(par, _lm_layout(), state)
+    handles = lm_loss.install(par, _lm_layout(), TPContext(c.group, state=state))
     seen = []
     spy = par.lm_head.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append((kwargs.get("runtime_gather_output", "absent"), state.logits_sharded)),
@@ -651,7 +662,7 @@ def lm_loss_adds_declared_terms_and_refuses_undeclared_ones(c):
                         ("undeclared", ())):
         state = CallState()
         dense, par = _lm_pair(c, state, aux=True)
-        handles = lm_loss.install(par, _lm_layout(terms), state)
+        handles = lm_loss.install(par, _lm_layout(terms), TPContext(c.group, state=state))
         ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(52))
         ref = dense(ids, labels=ids)
         coefficient = 0.25 if name == "config" else 2.0

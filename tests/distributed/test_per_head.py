@@ -12,7 +12,7 @@ All slow (the quick suite is at its time limit), in TWO spawned jobs and one pro
   heads and its sinks, a KV head held by 2 ranks) and with expert parallelism (ep_size = 4), and
   the causal LM of a Llama whose attention holds a parameter per KV head (tests/verify_models.py
   ``KVGatedLlama*``, 2 KV heads over 4 ranks: each value held by 2 ranks, its gradient summed
-  over each group: tpify.hooks.per_head; without the sum its gradient is off by 0.016, measured).
+  over each group: tpify.styles.per_head; without the sum its gradient is off by 0.016, measured).
 * In one process (meta models, no ranks): what would be silently wrong is refused by name (a
   per-head parameter left whole by a recipe, gpt-oss's interleaved gate/up split as two parts,
   its down_proj_bias split or left out, the intermediate dimension named wrong, per_head on the

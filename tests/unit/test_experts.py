@@ -41,6 +41,7 @@ from tpify.layout import PlanError, build_layout, coverage_threshold
 from tpify.recipe import Recipe, RecipeError, Rule, available_recipes, load_recipe
 from tpify.sharding import ShardSpec, shard_spec_of
 from tpify.styles import STYLES, PlanContext
+from tpify.styles.experts import ExpertsOptions
 
 S = ShardSpec
 PARAMS = (("down_proj", 2, 1), ("gate_up_proj", 1, 2))
@@ -78,7 +79,7 @@ def _ctx(tp, ep=1):
 
 
 def _rule(params=PARAMS):
-    return Rule(0, ("experts",), "experts", params=tuple(params))
+    return Rule(0, ("experts",), "experts", options=ExpertsOptions(tuple(params)))
 
 
 def _fake(tp, rank):

@@ -1,4 +1,4 @@
-"""transformers' TP plans as tpify recipes (tpify/hf_plan.py) and ``tpify draft`` (tpify/authoring/draft.py),
+"""transformers' TP plans as tpify recipes (tpify/hf_plan/) and ``tpify draft`` (tpify/authoring/draft.py),
 without ranks: models on the meta device or small random ones on the CPU.
 
 * Style mapping, on synthetic plans set on a small Qwen3 model: colwise, rowwise,
@@ -236,7 +236,7 @@ def test_identity_experts_import_and_are_counted_once():
     """HF's ``moe_identity_expert`` inside a ``moe_tp_experts`` module (longcat_flash's
     zero-computation experts: the token itself, weighted) imports as the experts rule's
     ``identity_from``: the routed experts' count (down_proj's dim 0), from which tpify counts them
-    once after the sum (tpify.hooks.experts); expert parallelism refuses them by name."""
+    once after the sum (tpify.styles.experts); expert parallelism refuses them by name."""
 
     class Experts(_FusedExperts):
         def __init__(self):

@@ -49,6 +49,31 @@ COMM: dict[str, tuple[str, ...]] = {
 }
 
 
+# Packages of the core whose files import no tpify module but these (the direction inside the core):
+# the styles are below the recipe, the layout and the hooks (they own their module hooks and read
+# no layout); the model-level hooks read the layout as data, never the styles, the recipe or the
+# planner; transformers' plans are imported through the recipe and the styles.
+BELOW: dict[str, tuple[str, ...]] = {
+    "tpify.styles": ("tpify.styles", "tpify.comm", "tpify.context", "tpify.hf_modules", "tpify.layers",
+                     "tpify.sharding", "tpify.syncs"),
+    "tpify.hooks": ("tpify.hooks", "tpify.agree", "tpify.comm", "tpify.context", "tpify.context_parallel",
+                    "tpify.grad_sums", "tpify.hf_modules", "tpify.info", "tpify.layers", "tpify.loss",
+                    "tpify.random", "tpify.sharding", "tpify.syncs"),
+    "tpify.hf_plan": ("tpify.hf_plan", "tpify.hf_modules", "tpify.recipe", "tpify.styles"),
+    "tpify.recipe": ("tpify.hf_modules", "tpify.loss", "tpify.styles"),
+    "tpify.compose": ("tpify.hf_modules", "tpify.recipe", "tpify.styles"),
+    "tpify.planner": ("tpify.hf_modules", "tpify.recipe", "tpify.sharding", "tpify.styles"),
+}
+# Modules only their own package's face may import (implementation details behind it).
+BEHIND: dict[str, tuple[str, ...]] = {
+    "tpify.planner": ("tpify.layout",),
+    "tpify.hf_plan.state": ("tpify.hf_plan",),
+    "tpify.hf_plan.leftovers": ("tpify.hf_plan",),
+    "tpify.hf_plan.refused": ("tpify.hf_plan",),
+    "tpify.styles.experts_hooks": ("tpify.styles",),
+}
+
+
 def _module_name(path: Path, root: Path) -> str:
     """``tpify.authoring.verify`` for ``root/authoring/verify.py`` (``root`` is the ``tpify`` folder)."""
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
@@ -135,6 +160,34 @@ def _files(module: str) -> list[Path]:
     """The files of ``module``: its ``.py`` file, or every file of its package."""
     base = ROOT.joinpath(*module.split(".")[1:])
     return sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+
+
+def test_the_core_imports_go_down():
+    """Each package of :data:`BELOW` imports no tpify module but those listed (the styles own
+    their module hooks and are imported by the recipe, the planner and transformers' plans, never
+    the other way round; the model-level hooks never read the styles, the recipe or the planner)."""
+    problems = []
+    for package, allowed in BELOW.items():
+        for path in _files(package):
+            for line, name in tpify_imports(path):
+                if name == "tpify" or any(_inside(name, a) for a in allowed):
+                    continue
+                problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {package} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_modules_behind_a_face_are_imported_only_by_it():
+    """The planner is imported by the layout only, the parts of tpify.hf_plan and the experts'
+    hooks by their own package only."""
+    problems = []
+    for path in sorted(ROOT.rglob("*.py")):
+        importer = _module_name(path, ROOT)
+        for line, name in tpify_imports(path):
+            for module, allowed in BEHIND.items():
+                if _inside(name, module) and importer != module and not any(_inside(importer, a) for a in allowed):
+                    problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {importer} imports {name} (only "
+                                    f"{', '.join(allowed)} may)")
+    assert not problems, "\n".join(problems)
 
 
 def test_the_core_has_no_circle():

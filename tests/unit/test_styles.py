@@ -66,7 +66,10 @@ def _plan_ctx(tp, *, pad=1, parts=None, subclasses=None, report_indivisible=True
 
 
 def _rule(style, parts=None, replicated=()):
-    return Rule(0, ("fc",), style, parts=parts, replicated_parts=tuple(replicated))
+    """A rule giving ``style``, its keys read by the style (``parts`` and ``replicated_parts`` only
+    for ``packed_colwise``, which needs them)."""
+    raw = {"parts": parts, "replicated_parts": list(replicated)} if style == "packed_colwise" else {}
+    return Rule(0, ("fc",), style, options=STYLES[style].read_rule(raw, "rule #0"))
 
 
 def _dense(module, seed=0):

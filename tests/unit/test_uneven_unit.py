@@ -2,7 +2,7 @@
 
 A split size ``tp_size`` does not divide is split by torch.chunk's rule (``ceil(n / p)`` per rank,
 the last ranks fewer; docs/mechanics.md, "Uneven splits") only where the planner finds no
-attention head (:meth:`tpify.layout._Planner.find_heads`). Proven here:
+attention head (:meth:`tpify.planner.Planner.find_heads`). Proven here:
 
 * the MLPs of Llama (gate/up/down), GPT-2 (Conv1D ``c_fc``/``c_proj``), Phi-3 (packed
   ``[gate | up]``), T5 (``wi``/``wo``), BERT (``intermediate``/``output``) and Mixtral's fused

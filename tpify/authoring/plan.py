@@ -173,13 +173,15 @@ def _match_origin(model, rule, fqn: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _replicate_reason(model, layout, fqn: str) -> str:
-    """Why a ``replicate`` entry is whole: its own rule, or the replicated container it lies in."""
+def _rule_source(model, layout, fqn: str) -> str:
+    """Where module ``fqn``'s entry comes from, as the plan says it: ``from rule #i (match 'p')``,
+    or ``inside container C, replicated by rule #i (match 'p')`` (the glob matched an enclosing
+    module)."""
     rule = layout.recipe.rules[layout.modules[fqn].rule]
     pattern, container = _match_origin(model, rule, fqn)
     if container is not None:
         return f"inside container {container}, replicated by rule #{rule.index} (match {pattern!r})"
-    return f"style replicate from rule #{rule.index} (match {pattern!r})"
+    return f"from rule #{rule.index} (match {pattern!r})"
 
 
 def _rule_uses(model, layout) -> list[dict]:
@@ -298,8 +300,9 @@ def _module_rows(model, layout, tp_size: int, params: _Params) -> list[dict]:
         per_param = rank_shapes(module, entry, tp_size)
         rule = layout.recipe.rules[entry.rule]
         origin = _match_origin(model, rule, fqn)
-        rows_dim = {"embedding_rowwise": "num_embeddings", "colwise_rep": "nf" if hasattr(module, "nf") else
-                    "out_features"}.get(entry.style)
+        style = entry.styler
+        rows_dim = None if not style.vocab_rows else "num_embeddings" if style.kind == "embedding" else (
+            "nf" if hasattr(module, "nf") else "out_features")
         row = {"fqn": fqn, "relative_fqn": relative_fqn(model, fqn), "type": type(module).__name__,
                "rule": entry.rule, "match": list(rule.patterns), "matched_by": origin[0], "container": origin[1],
                "style": entry.style, "partition_sizes": entry.partition_sizes, "padded_size": entry.padded_size,
@@ -309,7 +312,8 @@ def _module_rows(model, layout, tp_size: int, params: _Params) -> list[dict]:
                "output_scale": getattr(entry, "output_scale", None),
                "split_params": [{"name": n, "dim": 0 if entry.expert_parallel else d, "parts": 1 if entry.expert_parallel
                                  else p} for n, d, p in entry.params] or None,
-               "expert_parallel": entry.expert_parallel, "uneven": entry.uneven, "params": []}
+               "expert_parallel": entry.expert_parallel, "uneven": entry.uneven, "note": style.explain(entry),
+               "params": []}
         # an uneven split (torch.chunk's rule): each rank's shapes, listed where they differ
         every_rank = [rank_shapes(module, entry, tp_size, r) for r in range(tp_size)] if entry.uneven else None
         for pname, (dense_shape, rank_shape, sharded) in per_param.items():
@@ -373,25 +377,15 @@ def _whole_reason(model, layout, module, mname: str, pname: str, numel: int = 0)
                  if threshold and numel < threshold else "")
         return f"not a shardable layer ({type(module).__name__}): a full copy on every rank{below}"
     entry = layout.modules[mname]
-    if entry.style == "rowwise" and pname == "bias":
-        return "bias of a rowwise layer: whole on every rank, added once after the all-reduce"
-    if entry.style == "replicate":
-        return _replicate_reason(model, layout, mname)
-    if entry.style == "replicate_sum_grads":
-        return (f"style replicate_sum_grads ({_replicate_reason(model, layout, mname).removeprefix('style replicate ')}"
-                f"): whole, its gradient, partial on each rank, summed over the ranks")
-    if entry.style == "latent":
-        shared = (f"; the gradient of its last {entry.shared_features} output features (read by every head) summed"
-                  if entry.shared_features else "")
-        return f"style latent: a low-rank latent every head reads, a full copy on every rank{shared}"
-    return f"not split by style {entry.style!r}"
+    return entry.styler.explain(entry, pname, _rule_source(model, layout, mname))  # the style says why
 
 
 def _container_of(model, layout, mname: str) -> str | None:
-    """``"replicated by rule #i (match ...)"`` when a ``replicate`` rule matches module ``mname`` (a
-    module no style splits: a router, a norm) or a module enclosing it; else None."""
+    """``"style replicate from rule #i (match ...)"`` when a rule keeping modules whole (``replicate``)
+    matches module ``mname`` (a module no style splits: a router, a norm) or a module enclosing it;
+    else None."""
     config = getattr(model, "config", None)
-    rules = [r for r in layout.recipe.rules if r.style == "replicate" and r.applies(config)]
+    rules = [r for r in layout.recipe.rules if r.style is not None and r.styler.copies_whole and r.applies(config)]
     base = getattr(model, "base_model", model)
     parts = mname.split(".") if mname else []
     for i in range(len(parts), -1, -1):
@@ -403,7 +397,7 @@ def _container_of(model, layout, mname: str) -> str | None:
             pattern = _matching_pattern(rule, rel)
             if pattern is not None:
                 where = "" if holder == mname else f" (inside {holder or '<base model>'})"
-                return f"style replicate from rule #{rule.index} (match {pattern!r}){where}"
+                return f"style {rule.style} from rule #{rule.index} (match {pattern!r}){where}"
     return None
 
 

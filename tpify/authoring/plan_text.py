@@ -89,16 +89,8 @@ def _module_table(modules: list[dict]) -> list[list[str]]:
             notes.append(f"inside replicated container {m['container']}")
         if m.get("uneven"):
             notes.append("split unevenly (torch.chunk's rule)")
-        if m.get("expert_parallel"):
-            notes.append("whole experts per rank (dim 0), tokens exchanged")
-        elif m.get("split_params") and m["style"] == "replicate":
-            notes.append("its own " + ", ".join(q["name"] for q in m["split_params"]) + " whole on purpose (replicate "
-                         "params); its layers keep their own rules")
-        elif m.get("split_params"):
-            notes.append("; ".join(f"{q['name']} whole, counted once after the sum" if q["dim"] < 0 else
-                                   f"{q['name']} dim {q['dim']}" + (f" in {q['parts']} parts" if q["parts"] > 1 else "")
-                                   for q in m["split_params"])
-                         + ("; output all-reduced" if m["style"] == "experts" else "; with the heads"))
+        if m.get("note"):  # what the style says of its split (tpify.styles.Style.explain)
+            notes.append(m["note"])
         for i, p in enumerate(m["params"]):
             pnotes = list(notes) if i == 0 else []
             if p.get("rank_shapes"):

@@ -30,14 +30,13 @@ from torch import nn
 from ..hf_modules import base_model_and_prefix, overrides_forward, relative_name
 from ..hf_modules import module_kind as layer_kind
 from ..hf_plan import HEAD_COUNT_ATTRS, TASK_HEADS, forward_reads, head_counts, wildcard
+from ..styles import STYLES
 from .draft_types import LM_TASKS, Draft, DraftError, build_head_class, recipe_data
 from .small import ShrinkError, small_config
 from .trace_sizes import resolve_literals, second_trace
 from .tracer import FlowTrace, trace_flows
 
 __all__ = ["draft_from_trace"]
-
-_COLWISE = ("colwise", "packed_colwise")
 
 
 @dataclass
@@ -304,7 +303,7 @@ def _embedding_styles(t: _Traced, styles: dict, subclasses: dict) -> None:
     for fqn, m in modules.items():
         if outp is not None and m is outp and layer_kind(m) == "linear":
             tied = emb_weight is not None and getattr(m, "weight", None) is emb_weight
-            if tied and emb_style[0] == "replicate":
+            if tied and STYLES[emb_style[0]].copies_whole:
                 styles[fqn] = ("replicate", "the LM head, tied to a replicated embedding: a full copy", {})
             else:
                 styles[fqn] = ("colwise_rep", f"the LM head (get_output_embeddings"
@@ -317,7 +316,7 @@ def _linear_subclass_styles(t: _Traced, styles: dict, subclasses: dict) -> None:
     (declared in ``subclasses``), else kept whole."""
     for fqn, (style, note, extra) in list(styles.items()):
         m = t.modules[fqn]
-        if style == "replicate" or layer_kind(m) != "linear" or not overrides_forward(m):
+        if STYLES[style].copies_whole or layer_kind(m) != "linear" or not overrides_forward(m):
             continue
         forward = _subclass_forward(m)
         if forward == {"forward": "plain"}:
@@ -374,7 +373,7 @@ def _divisible(t: _Traced, styles: dict) -> list[str]:
     counts = head_counts(t.small)
     divisible: list[str] = []
     for q, (style, _, _) in styles.items():
-        if style in _COLWISE:
+        if STYLES[style].column:  # a column-parallel layer whose output stays split
             for h in t.trace.heads.get(q, ()):
                 for name, v in counts.items():
                     if v == h and name not in divisible:
@@ -389,7 +388,7 @@ def _divides(t: _Traced, styles: dict, literal_divides: dict) -> tuple[dict[str,
     rel, modules = t.rel, t.modules
     divides: dict[str, list[str]] = {}
     divide_config: list[str] = []
-    sharded = {q for q, (s, _, _) in styles.items() if s in _COLWISE}
+    sharded = {q for q, (s, _, _) in styles.items() if STYLES[s].column}
     for producer, found in literal_divides.items():
         if producer not in sharded:
             continue
@@ -434,7 +433,7 @@ def _style_rules(t: _Traced, styles: dict) -> tuple[list[dict], list[str]]:
                 grouped[key] = []
                 rule = {"match": wildcard(t.rel[fqn]), "style": style, **extra}
                 head_level = t.prefix and not fqn.startswith(t.prefix + ".") and t.base is not t.model
-                if head_level or style == "colwise_rep":  # other head classes lack the LM head
+                if head_level or STYLES[style].lm_head:  # other head classes lack the LM head
                     rule["optional"] = True
                 rules.append(rule)
                 notes.append(note)

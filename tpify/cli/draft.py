@@ -1,7 +1,7 @@
 """``tpify draft MODEL_TYPE_OR_DIR [--out FILE] [--head-class ...] [--method ...]``: a draft recipe.
 
 Writes a commented TOML recipe to review (tpify/authoring/draft.py): from transformers' own tensor-parallel
-plan when the family has one (imported by tpify/hf_plan.py, every head class merged), else from
+plan when the family has one (imported by tpify/hf_plan/, every head class merged), else from
 a data-flow trace of one forward of a small random model of the family. Each rule's comment says
 what it is based on; the end of the file lists what to review. Then prove it exact with
 ``tpify verify MODEL_TYPE --recipe FILE --tp 2``. Runs in this process, on the CPU, no ranks;

@@ -130,15 +130,15 @@ def _region_hooks(model: nn.Module, layout, tracker) -> list:
     return handles
 
 
-def install(model: nn.Module, layout, tracker, mark_regions: bool = True) -> list:
-    """Hook the model's dropout-stream ``tracker`` (:class:`tpify.random.RNGStreamTracker`) in:
-    after every layer of ``layout.region_starts``, in training mode, the TP stream; before every
+def install(model: nn.Module, layout, ctx) -> list:
+    """Hook the model's dropout-stream tracker (``ctx.rng``, :class:`tpify.random.RNGStreamTracker`)
+    in: after every layer of ``layout.region_starts``, in training mode, the TP stream; before every
     layer of ``layout.region_ends``, the shared stream; before and after the root ``model``'s
     forward, the shared stream. The switches are on only while the model may draw dropout
     (:class:`DropoutStreams`: a dropout probability above 0, at ``parallelize`` or at a later
-    training call); off, the hooks only mark the regions (``mark_regions``: what
-    :mod:`tpify.hooks.region_grads` reads at ``tp_size > 1``; without it, none are installed).
+    training call); off, at ``ctx.size > 1`` the hooks only mark the regions (what
+    :mod:`tpify.hooks.region_grads` reads; at ``ctx.size == 1`` none are installed).
     Returns the hook handles. Communication: none."""
     handles: list = []
-    DropoutStreams(model, layout, tracker, handles, mark_regions).install()
+    DropoutStreams(model, layout, ctx.rng, handles, ctx.size > 1).install()
     return handles

@@ -74,10 +74,11 @@ class HeadInputs(comm.SharesProcessGroups):
         return tuple(args), kwargs
 
 
-def install(model: nn.Module, layout, tp_group) -> list:
-    """A :class:`HeadInputs` pre-hook on every module of ``layout.head_inputs``; the handles."""
+def install(model: nn.Module, layout, ctx) -> list:
+    """A :class:`HeadInputs` pre-hook (over ``ctx.group``) on every module of ``layout.head_inputs``;
+    the handles. Communication: none here."""
     handles = []
     for fqn, inputs in layout.head_inputs.items():
         module = model.get_submodule(fqn)
-        handles.append(module.register_forward_pre_hook(HeadInputs(fqn, module, inputs, tp_group), with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(HeadInputs(fqn, module, inputs, ctx.group), with_kwargs=True))
     return handles

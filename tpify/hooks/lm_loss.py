@@ -309,7 +309,7 @@ class ParallelLMLoss:
         return type(output)(loss=loss, **values)
 
 
-def install(model: nn.Module, layout, state: CallState, cp_group=None) -> list:
+def install(model: nn.Module, layout, ctx) -> list:
     """Make ``model(..., labels=labels).loss`` use :func:`~tpify.loss.vocab_parallel_cross_entropy`
     (or, with ``layout.lm_loss_chunk``, :func:`~tpify.loss.vocab_parallel_linear_cross_entropy`).
 
@@ -361,9 +361,10 @@ def install(model: nn.Module, layout, state: CallState, cp_group=None) -> list:
     """
     if layout.lm_head is None:
         return []
+    state = ctx.state
     head = model.get_submodule(layout.lm_head)
     owner = ParallelLMLoss(head, layout.loss_kind, layout.honours_num_items, layout.loss_terms, state,
-                           layout.logit_ops, layout.lm_loss_chunk, cp_group=cp_group)
+                           layout.logit_ops, layout.lm_loss_chunk, cp_group=ctx.cp_group)
     handles = [model.register_forward_pre_hook(owner.pre_hook, with_kwargs=True),
                model.register_forward_hook(owner.hook, with_kwargs=True, always_call=False),
                head.register_forward_pre_hook(KeepLogitsSharded(state), with_kwargs=True)]

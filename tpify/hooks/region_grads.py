@@ -53,6 +53,13 @@ class ReplicatedInRegion:
         self.tracker, self.summed, self.state = tracker, summed, state
         self.names: dict[int, str] = {}
         self.found: list[str] = []
+        self.handles: list = []  # its pre-hooks on the modules it watches
+
+    def remove(self) -> None:
+        """Remove its pre-hooks (a handle of the model's hooks)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
     def __call__(self, module, args):
         if not (self.tracker.in_region or (self.state.sequence_active and not self.state.moe_gathered)):
@@ -80,17 +87,21 @@ class WatchedParams:
         return None
 
 
-def install(model: nn.Module, tracker, summed: SummedGrads, state: CallState, handles: list,
-            declared: tuple[str, ...] = ()) -> ReplicatedInRegion:
-    """A :class:`ReplicatedInRegion` pre-hook on every module that holds parameters and is not a
-    parallel layer nor holds split ones (fused experts), and the forward pre-hook of ``summed``
-    (:meth:`~tpify.grad_sums.SummedGrads.at_root`, how this call's backward sums) on the root;
-    their handles, and ``summed`` itself (whose ``remove`` removes its gradient hooks), go into
-    ``handles``. ``declared``: the FQNs of modules whose parameters' gradients the recipe says
-    are partial on each rank (style ``replicate_sum_grads``): summed over the TP group at every
-    backward (:class:`WatchedParams`), and left out of the watcher (summed once, not twice)."""
-    watcher = ReplicatedInRegion(tracker, summed, state)
-    handles += [model.register_forward_pre_hook(summed.at_root), summed]
+def install(model: nn.Module, layout, ctx) -> list:
+    """At ``ctx.size > 1``: a :class:`ReplicatedInRegion` pre-hook on every module that holds
+    parameters and is not a parallel layer nor holds split ones (fused experts), a
+    :class:`WatchedParams` pre-hook on every module whose style says its gradients are partial
+    (``sums_own_grads``: ``replicate_sum_grads``, left out of the watcher: summed once, not twice),
+    and the forward pre-hook of ``ctx.summed_grads`` (:meth:`~tpify.grad_sums.SummedGrads.at_root`,
+    how this call's backward sums) on the root. Returns the handles: the hooks', ``summed`` itself
+    (whose ``remove`` removes its gradient hooks) and the watcher (whose ``found`` lists the
+    modules it summed). Communication: none here (the sums run in backward)."""
+    if ctx.size == 1:
+        return []
+    summed = ctx.summed_grads if ctx.summed_grads is not None else SummedGrads(ctx.group)
+    declared = tuple(fqn for fqn, entry in layout.modules.items() if entry.styler.sums_own_grads)
+    watcher = ReplicatedInRegion(ctx.rng, summed, ctx.state)
+    handles = [model.register_forward_pre_hook(summed.at_root), summed, watcher]
     parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ColumnParallelEmbedding)
     for fqn in declared:
         module = model.get_submodule(fqn)
@@ -104,5 +115,5 @@ def install(model: nn.Module, tracker, summed: SummedGrads, state: CallState, ha
             continue
         if not isinstance(module, parallel) and own:
             watcher.names[id(module)] = fqn
-            handles.append(module.register_forward_pre_hook(watcher))
-    return watcher
+            watcher.handles.append(module.register_forward_pre_hook(watcher))
+    return handles

@@ -16,7 +16,7 @@ from ..context import ModeArgument, TPContext
 from ..layers import RowParallelLinear
 from ..random import DEFAULT, TP, devices_of
 
-__all__ = ["SequenceParallel", "ScatterOutput", "MoEBlock"]
+__all__ = ["install", "SequenceParallel", "ScatterOutput", "MoEBlock"]
 
 
 class ScatterOutput(ModeArgument):
@@ -180,7 +180,7 @@ class MoEBlock:
       experts' are partial sums per rank); the router's input gradient, the same whole tensor on
       every rank, is kept only for this rank's tokens (a pre-hook on each router,
       :class:`_OwnTokensGradient`), so that the reduce-scatter counts it once; the experts leave
-      their output a partial sum (:class:`tpify.hooks.experts.TensorParallelExperts`) and a
+      their output a partial sum (:class:`tpify.styles.experts_hooks.TensorParallelExperts`) and a
       forward hook on the block reduce-scatters it along ``T`` (Megatron's sequence-parallel MLP,
       Korthikanti et al., arXiv:2205.05198, section 4.2.2);
     * expert parallelism: every gradient reaching the gathered input is complete on every rank
@@ -264,3 +264,11 @@ class _OwnTokensGradient(torch.autograd.Function):
         mine = torch.zeros_like(full)
         mine[:, rank * chunk:(rank + 1) * chunk] = full[:, rank * chunk:(rank + 1) * chunk]
         return mine.view_as(grad), None, None, None, None
+
+
+def install(model: nn.Module, layout, ctx: TPContext) -> list:
+    """:class:`SequenceParallel`'s hooks for ``layout.sequence_parallel`` (none without it, or at
+    ``ctx.size == 1``); the handles. Communication: none here."""
+    if layout.sequence_parallel is None or ctx.size == 1:
+        return []
+    return SequenceParallel(ctx, layout.sequence_parallel).install(model)

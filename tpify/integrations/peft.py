@@ -130,7 +130,7 @@ def _prepare_config(model: nn.Module, config, what: str) -> None:
 def _refuse_shared_latents(model: nn.Module, config, what: str) -> None:
     """Refuse LoRA on a ``latent`` module with shared features (multi-head latent attention's
     ``kv_a_proj_with_mqa``): tpify sums the gradient of the base layer's rotary-key features
-    (:mod:`tpify.hooks.latent`), not that of an adapter's output added after it, whose factors
+    (:mod:`tpify.styles.latent`), not that of an adapter's output added after it, whose factors
     would then get a partial gradient on each rank, different replicas of one adapter.
 
     Raises:
@@ -141,7 +141,7 @@ def _refuse_shared_latents(model: nn.Module, config, what: str) -> None:
     names = {id(m): n for n, m in model.named_modules()}
     hit = []
     for fqn, entry in layout.modules.items():
-        if entry.style == "latent" and entry.shared_features:
+        if entry.shared_features:  # a latent projection's features every head reads (style 'latent')
             name = names.get(id(tp_model.get_submodule(fqn)), fqn)
             if check_target_module_exists(config, name):
                 hit.append(name)

@@ -1,12 +1,13 @@
-"""Fused MoE experts split over the TP group: the hooks around their own forward.
+"""The ``experts`` style's hooks: fused MoE experts split over the TP group, around their own forward.
 
 A mixture-of-experts layer (Shazeer et al., arXiv:1701.06538) computes, per token ``x`` routed to
 experts ``e`` with weights ``w_e`` (the router's top-k), ``y = sum_e w_e down_e(act(gate_e x) *
 up_e x)``. transformers 5 holds the experts of a layer in one module (``*Experts``: fused
 ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``) whose ``forward(hidden_states,
 top_k_index, top_k_weights)`` runs them (eagerly, or with a grouped GEMM: its
-``experts_implementation``). The ``experts`` style (:mod:`tpify.styles`) splits its parameters;
-these hooks make the module, with its own forward untouched, compute the dense output:
+``experts_implementation``). The ``experts`` style (:mod:`tpify.styles.experts`) splits its
+parameters and installs these hooks, which make the module, its forward untouched, compute the
+dense output:
 
 * :class:`TensorParallelExperts` (tensor-parallel experts, ``ep_size = 1``): every rank holds every
   expert's intermediate slice ``[r I/p, (r+1) I/p)`` (torch.chunk's ``ceil(I/p)`` columns, fewer or
@@ -36,14 +37,11 @@ summed by ``f`` or returned whole by the exchange).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .. import comm
-from ..context import TPContext
-from ..styles import AFTER_SUM
 from ..syncs import host_sync
 
-__all__ = ["TensorParallelExperts", "ExpertParallelDispatch", "install"]
+__all__ = ["TensorParallelExperts", "ExpertParallelDispatch"]
 
 _ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 #: Other names of the same arguments (gpt-oss's experts forward).
@@ -260,25 +258,3 @@ class ExpertParallelDispatch(comm.SharesProcessGroups):
         mine = (per_slot * my_weights.unsqueeze(-1)).sum(dim=1)  # (N_r, H)
         return comm.gather_rows(mine.to(dtype), rows, self.group)
 
-
-def install(model: nn.Module, layout, ctx: TPContext) -> list:
-    """The hooks of every ``experts`` module of ``layout`` (after surgery): returns their handles.
-    Communication: none (the hooks communicate when the model runs)."""
-    handles = []
-    if layout.tp_size == 1:
-        return handles
-    for fqn, entry in layout.modules.items():
-        if entry.style != "experts":
-            continue
-        module = model.get_submodule(fqn)
-        if entry.expert_parallel:
-            hooks = ExpertParallelDispatch(ctx.group, module.num_experts)
-            pre, post = hooks.dispatch, hooks.combine
-        else:
-            hooks = TensorParallelExperts(ctx.group, ctx.state,
-                                          tuple(n for n, dim, _ in entry.params if dim == AFTER_SUM),
-                                          entry.identity_experts)
-            pre, post = hooks.enter, hooks.leave
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
-    return handles
