@@ -1,29 +1,10 @@
 """Context parallelism: each rank of a CP group holds ``T / cp`` tokens of every sequence.
 
-Tensor parallelism splits the weights and, with sequence parallelism, the activations between its
-regions, but attention still sees the whole sequence on every rank, so the longest sequence a run
-takes does not grow with the number of GPUs. Context parallelism splits the sequence itself over
-the mesh's ``"cp"`` axis (:func:`tpify.init_mesh` ``cp_size``): everything outside attention is
-per token and runs on the local tokens; attention gathers the keys and values of the whole
-sequence over the CP group (:mod:`tpify.hooks.context_parallel`); the loss counts its targets over
-the group (:mod:`tpify.hooks.lm_loss`); gradients of the replicated-over-CP parameters are summed
-over the group (:class:`tpify.grad_sums.SummedGrads`). Liu et al., "Ring Attention"
-(arXiv:2310.01889); Megatron-LM's context parallelism; Llama 3's training (arXiv:2407.21783,
-section 3.3.2: all-gather of K/V, load-balanced causal chunks).
-
-**Load balancing.** A sequence of ``T`` tokens is cut into ``2 * cp`` chunks of ``c = T / (2 cp)``;
-rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (:func:`load_balanced_index`), a front and a
-back chunk, so that every rank does the same causal attention work.
-
-**The batch.** :func:`split_batch` is what a data loader or a training loop calls on each rank:
-it shifts the labels over the whole sequence first (HF's causal LM loss predicts token ``t + 1``
-at token ``t``; shifted after the split, each chunk would lose the target of its last token and
-give its first a wrong one), then keeps this rank's tokens of ``input_ids``, ``position_ids``
-(global positions: RoPE and learned position embeddings see the dense model's) and the shifted
-labels (``shift_labels``, transformers' name).
-
-This module holds the pure parts (the layout, the split, the gather, the model check); the hooks
-and the attention function are in :mod:`tpify.hooks.context_parallel`.
+The pure parts: the layout over the mesh's ``"cp"`` axis (:func:`cp_of`), the load-balanced
+split (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, :func:`load_balanced_index`), the
+batch (:func:`split_batch`: labels shifted before the split), the gather, the model check. The
+hooks and the attention function: :mod:`tpify.hooks.context_parallel`. Llama 3
+(arXiv:2407.21783, section 3.3.2); why and how: docs/context-parallelism.md.
 """
 
 from __future__ import annotations
