@@ -315,37 +315,23 @@ def check_run(cfg: FinetuneConfig) -> tuple[Path | None, dict | None]:
 
 
 def finetune(cfg: FinetuneConfig) -> list[float]:
-    """Run the fine-tune described by ``cfg`` on the already initialised process group.
+    """Run the fine-tune described by ``cfg`` on the already initialised process group; return the
+    loss of every step (mean over DP) on every rank.
 
     ``world = cfg.tp * cfg.dp``; ``cfg.dp_shard > 1`` shards the model with FSDP2 over that many
-    ranks of the DP group (:func:`tpify.shard_data_parallel`), else DDP averages the gradients over
-    it (:func:`tpify.replicate_data_parallel`). Returns the loss of every step (mean over DP) on
-    every rank.
-    Rank 0 prints (``cfg.progress``) the memory of each rank against the dense model
-    (:func:`memory_report`), the greedy continuation of ``cfg.prompt`` before training and from
-    the final model (``cfg.sample_tokens`` tokens; 0: none), and a line per step. Writes
-    ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF directory with
-    the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``. With
-    ``lora_r > 0`` only LoRA adapters on the parallel linear layers train
-    (:mod:`tpify.integrations.peft`); checkpoints hold the adapter, ``out_dir/adapter`` is the
-    final dense adapter (plain peft loads it) and ``out_dir/final`` the merged model.
+    ranks of the DP group, else DDP over it. Writes ``out_dir/checkpoint-<k>`` every ``save_every``
+    steps, ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter),
+    ``losses.json`` and ``loss.png``. What rank 0 prints and the checkpoint contents: docs/training.md,
+    "tpify finetune".
 
     Raises:
-        ImportError: matplotlib (the ``cli`` extra) is not installed, or peft (the ``peft``
-            extra) with ``lora_r > 0``; raised before training.
-        ValueError: an option outside its limits or a ``dp_shard`` that does not divide ``dp``
-            (:meth:`FinetuneConfig.check`, again here: the
-            config may have changed since it was made), ``tp * dp`` differs from the world
-            size, ``out_dir`` cannot be a directory (a file, or under one:
-            :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
-            written with another tp/dp layout (its optimizer shards would not fit), with other
-            run arguments (unless ``allow_changes``), or with a corrupt ``state.json``, or a
-            missing or truncated adapter or ``.distcp`` file (:func:`check_resume_files`: named,
-            with the checkpoint to resume from instead); on every rank, before anything is read.
-        ResumeError: ``resume`` finds a checkpoint whose optimizer state does not fit this run
-            (another model or padding, other LoRA shapes or param groups, e.g. after
-            ``allow_changes``; :func:`tpify.integrations.resume.check_resume`), or no manifest;
-            on every rank, before anything is read from it.
+        ImportError: matplotlib, or peft with ``lora_r > 0``, is not installed (before training).
+        ValueError: an option outside its limits, ``tp * dp`` not the world size, a bad ``out_dir``,
+            ``data`` or ``model_dir``, or a checkpoint ``resume`` cannot use (other arguments, a
+            corrupt ``state.json``, a missing or truncated file: :func:`check_resume_files`); on
+            every rank, before anything is read.
+        ResumeError: the checkpoint's optimizer state does not fit this run
+            (:func:`tpify.integrations.resume.check_resume`), or no manifest; on every rank.
     """
     from transformers import AutoTokenizer
 
