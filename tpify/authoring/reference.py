@@ -1,25 +1,11 @@
 """The dense reference of one verify case: float64 where its kernels allow, on inputs where it is finite.
 
-The reference is chosen before anything is compared (:func:`dense_reference`), and each choice
-other than float64 with a left-padded batch is stated in a ``dense reference: ...`` row: fused
-MoE experts run with transformers' eager implementation (its ``grouped_mm`` kernel refuses
-float64; the eager loop computes the same function); the padded row moves to the right when the
-float64 model is NaN with it on the left (gemma2 and vaultgemma: a fully masked query row meets
-transformers' float32 softmax; bloom: its ALiBi bias added to the float64 minimum); a family
-whose own kernels still refuse float64 runs in float32, with
-:func:`~tpify.authoring.compare.float32_tolerance` (``64 (layers + 1) eps32``, normwise). A dense
-model that is not finite on any of these inputs raises :class:`DenseNotFinite`: nothing is
-compared, and the parallel model is not at fault.
-
-Where HF's loss would upcast to float32 only (causal / masked LM, token classification), the
-reference gets it in float64 (:func:`float64_loss_function`; the tests use it too).
-
-Before anything else, every parameter the family's own init leaves constant (Linear biases,
-norm weights and biases, attention sinks, gating scalars, zero-init residual gates, layer
-scales) gets seeded noise (:func:`perturb_constants`): with zeros or ones, a bias added on every
-rank of a row-parallel layer instead of once, a bias or norm weight taken from the wrong slice,
-or a per-head parameter left whole compute the dense result, and verify would call a wrong
-recipe exact. The ``dense reference: ...`` row says how many tensors were perturbed.
+:func:`dense_reference` chooses it before anything is compared (eager MoE experts, the padded
+row moved or dropped when float64 is not finite with it, float32 where kernels refuse float64,
+:class:`DenseNotFinite` when nothing is finite), after :func:`perturb_constants` gave every
+constant tensor seeded noise; :func:`float64_loss_function` keeps HF's losses in float64. Each
+choice is stated in a ``dense reference: ...`` row; why: docs/families.md, "Constants perturbed"
+and "Dense references that are not plain float64 with a left-padded row".
 """
 
 from __future__ import annotations

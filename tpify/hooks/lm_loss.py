@@ -1,24 +1,12 @@
 """The parallel LM-head loss: ``model(..., labels=labels).loss`` from the vocabulary shards.
 
-A parallelized causal or masked LM computes its ``labels=`` loss with
-:func:`tpify.loss.vocab_parallel_cross_entropy`, with Hugging Face's label semantics, without
-replacing any HF ``forward``: a forward pre-hook on the model takes ``labels`` out of the call (so
-HF computes no loss) and records in the model's :class:`~tpify.context.CallState` that the logits
-stay split; a forward pre-hook on the LM head (:class:`KeepLogitsSharded`, shared by every copy of
-the head) passes that to it as ``runtime_gather_output=False``; a forward hook on the model
-computes the loss from the shards. Megatron-LM, arXiv:1909.08053, section 3 ("output embedding").
-
-With ``parallelize(..., lm_loss_chunk=c)`` the head does not run at all in such a call: its
-pre-hook (:class:`HeadInputForLoss`) passes it ``return_input=True`` and keeps its input, and the
-model's hook computes the loss from that input and the head's weight shard, ``c`` tokens at a
-time (:func:`tpify.loss.vocab_parallel_linear_cross_entropy`), never holding the ``(B, T, V/p)``
-logits.
-
-What the model does to its head's output before its loss must be declared (the recipe's
-``[loss] logits``: Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's
-``logits_scaling``): the loss from the shards sees the logits HF's loss would see, the chunked
-loss applies the declared ops itself, and a model whose logits are not its head's output, by
-what the recipe does not declare, is refused (:class:`~tpify.info.TPUsageError`, on every rank).
+Hooks, no HF ``forward`` replaced: the model's pre-hook takes ``labels`` out of the call and
+keeps the logits split (:class:`KeepLogitsSharded` on the head: ``runtime_gather_output=False``),
+its hook computes :func:`tpify.loss.vocab_parallel_cross_entropy` from the shards with HF's label
+semantics (Megatron-LM, arXiv:1909.08053, section 3). With ``lm_loss_chunk`` the head does not
+run (:class:`HeadInputForLoss`) and the loss is computed ``c`` tokens at a time. The recipe's
+``[loss] logits`` ops are applied as the model would; undeclared ones are refused
+(:class:`~tpify.info.TPUsageError`, every rank). More: docs/loss.md.
 """
 
 from __future__ import annotations
