@@ -5,6 +5,7 @@ Exactness: bitwise equality (``torch.equal``) across ranks is the claim for the 
 activations; every rank computes them from the same all-reduced values with the same masks.
 """
 
+import pytest
 import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
@@ -122,5 +123,6 @@ def _two_models_body(rank, world):
     return True
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_two_models_in_different_groups_keep_independent_dropout_streams():
     assert all(tputil.spawn(_two_models_body, 2))

@@ -149,6 +149,7 @@ def test_recipe_features_match_dense_tp4(tmp_path):
     _run(4, tmp_path, TP4_CASES)
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_without_the_region_all_reduce_phi_qk_layernorm_gradients_are_wrong():
     """The negative control: remove tpify's hooks after the first forward and the per-head
     LayerNorm gradients come out as the local heads' partial sums (the silent error guarded)."""

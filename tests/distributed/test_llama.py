@@ -155,6 +155,7 @@ def _packed_body(rank, world):
     return True
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_packed_colwise_grouped_query_parts():
     """packed_colwise with parts [n_heads, n_kv, n_kv] splits each part by its own head count,
     and ShardSpec.gather restores the dense packed weight exactly (bitwise)."""

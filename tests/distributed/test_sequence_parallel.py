@@ -212,6 +212,7 @@ def _with_lora_and_checkpointing_body(rank, world):
     return out
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_sequence_parallelism_with_lora_and_with_gradient_checkpointing_matches_dense():
     results = tputil.spawn(_with_lora_and_checkpointing_body, 2, timeout=300)
     print("measured, tp = 2: max |gradient - dense| with sequence parallelism and LoRA / checkpointing:", results[0])
@@ -272,6 +273,7 @@ def _saved_bytes_body(rank, world):
     return out
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_sequence_parallel_column_layers_save_their_tokens_not_the_gathered_input():
     """Under sequence parallelism the column-parallel layers of a gathered module save this rank's
     ``(B, T/p, H)`` tokens for their weight gradients, not the all-gathered ``(B, T, H)`` input
