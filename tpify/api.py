@@ -46,6 +46,7 @@ from .context_parallel import check_model as check_context_parallel
 from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, cp_group_of, cp_size_of,
                    cp_tp_group_of, mesh_device_type, replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
+from .quantized import check_layout, quantization_spec, quantize_, refuse_if_quantized
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
 from .sharding import is_dtensor, shard_spec_of
@@ -214,6 +215,7 @@ def parallelize(
     lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
+    quantization_config=None,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -222,7 +224,9 @@ def parallelize(
     ``VocabParallelEmbedding``; each rank keeps its shard, tied weights stay tied, HF ``forward``
     is untouched (``model(...)``, ``labels=``, ``generate()`` behave as on the dense model). The
     model must be loaded identically on every rank of the TP group. Every argument, and what
-    ``model.tp_info`` holds: docs/parallelize.md.
+    ``model.tp_info`` holds: docs/parallelize.md. ``quantization_config`` (a
+    ``transformers.BitsAndBytesConfig``, 4-bit): each rank then holds its shards 4-bit, equal to the
+    dense quantized weight's slices, every parameter frozen for QLoRA (docs/quantization.md).
 
     Shapes: ``.logits`` ``(B, T, V)`` on every rank (vocabulary padding stripped); with ``labels=``
     the loss is vocab-parallel (:mod:`tpify.loss`) and ``.logits`` this rank's shard
@@ -233,22 +237,37 @@ def parallelize(
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
         PlanError: a PEFT model; uncovered modules; indivisible head counts or features (naming the
-            module, the numbers and the tp sizes that work); ``pad_vocab_multiple`` outside 1 to 65,536.
+            module, the numbers and the tp sizes that work); ``pad_vocab_multiple`` outside 1 to 65,536;
+            a quantized layer whose split would cut a quantization block, or of a style with no
+            quantized form (:func:`tpify.quantized.check_layout`).
+        ImportError, NotImplementedError: ``quantization_config`` needs bitsandbytes, or asks for
+            what is not built (8-bit, double quantization, torchao; :func:`tpify.quantized.quantization_spec`).
         TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first).
         ValueError: inconsistent ``tp_size`` / ``tp_group`` / ``dp_group`` / ``mesh``; ``tp_size > 1``
             without torch.distributed; TP groups that do not split the world evenly.
         AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
     """
-    error, layout, size, shared = None, None, None, {}
+    error, layout, size, shared, quant = None, None, None, {}, None
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
                                lm_loss_chunk, mesh, ep_size)
-        shared = fingerprint(model, layout, size, group)
+        quant = _check_quantization(model, layout, quantization_config)
+        shared = fingerprint(model, layout, size, group) | ({"quantization": repr(quant[1])} if quant else {})
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
-    return finish(model, size, layout, tp_group, dp_group, tp_groups, mesh)
+    finish(model, size, layout, tp_group, dp_group, tp_groups, mesh)
+    return quantize_(model, *quant) if quant is not None else model
+
+
+def _check_quantization(model: nn.Module, layout: Layout, config) -> tuple[list[str], object] | None:
+    """``(the FQNs to quantize, the QuantizationSpec)`` of ``quantization_config``, or None without one;
+    pure (:func:`tpify.quantized.check_layout`)."""
+    if config is None:
+        return None
+    qspec = quantization_spec(config)
+    return check_layout(model, layout, qspec), qspec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +289,7 @@ def from_pretrained(
     mesh=None,
     ep_size: int = 1,
     torch_dtype: torch.dtype | str | None = None,
+    quantization_config=None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slices.
 
@@ -279,8 +299,9 @@ def from_pretrained(
     shards as zero-copy views of the file's mapping unless ``disable_mmap``), never the dense
     model. ``dtype`` (or its deprecated name ``torch_dtype``), ``model_class`` and the key mapping
     behave as transformers 5's; ``tp_size``, ``tp_group``, ``dp_group``, ``mesh``, ``recipe``,
-    ``pad_vocab_multiple``, ``sequence_parallel``, ``lm_loss_chunk``, ``ep_size`` as in
-    :func:`parallelize`. Every argument: docs/loading-and-saving.md. Returns the parallelized
+    ``pad_vocab_multiple``, ``sequence_parallel``, ``lm_loss_chunk``, ``ep_size``,
+    ``quantization_config`` as in :func:`parallelize` (the slices are read dense, then quantized:
+    peak memory per rank is the dense shard's). Every argument: docs/loading-and-saving.md. Returns the parallelized
     model, in eval mode.
 
     Communication: one agreement on the local checks (the checkpoint's names, shapes and dtype),
@@ -302,7 +323,8 @@ def from_pretrained(
         dtype, argument = _dtype_argument(dtype, torch_dtype)
         load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
                              (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group)
-        checked.fingerprint = load.fingerprint
+        quant = _check_quantization(load.model, load.layout, quantization_config)
+        checked.fingerprint = load.fingerprint | ({"quantization": repr(quant[1])} if quant else {})
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
         finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh)  # groups, surgery, hooks
@@ -313,7 +335,7 @@ def from_pretrained(
             read.fingerprint = _replicated_fingerprint(model)
     finally:
         load.snap.close()
-    return model
+    return quantize_(model, *quant) if quant is not None else model
 
 
 def _dtype_argument(dtype, torch_dtype) -> tuple[object, str]:
@@ -473,6 +495,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             checkpoint in (``path`` then holds one whole checkpoint).
     """
     path = Path(path)
+    refuse_if_quantized(model, "tpify.save_pretrained")  # every rank alike, before any collective
     entries = saved_tensors(model)
     with agreement("tpify.save_pretrained") as checked:  # every local check first
         if path.exists() and not path.is_dir():
