@@ -48,7 +48,7 @@ from .planner import PlanError
 from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["QuantizationSpec", "QuantizedColumnParallelLinear", "QuantizedRowParallelLinear", "quantization_spec",
-           "check_layout", "quantize_", "check_lora_on_quantized", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
+           "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
 
 _COLUMN_STYLES = ("colwise", "packed_colwise")
 _ROW_STYLES = ("rowwise",)
@@ -168,8 +168,8 @@ def check_layout(model: nn.Module, layout, qspec: QuantizationSpec) -> list[str]
     problems, chosen = [], []
     modules = dict(model.named_modules())
     for fqn, ml in sorted(layout.modules.items()):
-        if ml.style in _KEPT_STYLES or qspec.skips(fqn):
-            continue
+        if ml.style in _KEPT_STYLES or qspec.skips(fqn) or isinstance(modules.get(fqn), nn.Embedding):
+            continue  # the LM head and embeddings stay unquantized, as transformers keeps them
         if ml.style not in _COLUMN_STYLES + _ROW_STYLES:
             problems.append(f"{fqn}: style {ml.style!r} has no quantized tensor-parallel form in tpify (built: "
                             f"colwise, packed_colwise, rowwise); list it in llm_int8_skip_modules to keep it "
@@ -406,6 +406,21 @@ def check_lora_on_quantized(model: nn.Module, config, what: str) -> None:
         refused.append(f"bias={config.bias!r} (the quantized base's biases stay frozen)")
     if refused:
         raise NotImplementedError(f"{what} on a quantized tensor-parallel model: {'; '.join(refused)}")
+
+
+def refuse_full_finetuning(model: nn.Module, what: str) -> None:
+    """Refuse training a quantized model with no adapter: its 4-bit weights take no gradient, so
+    "full fine-tuning" would silently train only what is not quantized.
+
+    Raises:
+        TPUsageError: ``model`` is quantized and none of its trainable parameters is an adapter's
+            (``lora_`` in the name).
+    """
+    if is_quantized(model) and not any("lora_" in n for n, p in model.named_parameters() if p.requires_grad):
+        from .info import TPUsageError
+
+        raise TPUsageError(f"{what}: full fine-tuning of a quantized base is not supported (its 4-bit weights "
+                           f"take no gradient); add adapters with tpify.integrations.get_peft_model (QLoRA)")
 
 
 def refuse_if_quantized(module: nn.Module, what: str) -> None:
