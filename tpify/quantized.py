@@ -44,7 +44,7 @@ from torch import nn
 
 from .hf_modules import dense_dims
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .planner import PlanError
+from .layout import PlanError
 from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["QuantizationSpec", "QuantizedColumnParallelLinear", "QuantizedRowParallelLinear", "quantization_spec",
