@@ -46,7 +46,7 @@ from .context_parallel import check_model as check_context_parallel
 from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, cp_group_of, cp_size_of,
                    cp_tp_group_of, mesh_device_type, replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
-from .quantized import check_layout, quantization_spec, quantize_, refuse_if_quantized
+from .quantized import check_layout, quantization_spec, quantize_, refuse_if_quantized, refuse_prequantized
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
 from .sharding import is_dtensor, shard_spec_of
@@ -310,6 +310,7 @@ def from_pretrained(
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
         ValueError: ``dtype`` and ``torch_dtype`` both given; a dtype that is not floating.
+        NotImplementedError: a pre-quantized checkpoint (its config holds a ``quantization_config``).
         CheckpointError: no safetensors weights; a truncated or corrupt file; tensors missing or of
             another shape; an index and its files that disagree (:func:`tpify.io.files.open_checkpoint`).
         PlanError, RecipeError, ValueError: as :func:`parallelize`.
@@ -321,6 +322,7 @@ def from_pretrained(
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         dtype, argument = _dtype_argument(dtype, torch_dtype)
+        refuse_prequantized(path)
         load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
                              (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group)
         quant = _check_quantization(load.model, load.layout, quantization_config)

@@ -48,7 +48,7 @@ from .layout import PlanError
 from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["QuantizationSpec", "QuantizedColumnParallelLinear", "QuantizedRowParallelLinear", "quantization_spec",
-           "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
+           "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "refuse_prequantized", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
 
 _COLUMN_STYLES = ("colwise", "packed_colwise")
 _ROW_STYLES = ("rowwise",)
@@ -406,6 +406,30 @@ def check_lora_on_quantized(model: nn.Module, config, what: str) -> None:
         refused.append(f"bias={config.bias!r} (the quantized base's biases stay frozen)")
     if refused:
         raise NotImplementedError(f"{what} on a quantized tensor-parallel model: {'; '.join(refused)}")
+
+
+def refuse_prequantized(path) -> None:
+    """Refuse a checkpoint saved quantized (its ``config.json`` holds a ``quantization_config``, as
+    transformers writes for bitsandbytes 4-bit models): reading its codes by slices is not built.
+
+    Raises:
+        NotImplementedError: naming the checkpoint's ``quant_method`` and what to load instead.
+    """
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    try:
+        saved = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return  # from_pretrained reports a missing or unreadable config itself
+    if saved:
+        method = saved.get("quant_method", "?") if isinstance(saved, dict) else "?"
+        raise NotImplementedError(
+            f"{path} is a pre-quantized checkpoint (quantization_config, quant_method={method!r}): loading its "
+            f"quantized tensors by slices is not built in tpify; load the unquantized checkpoint with "
+            f"tpify.from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)), which "
+            f"quantizes each rank's slice")
 
 
 def refuse_full_finetuning(model: nn.Module, what: str) -> None:

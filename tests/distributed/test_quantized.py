@@ -13,6 +13,7 @@ config and ``tpify.integrations.get_peft_model``. For Llama (grouped-query atten
 * 3 AdamW steps of LoRA (lr 1e-2): loss each step atol 1e-5, rtol 1e-5; every adapter gradient,
   gathered, atol 1e-5, rtol 1e-4 (float32 order again; the gradients are ~1e-2..1); the adapters
   after the steps atol 1e-4 (Adam divides by sqrt(v) + eps, amplifying float32 noise near 0);
+* Llama with gradient checkpointing on both sides: the gradients of one more step, as above;
 * refusals, raised on every rank: merging an adapter, ``tpify.save_pretrained``, ``TPTrainer``
   without adapters (full fine-tuning), DoRA.
 """
@@ -34,9 +35,9 @@ GRAD = dict(atol=1e-5, rtol=1e-4)
 ADAPTER = dict(atol=1e-4, rtol=1e-4)
 
 
-def llama_config():
-    return LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=256, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=False,
+def llama_config(hidden=128):
+    return LlamaConfig(num_hidden_layers=2, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=2 * hidden, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=False,
                        pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
 
 
@@ -49,6 +50,9 @@ FAMILIES = {
     "llama": (LlamaForCausalLM, llama_config, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"], "nf4"),
     "gpt2": (GPT2LMHeadModel, gpt2_config, ["c_attn", "c_proj", "c_fc"], "fp4"),
+    # tp 4 over 2 KV heads: K/V rows replicated on pairs of ranks; o_proj 256 / 4 = 64 columns per rank
+    "llama_tp4": (LlamaForCausalLM, lambda: llama_config(256), ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"], "nf4"),
 }
 
 
@@ -104,7 +108,7 @@ def _gathered(model, attr=None):
     return out
 
 
-def _check_family(family, rank, tmp):
+def _check_family(family, rank, tmp, tp=2):
     import peft
     import torch.distributed as dist
 
@@ -119,13 +123,13 @@ def _check_family(family, rank, tmp):
         dense.save_pretrained(path)
     dist.barrier()
     ref = cls.from_pretrained(path, quantization_config=bnb_config(quant_type), dtype=torch.float32, device_map="cpu")
-    if family == "llama":  # the loading path: slices read, then quantized
-        par = tpify.from_pretrained(path, tp_size=2, quantization_config=bnb_config(quant_type), dtype=torch.float32)
+    if family.startswith("llama"):  # the loading path: slices read, then quantized
+        par = tpify.from_pretrained(path, tp_size=tp, quantization_config=bnb_config(quant_type), dtype=torch.float32)
     else:  # the in-memory path
         loaded = cls.from_pretrained(path, dtype=torch.float32)  # the same config on every rank (rank 0 saved it)
-        par = tpify.parallelize(loaded, tp_size=2, quantization_config=bnb_config(quant_type))
+        par = tpify.parallelize(loaded, tp_size=tp, quantization_config=bnb_config(quant_type))
     n_quantized = _check_bitwise(par, ref, rank)
-    assert n_quantized == 7 * 2 if family == "llama" else 4 * 2, n_quantized
+    assert n_quantized == (4 * 2 if family == "gpt2" else 7 * 2), n_quantized
 
     vocab = dense.config.vocab_size
     g = torch.Generator().manual_seed(5)
@@ -161,13 +165,25 @@ def _check_family(family, rank, tmp):
             torch.testing.assert_close(grads_p[n], gr, **GRAD, msg=lambda m: f"{family} grad {n}, step {step}: {m}")
             worst["grad"] = max(worst["grad"], (grads_p[n] - gr).abs().max().item())
         opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
+    if family == "llama":  # gradient checkpointing (prepare_model_for_kbit_training's), on both sides
+        for m in (dense_lora, lora):
+            m.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            assert m.base_model.model.model.gradient_checkpointing
+        ids = torch.randint(3, vocab, (2, 12), generator=g)
+        tputil.ref_lm_loss(dense_lora(ids).logits, ids, causal=True).backward()
+        lora(ids, labels=ids).loss.backward()
+        grads_p = _gathered(lora, "grad")
+        for n, p in dense_lora.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(grads_p[n], p.grad, **GRAD, msg=lambda m: f"checkpointed grad {n}: {m}")
+        opt_d.zero_grad(), opt_p.zero_grad()
     final = _gathered(lora)
     for n, w in {n: p for n, p in dense_lora.named_parameters() if p.requires_grad}.items():
         torch.testing.assert_close(final[n], w.detach(), **ADAPTER, msg=lambda m: f"{family} {n}: {m}")
     w_abs = max((final[n] - p.detach()).abs().max().item()
                 for n, p in dense_lora.named_parameters() if p.requires_grad)
     if rank == 0:
-        print(f"measured QLoRA {family} ({quant_type}) tp=2: {n_quantized // 2} quantized layers per decoder layer bitwise "
+        print(f"measured QLoRA {family} ({quant_type}) tp={tp}: {n_quantized // 2} quantized layers per decoder layer bitwise "
               f"equal; loss max abs diff {worst['loss']:.1e}, LoRA grads {worst['grad']:.1e}, adapters after 3 "
               f"AdamW steps {w_abs:.1e}", flush=True)
 
@@ -193,7 +209,7 @@ def _body(rank, world):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = [tmp]
         dist.broadcast_object_list(tmp, src=0)
-        for family in FAMILIES:
+        for family in ("llama", "gpt2"):
             _check_family(family, rank, tmp[0])
         # full fine-tuning of a quantized base (no adapters): refused by TPTrainer
         torch.manual_seed(0)
@@ -209,3 +225,21 @@ def _body(rank, world):
 
 def test_qlora_tensor_parallel_matches_dense_qlora():
     assert tputil.spawn(_body, 2, timeout=300) == ["ok"] * 2
+
+
+def _body_tp4(rank, world):
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = [tmp]
+        dist.broadcast_object_list(tmp, src=0)
+        _check_family("llama_tp4", rank, tmp[0], tp=4)
+        dist.barrier()
+    return "ok"
+
+
+@pytest.mark.slow
+def test_qlora_tp4_with_replicated_kv_heads_matches_dense_qlora():
+    """Llama at tp 4 over 2 KV heads (K/V shards replicated on pairs of ranks), the same checks."""
+    assert tputil.spawn(_body_tp4, 4, timeout=400) == ["ok"] * 4

@@ -111,3 +111,7 @@ def test_tp1_equals_transformers_4bit_model(tmp_path):
     assert sizes["quantized"] == numel // 2 + numel // 64 * 4 + 7 * 16 * 4
     with pytest.raises(KeyError, match="attribute 'weight' already exists"):  # the 4-bit weight is read-only
         q.weight = torch.nn.Parameter(torch.zeros(128, 128))
+    # a checkpoint saved quantized (transformers' bitsandbytes format): reading it by slices is not built
+    ref.save_pretrained(tmp_path / "quantized")
+    with pytest.raises(NotImplementedError, match="pre-quantized checkpoint .*quant_method='bitsandbytes'"):
+        tpify.from_pretrained(tmp_path / "quantized", tp_size=1)
