@@ -17,8 +17,8 @@ config and ``tpify.integrations.get_peft_model``. For Llama (grouped-query atten
   (its own test): logged losses and grad norms atol 1e-6, rtol 1e-5;
 * Llama at tp 4 over 2 KV heads (slow): the checks above;
 * Llama with gradient checkpointing on both sides: the gradients of one more step, as above;
-* refusals, raised on every rank: merging an adapter, ``tpify.save_pretrained``, ``TPTrainer``
-  without adapters (full fine-tuning), DoRA.
+* refusals, raised on every rank: merging an adapter, ``tpify.save_pretrained``, ``TPTrainer`` and
+  ``TPAccelerator`` without adapters (full fine-tuning), DoRA, FSDP2 (``shard_data_parallel``).
 """
 
 import tempfile
@@ -205,7 +205,7 @@ def _body(rank, world):
     from transformers import TrainingArguments
 
     import tpify
-    from tpify.integrations import TPTrainer, get_peft_model
+    from tpify.integrations import TPAccelerator, TPTrainer, get_peft_model
     from tpify.info import TPUsageError
 
     warnings.filterwarnings("ignore")
@@ -222,6 +222,10 @@ def _body(rank, world):
             TPTrainer(model=q, args=args)
         with pytest.raises(NotImplementedError, match="use_dora=True"):
             get_peft_model(q, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+        with pytest.raises(TPUsageError, match="TPAccelerator.prepare: full fine-tuning of a quantized base"):
+            TPAccelerator(cpu=True).prepare(q)
+        with pytest.raises(TPUsageError, match=r"shard_data_parallel \(FSDP2\) over a quantized"):
+            tpify.shard_data_parallel(q)
         dist.barrier()
     return "ok"
 
