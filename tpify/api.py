@@ -46,7 +46,8 @@ from .context_parallel import check_model as check_context_parallel
 from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, cp_group_of, cp_size_of,
                    cp_tp_group_of, mesh_device_type, replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
-from .quantized import check_layout, quantization_spec, quantize_, refuse_if_quantized, refuse_prequantized
+from .quantized import (check_layout, load_prequantized_, plan_prequantized, quantization_spec, quantize_,
+                        refuse_if_quantized, saved_quantization)
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
 from .sharding import is_dtensor, shard_spec_of
@@ -301,7 +302,9 @@ def from_pretrained(
     behave as transformers 5's; ``tp_size``, ``tp_group``, ``dp_group``, ``mesh``, ``recipe``,
     ``pad_vocab_multiple``, ``sequence_parallel``, ``lm_loss_chunk``, ``ep_size``,
     ``quantization_config`` as in :func:`parallelize` (the slices are read dense, then quantized:
-    peak memory per rank is the dense shard's). Every argument: docs/loading-and-saving.md. Returns the parallelized
+    peak memory per rank is the dense shard's). A checkpoint saved 4-bit by transformers
+    (bitsandbytes, its ``config.json`` holding the ``quantization_config``) is read as stored: each
+    rank reads only its blocks' codes and absmax. Every argument: docs/loading-and-saving.md. Returns the parallelized
     model, in eval mode.
 
     Communication: one agreement on the local checks (the checkpoint's names, shapes and dtype),
@@ -310,7 +313,9 @@ def from_pretrained(
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
         ValueError: ``dtype`` and ``torch_dtype`` both given; a dtype that is not floating.
-        NotImplementedError: a pre-quantized checkpoint (its config holds a ``quantization_config``).
+        NotImplementedError: a pre-quantized checkpoint tpify cannot read by slices
+            (:func:`tpify.quantized.plan_prequantized`: not bitsandbytes 4-bit, double quantization,
+            Conv1D layers, other skipped modules).
         CheckpointError: no safetensors weights; a truncated or corrupt file; tensors missing or of
             another shape; an index and its files that disagree (:func:`tpify.io.files.open_checkpoint`).
         PlanError, RecipeError, ValueError: as :func:`parallelize`.
@@ -322,16 +327,23 @@ def from_pretrained(
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         dtype, argument = _dtype_argument(dtype, torch_dtype)
-        refuse_prequantized(path)
+        saved_quant = saved_quantization(path)  # a checkpoint saved 4-bit: its layers read by slices, as stored
+        if saved_quant is not None and quantization_config is not None:
+            raise ValueError(f"{path} is saved quantized already ({saved_quant}); drop quantization_config")
         load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
-                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group)
+                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group,
+                             saved_quant)
         quant = _check_quantization(load.model, load.layout, quantization_config)
+        if saved_quant is not None:
+            quant = None
         checked.fingerprint = load.fingerprint | ({"quantization": repr(quant[1])} if quant else {})
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
         finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh)  # groups, surgery, hooks
         with agreement("reading the checkpoint in tpify.from_pretrained", group=tp_group) as read:
             materialize(model, load.snap, load.source, load.headers, load.dtype, copy=disable_mmap)
+            if load.prequantized is not None:
+                load_prequantized_(model, load.prequantized, saved_quant, load.snap)
             init_missing(model, load.to_init, load.dtype)
             check_loaded(model)
             read.fingerprint = _replicated_fingerprint(model)
@@ -371,9 +383,11 @@ class _Load:
     to_init: list[str]
     dtype: torch.dtype
     fingerprint: dict
+    prequantized: dict | None = None  # layer FQN -> its 4-bit tensors in a pre-quantized checkpoint
 
 
-def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, options, agree_group) -> _Load:
+def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, options, agree_group,
+                  saved_quant=None) -> _Load:
     """The local part of :func:`from_pretrained` (``asked``: the dtype asked for and the name of its
     argument, :func:`_dtype_argument`): config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
@@ -395,11 +409,16 @@ def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, opt
         dtype = resolve_dtype(config, stored_float_dtype(headers, weight_map), *asked)
         model = build_meta_model(config, cls, dtype)
         size, layout = prepare(model, tp_size, tp_group, recipe, *options)
+        prequantized = None
+        if saved_quant is not None:  # the quantized weights matched by their dense shapes, read apart
+            headers, prequantized = plan_prequantized(model, layout, saved_quant, snap, headers)
         source, to_init = match_checkpoint(model, headers, dense_shapes(model), path, cls.__name__, layout.renames,
                                            may_init=lambda fqns: replicated_head(model, fqns, layout))
         shared = {**fingerprint(model, layout, size, agree_group), "dtype": str(dtype),
                   "checkpoint tensors": _checkpoint_digest(headers)}
-        return _Load(model, size, layout, snap, headers, source, to_init, dtype, shared)
+        for fqn in prequantized or ():
+            source.pop(f"{fqn}.weight", None)
+        return _Load(model, size, layout, snap, headers, source, to_init, dtype, shared, prequantized)
     except BaseException:
         snap.close()
         raise

@@ -48,7 +48,8 @@ from .layout import PlanError
 from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["QuantizationSpec", "QuantizedColumnParallelLinear", "QuantizedRowParallelLinear", "quantization_spec",
-           "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "refuse_prequantized", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
+           "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "saved_quantization", "plan_prequantized",
+           "load_prequantized_", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
 
 _COLUMN_STYLES = ("colwise", "packed_colwise")
 _ROW_STYLES = ("rowwise",)
@@ -223,11 +224,20 @@ class _Quantized:
         self.register_buffer("weight_codes", codes, persistent=False)  # (numel / 2, 1) uint8, two codes per byte
         self.register_buffer("weight_absmax", state.absmax, persistent=False)  # (ceil(numel / blocksize),) float32
         self.register_buffer("weight_code_table", state.code, persistent=False)  # (16,) the NF4/FP4 values
+        self._mark_sharded()
         self.quant_shape, self.quant_dtype = tuple(state.shape), state.dtype
         self.quant_type, self.quant_blocksize = qspec.quant_type, qspec.blocksize
         self.compute_dtype = qspec.compute_dtype
         if self.bias is not None:
             self.bias.requires_grad_(False)
+
+    def _mark_sharded(self) -> None:
+        """Give the codes and absmax buffers the weight's ShardSpec: they hold this rank's shard (so the
+        checks that compare replicated tensors across ranks leave them out). Non-persistent: no
+        state dict, save or checkpoint reads them through it."""
+        for b in (self.weight_codes, self.weight_absmax):
+            if self.weight_shard_spec is not None:
+                b.tp_shard_spec = self.weight_shard_spec
 
     @property
     def quant_state(self):
@@ -408,28 +418,165 @@ def check_lora_on_quantized(model: nn.Module, config, what: str) -> None:
         raise NotImplementedError(f"{what} on a quantized tensor-parallel model: {'; '.join(refused)}")
 
 
-def refuse_prequantized(path) -> None:
-    """Refuse a checkpoint saved quantized (its ``config.json`` holds a ``quantization_config``, as
-    transformers writes for bitsandbytes 4-bit models): reading its codes by slices is not built.
+# ---------------------------------------------------------------------------------------------
+# Pre-quantized checkpoints (bitsandbytes 4-bit safetensors as transformers writes them), read by slices.
+
+_STATE_KEY = ".quant_state.bitsandbytes__"
+_AUX = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+
+
+def saved_quantization(path) -> QuantizationSpec | None:
+    """The :class:`QuantizationSpec` of a checkpoint saved quantized (its ``config.json``'s
+    ``quantization_config``), or None for an unquantized one.
 
     Raises:
-        NotImplementedError: naming the checkpoint's ``quant_method`` and what to load instead.
+        NotImplementedError, ImportError, ValueError: as :func:`quantization_spec` (a
+            ``quant_method`` other than bitsandbytes, 8-bit, double quantization, ...).
     """
     import json
     from pathlib import Path
 
-    config = Path(path) / "config.json"
     try:
-        saved = json.loads(config.read_text()).get("quantization_config")
+        saved = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError):
-        return  # from_pretrained reports a missing or unreadable config itself
-    if saved:
+        return None  # from_pretrained reports a missing or unreadable config itself
+    if not saved:
+        return None
+    if not isinstance(saved, dict) or saved.get("quant_method") != "bitsandbytes":
         method = saved.get("quant_method", "?") if isinstance(saved, dict) else "?"
-        raise NotImplementedError(
-            f"{path} is a pre-quantized checkpoint (quantization_config, quant_method={method!r}): loading its "
-            f"quantized tensors by slices is not built in tpify; load the unquantized checkpoint with "
-            f"tpify.from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)), which "
-            f"quantizes each rank's slice")
+        raise NotImplementedError(f"{path}: a checkpoint quantized with quant_method={method!r}: not built (tpify "
+                                  f"reads bitsandbytes 4-bit checkpoints)")
+    from transformers import BitsAndBytesConfig
+
+    return quantization_spec(BitsAndBytesConfig.from_dict(dict(saved)))
+
+
+@dataclass
+class SavedLayer:
+    """One layer's 4-bit tensors in a pre-quantized checkpoint: the codes' key, its header, the
+    absmax and code-table keys, and the saved quant state (quant_type, blocksize, dtype, shape)."""
+
+    fqn: str
+    key: str
+    file: str
+    state: dict
+
+
+def plan_prequantized(model: nn.Module, layout, qspec: QuantizationSpec, snap, headers: dict) -> tuple[dict, dict]:
+    """Match a pre-quantized checkpoint to the (meta) model: ``(headers, layers)``, where
+    ``headers`` are the checkpoint's with each quantized weight given its dense shape and dtype
+    (so that the usual key and shape matching checks it) and the statistics left out, and
+    ``layers`` maps each layer FQN to quantize to its :class:`SavedLayer`. Pure apart from reading
+    the small quant-state tensors; no collective.
+
+    Raises:
+        PlanError: as :func:`check_layout`.
+        NotImplementedError: a quantized tensor of a layer tpify would not quantize, or the other
+            way round (other skip lists); double quantization or another quant type or block size
+            in a tensor's state; a ``Conv1D`` layer (GPT-2: not built for pre-quantized loading).
+    """
+    from bitsandbytes.utils import unpack_tensor_to_dict
+    from safetensors import safe_open
+
+    from .hf_modules import is_conv1d
+    from .io.files import TensorHeader
+
+    fqns = check_layout(model, layout, qspec)
+    saved, out, problems = {}, dict(headers), []
+    for key, header in headers.items():
+        if _STATE_KEY not in key:
+            continue
+        weight_key = key[: key.index(_STATE_KEY)]
+        with safe_open(snap.where(header.file), framework="pt", device="cpu") as f:
+            state = unpack_tensor_to_dict(f.get_tensor(key))
+        saved[weight_key] = (header, state)
+        del out[key]
+        for aux in _AUX:
+            out.pop(weight_key + aux, None)
+    layers = {}
+    for fqn in fqns:
+        entry = saved.pop(fqn + ".weight", None)
+        if entry is None:
+            problems.append(f"{fqn}.weight is stored unquantized but tpify quantizes {fqn}")
+            continue
+        header, state = entry
+        if is_conv1d(model.get_submodule(fqn)):
+            problems.append(f"{fqn}: a Conv1D layer (GPT-2) read from a pre-quantized checkpoint is not built")
+            continue
+        if "nested_blocksize" in state or state.get("quant_type") != qspec.quant_type \
+                or state.get("blocksize") != qspec.blocksize:
+            problems.append(f"{fqn}: saved as {state} (built: {qspec.quant_type}, blocks of {qspec.blocksize}, "
+                            f"no double quantization)")
+            continue
+        dtype = getattr(torch, state["dtype"])
+        out[fqn + ".weight"] = TensorHeader(tuple(state["shape"]), header.file, dtype)
+        layers[fqn] = SavedLayer(fqn, fqn + ".weight", header.file, state)
+    problems += [f"{k} is stored quantized but tpify would not quantize it (llm_int8_skip_modules, or a style "
+                 f"without a quantized form)" for k in sorted(saved)]
+    if problems:
+        raise NotImplementedError("reading this pre-quantized checkpoint by slices:\n  " + "\n  ".join(problems))
+    return out, layers
+
+
+def _byte_ranges(spec: ShardSpec, in_f: int, out_f: int, tp_rank: int, is_row: bool, block: int):
+    """``[start, stop)`` ranges of elements of the flattened dense ``[out_f, in_f]`` weight that this
+    rank's shard holds, in its order (each a whole number of blocks: :func:`check_layout`)."""
+    for a, b in spec.ranges(tp_rank):
+        if is_row:
+            for o in range(out_f):
+                yield o * in_f + a, o * in_f + b
+        else:
+            yield a * in_f, b * in_f
+
+
+def load_prequantized_(model: nn.Module, layers: dict, qspec: QuantizationSpec, snap) -> nn.Module:
+    """Fill the layers ``layers`` (from :func:`plan_prequantized`) of a parallelized model on the
+    meta device from the checkpoint's 4-bit tensors, reading only this rank's blocks: the codes
+    ``[a, b) / 2`` and absmax ``[a, b) / blocksize`` of each element range of its shard (one read per
+    range: per row of a row-parallel layer). The result equals :func:`quantize_` of the dense
+    weight bit for bit (the shard's blocks are the dense blocks it holds, module doc). Local; no
+    communication. Every parameter is frozen afterwards.
+
+    Raises:
+        ValueError: a tensor in the file has another size than its saved quant state says.
+    """
+    from safetensors import safe_open
+
+    handles = {}
+    try:
+        for fqn, saved in layers.items():
+            layer = model.get_submodule(fqn)
+            cls = _QUANTIZED[type(layer)]
+            param = layer._parameters.pop("weight")
+            layer.__class__ = cls
+            layer.weight_shard_spec = shard_spec_of(param)
+            out_f, in_f = saved.state["shape"]
+            f = handles.get(saved.file)
+            if f is None:
+                f = handles[saved.file] = safe_open(snap.where(saved.file), framework="pt", device="cpu")
+            block = qspec.blocksize
+            ranges = list(_byte_ranges(layer.weight_shard_spec, in_f, out_f, layer.tp_rank, cls is
+                                       QuantizedRowParallelLinear, block))
+            codes_slice, absmax_slice = f.get_slice(saved.key), f.get_slice(saved.key + ".absmax")
+            if codes_slice.get_shape()[0] * 2 < out_f * in_f or absmax_slice.get_shape()[0] * block < out_f * in_f:
+                raise ValueError(f"{saved.key}: {codes_slice.get_shape()} codes / {absmax_slice.get_shape()} absmax "
+                                 f"for a [{out_f}, {in_f}] weight")
+            codes = torch.cat([codes_slice[a // 2: (b + 1) // 2] for a, b in ranges])
+            absmax = torch.cat([absmax_slice[a // block: -(-b // block)] for a, b in ranges])
+            local_shape = (sum(b - a for a, b in ranges) // in_f, in_f) if cls is QuantizedColumnParallelLinear \
+                else (out_f, sum(b - a for a, b in ranges) // out_f)
+            layer.register_buffer("weight_codes", codes.reshape(-1, 1).contiguous(), persistent=False)
+            layer.register_buffer("weight_absmax", absmax.float().contiguous(), persistent=False)
+            layer.register_buffer("weight_code_table", f.get_tensor(saved.key + ".quant_map").float(), persistent=False)
+            layer._mark_sharded()
+            layer.quant_shape, layer.quant_dtype = local_shape, getattr(torch, saved.state["dtype"])
+            layer.quant_type, layer.quant_blocksize, layer.compute_dtype = qspec.quant_type, block, qspec.compute_dtype
+    finally:
+        handles.clear()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.tp_quantization = qspec
+    return model
 
 
 def refuse_full_finetuning(model: nn.Module, what: str) -> None:

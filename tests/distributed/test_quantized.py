@@ -8,6 +8,8 @@ config and ``tpify.integrations.get_peft_model``. For Llama (grouped-query atten
 
 * every quantized layer: this rank's 4-bit codes and absmax equal the dense quantized weight's
   restricted to the shard, bit for bit, and so does the dequantized shard (``torch.equal``);
+* Llama saved 4-bit by transformers and read back by ``tpify.from_pretrained`` (each rank reads only
+  its blocks): the same bitwise checks, and logits equal to the quantize-on-load model's exactly;
 * logits: atol 2e-5, rtol 1e-5 (the same dequantized weights; float32 matmuls of a shard and
   the row-parallel all-reduce sum in another order, ~1e-6 relative on values of order 1);
 * 3 AdamW steps of LoRA (lr 1e-2): loss each step atol 1e-5, rtol 1e-5; every adapter gradient,
@@ -132,6 +134,13 @@ def _check_family(family, rank, tmp, tp=2):
         loaded = cls.from_pretrained(path, dtype=torch.float32)  # the same config on every rank (rank 0 saved it)
         par = tpify.parallelize(loaded, tp_size=tp, quantization_config=bnb_config(quant_type))
     n_quantized = _check_bitwise(par, ref, rank)
+    pre = None
+    if family.startswith("llama"):  # a checkpoint saved 4-bit by transformers, read by slices as stored
+        if rank == 0:
+            ref.save_pretrained(f"{path}-4bit")
+        dist.barrier()
+        pre = tpify.from_pretrained(f"{path}-4bit", tp_size=tp)
+        assert _check_bitwise(pre, ref, rank) == n_quantized
     assert n_quantized == (4 * 2 if family == "gpt2" else 7 * 2), n_quantized
 
     vocab = dense.config.vocab_size
@@ -142,6 +151,9 @@ def _check_family(family, rank, tmp, tp=2):
     ref.train(), par.train()  # dropout is 0 in both configs
     with torch.no_grad():
         torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
+        if pre is not None:
+            pre.train()
+            torch.testing.assert_close(pre(ids).logits, par(ids).logits, atol=0, rtol=0)
 
     lora_cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian")  # noqa: E731
     torch.manual_seed(1)

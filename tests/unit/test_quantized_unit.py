@@ -101,6 +101,7 @@ def test_tp1_equals_transformers_4bit_model(tmp_path):
     assert isinstance(q, QuantizedColumnParallelLinear)
     assert torch.equal(q.weight_codes, r.weight.data) and torch.equal(q.weight_absmax, r.weight.quant_state.absmax)
     assert torch.equal(q.weight, bnbf.dequantize_4bit(r.weight.data, r.weight.quant_state))
+    ref.save_pretrained(tmp_path / "quantized")  # before any eval forward (which repacks the weights on CPU)
     ids = torch.randint(3, 101, (2, 8), generator=torch.Generator().manual_seed(1))
     ref.train(), par.train()  # bitsandbytes' CPU eval path computes in bfloat16 (see test_quantized.py)
     with torch.no_grad():
@@ -111,7 +112,12 @@ def test_tp1_equals_transformers_4bit_model(tmp_path):
     assert sizes["quantized"] == numel // 2 + numel // 64 * 4 + 7 * 16 * 4
     with pytest.raises(KeyError, match="attribute 'weight' already exists"):  # the 4-bit weight is read-only
         q.weight = torch.nn.Parameter(torch.zeros(128, 128))
-    # a checkpoint saved quantized (transformers' bitsandbytes format): reading it by slices is not built
-    ref.save_pretrained(tmp_path / "quantized")
-    with pytest.raises(NotImplementedError, match="pre-quantized checkpoint .*quant_method='bitsandbytes'"):
-        tpify.from_pretrained(tmp_path / "quantized", tp_size=1)
+    # a checkpoint saved quantized (transformers' bitsandbytes format) is read as stored: the same model
+    with pytest.raises(ValueError, match="saved quantized already"):
+        tpify.from_pretrained(tmp_path / "quantized", tp_size=1, quantization_config=_config())
+    loaded = tpify.from_pretrained(tmp_path / "quantized", tp_size=1)
+    lq = loaded.model.layers[0].self_attn.q_proj
+    assert torch.equal(lq.weight_codes, q.weight_codes) and torch.equal(lq.weight_absmax, q.weight_absmax)
+    loaded.train()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, par(ids).logits, atol=0, rtol=0)
