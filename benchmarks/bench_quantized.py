@@ -15,6 +15,12 @@ Model: a random Llama, 4 layers, hidden ``--hidden`` (default 512), 8 query / 4 
 intermediate 4 x hidden, vocabulary 8192, float32 weights (the unquantized parts' dtype; bf16
 halves them). Each tp size is a world of tp gloo ranks on this machine.
 
+Loading: the peak resident memory a load adds (RSS sampled every 2 ms, minus the RSS before;
+imports done first), per rank, of a pre-quantized checkpoint (4 layers, hidden ``--load-hidden``, NF4, saved by
+transformers), by transformers' ``from_pretrained`` in one process and by ``tpify.from_pretrained``
+at each tp (each rank reads its blocks only; zero-copy views of the mapped file count as resident
+once touched).
+
 The "what fits" lines are arithmetic from these measured ratios applied to Llama-shaped models
 (7B, 13B, 70B; bf16 unquantized parts, r = 16): the per-rank bytes of the base, adapters and
 AdamW state, not activations (those depend on batch and sequence and are split by tp too only
@@ -134,6 +140,70 @@ def _run(tp: int, path: str) -> dict:
     return {k: max(v[k] for _, v in got) for k in got[0][1]}
 
 
+def _rss_rank(rank: int, tp: int, store_path: str, path: str, results) -> None:
+    """Peak resident memory added by loading the pre-quantized checkpoint ``path`` on one rank: the
+    highest RSS sampled every 2 ms during the load minus the RSS before it (imports done first);
+    tp 0: transformers' own ``from_pretrained`` in one process."""
+    import threading
+
+    import psutil
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    try:
+        import bitsandbytes  # noqa: F401 - imported before the baseline, as the load would
+        from transformers import LlamaForCausalLM
+
+        import tpify
+
+        if tp > 1:
+            dist.init_process_group("gloo", store=dist.FileStore(store_path, tp), rank=rank, world_size=tp)
+        proc, peak, done = psutil.Process(), [0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                done.wait(0.002)
+
+        before = proc.memory_info().rss
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        if tp == 0:
+            model = LlamaForCausalLM.from_pretrained(path, device_map="cpu")
+        else:
+            model = tpify.from_pretrained(path, tp_size=tp)
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        done.set()
+        sampler.join()
+        del model
+        results.put((rank, peak[0] - before))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _load_peak(tp: int, path: str) -> int:
+    """The largest rank's added peak RSS loading ``path`` at ``tp`` (0: transformers, one process)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rss_rank, args=(r, tp, str(Path(tmp) / "store"), path, results))
+                 for r in range(max(tp, 1))]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=1800) for _ in procs]
+        for p in procs:
+            p.join()
+    errors = [v for _, v in got if isinstance(v, str)]
+    if errors:
+        raise RuntimeError(errors[0])
+    return max(v for _, v in got)
+
+
 def _fits() -> list[str]:
     """Per-rank GB of base + adapters + AdamW for Llama-shaped models (bf16 unquantized parts, r = 16)."""
     shapes = {"7B": (4096, 11008, 32, 32, 32, 32000), "13B": (5120, 13824, 40, 40, 40, 32000),
@@ -163,6 +233,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--load-hidden", type=int, default=1024,
+                        help="hidden size of the Llama whose pre-quantized checkpoint is loaded for the peak-memory table")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -183,6 +255,24 @@ def main(argv=None) -> int:
         print(f"| {tp} | " + " | ".join(f"{row[k] / 1024:.0f} | {row[k] / max(dense[k], 1):.3f}" for k in keys) + " |")
     ratio = table[max(table)]["quantized"] / dense["quantized"] * max(table)
     print(f"quantized bytes x tp / dense at tp {max(table)}: {ratio:.3f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import LlamaForCausalLM as _L
+
+        torch.manual_seed(0)
+        _L(_config(args.load_hidden)).save_pretrained(f"{tmp}/dense")
+        q = _L.from_pretrained(f"{tmp}/dense", quantization_config=_bnb(), dtype=torch.float32, device_map="cpu")
+        q.save_pretrained(f"{tmp}/4bit")
+        del q
+        on_disk = sum(f.stat().st_size for f in Path(f"{tmp}/4bit").glob("*.safetensors"))
+        hf = _load_peak(0, f"{tmp}/4bit")
+        print(f"loading a pre-quantized checkpoint (Llama 4 layers, hidden {args.load_hidden}, NF4; "
+              f"{on_disk / 2**20:.1f} MiB of safetensors): peak RSS added per rank, largest rank")
+        print("| loader | MiB | ratio to transformers |")
+        print("| --- | --- | --- |")
+        print(f"| transformers from_pretrained, one process | {hf / 2**20:.1f} | 1 |")
+        for tp in args.tp:
+            peak = _load_peak(tp, f"{tmp}/4bit")
+            print(f"| tpify.from_pretrained, tp {tp} | {peak / 2**20:.1f} | {peak / hf:.3f} |")
     print("what fits (base + LoRA r=16 + AdamW, no activations; estimated from the layer shapes):")
     for line in _fits():
         print("  " + line)
