@@ -31,6 +31,10 @@ names more modules to keep. Refused by name: 8-bit (``load_in_8bit``), double qu
 second-level statistics are quantized in blocks of 256 absmax values with one offset, the mean of
 the whole dense weight's absmax: a shard's own quantization differs), ``TorchAoConfig`` and other
 configs, the styles ``replicate``, ``experts``, ``latent`` and ``per_head``.
+
+**Two paths, both exact.** Quantize on load (:func:`quantize_`: each rank quantizes the dense slice
+it read) and a checkpoint transformers saved 4-bit (:func:`plan_prequantized`,
+:func:`load_prequantized_`: each rank reads only its blocks' codes and absmax).
 """
 
 from __future__ import annotations
