@@ -29,6 +29,8 @@ else
 fi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# kernels in launch order, so the column-parallel all-reduce runs beside the weight-gradient GEMM (docs/gpu.md)
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 budget=$(( 585 - (SECONDS - start) ))
 versions=$(python -c 'import torch, transformers as t; print("torch", torch.__version__, "transformers",
 t.__version__)')

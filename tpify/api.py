@@ -131,7 +131,8 @@ def fingerprint(model: nn.Module, layout: Layout | None, tp_size: int | None, tp
 def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup | None,
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
             sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
-            lm_loss_chunk: int | str | None = None, mesh=None, ep_size: int = 1) -> tuple[int, Layout]:
+            lm_loss_chunk: int | str | None = None, mesh=None, ep_size: int = 1,
+            grad_reduce_dtype: torch.dtype | None = None) -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -139,6 +140,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     """
     if tp_info_of(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
+    check_grad_reduce_dtype(grad_reduce_dtype)
     check_before_parallelize(model)
     if mesh is not None:
         size = check_mesh(mesh, tp_size, tp_group, dp_group)
@@ -155,9 +157,20 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     return size, layout
 
 
+def check_grad_reduce_dtype(value) -> None:
+    """``parallelize(grad_reduce_dtype=...)``: None or a floating ``torch.dtype``.
+
+    Raises:
+        ValueError: anything else (naming it), on every rank before any collective.
+    """
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"grad_reduce_dtype must be None (the dtype of the matmul that made each gradient) or a "
+                         f"floating torch.dtype such as torch.float32, got {value!r}")
+
+
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
            dp_group: "dist.ProcessGroup | None | str" = INFER, tp_groups: list | None = None,
-           mesh=None) -> nn.Module:
+           mesh=None, grad_reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """The collective half of the pipeline, after the agreement: groups, surgery, ``tp_info``, the
     parallel LM loss, the HF methods and the guards.
 
@@ -175,7 +188,8 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     # context parallelism: replicated parameters' partial gradients summed over cp x tp
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
                     replica_groups=replica_groups(shards, tp_group, mesh, tp_groups),
-                    summed_grads=SummedGrads(cp_tp_group_of(mesh, tp_group)), cp_group=cp_group_of(mesh))
+                    summed_grads=SummedGrads(cp_tp_group_of(mesh, tp_group)), cp_group=cp_group_of(mesh),
+                    grad_reduce_dtype=grad_reduce_dtype)
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(ctx, dp_group, layout, dp_source=dp_source, mesh=mesh, foreign_shards=foreign_shards(model))
@@ -216,6 +230,7 @@ def parallelize(
     lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
+    grad_reduce_dtype: torch.dtype | None = None,
     quantization_config=None,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
@@ -245,20 +260,22 @@ def parallelize(
             what is not built (8-bit, double quantization, torchao; :func:`tpify.quantized.quantization_spec`).
         TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first).
         ValueError: inconsistent ``tp_size`` / ``tp_group`` / ``dp_group`` / ``mesh``; ``tp_size > 1``
-            without torch.distributed; TP groups that do not split the world evenly.
+            without torch.distributed; TP groups that do not split the world evenly; a
+            ``grad_reduce_dtype`` that is not None or a floating dtype.
         AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
     """
     error, layout, size, shared, quant = None, None, None, {}, None
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
-                               lm_loss_chunk, mesh, ep_size)
+                               lm_loss_chunk, mesh, ep_size, grad_reduce_dtype)
         quant = _check_quantization(model, layout, quantization_config)
-        shared = fingerprint(model, layout, size, group) | ({"quantization": repr(quant[1])} if quant else {})
+        shared = fingerprint(model, layout, size, group) | {"grad_reduce_dtype": str(grad_reduce_dtype)}
+        shared |= {"quantization": repr(quant[1])} if quant else {}
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
-    finish(model, size, layout, tp_group, dp_group, tp_groups, mesh)
+    finish(model, size, layout, tp_group, dp_group, tp_groups, mesh, grad_reduce_dtype)
     return quantize_(model, *quant) if quant is not None else model
 
 
@@ -289,6 +306,7 @@ def from_pretrained(
     lm_loss_chunk: int | str | None = None,
     mesh=None,
     ep_size: int = 1,
+    grad_reduce_dtype: torch.dtype | None = None,
     torch_dtype: torch.dtype | str | None = None,
     quantization_config=None,
 ) -> nn.Module:
@@ -301,11 +319,11 @@ def from_pretrained(
     model. ``dtype`` (or its deprecated name ``torch_dtype``), ``model_class`` and the key mapping
     behave as transformers 5's; ``tp_size``, ``tp_group``, ``dp_group``, ``mesh``, ``recipe``,
     ``pad_vocab_multiple``, ``sequence_parallel``, ``lm_loss_chunk``, ``ep_size``,
-    ``quantization_config`` as in :func:`parallelize` (the slices are read dense, then quantized:
-    peak memory per rank is the dense shard's). A checkpoint saved 4-bit by transformers
-    (bitsandbytes, its ``config.json`` holding the ``quantization_config``) is read as stored: each
-    rank reads only its blocks' codes and absmax. Every argument: docs/loading-and-saving.md. Returns the parallelized
-    model, in eval mode.
+    ``grad_reduce_dtype``, ``quantization_config`` as in :func:`parallelize` (the slices are read
+    dense, then quantized: peak memory per rank is the dense shard's). A checkpoint saved 4-bit by
+    transformers (bitsandbytes, its ``config.json`` holding the ``quantization_config``) is read as
+    stored: each rank reads only its blocks' codes and absmax. Every argument:
+    docs/loading-and-saving.md. Returns the parallelized model, in eval mode.
 
     Communication: one agreement on the local checks (the checkpoint's names, shapes and dtype),
     :func:`parallelize`'s groups, no collective while reading, one agreement after it.
@@ -331,15 +349,17 @@ def from_pretrained(
         if saved_quant is not None and quantization_config is not None:
             raise ValueError(f"{path} is saved quantized already ({saved_quant}); drop quantization_config")
         load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
-                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size), group,
-                             saved_quant)
+                             (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size,
+                              grad_reduce_dtype), group, saved_quant)
         quant = _check_quantization(load.model, load.layout, quantization_config)
         if saved_quant is not None:
             quant = None
-        checked.fingerprint = load.fingerprint | ({"quantization": repr(quant[1])} if quant else {})
+        checked.fingerprint = load.fingerprint | {"grad_reduce_dtype": str(grad_reduce_dtype)}
+        checked.fingerprint |= {"quantization": repr(quant[1])} if quant else {}
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
-        finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh)  # groups, surgery, hooks
+        finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh,  # groups, surgery, hooks
+               grad_reduce_dtype)
         with agreement("reading the checkpoint in tpify.from_pretrained", group=tp_group) as read:
             materialize(model, load.snap, load.source, load.headers, load.dtype, copy=disable_mmap)
             if load.prequantized is not None:

@@ -345,30 +345,10 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
     models = _models(models)
     optimizers = [_optimizer(o) for o in optimizers]
     names, specs, ctx = _param_index(models)
-    state, finish, by_name, error = {}, [], {}, None
+    metadata, state, finish, by_name, error = None, {}, [], {}, None
     try:
         metadata = read_metadata(path).state_dict_metadata  # every file there and long enough
-        problems = []
-        for i, model in enumerate(models):
-            for name, p in _named_params(model):
-                key = _prefix(i, "model") + name
-                by_name[key] = p
-                if not model_state:
-                    continue
-                entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
-                for k, t in entries.items():
-                    saved = getattr(metadata.get(k), "size", None)
-                    if saved is None:
-                        problems.append(f"{k} is not in the checkpoint")
-                    elif tuple(saved) != tuple(t.shape):
-                        problems.append(f"{k} has dense shape {tuple(saved)} there, {tuple(t.shape)} here")
-                state.update(entries)
-                finish.append((p, assemble))
-        if problems:
-            more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-            raise CheckpointError(f"load_checkpoint: {path} was written for another model: {'; '.join(problems[:3])}"
-                                  f"{more}. Resume with the model the checkpoint was saved from (any tp_size and "
-                                  f"dp_size), or start from its dense weights with a fresh optimizer")
+        _model_targets(path, models, model_state, metadata, specs, ctx, state, finish, by_name)
     except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
         error = e
     agree("tpify.load_checkpoint", {"checkpoint": str(path)}, error)
@@ -376,56 +356,103 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
                                                                   for i in range(len(optimizers))])
     if len(objects["sched"]) != len(schedulers):
         raise CheckpointError(f"{path} holds {len(objects['sched'])} scheduler(s); this run has {len(schedulers)}")
-    optim_states = []
-    for i, opt in enumerate(optimizers):
-        meta = objects[_prefix(i, "optim") + "meta"]
-        mine = [[names.get(id(p)) for p in g["params"]] for g in opt.param_groups]
-        if [g["params"] for g in meta["param_groups"]] != mine:
-            raise CheckpointError(f"load_checkpoint: optimizer {i}'s param groups list other parameters than the "
-                                  f"checkpoint's ({[len(g['params']) for g in meta['param_groups']]} then, "
-                                  f"{[len(g) for g in mine]} now)")
-        index = {name: k for k, name in enumerate(n for g in mine for n in g)}
-        built: dict[int, dict] = {}
-        for name, kinds in meta["state"].items():
-            p = by_name[name]
-            values = built.setdefault(index[name], {})
-            for k, (kind, value) in kinds.items():
-                key = _prefix(i, "optim") + name + "." + k
-                if kind == "object":
-                    values[k] = value
-                elif kind == "tensor":
-                    size = metadata[key].size
-                    props = metadata[key].properties
-                    buffer = torch.empty(size, dtype=props.dtype)
-                    state[key] = buffer
-                    values[k] = buffer
-                else:
-                    entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
-                    state.update(entries)
-                    values[k] = (p, assemble)
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
-        optim_states.append((opt, built, groups))
+    optim_states = [_optimizer_targets(i, opt, objects[_prefix(i, "optim") + "meta"], names, by_name, metadata,
+                                       specs, ctx, state) for i, opt in enumerate(optimizers)]
     _dcp_load(state, path)
     with torch.no_grad():
         for p, assemble in finish:
             copy_local_(p, assemble()) if is_dtensor(p) else p.copy_(assemble())
     for opt, built, groups in optim_states:
-        for values in built.values():
-            for k, v in list(values.items()):
-                if isinstance(v, tuple):
-                    p, assemble = v
-                    shard = assemble()
-                    if is_dtensor(p):
-                        values[k] = distribute_tensor(shard, p.device_mesh, p.placements, src_data_rank=None)
-                    else:
-                        values[k] = shard
-        opt.load_state_dict({"state": built, "param_groups": groups})
+        _load_optimizer(opt, built, groups)
     for sched, saved in zip(schedulers, objects["sched"]):
         sched.load_state_dict(saved)
     if generators:
         _restore_rng(path, models, objects["layout"], ctx)
     return objects["extra"]
+
+
+def _model_targets(path, models, model_state: bool, metadata, specs, ctx, state: dict, finish: list,
+                   by_name: dict) -> None:
+    """Fill ``by_name`` (checkpoint key -> parameter) and, with ``model_state``, ``state`` (the
+    tensors DCP reads into) and ``finish`` (``(parameter, assemble)`` pairs), checking every
+    parameter's dense shape against ``metadata``. Local, no collective.
+
+    Raises:
+        CheckpointError: a parameter missing from the checkpoint or of another dense shape (up to
+            three named).
+    """
+    problems = []
+    for i, model in enumerate(models):
+        for name, p in _named_params(model):
+            key = _prefix(i, "model") + name
+            by_name[key] = p
+            if not model_state:
+                continue
+            entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
+            for k, t in entries.items():
+                saved = getattr(metadata.get(k), "size", None)
+                if saved is None:
+                    problems.append(f"{k} is not in the checkpoint")
+                elif tuple(saved) != tuple(t.shape):
+                    problems.append(f"{k} has dense shape {tuple(saved)} there, {tuple(t.shape)} here")
+            state.update(entries)
+            finish.append((p, assemble))
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise CheckpointError(f"load_checkpoint: {path} was written for another model: {'; '.join(problems[:3])}"
+                              f"{more}. Resume with the model the checkpoint was saved from (any tp_size and "
+                              f"dp_size), or start from its dense weights with a fresh optimizer")
+
+
+def _optimizer_targets(i: int, opt, meta: dict, names: dict, by_name: dict, metadata, specs, ctx, state: dict):
+    """``(opt, built, groups)``: optimizer ``i``'s state rebuilt by parameter name from its saved
+    ``meta`` (objects as saved, tensors as buffers DCP fills, sharded tensors as ``(parameter,
+    assemble)``), the tensors to read added to ``state``. Local, no collective.
+
+    Raises:
+        CheckpointError: its param groups list other parameters than the checkpoint's.
+    """
+    mine = [[names.get(id(p)) for p in g["params"]] for g in opt.param_groups]
+    if [g["params"] for g in meta["param_groups"]] != mine:
+        raise CheckpointError(f"load_checkpoint: optimizer {i}'s param groups list other parameters than the "
+                              f"checkpoint's ({[len(g['params']) for g in meta['param_groups']]} then, "
+                              f"{[len(g) for g in mine]} now)")
+    index = {name: k for k, name in enumerate(n for g in mine for n in g)}
+    built: dict[int, dict] = {}
+    for name, kinds in meta["state"].items():
+        p = by_name[name]
+        values = built.setdefault(index[name], {})
+        for k, (kind, value) in kinds.items():
+            key = _prefix(i, "optim") + name + "." + k
+            if kind == "object":
+                values[k] = value
+            elif kind == "tensor":
+                size = metadata[key].size
+                props = metadata[key].properties
+                buffer = torch.empty(size, dtype=props.dtype)
+                state[key] = buffer
+                values[k] = buffer
+            else:
+                entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
+                state.update(entries)
+                values[k] = (p, assemble)
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+    return opt, built, groups
+
+
+def _load_optimizer(opt, built: dict, groups: list) -> None:
+    """Assemble each sharded state tensor (a DTensor again under FSDP2) and load the state into ``opt``."""
+    for values in built.values():
+        for k, v in list(values.items()):
+            if isinstance(v, tuple):
+                p, assemble = v
+                shard = assemble()
+                if is_dtensor(p):
+                    values[k] = distribute_tensor(shard, p.device_mesh, p.placements, src_data_rank=None)
+                else:
+                    values[k] = shard
+    opt.load_state_dict({"state": built, "param_groups": groups})
 
 
 def _restore_rng(path, models, saved_layout: dict, ctx: ShardContext) -> None:

@@ -17,28 +17,18 @@ __all__ = ["compose"]
 
 
 def compose(recipe: Recipe, model) -> Recipe:
-    """``recipe`` with its ``[[include]]`` tables applied: one flat recipe for ``model``.
+    """``recipe`` with its ``[[include]]`` tables applied: one flat recipe for ``model``. Local.
 
-    Each include applies another recipe (its ``recipe``, else the ``model_type`` of the sub-config
-    at ``config``) to the sub-module at ``prefix`` (relative to the base model): the included
-    rules' globs are prefixed with it (and with the sub-module's own base-model prefix, when it
-    has one), and every config attribute they read (``divisible``, ``divide_config``,
-    ``kv_heads``, ``parts`` weights, ``head_inputs`` heads, ``when`` keys) becomes a dotted path
-    into the sub-config (``text_config.num_attention_heads``), so it resolves against the part it
-    was written for. Included recipes may include others (applied first, against their own
-    sub-config). Their ``[subclasses]`` and checkpoint renames are added; their
-    ``[sequence_parallel]`` table is prefixed and scoped to the sub-module (its column- and
-    row-parallel layers must lie in a gathered module; the other parts' layers, which run outside
-    the split stretch, need not); at most one part may have one. Their ``[loss]`` tables are not
-    taken: the head classes are the composite's, and the including recipe declares them. The
-    recipe's own rules come first (their indices unchanged), then each include's in order. Local.
+    Each include applies another recipe to the sub-module at ``prefix``: its globs prefixed, the
+    config attributes it reads turned into dotted paths into its sub-config, its ``[subclasses]``,
+    renames and ``[sequence_parallel]`` table taken, its ``[loss]`` not. The recipe's own rules come
+    first, then each include's. The rules: docs/recipes.md, "Composing recipes: [[include]]".
 
     Raises:
-        RecipeError: a sub-config that the model's config does not hold, a sub-module the model
-            does not have, no recipe for the part's model_type (named, with the shipped ones),
-            a config attribute the included recipe reads that the sub-config lacks (each named,
-            with the rule that reads it), two ``[sequence_parallel]`` tables, or one
-            ``[subclasses]`` entry given two ways.
+        RecipeError: a sub-config or sub-module the model lacks, no recipe for the part's
+            model_type (named, with the shipped ones), a config attribute the included recipe reads
+            that the sub-config lacks (each named, with its rule), two ``[sequence_parallel]``
+            tables, or one ``[subclasses]`` entry given two ways.
     """
     if not recipe.includes:
         return recipe

@@ -80,14 +80,22 @@ class TPContext(comm.SharesProcessGroups):
             (:func:`tpify.mesh.replica_groups`).
         cp_group, cp_size, cp_rank: the context-parallel group (the ranks that split the tokens of
             the same sequences, :mod:`tpify.context_parallel`; ``None`` and size 1 without it).
+        grad_reduce_dtype: the narrowest dtype the input-gradient all-reduces (and reduce-scatters)
+            of the column-parallel layers, LoRA's and the chunked loss's run in
+            (:func:`tpify.comm.grad_reduce_dtype`); None (default): the dtype of the matmul that
+            made the gradient (``bfloat16`` under bf16 autocast, as Megatron-LM); ``torch.float32``:
+            float32 or wider (``parallelize(grad_reduce_dtype=...)``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None,
-                 replica_groups: dict | None = None, summed_grads=None, cp_group: dist.ProcessGroup | None = None):
+                 replica_groups: dict | None = None, summed_grads=None, cp_group: dist.ProcessGroup | None = None,
+                 grad_reduce_dtype=None):
         self.group = group
         self.cp_group = cp_group
         self.cp_size = comm.group_size(cp_group) if cp_group is not None else 1
         self.cp_rank = comm.group_rank(cp_group) if cp_group is not None else 0
+        self.grad_reduce_dtype = grad_reduce_dtype
+        self.overlap_checked = False  # CUDA_DEVICE_MAX_CONNECTIONS looked at (tpify.layers.check_overlap_environment)
         self.summed_grads = summed_grads
         self.size = comm.group_size(group)
         self.rank = comm.group_rank(group)

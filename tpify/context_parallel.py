@@ -1,29 +1,10 @@
 """Context parallelism: each rank of a CP group holds ``T / cp`` tokens of every sequence.
 
-Tensor parallelism splits the weights and, with sequence parallelism, the activations between its
-regions, but attention still sees the whole sequence on every rank, so the longest sequence a run
-takes does not grow with the number of GPUs. Context parallelism splits the sequence itself over
-the mesh's ``"cp"`` axis (:func:`tpify.init_mesh` ``cp_size``): everything outside attention is
-per token and runs on the local tokens; attention gathers the keys and values of the whole
-sequence over the CP group (:mod:`tpify.hooks.context_parallel`); the loss counts its targets over
-the group (:mod:`tpify.hooks.lm_loss`); gradients of the replicated-over-CP parameters are summed
-over the group (:class:`tpify.grad_sums.SummedGrads`). Liu et al., "Ring Attention"
-(arXiv:2310.01889); Megatron-LM's context parallelism; Llama 3's training (arXiv:2407.21783,
-section 3.3.2: all-gather of K/V, load-balanced causal chunks).
-
-**Load balancing.** A sequence of ``T`` tokens is cut into ``2 * cp`` chunks of ``c = T / (2 cp)``;
-rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (:func:`load_balanced_index`), a front and a
-back chunk, so that every rank does the same causal attention work.
-
-**The batch.** :func:`split_batch` is what a data loader or a training loop calls on each rank:
-it shifts the labels over the whole sequence first (HF's causal LM loss predicts token ``t + 1``
-at token ``t``; shifted after the split, each chunk would lose the target of its last token and
-give its first a wrong one), then keeps this rank's tokens of ``input_ids``, ``position_ids``
-(global positions: RoPE and learned position embeddings see the dense model's) and the shifted
-labels (``shift_labels``, transformers' name).
-
-This module holds the pure parts (the layout, the split, the gather, the model check); the hooks
-and the attention function are in :mod:`tpify.hooks.context_parallel`.
+The pure parts: the layout over the mesh's ``"cp"`` axis (:func:`cp_of`), the load-balanced
+split (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, :func:`load_balanced_index`), the
+batch (:func:`split_batch`: labels shifted before the split), the gather, the model check. The
+hooks and the attention function: :mod:`tpify.hooks.context_parallel`. Llama 3
+(arXiv:2407.21783, section 3.3.2); why and how: docs/context-parallelism.md.
 """
 
 from __future__ import annotations
@@ -111,28 +92,13 @@ def split_batch(batch: Mapping, model_or_mesh=None, *, cp_size: int | None = Non
     """This rank's part of a batch of whole sequences, for a context-parallel model: what a data
     loader or a training loop calls on every rank (every rank of a CP group given the same batch).
 
-    Per key (``(B, T)`` tensors, ``T`` the whole sequence):
-
-    * ``input_ids`` ``(B, T)`` (or ``inputs_embeds`` ``(B, T, H)``): this rank's tokens
-      ``(B, T / cp)``, chunks ``r`` and ``2 cp - 1 - r`` (:func:`load_balanced_index`).
-    * ``position_ids`` ``(B, T)`` or ``(1, T)``, default ``arange(T)``: this rank's, global values.
-      Packed sequences (several documents in one row) are position ids that restart at 0; the
-      attention then keeps each document to itself (as transformers does without a mask).
-    * ``labels`` ``(B, T)``: shifted over the whole sequence first (``shift_labels[t] =
-      labels[t + 1]``, the last one ``ignore_index``: transformers' ``ForCausalLMLoss``), then split;
-      returned as ``shift_labels`` and as ``labels`` (the model computes a loss only when ``labels``
-      is given; with ``shift_labels`` it reads the targets from it). A ``shift_labels`` given is
-      split as it is (already shifted).
-    * ``attention_mask``: all ones (no padding) is dropped; a padding mask is refused (the
-      attention builds its own mask from the positions; pad at the end with ``pad_token_id``
-      instead, or pack).
-    * anything that is not a tensor, or a 0-dim tensor (``num_items_in_batch``), is kept as is.
-
-    ``T`` must be a multiple of ``2 * cp``; with ``pad_token_id`` the sequences are padded at the
-    end to the next multiple (``input_ids`` with ``pad_token_id``, labels with ``ignore_index``,
-    positions continuing the last document's): the padding tokens only attend to earlier tokens,
-    nothing attends to them, and their targets are ignored, so the loss and the gradients are the
-    unpadded ones. With ``cp_size == 1`` the batch is returned as a dict, labels unshifted.
+    ``input_ids`` / ``inputs_embeds`` and ``position_ids`` (default ``arange(T)``): chunks ``r`` and
+    ``2 cp - 1 - r`` (:func:`load_balanced_index`); ``labels`` shifted over the whole sequence
+    first (HF's ``ForCausalLMLoss``), returned as ``shift_labels`` and ``labels``; an all-ones
+    ``attention_mask`` dropped; non-tensors and 0-dim tensors kept. With ``pad_token_id``, ``T``
+    is padded at the end to a multiple of ``2 * cp`` (targets ``ignore_index``). With
+    ``cp_size == 1`` the batch comes back as a dict, labels unshifted. Each key's rule:
+    docs/context-parallelism.md, "The batch: load balancing and the label shift".
 
     Args:
         batch: a mapping of the model's keyword arguments.
@@ -157,6 +123,37 @@ def split_batch(batch: Mapping, model_or_mesh=None, *, cp_size: int | None = Non
     out = dict(batch)
     if cp_size == 1:
         return out
+    tokens_key = _check_batch(out)
+    x = out[tokens_key]
+    tokens = x.shape[1]
+    positions = out.get("position_ids")
+    if positions is None:
+        positions = torch.arange(tokens, device=x.device).unsqueeze(0)
+    target = out.pop("shift_labels", None)
+    labels = out.pop("labels", None)
+    if target is None and labels is not None:  # HF's ForCausalLMLoss shift, over the whole sequence
+        target = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    pad = -tokens % (2 * cp_size)
+    if pad and pad_token_id is not None:
+        x, positions, target = _pad_at_end(x, positions, target, pad, pad_token_id, ignore_index)
+        tokens += pad
+    index = load_balanced_index(tokens, cp_size, cp_rank, device=x.device)  # raises on T % 2cp
+    out[tokens_key] = _split_tokens(x, index)
+    out["position_ids"] = _split_tokens(positions, index)
+    if target is not None:
+        out["shift_labels"] = _split_tokens(target, index)
+        out["labels"] = out["shift_labels"]
+    return out
+
+
+def _check_batch(out: dict) -> str:
+    """The key of the batch's tokens (``input_ids`` or ``inputs_embeds``), after checking that every
+    other tensor is one :func:`split_batch` splits, of the same length, and that an
+    ``attention_mask`` (popped from ``out``) pads nothing. One host sync (the mask).
+
+    Raises:
+        ValueError: as :func:`split_batch` says (unknown keys, no tokens, other lengths, padding).
+    """
     unknown = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in SPLIT_KEYS]
     if unknown:
         raise ValueError(f"split_batch: no rule to split {unknown} over the context-parallel group; it splits "
@@ -179,27 +176,17 @@ def split_batch(batch: Mapping, model_or_mesh=None, *, cp_size: int | None = Non
                          "attention builds its mask from the positions and takes no padding mask. Pad at the end "
                          "(split_batch(..., pad_token_id=...): the padding is never attended to and its labels are "
                          "ignored) or pack the sequences (position ids that restart at 0)")
-    positions = out.get("position_ids")
-    if positions is None:
-        positions = torch.arange(tokens, device=x.device).unsqueeze(0)
-    target = out.pop("shift_labels", None)
-    labels = out.pop("labels", None)
-    if target is None and labels is not None:  # HF's ForCausalLMLoss shift, over the whole sequence
-        target = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    pad = -tokens % (2 * cp_size)
-    if pad and pad_token_id is not None:
-        x = _pad_tokens(x, pad, pad_token_id)
-        step = torch.arange(1, pad + 1, device=positions.device)
-        positions = torch.cat([positions, positions[..., -1:] + step], dim=-1)
-        target = None if target is None else torch.nn.functional.pad(target, (0, pad), value=ignore_index)
-        tokens += pad
-    index = load_balanced_index(tokens, cp_size, cp_rank, device=x.device)  # raises on T % 2cp
-    out[tokens_key] = _split_tokens(x, index)
-    out["position_ids"] = _split_tokens(positions, index)
-    if target is not None:
-        out["shift_labels"] = _split_tokens(target, index)
-        out["labels"] = out["shift_labels"]
-    return out
+    return tokens_key
+
+
+def _pad_at_end(x, positions, target, pad: int, pad_token_id: int, ignore_index: int):
+    """``(x, positions, target)`` padded at the end by ``pad`` tokens: ids ``pad_token_id``,
+    positions continuing the last document's, targets ``ignore_index``."""
+    x = _pad_tokens(x, pad, pad_token_id)
+    step = torch.arange(1, pad + 1, device=positions.device)
+    positions = torch.cat([positions, positions[..., -1:] + step], dim=-1)
+    target = None if target is None else torch.nn.functional.pad(target, (0, pad), value=ignore_index)
+    return x, positions, target
 
 
 def _pad_tokens(x: torch.Tensor, pad: int, pad_token_id: int) -> torch.Tensor:

@@ -1,29 +1,13 @@
 """Gradients of replicated parameters that each rank computes only in part, summed over the TP
 group in one all-reduce per backward pass.
 
-A replicated parameter used where each rank holds only part of the activations gets a partial
-gradient on each rank, and the true gradient is its sum over the TP group: a LayerNorm over this
-rank's ``T/p`` tokens and a row-parallel bias added to them under sequence parallelism
-(Korthikanti et al., arXiv:2205.05198, section 4.2.2), a per-head norm between a column- and a
-row-parallel layer, a module the recipe declares ``replicate_sum_grads``. Megatron-LM sums all of
-them in one all-reduce of their gradients flattened together, after the backward pass
-(``finalize_model_grads._allreduce_layernorm_grads``); one small all-reduce per parameter costs a
-collective's latency each, 2L + 1 of them for a Llama of L layers.
-
-:class:`SummedGrads` does the same inside each backward pass, so that gradient accumulation
-(several backward passes before an optimizer step) sums every pass once: a tensor hook on each
-such parameter (torch runs it before the gradient is accumulated into ``.grad``) keeps the
-partial gradient and hands autograd zeros in its place; once the pass ends (a callback queued on
-autograd's engine) the kept gradients are concatenated per dtype and device, up to
-``bucket_bytes`` each, all-reduced once per bucket and added to ``.grad``, with the arithmetic
-of summing before accumulation (``.grad + 0 + sum`` is ``.grad + sum``, bitwise).
-
-Engines that read a gradient while the backward pass runs get the per-parameter sum before
-accumulation instead (:attr:`SummedGrads.eager`, decided at each forward by
-:meth:`SummedGrads.at_root`): DDP in a pass that synchronizes (its reducer copies each gradient
-as it is accumulated; ``no_sync`` passes are batched), FSDP2 (it reduce-scatters a block's
-gradients when the block's backward ends), and ``torch.autograd.grad`` (nothing is accumulated:
-the hook must return the sum itself).
+Partial gradients: LayerNorms and row-parallel biases under sequence parallelism
+(arXiv:2205.05198, section 4.2.2), per-head norms inside a region, ``replicate_sum_grads``
+modules. :class:`SummedGrads` keeps each partial gradient (a tensor hook, before accumulation)
+and all-reduces them per bucket once the pass ends, as Megatron-LM's
+``_allreduce_layernorm_grads`` does after it; DDP, FSDP2 and ``torch.autograd.grad`` get the
+per-parameter sum instead (:attr:`SummedGrads.eager`). The mechanism: docs/mechanics.md,
+"tpify/grad_sums.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Hugging Face's own methods on a parallelized model: the versions a tensor-parallel model needs.
 
-A parallelized model is still the user's ``PreTrainedModel``; a few of its inherited methods
-would silently do the wrong thing on shards, so :func:`install` (called by
-:func:`tpify.parallelize`) gives the model instance its own versions (the class and every HF
-``forward`` are untouched):
-
-* ``model.save_pretrained(dir)`` writes the full dense checkpoint, exactly what
-  :func:`tpify.save_pretrained` writes (a collective: every rank calls it, global rank 0 writes).
-* ``model.resize_token_embeddings(...)`` raises before anything changes: the vocabulary is split
-  (and padded) over the TP group; resize the dense model before :func:`tpify.parallelize`.
-* ``model.gradient_checkpointing_enable(...)`` (also reached through
-  ``activation_checkpointing_enable`` and Trainer's ``gradient_checkpointing=True``) checkpoints
-  non-reentrantly with a ``context_fn`` that restores tpify's dropout streams and the call's
-  state (whether the tokens were split) in the recomputed forward.
-
-:func:`check_before_parallelize` refuses a model whose HF state tpify cannot take over.
-``model.state_dict()`` is torch's: this rank's shards (sharded parameters carry their
-:class:`~tpify.sharding.ShardSpec` as ``tp_shard_spec``), so loading it into the dense model fails
-on the shapes instead of loading wrong values; :mod:`tpify.hooks.state_dict` tags it with the
-rank and layout of its shards, and ``model.load_state_dict`` loads a rank's own, slices a dense
-one and refuses another rank's on every rank.
+:func:`install` (called by :func:`tpify.parallelize`) gives the model instance its own
+``save_pretrained`` (the dense checkpoint, a collective), ``resize_token_embeddings`` (raises:
+the vocabulary is split) and ``gradient_checkpointing_enable`` (non-reentrant, restoring the
+dropout streams and the call's state); class and ``forward`` untouched.
+:func:`check_before_parallelize` refuses a model whose HF state tpify cannot take over. The
+state dict's behaviour: :mod:`tpify.hooks.state_dict`; details: docs/parallelize.md,
+"tpify/hf_methods.py".
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ were built from, so parameter names and layouts stay those of the checkpoint:
 from __future__ import annotations
 
 import math
+import os
+import warnings
 import weakref
 
 import torch
@@ -30,7 +32,7 @@ from .sharding import (KeepsShardSpecs, ShardSpec, column_specs, divide, embeddi
                        shard_spec_of, vocab_rows_spec)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelEmbedding",
-           "ColumnParallelInput"]
+           "ColumnParallelInput", "MAX_CONNECTIONS_ENV", "overlap_environment", "check_overlap_environment"]
 
 _LAYOUTS = ("linear", "conv1d")
 
@@ -77,6 +79,62 @@ def _autocast_inputs(x: torch.Tensor, *tensors: torch.Tensor | None) -> tuple:
         return t.to(dtype) if t is not None and t.is_floating_point() else t
 
     return (cast(x), *(cast(t) for t in tensors))
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of ``x`` runs in: autocast's on ``x``'s device when it is on there
+    (``bfloat16`` over ``float32`` activations), else ``x``'s."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+#: The variable the CUDA driver reads when it creates a context: how many hardware work queues
+#: a process's streams map to. At 1, kernels start in the order they were launched, so the NCCL
+#: kernel of an input-gradient all-reduce issued before the weight-gradient GEMM starts before it
+#: and runs beside it, instead of queueing behind it (Megatron-LM's
+#: ``LinearWithGradAccumulationAndAsyncCommunication``).
+MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def overlap_environment(tp_size: int, fsdp: bool = False, environ=None) -> dict[str, str]:
+    """What a launcher adds to its ranks' environment, before they initialise CUDA, for the
+    column-parallel layers' overlap: ``{"CUDA_DEVICE_MAX_CONNECTIONS": "1"}`` with CUDA and
+    ``tp_size > 1``; nothing on a CPU-only host, at ``tp_size == 1`` (no TP collective), with
+    ``fsdp`` (FSDP2 overlaps its own all-gathers on streams of their own, which want several
+    queues: Megatron-LM's FSDP refuses 1) or when ``environ`` (default ``os.environ``) sets the
+    variable already (the user's value is kept). Local; reads no CUDA state beyond
+    ``torch.cuda.is_available()``."""
+    environ = os.environ if environ is None else environ
+    if tp_size > 1 and not fsdp and MAX_CONNECTIONS_ENV not in environ and torch.cuda.is_available():
+        return {MAX_CONNECTIONS_ENV: "1"}
+    return {}
+
+
+def check_overlap_environment(device: torch.device, ctx: TPContext, environ=None) -> None:
+    """Warn, once per model, when a column-parallel layer overlaps its input-gradient all-reduce on
+    a CUDA ``device`` and ``CUDA_DEVICE_MAX_CONNECTIONS`` is unset (``environ``, default
+    ``os.environ``): the collective may then queue behind the GEMM it should overlap (correct,
+    slower). Nothing on other devices, and nothing when the variable is set to any value (1, or
+    more on purpose, e.g. with FSDP2). Megatron-LM warns alike
+    (``linear_with_grad_accumulation_and_async_allreduce``).
+
+    Warns:
+        UserWarning: naming the variable and where to set it.
+    """
+    if device.type != "cuda" or ctx.overlap_checked:
+        return
+    ctx.overlap_checked = True
+    environ = os.environ if environ is None else environ
+    if MAX_CONNECTIONS_ENV not in environ:
+        warnings.warn(
+            f"tpify: the column-parallel layers overlap their input-gradient all-reduce with the weight-gradient "
+            f"matmul, but {MAX_CONNECTIONS_ENV} is not set, so the GPU may queue the NCCL kernel behind the matmul "
+            f"it should overlap (the results are the same, the step slower). Set {MAX_CONNECTIONS_ENV}=1 in the "
+            f"environment before the process initialises CUDA (export it before torchrun; `tpify finetune` does), as "
+            f"Megatron-LM does; with FSDP2 set it to the value FSDP2 wants (any value silences this)",
+            UserWarning, stacklevel=3)
 
 
 def _graph_task_id() -> int:
@@ -143,7 +201,12 @@ class _InputGradSum:
     def add(self, grad_x: torch.Tensor, group) -> object | None:
         """Add one consumer's partial input gradient; the reduction's work handle if it was the last."""
         self._join()
-        self.pending = grad_x if self.pending is None else self.pending.add_(grad_x)
+        if self.pending is None:
+            self.pending = grad_x
+        else:  # the consumers' reduce dtypes agree within a model; a wider one widens the sum
+            if grad_x.dtype != self.pending.dtype:
+                self.pending = self.pending.to(torch.promote_types(self.pending.dtype, grad_x.dtype))
+            self.pending.add_(grad_x)
         self.arrived += 1
         if self.arrived == self.consumers:
             self.result, work = self.reduce_async(self.pending, group)
@@ -182,7 +245,7 @@ class _EnterColumnParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, state):
-        ctx.group, ctx.state = group, state
+        ctx.group, ctx.state, ctx.dtype = group, state, x.dtype
         ctx.set_materialize_grads(False)
         if state.scatter_dim is None:
             return x.view_as(x)
@@ -196,9 +259,13 @@ class _EnterColumnParallelRegion(torch.autograd.Function):
             # the last consumer started the reduction and waited for it; else one did not run
             total = state.result if state.result is not None else state.reduce(state.pending, ctx.group)
         state.reset(None)
-        if grad is not None:  # a reader other than the sharing layers (or one not sharing): its partial gradient
-            grad = state.reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group)
+        if grad is not None:  # a reader other than the sharing layers (or one not sharing): its partial gradient,
+            # reduced in the consumers' reduce dtype when they ran
+            dtype = total.dtype if total is not None else grad.dtype
+            grad = state.reduce(grad.to(dtype, memory_format=torch.contiguous_format, copy=True), ctx.group)
             total = grad if total is None else total + grad
+        if total is not None and total.dtype != ctx.dtype:  # summed in the matmuls' dtype: back to the input's
+            total = total.to(ctx.dtype)
         return total, None, None
 
 
@@ -292,13 +359,19 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     of the gathered input ``x``) the tokens are saved instead of ``x`` (``1/p`` of its memory) and
     all-gathered again in backward, started before ``dX_r`` is computed so that the two overlap
     (one all-gather per shared input and backward pass, :meth:`_InputGradSum.gather_input`).
+
+    Dtype of the reduction: ``dX_r`` is summed in the dtype the matmul ran in (``bfloat16`` under
+    bf16 autocast over ``float32`` activations, where it is a ``bfloat16`` matmul's output; the
+    entry casts the sum back to the input's dtype), as Megatron-LM all-reduces ``grad_input`` in
+    the dtype its matmul produced; ``reduce_floor`` (``parallelize(grad_reduce_dtype=...)``) makes
+    it at least that dtype (:func:`tpify.comm.grad_reduce_dtype`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, layout, state, shard=None):
-        ctx.input_dtype = x.dtype
+    def forward(ctx, x, weight, bias, group, layout, state, shard=None, reduce_floor=None):
         x, weight, bias = _autocast_inputs(x, weight, bias)
         ctx.compute_dtype, ctx.regather = x.dtype, shard is not None
+        ctx.reduce_dtype = comm.grad_reduce_dtype(x.dtype, reduce_floor)
         keep = None
         if ctx.needs_input_grad[1]:  # X is needed for the weight gradient only
             keep = shard if shard is not None else x
@@ -317,7 +390,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         work = None
         if need_x:  # linear: weight [out, in]; conv1d: [in, out]
             grad_x = grad.matmul(weight if ctx.layout == "linear" else weight.t())
-            work = ctx.state.add(grad_x.to(ctx.input_dtype), ctx.group)
+            work = ctx.state.add(grad_x.to(ctx.reduce_dtype), ctx.group)
         grad_w = None
         if need_w:
             x = ctx.state.gathered_input(ctx.compute_dtype) if ctx.regather else saved
@@ -326,7 +399,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         grad_b = grad2.sum(0) if need_b and ctx.has_bias else None
         if work is not None:
             work.wait()
-        return None, grad_w, grad_b, None, None, None, None
+        return None, grad_w, grad_b, None, None, None, None, None
 
 
 def _new_param(shape, spec: ShardSpec | None, device, dtype) -> nn.Parameter:
@@ -420,7 +493,17 @@ class ColumnParallelLinear(_ParallelLinear):
         and the first of them in backward all-gathers them again, overlapped with its input
         gradient (one all-gather per gathered input, shared by its readers; none when the
         weights take no gradient).
-    Dtype: the parameters' dtype; no casting.
+    Dtype: the parameters' dtype, or autocast's (the matmul's operands cast once in forward, as
+        ``F.linear`` under autocast). The input gradient is summed over the group in the matmul's
+        dtype (``bfloat16`` under bf16 autocast with ``float32`` weights and activations: each
+        rank's partial ``dX`` is a ``bfloat16`` matmul's output), then cast to the input's dtype, as
+        Megatron-LM all-reduces ``grad_input`` in the dtype its matmul produced; the context's
+        ``grad_reduce_dtype`` (``parallelize(grad_reduce_dtype=torch.float32)``) makes it at least
+        that dtype (docs/mechanics.md, "Precision of the reductions").
+    Overlap: on CUDA the GPU starts the all-reduce beside the weight-gradient matmul only when
+        ``CUDA_DEVICE_MAX_CONNECTIONS=1`` was set before CUDA initialised (kernels then start in
+        launch order); unset, the first overlapped forward warns once
+        (:func:`check_overlap_environment`; ``tpify finetune`` sets it for its ranks).
     Raises:
         ValueError: a part of the output features is not divisible by ``tp_size`` (without
             ``uneven``); a packed layer, or one whose ranks hold different sizes, asked to gather
@@ -511,19 +594,23 @@ class ColumnParallelLinear(_ParallelLinear):
                     state.input_readers += 1  # saves this rank's tokens, gathers them again in backward
                 else:
                     tokens = None
+                check_overlap_environment(x.device, self.ctx)
                 y = _ColumnParallelMatmul.apply(x, weight, bias, self.tp_group, self.weight_layout, state,
-                                                None if tokens is None else tokens.detach())
+                                                None if tokens is None else tokens.detach(), self.ctx.grad_reduce_dtype)
             else:
                 y = _matmul(x, weight, bias, self.weight_layout)
         elif self.tp_size > 1 and self.overlap_grad_reduce and not torch.compiler.is_compiling():
             if torch.is_grad_enabled() and x.requires_grad:
+                check_overlap_environment(x.device, self.ctx)
                 entry, state = self.region_input.enter(x, self.tp_group)
                 state.consumers += 1
-                y = _ColumnParallelMatmul.apply(entry, weight, bias, self.tp_group, self.weight_layout, state)
+                y = _ColumnParallelMatmul.apply(entry, weight, bias, self.tp_group, self.weight_layout, state, None,
+                                                self.ctx.grad_reduce_dtype)
             else:  # no input gradient: nothing to all-reduce
                 y = _matmul(x, weight, bias, self.weight_layout)
         else:  # under torch.compile the plain region operator (inductor schedules the collective itself)
-            y = _matmul(comm.copy_to_tp_region(x, self.tp_group), weight, bias, self.weight_layout)
+            reduce_dtype = comm.grad_reduce_dtype(matmul_dtype(x), self.ctx.grad_reduce_dtype)
+            y = _matmul(comm.copy_to_tp_region(x, self.tp_group, reduce_dtype), weight, bias, self.weight_layout)
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             y = self.gather(y)
         return y

@@ -146,29 +146,16 @@ def build_layout(model: nn.Module, recipe: Recipe, tp_size: int, *, pad_vocab_mu
     """Match ``recipe`` against ``model`` and validate it for ``tp_size``; no collectives.
 
     Every ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` must be matched by exactly one rule with a
-    style (``replicate`` counts); each module's style checks it and gives its per-parameter specs
-    (:mod:`tpify.styles`). A split size ``tp_size`` does not divide is split unevenly (torch.chunk's
-    rule) where the module holds no attention head (:meth:`tpify.planner.Planner.find_heads`: MLPs, fused
-    experts' intermediate size); heads stay whole: a head count, or the width of a layer inside an
-    attention module, that ``tp_size`` does not divide is refused. So must every parameter of
-    another module (a norm, a router, fused experts) of at least :func:`coverage_threshold`
-    elements: by a style that splits it (``experts``) or by ``replicate`` on it or a container.
-    Rules that match nothing warn, unless ``optional``. Vocabulary-split tables
-    (``embedding_rowwise``, ``colwise_rep``) are padded to a multiple of ``pad_vocab_multiple *
-    tp_size`` rows. ``lm_loss_chunk``: tokens per chunk of the chunked LM-head loss (needs a
-    vocab-parallel LM head with an LM loss). ``ep_size``: 1, or ``tp_size`` for expert parallelism (the
-    ``experts`` modules hold whole experts).
+    style, and every large parameter of another module covered (:func:`coverage_threshold`); sizes
+    ``tp_size`` does not divide are split unevenly outside attention heads, refused inside them;
+    vocabulary-split tables are padded to a multiple of ``pad_vocab_multiple * tp_size``. The
+    rules in full: docs/recipes.md, "tpify.layout.build_layout".
 
     Raises:
-        PlanError: with every problem found, each naming the module and the numbers: modules and
-            large parameters no rule covers (listed by FQN), modules two rules claim, a style on
-            the wrong module type, counts (config values, attributes to divide, features of
-            sharded layers holding heads) that ``tp_size`` does not divide, with the tp sizes that
-            would work;
-            an ``ep_size`` other than 1 or ``tp_size``; ``lm_loss_chunk`` that is not a positive
-            integer, or set for a model without a vocab-parallel LM loss or whose head is inside
-            the sequence-parallel stretch; ``[loss] logits`` reading a config attribute the
-            config does not hold as a number (or None).
+        PlanError: with every problem found, each naming the module and the numbers (uncovered
+            modules and parameters, modules two rules claim, a style on the wrong module type,
+            counts ``tp_size`` does not divide with the tp sizes that would work, a bad ``ep_size``
+            or ``lm_loss_chunk``, ``[loss] logits`` reading a config attribute that is no number).
     """
     _check_arguments(model, tp_size, pad_vocab_multiple, lm_loss_chunk, ep_size)
     recipe = compose(recipe, model)

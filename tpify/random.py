@@ -1,45 +1,12 @@
 """Random state for dropout under tensor parallelism: a default stream and a per-TP-rank stream.
 
-Megatron-LM (arXiv:1909.08053, section 3; ``megatron/core/tensor_parallel/random.py``) keeps
-named RNG states and forks a TP-distinct one around the sharded parts of a layer:
-
-* Dropout on **replicated** activations (embeddings, residual branches, anything after a
-  row-parallel all-reduce) must draw the **same** mask on every TP rank, or the replicas
-  silently diverge. These draws use the *default stream*: PyTorch's global generator, seeded
-  identically on every rank.
-* Dropout on **sharded** activations (attention probabilities of this rank's heads) must draw a
-  **different** mask on each TP rank, or heads on different ranks share masks. These draws use
-  the *TP stream*, seeded with ``seed + TP_SEED_OFFSET + tp_rank``.
-
-tpify places the switch by construction, for any recipe: a sharded region begins at the output
-of a column-parallel layer with ``gather_output=False`` and ends at the input of the next
-row-parallel layer (the layout's ``region_starts``/``region_ends``, tpify/layout.py).
-:func:`tpify.hooks.dropout.install` gives each parallelized model its own
-:class:`RNGStreamTracker` (``model.tp_info.rng``, :func:`new_tracker`) and adds, bound to it, a forward
-hook after every such ``ColumnParallelLinear`` (switch to the TP stream) and a forward pre-hook
-before every ``RowParallelLinear`` (switch back), plus a pre- and post-hook on the root model
-(default stream outside the model). Two models parallelized in one process (in different
-groups, say) keep independent TP streams. Switching is idempotent and swaps generator
-states: the state of the stream being left is saved and the other's restored, so both advance
-independently. HF ``forward`` methods are untouched: in GPT-2, ``attn_dropout`` (between
-``c_attn`` and ``c_proj``) uses the TP stream and ``resid_dropout`` (after ``c_proj``, inside the
-same ``GPT2Attention.forward``) the default stream, which a hook around the whole attention module
-could not get right.
-
-The global CPU generator is switched always, and so is the generator of every CUDA device the
-tracker has seen: each hook names the devices of the tensors it sees (the layer's weight, its
-inputs, its output; :func:`devices_of`), and a device seen once is switched at every later
-switch. A switch that finds the tracker on the stream asked for still brings a device seen for
-the first time onto it (a sequence-parallel split switches at the first decoder block, which has
-no weight of its own: before, only the CPU generator moved and the CUDA "TP" stream stayed the
-default one, the same on every rank).
-
-What depends on ``tp_size``: the sharded masks (rank r draws the masks of its heads from its own
-stream, so the same head gets a different mask at another ``tp_size``), and, because the
-sharded draws no longer advance the default stream, the replicated masks differ from the dense
-model's even at ``tp_size = 1``. Results at a fixed ``tp_size`` and seed are reproducible.
-Activation recomputation (gradient checkpointing) restores the tracker for the recomputed forward
-(:meth:`RNGStreamTracker.checkpoint_context_fn`), so it draws the same masks as the forward did.
+Megatron-LM (arXiv:1909.08053, section 3; ``megatron/core/tensor_parallel/random.py``): dropout
+on replicated activations draws from the default stream (the global generator, the same on every
+TP rank); dropout on sharded activations (this rank's heads) from the TP stream, seeded with
+``seed + TP_SEED_OFFSET + tp_rank``. :func:`tpify.hooks.dropout.install` switches streams after
+each ``ColumnParallelLinear`` with ``gather_output=False`` and before the next
+``RowParallelLinear``, on each model's own :class:`RNGStreamTracker` (the CPU generator and every
+CUDA device seen). What depends on ``tp_size``, and gradient checkpointing: docs/random-state.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """How one tensor is split over a tensor-parallel group.
 
-A :class:`ShardSpec` is the single description of a sharded parameter that every stage of
-tpify uses: the parallel layers slice a dense tensor with it, the loader reads exactly this
-rank's bytes from a safetensors file with it, and the saver gathers the shards back to the
-dense Hugging Face layout with it. Two layouts are covered (Megatron-LM, arXiv:1909.08053,
-section 3):
-
-* **Packed parts** (GPT-2 ``c_attn`` = ``[Q | K | V]``, grouped-query ``[Q | K | V]`` of
-  unequal widths): each part is split separately, so rank ``r`` holds
-  ``[Q_r | K_r | V_r]`` and never a contiguous slice of the packed tensor.
-* **Replicated parts** (grouped-query K/V when ``p`` exceeds the KV heads): a part of
-  ``n_kv`` heads (``replica_shards``) is cut into ``n_kv`` slices, one per KV head, each held by
-  a group of ``g = p / n_kv`` consecutive ranks: rank ``r`` holds ``[Q_r | K_{r//g} | V_{r//g}]``,
-  the KV head its query heads read (HF's ``repeat_kv`` order). Multi-query attention (one K/V
-  head) is the case ``n_kv = 1``: K and V whole on every rank. The replicated slices' gradients
-  are partial sums per rank (each rank's query heads read them) and are summed over each group
-  by the layer (Megatron-LM's KV-head replication).
-* **Padded vocabularies**: a dimension of ``V`` rows that ``p`` does not divide is padded up to
-  ``padded_size`` (a multiple of ``p``); rank ``r`` holds rows ``[r*Vp/p, (r+1)*Vp/p)`` of the
-  padded table, the rows ``>= V`` are zeros that are never read from nor written to a file.
-* **Uneven splits** (``uneven``: an MLP's or the experts' intermediate size that ``p`` does not
-  divide, ``37`` at ``p = 2``): each part of ``n`` is split by ``torch.chunk``'s rule, which
-  DTensor's ``Shard`` and transformers' tensor parallelism use too: ``c = ceil(n / p)``, rank
-  ``r`` holds ``[min(r c, n), min((r + 1) c, n))``, so the last ranks hold fewer, possibly none.
-  The local size then depends on the rank (:meth:`ShardSpec.local_size_of`); nothing is padded
-  in memory; :meth:`ShardSpec.gather` pads each shard to the largest for its all-gather (equal
-  sizes per rank, as NCCL requires) and strips the padding. Only dimensions that hold no
-  attention head may be uneven: which, the planner decides (:mod:`tpify.layout`).
+A :class:`ShardSpec` is the single description of a sharded parameter that the parallel layers
+(slicing), the loader (this rank's bytes of a safetensors file) and the saver (gathering back
+to the dense Hugging Face layout) all use (Megatron-LM, arXiv:1909.08053, section 3). It covers
+packed parts (``[Q_r | K_r | V_r]``), replicated parts (KV heads held by groups of ranks),
+padded vocabularies and uneven splits (``torch.chunk``'s rule); each case: docs/mechanics.md,
+"Linear layers", "Uneven splits", "Embeddings and the LM head".
 """
 
 from __future__ import annotations

@@ -343,60 +343,12 @@ def check_case(cls: type, config, tp_size: int, *, recipe=None, workdir: str | o
                group_timeout_s: float = 120.0, dtype: torch.dtype | None = None, ep_size: int = 1) -> list[Row]:
     """Check one head class at one tp size against the dense model; run on every rank.
 
-    Must be called on every rank of an initialised process group of exactly ``tp_size`` ranks
-    (gloo on CPU), with the same arguments. Steps, each a :class:`Row` (or several):
-
-    1. ``dense reference``: ``torch.manual_seed(seed)``; ``ref = cls(config).double().eval()``,
-       the dense float64 reference, and its batch
-       (:func:`~tpify.authoring.reference.dense_reference`: every floating parameter, and
-       persistent buffer outside rotary modules, whose elements are all equal first becomes
-       ``c + 0.1 max(1, |c|) N(0, 1)``, seeded from ``seed``, the same on every rank
-       (:func:`~tpify.authoring.reference.perturb_constants`: with the zeros and ones of HF's
-       init a bias counted ``tp`` times or taken from the wrong slice would compute the dense
-       result); fused MoE experts run eagerly; the
-       padded row moves from the left to the right, or the padding goes, when the dense model is
-       not finite with it; float32 when its kernels refuse float64; ``dtype``
-       forces one dtype, with no fallback). When no batch gives finite values the case ends with
-       a failed ``dense reference not finite`` row: nothing is compared, and it is not the
-       parallel model's fault. The perturbation (how many tensors) and a choice other than
-       float64 with left padding are stated in a passing ``dense reference: ...`` row (its
-       message says why).
-       ``par = tpify.parallelize(copy.deepcopy(ref), tp_group=G, recipe=recipe, ep_size=ep_size)``
-       on a process group ``G`` made for this case (``ep_size = tp_size``: the fused MoE experts
-       whole per rank, expert parallelism). A mixture of experts runs with its router logits
-       on, so its load-balancing loss is part of the ``labels=`` loss (the recipe's ``[loss]
-       terms``). Where HF's loss would upcast to float32 only (causal /
-       masked LM, token classification), both models get it in float64
-       (:func:`~tpify.authoring.reference.float64_loss_function`).
-    2. ``forward <field>``: every floating output (``logits``, ``last_hidden_state``,
-       ``start_logits``...) of a batch ``(B, T) = (2, 10)`` whose second row is padded
-       (``attention_mask`` 0 on 3 tokens; on the left unless step 1 chose otherwise).
-    3. ``labels= loss``: the loss with the head's labels (``-100`` at some positions; a mixture of
-       experts' causal LM adds its ``aux_loss``, and the row names it); classes
-       without labels (base models) take a fixed random projection of their outputs instead.
-    4. ``gradients (N tensors)``: every parameter's gradient after ``backward``, sharded ones
-       gathered (:func:`~tpify.authoring.compare.dense_named`); a gradient on one side only fails.
-    5. ``sequence parallel: ...``, where the recipe has a ``[sequence_parallel]`` table: steps
-       2 to 4 again with ``parallelize(..., sequence_parallel=True)`` on a batch of ``T`` = 10
-       rounded up to a multiple of ``tp_size`` tokens, against a fresh copy of the reference.
-    6. ``generate``: greedy ``generate()`` (5 new tokens, KV cache, the padded batch) for causal
-       and seq2seq LMs: identical token ids.
-    7. ``save``/``save/load``: ``tpify.save_pretrained`` to ``workdir``; the checkpoint read by
-       plain transformers (``cls.from_pretrained(dtype=float64)``; the reference's dtype) holds
-       the dense weights bit for bit; ``tpify.from_pretrained(tp_size=..., dtype="float64")`` of it gives the
-       outputs that transformers' own dense load of it gives (the loaded model is compared with
-       what a user of the checkpoint gets from transformers, buffers computed at load time
-       included); and for each ``divide_config`` value, the saved ``config.json`` holds the
-       dense value while the parallel config holds ``dense / tp_size``. ``workdir`` (the same
-       path on every rank) holds the checkpoint; default a new temporary directory, left in place.
-
-    Tolerance: :data:`~tpify.authoring.compare.ATOL`, :data:`~tpify.authoring.compare.RTOL` (see
-    :mod:`tpify.authoring.compare`: in float64 only the order of summation differs); in float32
-    :func:`~tpify.authoring.compare.float32_tolerance` of the depth, normwise, and every row's
-    tolerance says ``float32``. A step that raises on any rank (``PlanError``,
-    ``RecipeError``, a shape error in a forward, anything) ends the case on every rank with a
-    failed row carrying the message; nothing propagates. The ranks' rows are merged: a check fails if it failed on
-    any rank.
+    Every rank of an initialised group of exactly ``tp_size`` ranks calls it with the same
+    arguments. Rows, in order: ``dense reference`` (float64, constants perturbed), ``forward
+    <field>``, ``labels= loss``, ``gradients (N tensors)``, ``sequence parallel: ...`` (with a
+    ``[sequence_parallel]`` table), ``generate``, ``save``/``save/load``; each step, its batch and
+    its tolerance: docs/recipes.md, "What verify checks, step by step". A step that raises on
+    any rank ends the case on every rank with a failed row; nothing propagates.
 
     Communication: besides the model's own, one ``all_gather_object`` over the default group
     per step (so every rank stops at the same step), one process group created per case

@@ -249,29 +249,12 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
     if fed is not None and fed != "input_ids" and fed not in _EMBEDDING_INPUTS:  # a vision tower alone
         return tower_inputs(cls, config, g, dtype), {}, None
     text = text_config(config)
-    vocab = getattr(text, "vocab_size", None) or 2  # (a part fed embeddings may have none: its ids shape the mask)
     pad = text.pad_token_id
-    specials = [v for part in {id(config): config, id(text): text}.values() for k, v in part.to_dict().items()
-                if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool)
-                and 0 <= v < 64]  # (LLaVA and Gemma 3 store their image token id as image_token_index)
-    low = min(max(specials, default=-1) + 1, vocab - 1)
-    shape = (BATCH, CHOICES, tokens) if task in ("multiple-choice", "double-heads") else (BATCH, tokens)
-    ids = torch.randint(low, vocab, shape, generator=g)
-    mask = torch.ones_like(ids)
-    if padding != "none":
-        padded = slice(None, PAD_TOKENS) if padding == "left" else slice(-PAD_TOKENS, None)
-        mask[1, ..., padded] = 0
-        ids[1, ..., padded] = pad
+    ids, mask, low, vocab = _token_ids(task, config, text, tokens, padding, g)
     images = image_inputs(cls, config, g, dtype) if ids.dim() == 2 else None
     marked = torch.zeros_like(ids, dtype=torch.bool)  # image and vision marker tokens: no labels
     if images is not None:
-        block = images[0]
-        fill = -len(block) % IMAGE_BLOCK_MULTIPLE
-        row = torch.cat([torch.tensor(block), torch.randint(low, vocab, (fill,), generator=g)])
-        ids = torch.cat([ids[:, :IMAGE_AT], row.expand(BATCH, -1), ids[:, IMAGE_AT:]], dim=1)
-        mask = torch.cat([mask[:, :IMAGE_AT], torch.ones(BATCH, len(row), dtype=mask.dtype), mask[:, IMAGE_AT:]], 1)
-        marked = torch.zeros_like(ids, dtype=torch.bool)
-        marked[:, IMAGE_AT:IMAGE_AT + len(block)] = True
+        ids, mask, marked = _with_image_block(ids, mask, images[0], low, vocab, g)
         tokens = ids.shape[-1]
     encdec = bool(getattr(config, "is_encoder_decoder", False))
     eos = text.eos_token_id if isinstance(getattr(text, "eos_token_id", None), int) else None
@@ -307,18 +290,56 @@ def make_inputs(task: str, cls: type, config, tokens: int = TOKENS, padding: str
         if accepts(cls, "encoder_attention_mask"):
             inputs["encoder_attention_mask"] = torch.ones(BATCH, tokens, dtype=torch.long)
     labels = {k: v for k, v in labels.items() if accepts(cls, k)}
-    gen = None
-    if task in GENERATIVE_TASKS and "input_ids" in inputs:
-        gen = dict(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=pad)
-        if "attention_mask" in inputs:
-            gen["attention_mask"] = mask
-        if images is not None:
-            gen.update({k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")})
-        if getattr(config, "output_router_logits", False) and accepts(cls, "output_router_logits"):
-            # transformers computes the load-balancing loss of each decoding step against the whole
-            # attention mask, which fails (dense or not): generate without it
-            gen["output_router_logits"] = False
-    return inputs, labels, gen
+    return inputs, labels, _generate_kwargs(task, cls, config, inputs, ids, mask, images, pad)
+
+
+def _token_ids(task: str, config, text, tokens: int, padding: str, g: torch.Generator):
+    """``(ids, mask, low, vocab)``: int64 token ids ``(B, T)`` (``(B, C, T)`` for multiple choice)
+    drawn from ``[low, vocab)`` above the family's small special ids, the second row padded on
+    the ``padding`` side with its mask 0 there."""
+    vocab = getattr(text, "vocab_size", None) or 2  # (a part fed embeddings may have none: its ids shape the mask)
+    pad = text.pad_token_id
+    specials = [v for part in {id(config): config, id(text): text}.values() for k, v in part.to_dict().items()
+                if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool)
+                and 0 <= v < 64]  # (LLaVA and Gemma 3 store their image token id as image_token_index)
+    low = min(max(specials, default=-1) + 1, vocab - 1)
+    shape = (BATCH, CHOICES, tokens) if task in ("multiple-choice", "double-heads") else (BATCH, tokens)
+    ids = torch.randint(low, vocab, shape, generator=g)
+    mask = torch.ones_like(ids)
+    if padding != "none":
+        padded = slice(None, PAD_TOKENS) if padding == "left" else slice(-PAD_TOKENS, None)
+        mask[1, ..., padded] = 0
+        ids[1, ..., padded] = pad
+    return ids, mask, low, vocab
+
+
+def _with_image_block(ids: torch.Tensor, mask: torch.Tensor, block, low: int, vocab: int, g: torch.Generator):
+    """``(ids, mask, marked)`` with the image tokens ``block`` (filled up with text tokens to a
+    multiple of :data:`IMAGE_BLOCK_MULTIPLE`) inserted at position :data:`IMAGE_AT` of every row;
+    ``marked``: bool ``(B, T)``, True at the image and vision marker tokens."""
+    fill = -len(block) % IMAGE_BLOCK_MULTIPLE
+    row = torch.cat([torch.tensor(block), torch.randint(low, vocab, (fill,), generator=g)])
+    ids = torch.cat([ids[:, :IMAGE_AT], row.expand(BATCH, -1), ids[:, IMAGE_AT:]], dim=1)
+    mask = torch.cat([mask[:, :IMAGE_AT], torch.ones(BATCH, len(row), dtype=mask.dtype), mask[:, IMAGE_AT:]], 1)
+    marked = torch.zeros_like(ids, dtype=torch.bool)
+    marked[:, IMAGE_AT:IMAGE_AT + len(block)] = True
+    return ids, mask, marked
+
+
+def _generate_kwargs(task: str, cls: type, config, inputs: dict, ids, mask, images, pad) -> dict | None:
+    """Greedy ``generate`` kwargs for a generative task fed token ids, else None."""
+    if task not in GENERATIVE_TASKS or "input_ids" not in inputs:
+        return None
+    gen = dict(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1, pad_token_id=pad)
+    if "attention_mask" in inputs:
+        gen["attention_mask"] = mask
+    if images is not None:
+        gen.update({k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")})
+    if getattr(config, "output_router_logits", False) and accepts(cls, "output_router_logits"):
+        # transformers computes the load-balancing loss of each decoding step against the whole
+        # attention mask, which fails (dense or not): generate without it
+        gen["output_router_logits"] = False
+    return gen
 
 
 # The vision-language families whose images image_inputs builds (others run on text alone).

@@ -1,25 +1,11 @@
 """The dense reference of one verify case: float64 where its kernels allow, on inputs where it is finite.
 
-The reference is chosen before anything is compared (:func:`dense_reference`), and each choice
-other than float64 with a left-padded batch is stated in a ``dense reference: ...`` row: fused
-MoE experts run with transformers' eager implementation (its ``grouped_mm`` kernel refuses
-float64; the eager loop computes the same function); the padded row moves to the right when the
-float64 model is NaN with it on the left (gemma2 and vaultgemma: a fully masked query row meets
-transformers' float32 softmax; bloom: its ALiBi bias added to the float64 minimum); a family
-whose own kernels still refuse float64 runs in float32, with
-:func:`~tpify.authoring.compare.float32_tolerance` (``64 (layers + 1) eps32``, normwise). A dense
-model that is not finite on any of these inputs raises :class:`DenseNotFinite`: nothing is
-compared, and the parallel model is not at fault.
-
-Where HF's loss would upcast to float32 only (causal / masked LM, token classification), the
-reference gets it in float64 (:func:`float64_loss_function`; the tests use it too).
-
-Before anything else, every parameter the family's own init leaves constant (Linear biases,
-norm weights and biases, attention sinks, gating scalars, zero-init residual gates, layer
-scales) gets seeded noise (:func:`perturb_constants`): with zeros or ones, a bias added on every
-rank of a row-parallel layer instead of once, a bias or norm weight taken from the wrong slice,
-or a per-head parameter left whole compute the dense result, and verify would call a wrong
-recipe exact. The ``dense reference: ...`` row says how many tensors were perturbed.
+:func:`dense_reference` chooses it before anything is compared (eager MoE experts, the padded
+row moved or dropped when float64 is not finite with it, float32 where kernels refuse float64,
+:class:`DenseNotFinite` when nothing is finite), after :func:`perturb_constants` gave every
+constant tensor seeded noise; :func:`float64_loss_function` keeps HF's losses in float64. Each
+choice is stated in a ``dense reference: ...`` row; why: docs/families.md, "Constants perturbed"
+and "Dense references that are not plain float64 with a left-padded row".
 """
 
 from __future__ import annotations
@@ -357,30 +343,11 @@ def _is_rotary(module: torch.nn.Module) -> bool:
 def perturb_constants(model: torch.nn.Module, seed: int = 0, std: float = PERTURB_STD) -> list[str]:
     """Give every constant floating tensor of ``model`` seeded noise, in place; return their names.
 
-    Which: every floating parameter whose elements are all equal (a zero bias, a norm weight of
-    ones, an attention sink, a gating scalar, a zero-init output projection), and every floating
-    *persistent* buffer whose elements are all equal, except those of rotary-embedding modules.
-    Persistent buffers are checkpoint values the model learns or is given (a router's
-    ``e_score_correction_bias``, gemma 4's ``layer_scalar``, an audio encoder's normalisation
-    statistics): a save or load that drops one is invisible while it holds its init value.
-    Non-persistent buffers are what the constructor computes (rotary ``inv_freq``, causal masks,
-    ``embed_scale``, ``position_ids``) and a rotary module's persistent ones parameterise such a
-    table (mistral_large4's ``alpha``): these are left alone, as are integer and boolean tensors
-    and tensors that vary already.
-
-    How: a constant ``c`` becomes ``c + std * max(1, |c|) * z`` with ``z ~ N(0, 1)`` per element
-    (zeros: ``N(0, std^2)``), drawn in float64 from a generator of its own seeded with
-    ``seed + PERTURB_SEED_OFFSET`` (not the stream the model's init drew from), in the order of
-    ``named_parameters()`` then ``named_modules()``' persistent buffers: the same values on every
-    rank, and the global random state untouched. ``std`` = :data:`PERTURB_STD` (0.1) moves a sink, a
-    gate or a bias enough that handling it wrongly changes outputs by far more than verify's
-    tolerance, and keeps norm weights near 1 and log-parameterised values (``A_log``, ``dt_bias``)
-    in range. Tied parameters are perturbed once (they stay tied).
-
-    Why: transformers' ``_init_weights`` sets these to zeros or ones, and with zeros or ones a
-    bias added on every rank of a row-parallel layer instead of once, a bias split along the
-    wrong dimension, a per-head parameter left whole, an ``after_sum`` expert bias counted
-    ``tp`` times or a split norm's weight taken from the wrong slice all compute the dense result.
+    Which: floating parameters whose elements are all equal, and such persistent buffers outside
+    rotary-embedding modules. How: ``c + std * max(1, |c|) * z``, ``z ~ N(0, 1)`` drawn in float64
+    from a generator seeded with ``seed + PERTURB_SEED_OFFSET``, ``std`` = :data:`PERTURB_STD`; the
+    same on every rank, the global random state untouched, tied parameters once. Why (a bias added
+    on every rank passes with zeros): docs/families.md, "tpify.authoring.reference.perturb_constants".
 
     Returns the perturbed names (parameters, then buffers). Local; no communication.
     """
@@ -438,38 +405,16 @@ def _not_finite(model, inputs: dict, labels: dict) -> tuple[list[str], tuple[tup
 def dense_reference(cls: type, config, task: str, seed: int = 0, dtype: torch.dtype | None = None) -> Reference:
     """The dense reference of one case: float64 where its kernels allow, inputs where it is finite.
 
-    1. ``torch.manual_seed(seed); cls(config).eval()`` (:func:`build_seeded`: parameters the
-       family's init leaves uninitialised drawn at random, the same on every rank); every tensor
-       the family's init leaves constant given seeded noise (:func:`perturb_constants`; the note
-       says how many), before anything is copied or compared, so the parallel copy, the save /
-       load round trip and every check see the same values; fused MoE experts switched to their
-       eager implementation (:func:`use_eager_experts`: ``grouped_mm`` refuses float64).
-    2. For dtype float64, then float32: one forward and backward (the case's loss) on the
-       batch of :func:`make_inputs` with its padded row on the left, else on the right, else
-       no padding, until outputs, loss and every gradient are finite. Left first: it is what
-       generation uses. A fully masked query row (a left pad token under causal attention) is
-       finite in most families, but not in every float64 one: transformers' eager attention
-       adds the mask's minimum (``torch.finfo(float64).min`` = -1.8e308) to the scores and then
-       takes ``softmax(..., dtype=torch.float32)``, and -1.8e308 is -inf in float32, so that row
-       is all -inf and its softmax NaN (gemma2, eager by default for its logit soft-capping);
-       BLOOM adds its ALiBi bias to that minimum. The NaN is the float64 reference's alone
-       (in float32 the minimum stays finite), and the pad row's NaN values then reach every
-       row through the next layer's ``0 * NaN``. Right padding keeps every query row attending
-       to a real token.
-    3. Float32 only when the float64 forward or backward raises a kernel's refusal of float64
-       (:func:`_refuses_float64`); comparisons then use :func:`float32_tolerance` of the depth.
-    4. Parameters the float64 model's own code uses in float32 (:func:`float32_parameters`:
-       gemma3's norms): their gradients are compared with :func:`float32_tolerance`, the
-       others (and every output) with the float64 one; the note names the modules.
-
-    ``dtype`` forces one dtype (no fallback). Every choice that is not float64 with left padding,
-    and the perturbation, is stated in ``notes``.
+    Built seeded (:func:`build_seeded`), constants perturbed (:func:`perturb_constants`), fused
+    experts eager; then float64, else float32 (a kernel's refusal of float64), with the padded row
+    on the left, else on the right, else none, until outputs, loss and every gradient are finite.
+    ``dtype`` forces one dtype. Every choice other than float64 with left padding is in ``notes``.
+    Why each fallback exists: docs/recipes.md, "tpify.authoring.reference.dense_reference".
 
     Raises:
         DenseNotFinite: no padding gives finite values (names what is NaN / infinite for each).
-        DenseModelFailed: transformers' own dense model raised while built or run (the message
-            names the class, the error and the frame of transformers' code it came from; it is not
-            the parallel model's fault).
+        DenseModelFailed: transformers' own dense model raised while built or run (names the class,
+            the error and the frame of transformers' code; not the parallel model's fault).
         Exception: anything else raised on the way (tpify's input builders).
     """
     try:

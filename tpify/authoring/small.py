@@ -1,12 +1,7 @@
-"""Small configs of a family, and the bounds on what verify builds and runs.
-
-* :func:`small_config`: a tiny config of the family (2 layers, 4 heads, hidden 32, vocabulary
-  101, ...) from a full one, through the config's standard attribute names, checked small;
-* :func:`check_build_size`: what a config would build, counted on the meta device, refused
-  above :data:`MAX_SMALL_ELEMENTS` (2M parameter and buffer elements) before anything is built;
-* :data:`RANK_MEMORY_LIMIT_GIB`: each verify rank's address-space limit (a forward that
-  allocates far more than expected fails its step with a memory error instead of exhausting
-  the machine).
+"""Small configs of a family (:func:`small_config`): a tiny config of the family (2 layers, 4 heads,
+hidden 32, vocabulary 101, ...) from a full one, through the config's standard attribute names,
+checked small. What each size becomes: docs/recipes.md, "Small configs". The bounds on what
+verify builds: :mod:`tpify.authoring.build_size` (re-exported here).
 """
 
 from __future__ import annotations
@@ -19,20 +14,14 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .build_size import (MAX_SMALL_ELEMENTS, RANK_MEMORY_LIMIT_GIB, ShrinkError, _attributes_note,
+                         _check_model_size, check_build_size)
 from .small_layers import MAX_LAYERS, cut_layers, keep_layers, per_layer_entries
+from .small_rope import rescale_mrope
 from .target import family_head_classes
 
 __all__ = ["ShrinkError", "small_config", "check_build_size", "MAX_SMALL_ELEMENTS", "RANK_MEMORY_LIMIT_GIB",
            "SMALL_LAYERS", "SMALL_VOCAB", "SMALL_POSITIONS"]
-
-# Each rank's address-space limit (RLIMIT_AS) in a verify job: a rank of the largest small case
-# peaks near 1 GiB of address space (torch, transformers, gloo and two copies of the model).
-RANK_MEMORY_LIMIT_GIB = 4.0
-
-
-class ShrinkError(ValueError):
-    """A family's config cannot be made small by :func:`small_config` (names the attributes)."""
-
 
 # Standard attribute names (config.attribute_map maps family names such as n_embd / n_head onto
 # them), with the family-specific names that have no standard counterpart.
@@ -192,11 +181,6 @@ def _fill_gaps(d: dict, gaps: dict, layers: int | None) -> None:
             if isinstance(value, (_PerLayer, _Replace)):
                 value = [value[i % len(value)] for i in range(layers or len(value))]
             d[key] = copy.deepcopy(value)
-# The most parameter and buffer elements a model verify builds from a small config may have
-# (check_build_size): 2M elements, 16 MB per float64 copy. Every family verify supports today is
-# below 75k (ultrabert's masked LM 71k, t5 42k); a config attribute left at full size (a vision
-# tower's projector, a 10240-row position table) gives millions.
-MAX_SMALL_ELEMENTS = 2_000_000
 _MAX_SMALL_LAYERS = 120  # nn.Linear / Conv1D / nn.Embedding modules of a small model
 
 
@@ -244,44 +228,11 @@ def _small_token_ids(d: dict, vocab: int, used: set[int] | None = None) -> None:
 def small_config(config, tp_sizes: Sequence[int] = (2,)):
     """A tiny config of ``config``'s family for random-weight checks at every size in ``tp_sizes``.
 
-    From a full config (:func:`tpify.authoring.target.resolve_config`), through the config's standard
-    attribute names (``config.attribute_map`` maps ``n_embd``/``n_head``/``d_model``/``d_kv``...
-    onto ``hidden_size``/``num_attention_heads``/``head_dim``), a new config of the same class:
-
-    * 2 layers (also ``num_decoder_layers``, encoder/decoder layer counts), or up to 4 where the
-      config describes its layers one by one (``layer_types``, ``mlp_layer_types``,
-      ``per_layer_config``, any list as long as the layer count): the layers kept show every
-      kind of layer each list names, and every per-layer value is cut to those layers
-      (:mod:`tpify.authoring.small_layers`);
-    * heads: the smallest multiple of lcm(tp sizes) that is at least 4 (4 at tp 2 and 4, 8 at 8);
-      head dim 8, so hidden = 8 * heads (32 with 4 heads); ``head_dim`` / ``d_kv`` set to match;
-    * KV heads (``num_key_value_heads``, falcon's ``num_kv_heads``, ...), where the config has
-      them: lcm(tp sizes) when that is fewer than the heads (grouped-query attention is then
-      exercised), else the heads; a config with 1 KV head (multi-query) keeps 1; multi-head
-      latent attention (``kv_lora_rank``), whose KV projection makes every head's keys, and a
-      config class that refuses grouped-query attention get as many KV heads as heads;
-    * MLP width (``intermediate_size``, ``n_inner``, ``d_ff``, ``ffn_hidden_size``, distilbert's
-      ``hidden_dim``, every MoE / shared-expert width): the smallest multiple of lcm(tp sizes)
-      that is at least 48;
-    * a mixture of experts (``num_experts``, ``num_local_experts``, ``n_routed_experts`` and the
-      other names of :data:`_EXPERT_NAMES`): the smallest multiple of lcm(tp sizes) that is at
-      least 8 experts (whole experts on every rank under expert parallelism), where the config
-      has more, each token routed to at most half of them (``num_experts_per_tok``, ...);
-    * the sizes of :data:`_FAMILY_SIZES`: multi-head latent attention's ranks and head dims
-      (16 and 8), expert groups of one, linear-attention and state-space head sizes,
-      layer-structure intervals (a dense first layer, then sparse ones);
-    * the multimodal rotary sections (``mrope_section``) rescaled to sum to half the small head
-      dim (each section at least 1);
-    * vocabulary 101 (odd, so vocabulary padding is exercised at every tp size > 1); max
-      positions 64; every dropout 0; special token ids below the vocabulary (pad/bos/eos 0/1/2
-      unless the family's own are small already); ``num_labels`` 3;
-    * a composite config (``text_config``, ``vision_config``, ``audio_config``, ...): each
-      sub-config made small the same way, the sizes that connect them (projector widths) set
-      to the small hidden size.
-
-    Then the result is checked: the standard sizes read back, and the family's base model built
-    on the meta device has no parameter dimension above ``4 * max(hidden, MLP width) + 8``, at
-    most 2M parameters and 120 linear/embedding layers.
+    A new config of the same class: 2 layers (up to 4 to show every kind of a per-layer list),
+    heads the smallest multiple of lcm(tp sizes) >= 4, head dim 8, MLP width a multiple >= 48,
+    vocabulary 101, 64 positions, dropout 0; each sub-config of a composite likewise. Checked:
+    the sizes read back, and the base model built on the meta device is small. Every size it
+    sets: docs/recipes.md, "Small configs".
 
     Raises:
         ShrinkError: the config class rejects the small values, lacks a head-count attribute, or
@@ -394,7 +345,7 @@ def _shrink_dict(d: dict, amap: dict, sizes: _SmallSizes, config) -> None:
                     _shrink_override(override, amap, sizes, full.get(amap.get("head_dim", "head_dim")))
                     _mla_head_dim(override, {**full, **full_override}, {**d, **override}, amap)
     _cut_per_layer_lists(d, config)
-    _rescale_mrope(d, config)
+    rescale_mrope(d, _HEAD_DIM)
     if isinstance(d.get("num_layers_per_stack"), int) and isinstance(d.get("H_cycles"), int):
         # hrm_text: num_hidden_layers counts every pass, per stack x H cycles x (L cycles + 1)
         d["num_hidden_layers"] = d["num_layers_per_stack"] * d["H_cycles"] * (d.get("L_cycles", 1) + 1)
@@ -550,79 +501,6 @@ def _cut_per_layer_lists(d: dict, config) -> None:
         d["rotary_dim"] = _HEAD_DIM if full else _HEAD_DIM // 2
 
 
-def _rescale_mrope(d: dict, config) -> None:
-    """Each ``mrope_section`` (in ``rope_parameters`` / ``rope_scaling``, per layer kind too)
-    rescaled to the small head: its sections sum to the rotary frequencies of the small head
-    (half its rotary dims: ``head_dim * partial_rotary_factor / 2``), in proportion, equal
-    sections kept equal (:func:`_apportion`; a section may be 0 when there are fewer
-    frequencies than sections: glm4v_moe's 2 over [8, 12, 12]). A
-    family whose modeling code supplies the sections when the config has none
-    (``config.rope_parameters.get("mrope_section", [16, 24, 24])``: qwen2_vl, glm4v, ernie4_5_vl,
-    ...) gets that default, rescaled, written into the small config. A ``partial_rotary_factor``
-    that would rotate a number of dims of the small head that is not a multiple of 4 becomes
-    0.5 (neomme's two M-RoPE axes take frequencies in pairs)."""
-    default = _code_mrope_section(d.get("model_type"))
-    if default and isinstance(d.get("rope_parameters"), dict) and not any(
-            "mrope_section" in p for p in _rope_dicts(d["rope_parameters"])):
-        d["rope_parameters"]["mrope_section"] = list(default)
-    for key in ("rope_parameters", "rope_scaling"):
-        for params in _rope_dicts(d.get(key)) + [d]:
-            factor = params.get("partial_rotary_factor")
-            if isinstance(factor, float) and 0 < factor < 0.5 and (factor * _HEAD_DIM) % 4:
-                params["partial_rotary_factor"] = 0.5
-            sections = params.get("mrope_section")
-            if not (isinstance(sections, list) and sections and all(isinstance(s, int) for s in sections)):
-                continue
-            rotary = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-            params["mrope_section"] = _apportion(sections, round(_HEAD_DIM * rotary) // 2)
-
-
-_MROPE_DEFAULT = re.compile(r"""mrope_section["']\s*,\s*\[([\d,\s]+)\]""")
-
-
-def _code_mrope_section(model_type: str | None) -> tuple[int, ...] | None:
-    """The ``mrope_section`` default the family's modeling code reads when its config has none,
-    from the module's source (``rope_parameters.get("mrope_section", [16, 24, 24])``), or None."""
-    import importlib
-    import inspect
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    try:
-        module = importlib.import_module(CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_"))
-        match = _MROPE_DEFAULT.search(inspect.getsource(module))
-    except Exception:  # noqa: BLE001 - no modeling module, no source: no default
-        return None
-    return tuple(int(v) for v in match.group(1).split(",") if v.strip()) if match else None
-
-
-def _rope_dicts(value) -> list[dict]:
-    if not isinstance(value, dict):
-        return []
-    nested = [v for v in value.values() if isinstance(v, dict)]  # per layer kind (gemma3: sliding / full)
-    return [value] + nested
-
-
-def _apportion(parts: list[int], total: int) -> list[int]:
-    """``total`` split in proportion to ``parts``, parts that are equal kept equal (ernie's
-    height and width sections), the smallest squared error of the proportions; each part at
-    least 1 where ``total`` allows it, else some 0."""
-    import itertools
-
-    least = 1 if total >= len(parts) else 0
-    best, best_err = None, math.inf
-    for cut in itertools.combinations_with_replacement(range(total + 1), len(parts) - 1):
-        split = [b - a for a, b in zip((0,) + cut, cut + (total,))]
-        if min(split) < least:
-            continue
-        if any(split[i] != split[j] for i in range(len(parts)) for j in range(i) if parts[i] == parts[j]):
-            continue
-        err = sum((s / total - p / sum(parts)) ** 2 for s, p in zip(split, parts))
-        if err < best_err:
-            best, best_err = split, err
-    return best or [max(1, total // len(parts))] * len(parts)
-
-
 def _from_small_dict(config, d: dict, sizes: _SmallSizes):
     """A config of ``config``'s class from the small values ``d``, with 3 labels (and T5's decoder start).
 
@@ -703,77 +581,3 @@ def _check_small(config, heads: int, hidden: int, max_dim: int) -> None:
                           f"linear/embedding layers (at most {_MAX_SMALL_LAYERS}; largest: {largest}); its config "
                           f"has size attributes tpify.authoring.small.small_config does not know. Pass a directory "
                           f"holding a small config.json")
-
-
-def _attributes_note(config, named_shapes) -> str:
-    """``"; config attributes ... with these sizes: a = 4096, ..."``: the integer config attributes
-    (sub-configs included) equal to a dimension of ``named_shapes`` (``[(name, shape)]``) above
-    128, larger than any size :func:`small_config` sets; or a sentence saying there is none."""
-    dims = {d for _, shape in named_shapes for d in shape if d > 128}  # above every small size
-    found: dict[str, int] = {}
-
-    def walk(d: dict, prefix: str) -> None:
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            elif isinstance(v, int) and not isinstance(v, bool) and v in dims:
-                found[f"{prefix}{k}"] = v
-    try:
-        walk(config.to_dict(), "")
-    except Exception:  # noqa: BLE001 - a config that cannot serialise itself: no names
-        return ""
-    if not found:
-        return ("; no config attribute has these sizes (derived from several; tpify.authoring.small.small_config does "
-                "not know them)")
-    return ("; config attributes tpify.authoring.small.small_config does not shrink, with these sizes: "
-            + ", ".join(f"{k} = {v}" for k, v in sorted(found.items())[:8]))
-
-
-def _check_model_size(model: torch.nn.Module, config, limit: int, cls: type | None = None) -> int:
-    """The number of elements of ``model``'s parameters and buffers (each tensor once); raise
-    :class:`ShrinkError` when it is above ``limit``, naming the family, the class, the largest
-    tensors and the config attributes of their sizes (:func:`_attributes_note`). ``model`` is
-    usually built on the meta device, so nothing is allocated."""
-    tensors = dict(model.named_buffers())
-    tensors.update(model.named_parameters())
-    total = sum(t.numel() for t in tensors.values())
-    if total > limit:
-        largest = sorted(((t.numel(), n, tuple(t.shape)) for n, t in tensors.items()), reverse=True)[:4]
-        shown = ", ".join(f"{n} {s}" for _, n, s in largest)
-        cls_name = (cls or type(model)).__name__
-        raise ShrinkError(f"model_type {config.model_type!r}: {cls_name} built from the config verify would use has "
-                          f"{total:,} parameter and buffer elements, above verify's limit of {limit:,} "
-                          f"(largest: {shown}){_attributes_note(config, [(n, s) for _, n, s in largest])}. Pass a "
-                          f"directory holding a small config.json, or raise the limit (max_elements=, "
-                          f"--max-elements)")
-    return total
-
-
-def check_build_size(config, classes: Iterable[type], max_elements: int | None = None) -> dict[str, int]:
-    """``{class name: elements}`` of each class built from ``config`` on the meta device (nothing is
-    allocated; each from a copy of ``config``, which some constructors change), parameters and
-    buffers counted once each.
-
-    Verify builds each head class several times per rank (the float64 reference, the parallel
-    copy, gradients, the save/load models), so a config it was given to make small must really
-    be small before anything is built for real. ``max_elements`` defaults to
-    :data:`MAX_SMALL_ELEMENTS` (2M elements: 16 MB per float64 copy; every family verify
-    supports today is below 75k, t5 and ultrabert the largest).
-
-    Raises:
-        ShrinkError: a class is above the limit (the message names the family, the class, the
-            largest tensors and the config attributes of their sizes), or cannot be built from
-            the config at all.
-    """
-    limit = MAX_SMALL_ELEMENTS if max_elements is None else max_elements
-    sizes = {}
-    for cls in classes:
-        try:
-            with torch.device("meta"):
-                model = cls(copy.deepcopy(config))
-        except Exception as e:  # noqa: BLE001 - any error of the family's constructor
-            raise ShrinkError(f"model_type {config.model_type!r}: {cls.__name__} cannot be built from the config "
-                              f"verify would use: {type(e).__name__}: {e}") from e
-        sizes[cls.__name__] = _check_model_size(model, config, limit, cls)
-    return sizes
-

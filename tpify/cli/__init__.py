@@ -305,5 +305,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tpify {args.command}: error: {problem}", file=sys.stderr)
             return 2
     if not launched:
-        return launch.relaunch(args.tp * (dp or 1), argv, args.command)
+        return launch.relaunch(args.tp * (dp or 1), argv, args.command, tp=args.tp,
+                               fsdp=getattr(args, "dp_shard", 1) > 1)
     return launch.run_rank(args.command, args.worker, args)

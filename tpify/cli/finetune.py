@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -39,6 +37,7 @@ from .. import comm
 from ..agree import agree
 from .launch import world_mismatch
 from .checks import check, output_problem
+from .finetune_resume import _restore, _run_args, _save_checkpoint, check_resume_files, resume_point
 from .options import DEFAULT_PROMPT, DTYPES, LIMITS
 
 __all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices", "finetune",
@@ -143,107 +142,6 @@ def _lr_lambda(warmup: int, steps: int):
     return f
 
 
-def _latest_checkpoint(out_dir: Path) -> Path | None:
-    """The ``checkpoint-<step>`` folder with the highest step; other names (``checkpoint-old2``) are ignored."""
-    import re
-
-    ckpts = [(int(m.group(1)), p) for p in out_dir.glob("checkpoint-*")
-             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
-    return max(ckpts)[1] if ckpts else None
-
-
-# Options that shape the run: a resume must use the values the checkpoint was written with.
-_RUN_FIELDS = ("model_dir", "data", "tp", "dp", "dp_shard", "seq_len", "batch_size", "lr", "warmup", "steps", "clip",
-               "weight_decay", "seed", "dtype", "lora_r", "lora_alpha")
-
-
-# The layout: a resume may change these (the state is resharded), as long as the global batch stays.
-_LAYOUT_FIELDS = ("tp", "dp", "dp_shard", "batch_size")
-
-
-def _run_args(cfg: "FinetuneConfig") -> dict:
-    return {k: getattr(cfg, k) for k in _RUN_FIELDS}
-
-
-def _read_state(ckpt: Path) -> dict:
-    """``trainer/state.json`` of a checkpoint, or a clear error naming the file."""
-    file = ckpt / "trainer" / "state.json"
-    try:
-        state = json.loads(file.read_text())
-        state["step"], state["losses"]  # noqa: B018 - both must be there
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--resume: {file} is missing or corrupt ({type(e).__name__}: {e}); delete {ckpt} to "
-                         f"resume from the checkpoint before it, or start without --resume") from e
-    return state
-
-
-def _training_layout(model, optimizer) -> dict:
-    from ..integrations.resume import training_layout
-
-    return training_layout(model, [optimizer], written_by="tpify finetune")
-
-
-def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Path) -> Path:
-    """Write ``checkpoint-<step>``: the HF model directory (LoRA: the adapter) and, in
-    ``trainer/``, the training state as a torch.distributed.checkpoint (the trainable parameters'
-    values, the optimizer, scheduler and generators, each rank writing its pieces;
-    :func:`tpify.checkpoint.save_checkpoint`), ``state.json`` and the manifest
-    ``tpify_layout.json``, atomically (a temporary directory renamed)."""
-    import tpify
-
-    from ..checkpoint import save_checkpoint
-    from ..integrations.resume import write_manifest
-
-    final = out_dir / f"checkpoint-{step}"
-    tmp = out_dir / f".checkpoint-{step}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "trainer").mkdir(parents=True)
-    comm.barrier()
-    if cfg.lora_r:
-        from ..integrations.peft import save_adapter
-
-        save_adapter(model, tmp / "adapter")
-    else:
-        tpify.save_pretrained(model, tmp / "model")
-    save_checkpoint(tmp / "trainer", model, [optimizer], [scheduler], extra={"step": step}, model_state=False)
-    comm.barrier()
-    if rank == 0:
-        (tmp / "trainer" / "state.json").write_text(json.dumps(
-            {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
-             "lora_r": cfg.lora_r, "args": _run_args(cfg)}))
-        write_manifest(tmp / "trainer", _training_layout(model, optimizer))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    comm.barrier()
-    return final
-
-
-def _restore(trainer_dir: Path, model, optimizer, scheduler, lora: bool) -> None:
-    """Continue from ``checkpoint-<k>/trainer`` at this run's layout (any tp, dp, dp_shard):
-    refuse, on every rank, a checkpoint of another model or param groups
-    (:func:`tpify.integrations.resume.check_resume`, before anything is read), then read the
-    adapter (LoRA) and the optimizer, scheduler and generators (:func:`tpify.checkpoint.load_checkpoint`:
-    resharded; the generators exactly at the saved layout only).
-
-    Raises:
-        ResumeError: the model or param groups differ, the manifest or the state is missing
-            (every rank).
-        CheckpointError: the state does not fit the model (every rank).
-    """
-    from ..checkpoint import load_checkpoint
-    from ..integrations.resume import check_resume
-
-    check_resume(trainer_dir, _training_layout(model, optimizer), "tpify finetune --resume",
-                 checkpoint=trainer_dir.parent, files=[trainer_dir / ".metadata"])
-    if lora:
-        from ..integrations.peft import load_adapter_
-
-        load_adapter_(model, trainer_dir.parent / "adapter")
-    load_checkpoint(trainer_dir, model, [optimizer], [scheduler], model_state=False)
-
-
 def lora_targets(model) -> list[str]:
     """Names (last FQN segment) of the tensor-parallel linear layers LoRA adapts: every
     ``ColumnParallelLinear``/``RowParallelLinear`` except a gathering LM head."""
@@ -336,71 +234,6 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int, devi
     return tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
-    """The checkpoint ``--resume`` continues from and its state; local, the same on every rank.
-
-    Raises:
-        ValueError: no ``checkpoint-<step>`` folder; a missing or corrupt ``state.json``; a
-            checkpoint written with another LoRA rank; other run arguments than ``cfg``'s (listed,
-            unless ``cfg.allow_changes``): another layout (``tp``, ``dp``, ``dp_shard``, the per-replica
-            ``batch_size``) is fine as long as the global batch ``batch_size x dp`` is the same.
-    """
-    out_dir = Path(cfg.out_dir)
-    ckpt = _latest_checkpoint(out_dir)
-    if ckpt is None:
-        raise ValueError(f"--resume: no checkpoint-<step> directory in {out_dir}")
-    state = _read_state(ckpt)
-    if state.get("lora_r", 0) != cfg.lora_r:
-        raise ValueError(f"--resume: {ckpt} was written with --lora-r {state.get('lora_r', 0)}; resume with it")
-    changed = {k: (v, getattr(cfg, k)) for k, v in state.get("args", {}).items()
-               if k in _RUN_FIELDS and k not in _LAYOUT_FIELDS and v != getattr(cfg, k)}
-    if state.get("args") and (cfg.batch_size * cfg.dp != state["args"]["batch_size"] * state["args"]["dp"]) \
-            and "batch_size" not in changed:
-        changed["global batch (batch_size x dp)"] = (state["args"]["batch_size"] * state["args"]["dp"],
-                                                     cfg.batch_size * cfg.dp)
-    if changed and not cfg.allow_changes:
-        raise ValueError(f"--resume: {ckpt} was written with other arguments: "
-                         + ", ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
-                         + ". Resume with the same arguments, or pass --allow-changes to continue with the new "
-                           "ones (data order and learning rate then differ from an uninterrupted run)")
-    return ckpt, state
-
-
-def check_resume_files(ckpt: Path, cfg: FinetuneConfig) -> None:
-    """Every file the resume reads from ``ckpt`` (:func:`resume_point`'s) is whole: the adapter (LoRA;
-    ``adapter/adapter_model.safetensors``) and the training state's ``.distcp`` files against
-    its ``.metadata`` (:func:`tpify.checkpoint.read_metadata`). Local: run on every rank before
-    the agreement, so a truncated file stops every rank with its name, not PEFT's
-    ``SafetensorError`` or DCP's ``CheckpointException`` around an ``EOFError`` on some.
-
-    Raises:
-        ValueError: a missing or truncated file, named, with the fix (resume from the checkpoint
-            before it, whose name is given when there is one).
-    """
-    from ..checkpoint import read_metadata
-    from ..io import CheckpointError
-    from ..io.files import check_safetensors
-
-    out_dir = Path(cfg.out_dir)
-    try:
-        if cfg.lora_r:
-            check_safetensors(ckpt / "adapter" / "adapter_model.safetensors", fix="resume from an earlier checkpoint")
-        read_metadata(ckpt / "trainer")
-    except CheckpointError as e:
-        earlier = [p for p in sorted(out_dir.glob("checkpoint-*"), key=_step_of) if 0 <= _step_of(p) < _step_of(ckpt)]
-        fix = (f"Move {ckpt} away and run again with --resume to continue from {earlier[-1].name}" if earlier else
-               f"No earlier checkpoint is in {out_dir}: start again without --resume")
-        raise ValueError(f"--resume: {ckpt} is damaged: {e} {fix}") from e
-
-
-def _step_of(path: Path) -> int:
-    """The step of a ``checkpoint-<step>`` folder; -1 for another name."""
-    import re
-
-    m = re.fullmatch(r"checkpoint-(\d+)", path.name)
-    return int(m.group(1)) if m and path.is_dir() else -1
-
-
 _NO_MATPLOTLIB = ('the loss curve of tpify finetune needs matplotlib, which is not installed; '
                   'pip install "tpify[cli]"')
 
@@ -482,79 +315,34 @@ def check_run(cfg: FinetuneConfig) -> tuple[Path | None, dict | None]:
 
 
 def finetune(cfg: FinetuneConfig) -> list[float]:
-    """Run the fine-tune described by ``cfg`` on the already initialised process group.
+    """Run the fine-tune described by ``cfg`` on the already initialised process group; return the
+    loss of every step (mean over DP) on every rank.
 
     ``world = cfg.tp * cfg.dp``; ``cfg.dp_shard > 1`` shards the model with FSDP2 over that many
-    ranks of the DP group (:func:`tpify.shard_data_parallel`), else DDP averages the gradients over
-    it (:func:`tpify.replicate_data_parallel`). Returns the loss of every step (mean over DP) on
-    every rank.
-    Rank 0 prints (``cfg.progress``) the memory of each rank against the dense model
-    (:func:`memory_report`), the greedy continuation of ``cfg.prompt`` before training and from
-    the final model (``cfg.sample_tokens`` tokens; 0: none), and a line per step. Writes
-    ``out_dir/checkpoint-<k>`` every ``save_every`` steps, ``out_dir/final`` (HF directory with
-    the tokenizer), ``out_dir/losses.json`` and ``out_dir/loss.png``. With
-    ``lora_r > 0`` only LoRA adapters on the parallel linear layers train
-    (:mod:`tpify.integrations.peft`); checkpoints hold the adapter, ``out_dir/adapter`` is the
-    final dense adapter (plain peft loads it) and ``out_dir/final`` the merged model.
+    ranks of the DP group, else DDP over it. Writes ``out_dir/checkpoint-<k>`` every ``save_every``
+    steps, ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter),
+    ``losses.json`` and ``loss.png``. What rank 0 prints and the checkpoint contents: docs/training.md,
+    "tpify finetune".
 
     Raises:
-        ImportError: matplotlib (the ``cli`` extra) is not installed, or peft (the ``peft``
-            extra) with ``lora_r > 0``; raised before training.
-        ValueError: an option outside its limits or a ``dp_shard`` that does not divide ``dp``
-            (:meth:`FinetuneConfig.check`, again here: the
-            config may have changed since it was made), ``tp * dp`` differs from the world
-            size, ``out_dir`` cannot be a directory (a file, or under one:
-            :func:`tpify.cli.checks.output_problem`), or ``resume`` finds a checkpoint
-            written with another tp/dp layout (its optimizer shards would not fit), with other
-            run arguments (unless ``allow_changes``), or with a corrupt ``state.json``, or a
-            missing or truncated adapter or ``.distcp`` file (:func:`check_resume_files`: named,
-            with the checkpoint to resume from instead); on every rank, before anything is read.
-        ResumeError: ``resume`` finds a checkpoint whose optimizer state does not fit this run
-            (another model or padding, other LoRA shapes or param groups, e.g. after
-            ``allow_changes``; :func:`tpify.integrations.resume.check_resume`), or no manifest;
-            on every rank, before anything is read from it.
+        ImportError: matplotlib, or peft with ``lora_r > 0``, is not installed (before training).
+        ValueError: an option outside its limits, ``tp * dp`` not the world size, a bad ``out_dir``,
+            ``data`` or ``model_dir``, or a checkpoint ``resume`` cannot use (other arguments, a
+            corrupt ``state.json``, a missing or truncated file: :func:`check_resume_files`); on
+            every rank, before anything is read.
+        ResumeError: the checkpoint's optimizer state does not fit this run
+            (:func:`tpify.integrations.resume.check_resume`), or no manifest; on every rank.
     """
     from transformers import AutoTokenizer
 
-    import tpify
-    from tpify.data_parallel import replicate_data_parallel, shard_data_parallel
-    from tpify.training import check_replicas, clip_grad_norm_
+    from tpify.training import check_replicas
 
-    cfg.check()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    problem = world_mismatch(cfg.tp, cfg.dp, world)
-    if problem:
-        raise ValueError(problem)
-    out_dir = Path(cfg.out_dir)
-    start_step, losses, model_dir, trainer_dir = 0, [], Path(cfg.model_dir), None
-    error, state, ckpt = None, None, None
-    try:  # local checks, then one agreement: bad arguments or files on one rank stop every rank
-        ckpt, state = check_run(cfg)
-    except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
-        error = e
-    agree("tpify finetune", {"args": _run_args(cfg), "resume step": state["step"] if state else None}, error)
-    if cfg.resume:
-        start_step, losses, trainer_dir = state["step"], state["losses"], ckpt / "trainer"
-        model_dir = model_dir if cfg.lora_r else ckpt / "model"  # LoRA: the base model and the saved adapter
+    start_step, losses, model_dir, trainer_dir = _agreed_start(cfg)
+    rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
-    files = cfg.data or [str(p) for p in default_text_files()]
-    data = pack_texts(tokenizer, files, cfg.seq_len)
-    tpify.manual_seed(cfg.seed)
-    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, dtype=getattr(torch, cfg.dtype)).to(device)
-    trainable = None
-    if cfg.lora_r:
-        model, trainable, total = add_lora(model, cfg)
-        if rank == 0:
-            print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
-                  f"({100 * trainable / total:.2f}%)", flush=True)
-    if cfg.dp_shard > 1:  # FSDP2 (HSDP) over the DP group; the optimizer is built on its shards
-        shard_data_parallel(model, dp_replicate=cfg.dp // cfg.dp_shard)
-        step_model = model
-    else:  # DDP over the DP group (the model itself at dp 1)
-        step_model = replicate_data_parallel(model)
-    info = tpify.get_tp_info(model)
-    dp_rank = comm.group_rank(info.dp_group)
+    data = pack_texts(tokenizer, cfg.data or [str(p) for p in default_text_files()], cfg.seq_len)
+    model, step_model, trainable = _build_model(cfg, model_dir, device, rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))
@@ -569,30 +357,108 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
         if report:
             print(f"before (step {start_step}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
-    model.train()
-    tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len
-    width = len(str(cfg.steps))
-    logged = None  # the last step's (step, lr, start time, values copied to the host), printed one step later
-
-    def log_step(until: float | None = None) -> None:
-        """Read the last step's loss and norm from host memory and print its line: no host sync in a
-        step (the values were copied without blocking; reading them waits only for that step's copy)."""
-        nonlocal logged
-        if logged is None:
-            return
-        done, step_lr, started, values = logged
-        logged = None
-        values = values.values()
-        losses.append(values[0])
+    _train(cfg, model, step_model, optimizer, scheduler, data, device, start_step, _StepLines(cfg, losses, report))
+    model = _save_final(cfg, model, tokenizer, losses, trainable)
+    if cfg.sample_tokens:
+        text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
         if report:
+            merged = ", LoRA merged" if cfg.lora_r else ""
+            print(f"after (step {cfg.steps}{merged}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
+    comm.barrier()
+    return losses
+
+
+def _agreed_start(cfg: FinetuneConfig) -> tuple[int, list[float], Path, Path | None]:
+    """``(start step, losses so far, model directory to load, trainer directory or None)``, after
+    the local checks (:func:`check_run`) and one agreement of every rank (a bad argument or file on
+    one rank stops every rank).
+
+    Raises:
+        ValueError: ``cfg`` outside its limits, ``tp * dp`` is not the world size, or a check of
+            :func:`check_run` failed on some rank (every rank).
+    """
+    cfg.check()
+    problem = world_mismatch(cfg.tp, cfg.dp, dist.get_world_size())
+    if problem:
+        raise ValueError(problem)
+    error, state, ckpt = None, None, None
+    try:
+        ckpt, state = check_run(cfg)
+    except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
+        error = e
+    agree("tpify finetune", {"args": _run_args(cfg), "resume step": state["step"] if state else None}, error)
+    if not cfg.resume:
+        return 0, [], Path(cfg.model_dir), None
+    model_dir = Path(cfg.model_dir) if cfg.lora_r else ckpt / "model"  # LoRA: the base model and the saved adapter
+    return state["step"], state["losses"], model_dir, ckpt / "trainer"
+
+
+def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, rank: int):
+    """``(model, step_model, trainable)``: the model loaded by slices at ``cfg.tp`` (LoRA adapters
+    added when ``cfg.lora_r``), and what a step calls: the model sharded by FSDP2 in place when
+    ``cfg.dp_shard > 1``, else wrapped in DDP over the DP group; ``trainable``: LoRA's
+    dense-equivalent trainable parameter count, or None."""
+    import tpify
+    from tpify.data_parallel import replicate_data_parallel, shard_data_parallel
+
+    tpify.manual_seed(cfg.seed)
+    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, dtype=getattr(torch, cfg.dtype)).to(device)
+    trainable = None
+    if cfg.lora_r:
+        model, trainable, total = add_lora(model, cfg)
+        if rank == 0:
+            print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
+                  f"({100 * trainable / total:.2f}%)", flush=True)
+    if cfg.dp_shard > 1:  # FSDP2 (HSDP) over the DP group; the optimizer is built on its shards
+        shard_data_parallel(model, dp_replicate=cfg.dp // cfg.dp_shard)
+        return model, model, trainable
+    return model, replicate_data_parallel(model), trainable  # DDP over the DP group (the model itself at dp 1)
+
+
+class _StepLines:
+    """Rank 0's line per step, printed one step late: the loss and norm were copied to the host
+    without blocking (:class:`tpify.comm.HostCopy`), so reading them waits only for that copy, and
+    a step has no host sync. Appends each step's loss (mean over DP) to ``losses`` on every rank."""
+
+    def __init__(self, cfg: FinetuneConfig, losses: list[float], report: bool):
+        self.cfg, self.losses, self.report = cfg, losses, report
+        self.tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len
+        self.width = len(str(cfg.steps))
+        self.logged = None  # the last step's (step, lr, start time, values copied to the host)
+
+    def hold(self, step: int, lr: float, started: float, values) -> None:
+        self.logged = (step, lr, started, values)
+
+    def flush(self, until: float | None = None) -> None:
+        """Read the held step's values and print its line (its time runs until ``until``, else now)."""
+        if self.logged is None:
+            return
+        done, step_lr, started, values = self.logged
+        self.logged = None
+        values = values.values()
+        self.losses.append(values[0])
+        if self.report:
             seconds = (until if until is not None else time.perf_counter()) - started
             norm_text = f"{values[1]:.3f}" if len(values) > 1 else "-"
-            print(f"step {done + 1:>{width}}/{cfg.steps}: loss {values[0]:.4f}  grad norm {norm_text}  "
-                  f"lr {step_lr:.2e}  {seconds:.2f} s  {tokens_per_step / seconds:.0f} tokens/s", flush=True)
+            print(f"step {done + 1:>{self.width}}/{self.cfg.steps}: loss {values[0]:.4f}  grad norm {norm_text}  "
+                  f"lr {step_lr:.2e}  {seconds:.2f} s  {self.tokens_per_step / seconds:.0f} tokens/s", flush=True)
 
+
+def _train(cfg: FinetuneConfig, model, step_model, optimizer, scheduler, data: torch.Tensor, device: torch.device,
+           start_step: int, lines: _StepLines) -> None:
+    """Steps ``start_step .. cfg.steps - 1``: forward and backward of this DP replica's rows of the
+    global batch (``(B, T)`` token ids, labels the same ids), the global-norm clip, AdamW and the
+    schedule; ``checkpoint-<step>`` every ``cfg.save_every`` steps. Collectives: DDP's or FSDP2's
+    over DP in the backward, the clip's, one all-reduce of the loss over DP per step."""
+    import tpify
+    from tpify.training import check_replicas, clip_grad_norm_
+
+    info = tpify.get_tp_info(model)
+    dp_rank = comm.group_rank(info.dp_group)
+    model.train()
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
-        log_step(until=t0)  # the previous step's line: its time is until this step starts
+        lines.flush(until=t0)  # the previous step's line: its time is until this step starts
         lr = scheduler.get_last_lr()[0]
         rows = batch_indices(step, data.shape[0], cfg.batch_size * cfg.dp, cfg.seed)
         ids = data[rows[dp_rank * cfg.batch_size: (dp_rank + 1) * cfg.batch_size]].to(device)  # (B, T)
@@ -603,26 +469,29 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         mean_loss = comm.all_reduce(loss.detach().float().clone(), info.dp_group) / cfg.dp
-        logged = (step, lr, t0, comm.HostCopy([mean_loss] + ([norm] if norm is not None else []), torch.float64))
+        lines.hold(step, lr, t0, comm.HostCopy([mean_loss] + ([norm] if norm is not None else []), torch.float64))
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            log_step()
+            lines.flush()
             check_replicas(model)  # never checkpoint replicas that drifted apart
-            _save_checkpoint(model, optimizer, scheduler, step + 1, losses, cfg, out_dir)
-    log_step()
+            _save_checkpoint(model, optimizer, scheduler, step + 1, lines.losses, cfg, Path(cfg.out_dir))
+    lines.flush()
+
+
+def _save_final(cfg: FinetuneConfig, model, tokenizer, losses: list[float], trainable: int | None):
+    """Write ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter), and on rank 0
+    the tokenizer, ``losses.json`` and ``loss.png``; returns the model (LoRA: the merged one)."""
+    import tpify
+    from tpify.training import check_replicas
+
+    out_dir = Path(cfg.out_dir)
     check_replicas(model)
     if cfg.lora_r:
         model.save_pretrained(out_dir / "adapter")  # the dense adapter (plain peft loads it); collective
         model = model.merge_and_unload()  # each rank merges its slice of B A into its shard of W
     tpify.save_pretrained(model, out_dir / "final")
-    if rank == 0:
+    if dist.get_rank() == 0:
         tokenizer.save_pretrained(out_dir / "final")
         (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg),
                                                          "trainable_parameters": trainable}, indent=1))
         _plot(losses, out_dir / "loss.png")
-    if cfg.sample_tokens:
-        text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
-        if report:
-            merged = ", LoRA merged" if cfg.lora_r else ""
-            print(f"after (step {cfg.steps}{merged}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
-    comm.barrier()
-    return losses
+    return model

@@ -31,8 +31,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-__all__ = ["under_torchrun", "relaunch", "init_distributed", "world_mismatch", "launch_problem", "run_rank",
-           "failure_report", "LAUNCHER_ENV", "PREFLIGHT_ENV"]
+__all__ = ["under_torchrun", "relaunch", "rank_environment", "init_distributed", "world_mismatch", "launch_problem",
+           "run_rank", "failure_report", "LAUNCHER_ENV", "PREFLIGHT_ENV"]
 
 # Set by relaunch for the ranks it starts: the launcher prints a failed rank's error (once).
 LAUNCHER_ENV = "TPIFY_LAUNCHER"
@@ -68,23 +68,41 @@ def launch_problem(nproc: int) -> str | None:
     return None
 
 
-def relaunch(nproc: int, argv: list[str], command: str = "") -> int:
-    """Run ``python -m tpify.cli *argv`` on ``nproc`` local ranks with torchrun's launcher (in this
-    process); the exit status: 0, or 1 when a rank failed (its error printed once to stderr,
-    :func:`failure_report`), 130 when interrupted.
+def rank_environment(nproc: int, tp: int = 1, fsdp: bool = False) -> dict[str, str]:
+    """The variables :func:`relaunch` adds to the environment of the ``nproc`` ranks it starts (``tp``
+    per TP group, ``fsdp``: the model sharded by FSDP2 over DP).
 
-    CPU ranks get ``cores // nproc`` threads each (at least one), and gloo talks over loopback.
-    The launcher's own log lines (a worker failed, the others are stopped) are silenced: the
-    report says what failed.
+    Always tpify's launcher flags. With CUDA: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` at ``tp > 1``
+    without FSDP2 (:func:`tpify.layers.overlap_environment`: set before the ranks initialise CUDA,
+    so that each column-parallel layer's input-gradient all-reduce runs beside its weight-gradient
+    matmul; a value the user set is kept). Without CUDA: ``cores // nproc`` threads per rank (at
+    least one; ``OMP_NUM_THREADS`` if set) and gloo over loopback (``GLOO_SOCKET_IFNAME`` if set).
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from ..layers import overlap_environment
 
     env = {LAUNCHER_ENV: "1", PREFLIGHT_ENV: "1"}  # the ranks' environment is this process's, while they run
     if not torch.cuda.is_available():
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    env.update(overlap_environment(tp, fsdp))
+    return env
+
+
+def relaunch(nproc: int, argv: list[str], command: str = "", tp: int = 1, fsdp: bool = False) -> int:
+    """Run ``python -m tpify.cli *argv`` on ``nproc`` local ranks with torchrun's launcher (in this
+    process); the exit status: 0, or 1 when a rank failed (its error printed once to stderr,
+    :func:`failure_report`), 130 when interrupted.
+
+    The ranks' environment is this process's plus :func:`rank_environment` (``tp``, ``fsdp``:
+    CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs at ``tp > 1`` without FSDP2; CPU ranks get ``cores //
+    nproc`` threads each and gloo talks over loopback), restored afterwards. The launcher's own log
+    lines (a worker failed, the others are stopped) are silenced: the report says what failed.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    env = rank_environment(nproc, tp, fsdp)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     elastic = logging.getLogger("torch.distributed.elastic")

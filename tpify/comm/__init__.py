@@ -41,8 +41,8 @@ from .groups import SharesProcessGroups, backend_map, collective_device, group_r
 from .inputs import (CheckedInputs, check_same_inputs, checksum, different_layouts_message, different_values_message,
                      inputs_checksum, layout_code)
 from .regions import (copy_many_to_tp_region, copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
-                      reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
-                      scatter_to_tp_region, sum_grad_ranges)
+                      grad_reduce_dtype, reduce_from_tp_region, reduce_scatter_to_sequence_region,
+                      scatter_to_sequence_region, scatter_to_tp_region, sum_grad_ranges)
 from .rows import all_to_all_rows, gather_rows, row_range, scatter_rows
 
 __all__ = [
@@ -50,9 +50,9 @@ __all__ = [
     "count_collectives",
     "all_reduce", "all_reduce_async", "all_gather_dim", "all_gather_dim_async", "PendingGather", "all_gather_last_dim",
     "reduce_scatter_dim_async", "all_to_all_counts", "barrier", "all_gather_objects",
-    "copy_to_tp_region", "copy_many_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
-    "gather_from_tp_region", "sum_grad_ranges", "scatter_to_sequence_region", "gather_from_sequence_region",
-    "reduce_scatter_to_sequence_region",
+    "grad_reduce_dtype", "copy_to_tp_region", "copy_many_to_tp_region", "reduce_from_tp_region",
+    "scatter_to_tp_region", "gather_from_tp_region", "sum_grad_ranges", "scatter_to_sequence_region",
+    "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
     "row_range", "scatter_rows", "gather_rows", "all_to_all_rows",
     "FOUND_LATE", "HostCopy", "DeferredChecks", "raise_unless",
     "checksum", "layout_code", "inputs_checksum", "check_same_inputs", "CheckedInputs", "different_layouts_message",

@@ -17,29 +17,35 @@ import torch
 __all__ = ["count_collectives"]
 
 
-_counters: list[Counter] = []
+_counters: list[tuple[Counter, bool]] = []
 
 
 def record(op: str, tensor: torch.Tensor) -> None:
-    """Count one ``op`` of ``tensor.numel()`` values in every open :func:`count_collectives` block."""
-    for counter in _counters:
+    """Count one ``op`` of ``tensor.numel()`` values in every open :func:`count_collectives` block
+    (and per dtype in those that asked, ``by_dtype``)."""
+    for counter, by_dtype in _counters:
         counter[op] += 1
         counter[op + "_numel"] += tensor.numel()
+        if by_dtype:
+            counter[f"{op}_numel:{str(tensor.dtype).removeprefix('torch.')}"] += tensor.numel()
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[Counter]:
+def count_collectives(by_dtype: bool = False) -> Iterator[Counter]:
     """Count the collectives tpify issues inside the ``with`` block.
 
     Yields a :class:`collections.Counter` with, per operation (``all_reduce``,
     ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``barrier``, ``all_gather_object``), the
     number of calls and, under ``"<op>_numel"``, the total
-    number of elements communicated. Backward passes run inside the block are counted too.
+    number of elements communicated. With ``by_dtype`` the elements are also counted per dtype
+    they travel in, under ``"<op>_numel:<dtype>"`` (``"all_reduce_numel:bfloat16"``): what the
+    tests of the reductions' precision read. Backward passes run inside the block are counted too.
     Operators on a one-rank group issue nothing and count nothing.
     """
     counter: Counter = Counter()
-    _counters.append(counter)
+    entry = (counter, by_dtype)
+    _counters.append(entry)
     try:
         yield counter
-    finally:
-        _counters.remove(counter)
+    finally:  # by identity: nested blocks may hold equal counts
+        del _counters[next(i for i, e in enumerate(_counters) if e is entry)]

@@ -12,46 +12,61 @@ import torch.distributed as dist
 from .collectives import reduce_scatter_dim, split_dim, all_gather_dim, all_gather_last_dim, all_reduce
 from .groups import group_size
 
-__all__ = ["copy_to_tp_region", "copy_many_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
-           "gather_from_tp_region", "sum_grad_ranges", "scatter_to_sequence_region", "gather_from_sequence_region",
-           "reduce_scatter_to_sequence_region"]
+__all__ = ["grad_reduce_dtype", "copy_to_tp_region", "copy_many_to_tp_region", "reduce_from_tp_region",
+           "scatter_to_tp_region", "gather_from_tp_region", "sum_grad_ranges", "scatter_to_sequence_region",
+           "gather_from_sequence_region", "reduce_scatter_to_sequence_region"]
+
+
+def grad_reduce_dtype(compute: torch.dtype, floor: torch.dtype | None = None) -> torch.dtype:
+    """The dtype an input gradient is summed over the group in: the dtype of the matmul that made
+    it (``compute``: autocast's ``bfloat16`` under autocast, else the layer's dtype), or the wider
+    of that and ``floor`` (``parallelize(grad_reduce_dtype=torch.float32)``: never narrower than
+    float32; a float64 model keeps float64). Local."""
+    return compute if floor is None else torch.promote_types(compute, floor)
 
 
 class _CopyToTPRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, reduce_dtype):
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        # A copy: autograd may hand the same gradient tensor to other consumers too.
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        # A copy (autograd may hand the same gradient tensor to other consumers too), in the dtype to reduce in.
+        dtype = ctx.reduce_dtype or grad.dtype
+        if dtype == grad.dtype:
+            return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None, None
+        return all_reduce(grad.to(dtype, memory_format=torch.contiguous_format), ctx.group).to(grad.dtype), None, None
 
 
 class _CopyManyToTPRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, *xs):
-        ctx.group = group
+    def forward(ctx, group, reduce_dtypes, *xs):
+        ctx.group, ctx.reduce_dtypes = group, reduce_dtypes
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        needed = [g for g, need in zip(grads, ctx.needs_input_grad[1:]) if need]
+        needed = [(i, g) for i, (g, need) in enumerate(zip(grads, ctx.needs_input_grad[2:])) if need]
+        out = [None, None] + [None] * len(grads)
         if not needed:
-            return (None,) * (len(grads) + 1)
-        dtype = needed[0].dtype
-        for g in needed[1:]:
-            dtype = torch.promote_types(dtype, g.dtype)
-        flat = torch.cat([g.reshape(-1).to(dtype) for g in needed])  # one all-reduce for all of them
-        all_reduce(flat, ctx.group)
-        out, offset = [None], 0
-        for g, need in zip(grads, ctx.needs_input_grad[1:]):
-            if not need:
-                out.append(None)
-                continue
-            out.append(flat[offset: offset + g.numel()].view_as(g).to(g.dtype))
-            offset += g.numel()
+            return tuple(out)
+        if ctx.reduce_dtypes is None:  # all in the widest of their dtypes, one all-reduce
+            widest = needed[0][1].dtype
+            for _, g in needed[1:]:
+                widest = torch.promote_types(widest, g.dtype)
+            targets = [widest] * len(needed)
+        else:  # each in its own reduce dtype: one all-reduce per dtype
+            targets = [ctx.reduce_dtypes[i] or g.dtype for i, g in needed]
+        for dtype in dict.fromkeys(targets):
+            members = [(i, g) for (i, g), t in zip(needed, targets) if t == dtype]
+            flat = torch.cat([g.reshape(-1).to(dtype) for _, g in members])
+            all_reduce(flat, ctx.group)
+            offset = 0
+            for i, g in members:
+                out[2 + i] = flat[offset: offset + g.numel()].view_as(g).to(g.dtype)
+                offset += g.numel()
         return tuple(out)
 
 
@@ -201,30 +216,39 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup 
     return _ReduceScatterToSequenceRegion.apply(x, group)
 
 
-def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None,
+                      reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Megatron's ``f``: identity forward, all-reduce (sum) of the gradient backward.
 
     Placed where a replicated activation ``(B, T, H)`` enters a column-parallel region, so that
     the partial gradients each rank computes for it are summed. One all-reduce of ``B*T*H``
-    values in backward, none in forward.
+    values in backward, none in forward: in ``reduce_dtype`` (the gradient cast to it, summed,
+    cast back to its own dtype), default the gradient's own dtype. Column-parallel layers pass
+    the dtype their matmul ran in (autocast's ``bfloat16`` over ``float32`` activations: the
+    partial gradient is a ``bfloat16`` matmul's output, exact in it), as Megatron-LM all-reduces
+    the input gradient in the dtype of the matmul that made it.
     """
     if group_size(group) == 1:
         return x
-    return _CopyToTPRegion.apply(x, group)
+    return _CopyToTPRegion.apply(x, group, reduce_dtype)
 
 
-def copy_many_to_tp_region(xs: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+def copy_many_to_tp_region(xs: list[torch.Tensor], group: dist.ProcessGroup | None,
+                           reduce_dtypes: list[torch.dtype | None] | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`copy_to_tp_region` of several replicated tensors with one all-reduce in backward.
 
     Used where a column-parallel region starts from more than one replicated activation, e.g. a
     LoRA adapter on a column-parallel layer: the input ``X (B, T, H)`` and the adapter's
     ``h = A X (B, T, r)`` both enter the region, and the gradients of both are summed over the
     group in a single all-reduce of ``B*T*(H + r)`` values (in the widest of their dtypes).
+    With ``reduce_dtypes`` (one per tensor; None: the gradient's own dtype) each gradient is
+    summed in its own reduce dtype instead: one all-reduce per distinct dtype (a ``bfloat16``
+    base's ``dX`` and PEFT's ``float32`` adapters' ``dh``: two), one when they agree.
     Forward: identity, no communication.
     """
     if group_size(group) == 1:
         return tuple(xs)
-    return _CopyManyToTPRegion.apply(group, *xs)
+    return _CopyManyToTPRegion.apply(group, None if reduce_dtypes is None else tuple(reduce_dtypes), *xs)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -1,32 +1,12 @@
 """Context parallelism by hooks: attention over the split sequence, the call's checks, the gradients.
 
-Each rank of the CP group holds ``T / cp`` tokens of every sequence (two chunks,
-:func:`tpify.context_parallel.load_balanced_index`); everything but attention is per token and
-runs on them unchanged. What this module adds, without replacing any HF ``forward``:
-
-* :func:`context_parallel_attention`, registered in transformers' ``AttentionInterface`` as
-  ``"tpify_context_parallel"`` and set as the model's ``config._attn_implementation`` (HF's
-  attention modules look it up at every call): the keys and values of the local tokens are
-  all-gathered over the CP group (one all-gather of ``[K | V]`` per layer; its backward
-  reduce-scatters ``[dK | dV]``), and the local queries attend to the whole sequence under a
-  boolean mask built from global positions: causal, sliding window, one document to itself
-  (packed sequences), grouped-query heads repeated. Exact: the dense model's softmax over the
-  same keys. The gather and the attention are recomputed in backward (only this rank's ``q``,
-  ``k``, ``v`` are kept: activation memory ``1/cp``). Llama 3's form (arXiv:2407.21783, section
-  3.3.2); the ring form (Liu et al., arXiv:2310.01889) and the all-to-all (Ulysses) form are not
-  implemented.
-* :class:`ContextParallelHooks`: a forward pre-hook on the model that checks the call, gathers
-  the position ids over the CP group (one small all-gather), builds the call's
-  :class:`ContextParallelCall` and passes it to the attention function as a keyword argument
-  (HF passes the call's keyword arguments down to its attention function; activation
-  recomputation re-runs the layer with the same arguments); a forward hook that checks that every
-  layer's attention ran through it and has the gradients of the parameters summed over the CP
-  group (:class:`tpify.grad_sums.SummedGrads`: each rank's backward gives the part of the
-  gradient from its own tokens).
-* ``generate`` refused (the model instance's own ``generate``): decoding one token at a time has
-  no sequence to split.
-
-The loss over the split sequence (targets counted over the CP group) is :mod:`tpify.hooks.lm_loss`'s.
+Each rank of the CP group holds ``T / cp`` tokens of every sequence; no HF ``forward`` is
+replaced. :func:`context_parallel_attention` (transformers' ``AttentionInterface``,
+``"tpify_context_parallel"``) all-gathers ``[K | V]`` over the CP group per layer (backward: one
+reduce-scatter of ``[dK | dV]``), recomputed in backward (Llama 3's form, arXiv:2407.21783,
+section 3.3.2); :class:`ContextParallelHooks` checks each call, gathers the position ids, and
+sums the parameters' gradients over the CP group; ``generate`` is refused. How and why:
+docs/context-parallelism.md.
 """
 
 from __future__ import annotations

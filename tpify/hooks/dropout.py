@@ -1,26 +1,10 @@
 """Dropout streams: the TP-distinct stream inside sharded regions, the shared one outside.
 
-Megatron-LM (arXiv:1909.08053, section 3) draws dropout masks of sharded activations from a
-stream distinct per TP rank and those of replicated activations from one stream every rank
-shares (:mod:`tpify.random`: the tracker and its streams). This module places the switches by
-construction, for any recipe: a sharded region begins at the output of a layer whose style
-starts one (column-parallel, output sharded) and ends at the input of the next layer whose style
-ends one (row-parallel): the layout's ``region_starts`` / ``region_ends``. HF ``forward``
-methods are untouched: in GPT-2, ``attn_dropout`` (between ``c_attn`` and ``c_proj``) uses the TP
-stream and ``resid_dropout`` (after ``c_proj``, inside the same ``GPT2Attention.forward``) the
-shared one, which a hook around the whole attention module could not get right.
-
-A model whose every dropout probability is 0 draws nothing: it switches no stream at all (each
-switch that swaps generator states is a graph break under ``torch.compile``); at
-``tp_size > 1`` the region hooks stay, to mark the regions that :mod:`tpify.hooks.region_grads`
-reads (an attribute set, which ``torch.compile`` traces), and at ``tp_size == 1`` there are none.
-The probabilities are those :func:`dropout_probabilities` finds: every ``nn.Dropout`` (and its
-relatives), and every number a module or a Hugging Face config keeps under a name with
-``dropout``, ``pdrop``, ``drop_prob``, ``drop_path`` or ``drop_rate``
-(``LlamaAttention.attention_dropout``, ``config.attn_pdrop``). They are read at ``parallelize``
-and again at each training-mode call while the switches are off (a few attribute reads): one set
-above 0 later (``model.config.attention_dropout = 0.1``, ``module.p = 0.1``) turns them on from
-that call on. A model that draws random numbers in a region under another name is not seen.
+Megatron-LM (arXiv:1909.08053, section 3); the tracker and its streams are :mod:`tpify.random`.
+Switches go at the layout's ``region_starts`` (after) and ``region_ends`` (before); a model whose
+every dropout probability (:func:`dropout_probabilities`) is 0 switches nothing (each switch is
+a graph break under ``torch.compile``), re-read at each training-mode call. Details:
+docs/random-state.md, "tpify/hooks/dropout.py".
 """
 
 from __future__ import annotations

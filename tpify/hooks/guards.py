@@ -35,29 +35,16 @@ class BatchCheck(comm.SharesProcessGroups):
     """Forward pre-hook of a parallelized model: every rank of the TP group got the same inputs,
     and the data checks of the model's previous call passed; no host sync in a steady state.
 
-    The ranks of a TP group hold one replica of the model and must see one batch. A rank given
-    other token ids (data sampled with a per-rank seed, as DP code often does) would sum the
-    embeddings of different tokens and train on the mix without an error; one given another
-    sequence length would break the next collective (gloo aborts inside the all-reduce, NCCL can
-    hang or return garbage). Before any collective of the call, this hook all-reduces (max), over
-    the TP group's ranks on the host (:func:`host_group`), four int64 values: a code of this call's
-    names, shapes and dtypes (:func:`tpify.comm.layout_code`, host values) and the checksum of the
-    previous call's values (:func:`tpify.comm.checksum` of every tensor argument, computed on the
-    device in that call and copied to the host without blocking, :class:`~tpify.comm.DeferredChecks`),
-    each with its negation: all equal exactly when ``max == -max(-x)``. So every rank raises the
-    same ``ValueError``: at once for other names, shapes or dtypes (before the collective they would
-    break), at the next call for other values (that call's data went into one step: a mix of the
-    ranks' batches, no crash, no collective of another size). The data checks other hooks record
-    in the call (ids and targets in range, :class:`~tpify.comm.DeferredChecks`) are raised here
-    too, at the next call, after the inputs. Under ``torch.compile`` the hook is skipped (the
-    vocab-parallel embedding and loss still check ids and targets, ``torch._assert_async``).
+    Before any collective of the call, one all-reduce (max) over the TP group on the host
+    (:func:`host_group`) of four int64 values: a code of this call's names, shapes and dtypes
+    (:func:`tpify.comm.layout_code`) and the previous call's device checksum
+    (:func:`tpify.comm.checksum`, copied without blocking), each with its negation. Skipped under
+    ``torch.compile``; at ``tp_size == 1`` no collective. Why and what it catches: docs/errors.md,
+    "BatchCheck".
 
-    At ``tp_size == 1`` it only raises the previous call's recorded checks (the loss's targets
-    in range): no collective. Installed with ``prepend=True`` by :func:`install` (kept by
-    :func:`tpify.remove_hooks`), with a forward hook that ends the call (also when it raises):
-    the checked inputs forgotten, the call's checks copied to the host.
-    Cost per forward (``generate``: per token): one all-reduce of 4 values on the host, one pass
-    over the inputs on the device.
+    Raises:
+        ValueError: on every rank alike: at once for other names, shapes or dtypes; at the next call
+            for other values, or for the data checks recorded in the previous call.
     """
 
     def __init__(self, model_name: str, tp_group, state: CallState | None = None):

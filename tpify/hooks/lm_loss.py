@@ -1,24 +1,12 @@
 """The parallel LM-head loss: ``model(..., labels=labels).loss`` from the vocabulary shards.
 
-A parallelized causal or masked LM computes its ``labels=`` loss with
-:func:`tpify.loss.vocab_parallel_cross_entropy`, with Hugging Face's label semantics, without
-replacing any HF ``forward``: a forward pre-hook on the model takes ``labels`` out of the call (so
-HF computes no loss) and records in the model's :class:`~tpify.context.CallState` that the logits
-stay split; a forward pre-hook on the LM head (:class:`KeepLogitsSharded`, shared by every copy of
-the head) passes that to it as ``runtime_gather_output=False``; a forward hook on the model
-computes the loss from the shards. Megatron-LM, arXiv:1909.08053, section 3 ("output embedding").
-
-With ``parallelize(..., lm_loss_chunk=c)`` the head does not run at all in such a call: its
-pre-hook (:class:`HeadInputForLoss`) passes it ``return_input=True`` and keeps its input, and the
-model's hook computes the loss from that input and the head's weight shard, ``c`` tokens at a
-time (:func:`tpify.loss.vocab_parallel_linear_cross_entropy`), never holding the ``(B, T, V/p)``
-logits.
-
-What the model does to its head's output before its loss must be declared (the recipe's
-``[loss] logits``: Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's
-``logits_scaling``): the loss from the shards sees the logits HF's loss would see, the chunked
-loss applies the declared ops itself, and a model whose logits are not its head's output, by
-what the recipe does not declare, is refused (:class:`~tpify.info.TPUsageError`, on every rank).
+Hooks, no HF ``forward`` replaced: the model's pre-hook takes ``labels`` out of the call and
+keeps the logits split (:class:`KeepLogitsSharded` on the head: ``runtime_gather_output=False``),
+its hook computes :func:`tpify.loss.vocab_parallel_cross_entropy` from the shards with HF's label
+semantics (Megatron-LM, arXiv:1909.08053, section 3). With ``lm_loss_chunk`` the head does not
+run (:class:`HeadInputForLoss`) and the loss is computed ``c`` tokens at a time. The recipe's
+``[loss] logits`` ops are applied as the model would; undeclared ones are refused
+(:class:`~tpify.info.TPUsageError`, every rank). More: docs/loss.md.
 """
 
 from __future__ import annotations
@@ -266,7 +254,7 @@ class ParallelLMLoss:
             hidden, weight, self._target(pending, hidden.device), bias=head.bias, ignore_index=pending["ignore_index"],
             label_smoothing=0.0, reduction=reduction, tp_group=head.tp_group, vocab_size=head.out_features,
             chunk_size=None if self.chunk == "auto" else self.chunk, softcap=None, logit_ops=ops,
-            defer=self.state.checks)
+            defer=self.state.checks, grad_reduce_dtype=head.ctx.grad_reduce_dtype)
 
     def _over_context_parallel(self, total: torch.Tensor, pending: dict, device, num_items) -> torch.Tensor:
         """The dense model's loss from this rank's sum over its tokens under context parallelism:
@@ -313,51 +301,22 @@ def install(model: nn.Module, layout, ctx) -> list:
     """Make ``model(..., labels=labels).loss`` use :func:`~tpify.loss.vocab_parallel_cross_entropy`
     (or, with ``layout.lm_loss_chunk``, :func:`~tpify.loss.vocab_parallel_linear_cross_entropy`).
 
-    Installed by :func:`tpify.parallelize` when the layout has an LM head (``layout.lm_head``, a
-    ``colwise_rep`` ``ColumnParallelLinear``) and ``model`` is the top-level HF model. The layout's
-    ``loss_kind`` (from the recipe's ``[loss]`` table, or HF's ``loss_type``) says what the loss is.
-    With ``labels`` the call runs with the head's output kept sharded, HF computes no loss, and
-    the loss is computed from the shards with HF's semantics: ``"causal"`` shifts the labels by
-    one (``shift_labels`` honoured), ``"masked"`` does not, ``"seq2seq"`` (T5) does not either and
-    builds the decoder inputs from the labels as the model would
-    (``prepare_decoder_input_ids_from_labels``) when the call gives none; ``-100`` (or ``ignore_index``) is
-    ignored; the mean is over the non-ignored tokens, or the sum divided by
-    ``num_items_in_batch`` when the model's own loss honours it (``layout.honours_num_items``).
-    The recipe's ``[loss] terms`` are added as HF adds them (a mixture of experts'
-    ``router_aux_loss_coef * aux_loss``); an output that holds another loss term raises.
-    ``output.logits`` is then this rank's shard ``(B, T, V_padded/tp_size)`` (columns
-    ``[r*V_padded/p, (r+1)*V_padded/p)``, padded columns hold 0), as the model post-processed it
-    (the recipe's ``[loss] logits``: Gemma 2's softcapping is applied by the model to the shard,
-    and the loss sees it). Without ``labels`` nothing changes: logits are gathered (``generate``
-    works).
+    Installed by :func:`tpify.parallelize` when the layout has an LM head. With ``labels`` the loss
+    is computed from the head's shards with HF's semantics for ``layout.loss_kind`` (``causal``,
+    ``masked``, ``seq2seq``); ``output.logits`` is this rank's shard ``(B, T, V_padded/tp_size)``
+    (None when chunked); without ``labels`` nothing changes. Details (terms, ``num_items_in_batch``,
+    post-processing, context parallelism): docs/loss.md, "tpify.hooks.lm_loss.install".
 
-    With ``layout.lm_loss_chunk = c``: with ``labels`` the head returns its input
-    (:class:`HeadInputForLoss`), the loss is computed from it and the head's weight and bias
-    shards ``c`` tokens at a time with the declared logit ops, and ``output.logits`` is None
-    (``(loss, None, ...)`` for a tuple output): no ``(B, T, V/p)`` logits exist.
+    Communication: with labels, the loss's 2 all-reduces (``B*T`` and ``2*B*T`` values) instead of
+    the all-gather of ``B*T*V/p`` logits; chunked, 2 per chunk; under CP one more of 2 values.
 
-    Communication: with labels, the loss's 2 all-reduces (``B*T`` and ``2*B*T`` values) replace the
-    all-gather of ``B*T*V/p`` logits per rank; chunked, 2 per chunk of the same values in all, and
-    in backward the all-reduce of the head input's gradient that the head would issue.
-
-    Refused (:class:`~tpify.info.TPUsageError`, raised alike on every rank before the loss's
-    collectives): logits that are not the head's output by what the recipe does not declare
-    (compared by identity, and chunked the declared ops by value on the head's input); with
-    ``lm_loss_chunk`` an adapter (LoRA) on the head.
-
-    Head classes whose loss kind is None (``GPT2DoubleHeadsModel``, ``BertForPreTraining``: a
-    loss that is not a plain LM loss) keep HF's own loss, computed from the gathered logits:
-    correct, but not vocab-parallel (one all-gather of ``B*T*V/p`` logits per rank).
-
-    Under context parallelism (``cp_group``: each rank holds ``T/cp`` tokens and their shifted
-    targets, :func:`tpify.context_parallel.split_batch`) the loss is the dense one on every rank:
-    each rank's sum over its tokens and its count of targets are added over the CP group (one
-    all-reduce of 2 values, identity backward), then divided (or the sum divided by
-    ``num_items_in_batch``, the count over the whole sequences).
+    Raises:
+        TPUsageError: (at call time, alike on every rank, before the loss's collectives) logits that
+            are not the head's output by what the recipe declares; with ``lm_loss_chunk`` an adapter
+            on the head; an output that holds another loss term.
 
     Returns:
-        the hook handles (the model's pre-hook and hook, the head's pre-hooks and the forward hook
-        watching its output), or ``[]`` when the layout has no LM head.
+        the hook handles, or ``[]`` when the layout has no LM head.
     """
     if layout.lm_head is None:
         return []

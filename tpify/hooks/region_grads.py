@@ -22,31 +22,15 @@ __all__ = ["ReplicatedInRegion", "WatchedParams", "install"]
 class ReplicatedInRegion:
     """Gradient sums for replicated parameters used inside a sharded region, found by construction.
 
-    Between a column-parallel layer's output and the next row-parallel layer's input each rank
-    holds only its heads (or its slice of the MLP). A replicated module that runs there (phi's
-    ``q_layernorm``/``k_layernorm`` with ``qk_layernorm=True``, normalising each head) sees only
-    the local heads, so each rank's gradient of its parameters is a partial sum; the true
-    gradient is their sum over the TP group (Megatron all-reduces such gradients, as it does the
-    LayerNorm weights of sequence parallelism). This forward pre-hook, on every module that holds
-    parameters and is not a parallel layer, asks the model's dropout-stream tracker whether the
-    call is inside a region (the region hooks keep ``tracker.in_region``, in train and eval
-    mode), or whether the tokens are split (sequence parallelism: a LayerNorm there sees ``T/p``
-    tokens, so its gradient is a partial sum as well; not the router of a mixture-of-experts block
-    whose tokens were gathered, :attr:`CallState.moe_gathered`, which sees every token); the
-    first time it is, each of the module's trainable parameters is watched by the model's
-    :class:`~tpify.grad_sums.SummedGrads`, which sums the gradients of all of them over the TP
-    group in one all-reduce at the end of each backward pass. ``found`` lists those modules' FQNs.
+    A forward pre-hook on every module that holds parameters and is not a parallel layer: the
+    first time it runs inside a sharded region (phi's per-head ``q_layernorm``) or on split tokens
+    (sequence parallelism; not a router of a gathered MoE block), its trainable parameters are
+    watched by the model's :class:`~tpify.grad_sums.SummedGrads` (their gradients are partial sums
+    per rank). ``found`` lists those modules' FQNs. Why, and FSDP2 / frozen parameters:
+    docs/mechanics.md, "ReplicatedInRegion".
 
-    Parameters are watched per parameter object, not per module: a wrapper that replaces a
-    module's parameters after a forward (FSDP2's ``fully_shard``, whose unsharded parameters the
-    forward sees) gets its new parameters watched at their first call; a parameter frozen (LoRA's
-    base model) is not watched and costs nothing. The sum is complete before DDP's reducer or
-    FSDP2 read a gradient (:mod:`tpify.grad_sums`: per parameter, before accumulation, there).
-
-    Communication: backward, one all-reduce (sum) of all such parameters' gradients per backward
-    pass (per bucket of :data:`tpify.grad_sums.BUCKET_BYTES`), with the other replicated
-    parameters the model sums (sequence parallelism's row-parallel biases); none for a model
-    without them.
+    Communication: backward, one all-reduce (sum) of all such gradients per backward pass (per
+    bucket of :data:`tpify.grad_sums.BUCKET_BYTES`); none for a model without them.
     """
 
     def __init__(self, tracker, summed: SummedGrads, state: CallState):

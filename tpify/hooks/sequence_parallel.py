@@ -51,43 +51,14 @@ def _replace(args: tuple, kwargs: dict, where, value):
 class SequenceParallel:
     """Sequence parallelism (Korthikanti et al., arXiv:2205.05198, section 4.2.2) by hooks.
 
-    Outside attention and MLP, every transformer layer's work (LayerNorms, dropout, residual
-    adds) is the same on every rank of the TP group: sequence parallelism splits it along the
-    tokens. With the recipe's ``[sequence_parallel]`` table:
-
-    * ``split``: a forward pre-hook splits the first layer's hidden states ``(B, T, H)`` into
-      this rank's tokens ``(B, T/p, H)`` (:func:`tpify.comm.scatter_to_sequence_region`); the
-      residual stream stays split from there on.
-    * ``gather``: a forward pre-hook on each attention and MLP module all-gathers its input
-      along ``T`` (Megatron's ``g``); its backward reduce-scatters the partial input gradients,
-      replacing the column-parallel layers' all-reduce (they issue none while it is active).
-      The gather is a region entry of the layers' :class:`~tpify.layers.ColumnParallelInput`:
-      the layers reading the gathered tensor add up their input gradients, and the last of them
-      starts the one reduce-scatter asynchronously and computes its weight gradient while it
-      runs (Megatron's overlap under sequence parallelism); under ``torch.compile`` the plain
-      :func:`tpify.comm.gather_from_sequence_region`.
-      Each row-parallel layer reduce-scatters its output along ``T`` instead of all-reducing
-      it (same bytes as the all-reduce it replaces: an all-reduce is a reduce-scatter plus an
-      all-gather) and sums its bias gradient: the layer is built with ``sequence_parallel=True``
-      (a fact of the layout) and :class:`ScatterOutput` passes it ``scatter_output`` per call.
-    * ``exit``: a forward hook all-gathers the output of the last module of the split stretch
-      (the final norm), so the heads and ``last_hidden_state`` see every token.
-    * a gathered **mixture-of-experts block** (one holding fused experts, the layout's
-      ``moe_blocks``; :class:`MoEBlock`): the router runs on every gathered token, so the
-      routing and the load-balancing loss are the dense ones, and the experts on them; the
-      block's output is reduce-scattered along ``T`` (tensor-parallel experts: a partial sum) or
-      split (expert parallelism: complete on every rank).
-
-    LayerNorm weights in the split stretch see ``T/p`` tokens: their gradients are summed over
-    the group (:class:`tpify.hooks.region_grads.ReplicatedInRegion`). Dropout there draws from the per-rank stream (each
-    rank holds other tokens). Activation memory of the split stretch is ``1/p`` per rank.
-
-    Whether the tokens are split is decided per forward at ``split`` (``T`` divisible by
-    ``tp_size``) and kept in the model's :class:`~tpify.context.CallState`, which activation
-    recomputation restores (so gradient checkpointing recomputes the split stretch as it ran). Otherwise
-    (``generate`` decoding one token at a time) the forward runs without sequence parallelism,
-    exactly as tensor parallelism alone, which is allowed only without gradients: a backward
-    through such a forward would meet the LayerNorm gradient all-reduce meant for split tokens.
+    With the recipe's ``[sequence_parallel]`` table: ``split`` scatters the first layer's hidden
+    states ``(B, T, H)`` to ``(B, T/p, H)``; ``gather`` all-gathers each attention / MLP input along
+    ``T`` (backward: one reduce-scatter, overlapped with the weight gradient); row-parallel layers
+    reduce-scatter their output along ``T`` (:class:`ScatterOutput`); ``exit`` all-gathers the last
+    module's output; a gathered mixture-of-experts block is :class:`MoEBlock`. Decided per forward
+    at ``split`` (``T`` divisible by ``tp_size``), kept in :class:`~tpify.context.CallState`.
+    Collectives per layer, LayerNorm gradients, dropout, memory: docs/sequence-parallelism.md,
+    "SequenceParallel".
 
     Raises:
         ValueError: (forward) ``T`` not divisible by ``tp_size`` while gradients are enabled.
@@ -165,38 +136,23 @@ class SequenceParallel:
 
 
 class MoEBlock:
-    """Sequence parallelism around one mixture-of-experts block (Mixtral's ``MixtralSparseMoeBlock``:
-    a router, then fused experts on the tokens it routes), its hooks installed by
-    :class:`SequenceParallel` on the blocks the layout lists in ``moe_blocks``.
+    """Sequence parallelism around one mixture-of-experts block (Mixtral's ``MixtralSparseMoeBlock``),
+    its hooks installed by :class:`SequenceParallel` on the layout's ``moe_blocks``.
 
-    The router's load-balancing loss is a product of means over all tokens (Fedus et al.,
-    arXiv:2101.03961, eq. 4), so a router on ``T/p`` tokens would give another loss; the router
-    therefore runs on the gathered tokens, on every rank alike:
-
-    * a forward pre-hook on the block all-gathers its input ``(B, T/p, H) -> (B, T, H)`` and
-      sets :attr:`~tpify.context.CallState.moe_gathered`; the router's weight gradient is then
-      complete on every rank, so :mod:`tpify.hooks.region_grads` leaves it alone;
-    * tensor-parallel experts: the gather's backward reduce-scatters the input gradients (the
-      experts' are partial sums per rank); the router's input gradient, the same whole tensor on
-      every rank, is kept only for this rank's tokens (a pre-hook on each router,
-      :class:`_OwnTokensGradient`), so that the reduce-scatter counts it once; the experts leave
-      their output a partial sum (:class:`tpify.styles.experts_hooks.TensorParallelExperts`) and a
-      forward hook on the block reduce-scatters it along ``T`` (Megatron's sequence-parallel MLP,
-      Korthikanti et al., arXiv:2205.05198, section 4.2.2);
-    * expert parallelism: every gradient reaching the gathered input is complete on every rank
-      (the exchange returns each token's gradient to its sender and all-gathers the rows), so the
-      gather's backward is a split, and the block's output (complete on every rank) is split.
+    The router runs on the gathered tokens, alike on every rank (its load-balancing loss is a
+    product of means over all tokens, arXiv:2101.03961, eq. 4). The gradients of each case:
+    docs/sequence-parallelism.md, "MoEBlock".
 
     Shapes: block input ``(B, T/p, H)``, output ``(B, T/p, H)``; router and experts see
     ``(B*T, H)``. Communication per block and step: tensor-parallel experts, forward one
     all-gather and one reduce-scatter of ``B*T*H`` values, backward one all-gather, one
-    reduce-scatter and the experts' all-reduce of the routing weights' gradient (``B*T*k``);
-    expert parallelism, forward one all-gather (besides its exchange), backward one all-gather.
+    reduce-scatter and the all-reduce of the routing weights' gradient (``B*T*k``); expert
+    parallelism, forward one all-gather (besides its exchange), backward one all-gather.
 
     Raises:
-        ValueError: (forward) the block draws router jitter noise in training (Mixtral's
-            ``router_jitter_noise``): each rank would draw other noise for the same tokens;
-            a router called with other than the block's ``B*T`` tokens.
+        ValueError: (forward) the block draws router jitter noise in training (each rank would draw
+            other noise for the same tokens); a router called with other than the block's ``B*T``
+            tokens.
     """
 
     def __init__(self, ctx: TPContext, expert_parallel: bool):

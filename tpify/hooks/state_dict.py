@@ -1,43 +1,12 @@
 """The state dict of a parallelized model says what it holds; ``load_state_dict`` takes only what fits.
 
-``model.state_dict()`` is torch's: this rank's shards under the dense names. Saved on one rank and
-loaded on every rank (``if rank == 0: torch.save(model.state_dict(), f)`` then
-``model.load_state_dict(torch.load(f))``), every shape matches and torch would copy rank 0's
-shards into rank 1 without a word: a model that exists nowhere. Two hooks on the parallelized
-model, torch's own extension points, make that an error and make a dense state dict load:
-
-* :class:`TagShards`, a ``state_dict`` post-hook: the state dict's metadata (``_metadata``, which
-  ``torch.save`` pickles with the dict and ``load_state_dict`` hands each module as its
-  ``local_metadata``) gets, under the model's own prefix, a ``"tpify"`` entry: the tp size, the tp
-  rank, the global rank, the layout's digest and each sharded tensor's
-  :class:`~tpify.sharding.ShardSpec` (ints, tuples and strings only: ``torch.load`` with
-  ``weights_only=True``, its default, reads it back).
-* :class:`CheckShards`, a ``load_state_dict`` pre-hook of the same model, which sees the whole
-  state dict before any module copies anything. Each tensor of a sharded parameter is one of:
-
-  - **this rank's own shard**: tagged with this tp rank and an equal ShardSpec (the DP replicas of
-    one tp rank hold the same shards, so rank 2's file loads into rank 0 at dp 2 x tp 2): loaded
-    as it is;
-  - **dense**: of the dense model's shape (a Hugging Face state dict, :func:`tpify.dense_state_dict`,
-    a tp-1 state dict), untagged or tagged as whole: replaced by this rank's slice
-    (:meth:`ShardSpec.slice_dense`: packed parts per part, padding rows zero), exactly what
-    :func:`tpify.from_pretrained` reads;
-  - **refused**: another rank's or another layout's shard (tagged); a tensor of this rank's local
-    shape without a tag at tp > 1 (a dict comprehension, ``safetensors`` or any copy without
-    ``_metadata`` drops it: which rank wrote it cannot be told); a tensor of neither shape.
-
-  Every rank then learns every rank's outcome (:func:`tpify.agree.agree` over the model's ranks:
-  the TP group, with the DP group when the two cover the world), so a refusal on one rank raises
-  on every rank at the same point, before anything is copied, and no rank goes on into a
-  collective alone. Replicated tensors (LayerNorms, biases of row-parallel layers) are the same
-  on every rank and load from any rank's state dict. ``strict=False`` loads the tensors present
-  (the checks see only those); ``assign=True`` puts the state dict's tensors (or the slices) in
-  place of the parameters, and :class:`CheckShards` then gives each new parameter its ShardSpec
-  and keeps tied parameters one object (torch alone would drop both).
-
-Loading into a sub-module of the model (``model.transformer.h[0].load_state_dict(...)``) goes
-through neither hook; the model's own ``load_state_dict`` and every wrapper's (PEFT, DDP,
-``torch.compile``) do.
+:class:`TagShards` (a ``state_dict`` post-hook) tags the state dict's ``_metadata`` with the tp
+size and rank, the layout's digest and each sharded tensor's :class:`~tpify.sharding.ShardSpec`.
+:class:`CheckShards` (a ``load_state_dict`` pre-hook) loads this rank's own shards as they are,
+slices dense tensors (:meth:`ShardSpec.slice_dense`), and refuses another rank's or layout's
+shard or an untagged local-shape tensor at tp > 1, agreed over the model's ranks
+(:func:`tpify.agree.agree`) before anything is copied. The cases, ``strict=False`` and
+``assign=True``: docs/loading-and-saving.md, "tpify/hooks/state_dict.py".
 """
 
 from __future__ import annotations

@@ -35,6 +35,22 @@ Megatron's layers):
   local, split like ``B``. On a row base the norm runs over the split input: one all-reduce of
   the ``out`` squared partial norms per adapter and forward (no backward), ``m`` replicated.
 
+**Dtypes of the collectives.** Each piece is summed in the dtype of the matmul that made it: the
+base's partial output and ``dX`` in the base's (``bfloat16`` for a bf16 model, and under bf16
+autocast), ``h = A x`` and ``dh`` in the adapter's (PEFT keeps adapters in ``float32`` for a
+half-precision model without autocast, ``autocast_adapter_dtype=True``; under autocast the adapter's
+matmul, and so ``h``, is ``bfloat16`` too). Pieces of one dtype share the collective; a ``bfloat16``
+base with ``float32`` adapters outside autocast issues two (the base's ``B*T*out`` values in
+``bfloat16``, the adapters' ``B*T*r`` in ``float32``) instead of one ``float32`` collective of both, as
+PEFT's ``LoraParallelLinear`` does on Megatron's layers (its ``lora_A`` is a layer with its own
+all-reduce). The adapters' outputs are added after the base's sum, in the base's dtype.
+``parallelize(grad_reduce_dtype=...)`` floors the backward reductions' dtype as for the base layers.
+
+**No asynchronous overlap.** The column-parallel layers overlap their input-gradient all-reduce with
+their weight-gradient matmul; a LoRA base is frozen and has none, and the adapters' own weight
+gradients (``B*T*r*out/p`` multiply-adds) are too small to hide it, so the adapted layer's
+all-reduce stays synchronous, its ``dh`` needed at once for ``A``'s gradient.
+
 Adapters are initialised dense, exactly as PEFT initialises them on the dense model from the
 same random state, then sliced, so a run is comparable with dense PEFT step by step (DoRA's
 magnitude is then the dense norm: on a row base one all-reduce per adapted layer when the
@@ -57,7 +73,7 @@ from torch import nn
 
 from .. import comm
 from ..context import mode_arguments, output_watches
-from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul
+from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul, matmul_dtype
 from ..quantized import refuse_if_quantized
 from ..random import DEFAULT, TP
 from ..sharding import KeepsShardSpecs, ShardSpec, is_dtensor, lora_factor_spec, shard_spec_of
@@ -108,6 +124,22 @@ def _assign(param: nn.Parameter, value: torch.Tensor) -> None:
         param.data = value.to(param.dtype)
 
 
+def _collect_by_dtype(base: RowParallelLinear, pieces: list[torch.Tensor], scatter: bool) -> list[torch.Tensor]:
+    """``pieces`` ``(B, T, n_i)`` summed over the group by the base layer's collective
+    (:meth:`RowParallelLinear.collect`), concatenated along the last dimension: one collective per
+    distinct dtype, in the order the dtypes first appear (the same on every rank), each piece in its
+    own dtype."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(pieces):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(pieces)
+    for members in by_dtype.values():
+        summed = base.collect(torch.cat([pieces[i] for i in members], dim=-1), scatter)
+        for i, part in zip(members, summed.split([pieces[i].shape[-1] for i in members], dim=-1)):
+            out[i] = part
+    return out
+
+
 class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
     """A LoRA (or DoRA) adapter on a :class:`ColumnParallelLinear` or :class:`RowParallelLinear`
     (module doc).
@@ -124,8 +156,8 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
     to the same collective (``B*T*in`` values wider on a column base, ``B*T*out`` on a row base);
     DoRA on a row base adds one all-reduce of ``out`` values (the weight norm) per adapter and
     forward, and per merge.
-    Dtype: the adapter's (PEFT keeps adapters in float32 for half-precision models); the
-    collective runs in the wider of the two dtypes.
+    Dtype: the adapter's (PEFT keeps adapters in float32 for half-precision models); each piece of
+    a collective is summed in its matmul's dtype, one collective per dtype (module doc).
     Dropout: on the replicated input of a column base from the default stream (same mask on
     every TP rank); on the sharded input of a row base from the TP stream (tpify.random).
 
@@ -371,8 +403,13 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
             if a in self.lora_variant and self._dropout_is_active(a):
                 dropped[a] = xd
         # one all-reduce of dX and dh backward (the layer keeps its own, not the entry it would share
-        # with the other layers reading x: dh needs an all-reduce anyway, and dX rides on it)
-        x, *entered = comm.copy_many_to_tp_region([x, *dropped.values(), *hs], base.tp_group)
+        # with the other layers reading x: dh needs an all-reduce anyway, and dX rides on it), each
+        # summed in its matmul's dtype: dX in the base's (bf16 under autocast), dh in the adapter's
+        # (PEFT's fp32 adapters on a bf16 base: two all-reduces, one per dtype)
+        floor = base.ctx.grad_reduce_dtype
+        dtypes = [comm.grad_reduce_dtype(matmul_dtype(t), floor) for t in (x, *dropped.values())]
+        dtypes += [comm.grad_reduce_dtype(h.dtype, floor) for h in hs]
+        x, *entered = comm.copy_many_to_tp_region([x, *dropped.values(), *hs], base.tp_group, dtypes)
         recomputed = {a: _base_matmul(base, xd, None) for a, xd in zip(dropped, entered)}
         hs = entered[len(dropped):]
         y = _base_matmul(base, x, base.bias)  # (B, T, out/p)
@@ -410,12 +447,10 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
             if a in self.lora_variant and self._dropout_is_active(a):
                 dropped[a] = _base_matmul(base, xd, None)  # (B, T, out), partial sum
         pieces = [partial, *dropped.values(), *hs]
-        wide = partial.dtype
-        for t in pieces[1:]:
-            wide = torch.promote_types(wide, t.dtype)
-        # the base layer's one collective, wider: all-reduce, or reduce-scatter along T (sequence parallelism)
-        summed = base.collect(torch.cat([t.to(wide) for t in pieces], dim=-1), scatter)
-        y, *rest = summed.split([t.shape[-1] for t in pieces], dim=-1)
+        # the base layer's one collective, wider: all-reduce, or reduce-scatter along T (sequence
+        # parallelism); one per dtype, each piece summed in its own (the base's partial output in the
+        # base's, PEFT's fp32 adapters' h in fp32: two collectives then, one when the dtypes agree)
+        y, *rest = _collect_by_dtype(base, pieces, scatter)
         recomputed = {a: t.to(partial.dtype) for a, t in zip(dropped, rest)}
         hs = rest[len(dropped):]
         y = base.add_bias(y.to(partial.dtype), scatter)

@@ -1,31 +1,13 @@
 """PEFT models on a tpify model: adapters added, trained, loaded and saved as PEFT's own.
 
-The adapter layer is :class:`~tpify.integrations.lora.LoraTPLinear` (LoRA and DoRA on
-``ColumnParallelLinear`` / ``RowParallelLinear``, the maths in :mod:`tpify.integrations.lora`).
-This module connects it to PEFT through PEFT's own extension points, without patching PEFT:
-
-* **which layer**: ``LoraConfig._register_custom_module`` maps the parallel layers to
-  ``LoraTPLinear`` for every config tpify hands PEFT (:func:`get_peft_model`,
-  :func:`load_peft_adapter`, and the returned model's ``add_adapter``, through which PEFT's own
-  ``load_adapter`` adds a second adapter); other targets (replicated ``nn.Linear`` heads) get
-  PEFT's own layers;
-* **which modules**: ``target_modules="all-linear"`` is resolved to module names before PEFT
-  sees it, by PEFT's rule (``tuners_utils._maybe_include_all_linear_layers``: every linear layer
-  but the output embedding, or a classifier head for sequence classification) with the parallel
-  layers counted as linear, so the same names are adapted as on the dense model; names and
-  regular expressions need nothing (the parallel model keeps the dense model's module names);
-* **dense adapter files**: a ``load_state_dict`` pre-hook on the tpify model (torch's extension
-  point, which PEFT's ``set_peft_model_state_dict`` goes through) replaces each dense adapter
-  tensor by this rank's slice (its :class:`~tpify.sharding.ShardSpec`), so PEFT's ``load_adapter``
-  and ``from_pretrained`` read standard adapter directories; :func:`save_adapter` gathers each
-  sharded tensor back to its dense shape and writes with PEFT's ``save_pretrained``;
-* **modules_to_save**: PEFT deep-copies the module, and a copy of a parallel layer stays parallel
-  (its ShardSpecs kept, :class:`~tpify.sharding.KeepsShardSpecs`; its per-call modes shared,
-  :class:`~tpify.context.ModeArgument`); it is saved gathered and unpadded and loaded sliced.
-
-Plain ``peft.PeftModel.from_pretrained(tp_model, dir)`` cannot choose tpify's layer (the config
-it reads from ``dir`` names none) and fails with PEFT's "Target module ColumnParallelLinear(...)
-is not supported": :func:`load_peft_adapter` is that call for a tpify model.
+The adapter layer is :class:`~tpify.integrations.lora.LoraTPLinear`; this module connects it
+through PEFT's extension points, without patching PEFT: the layer mapping
+(``LoraConfig._register_custom_module``), ``target_modules="all-linear"`` resolved with the
+parallel layers counted as linear, dense adapter files sliced on load (a ``load_state_dict``
+pre-hook) and gathered on save (:func:`save_adapter`), ``modules_to_save`` copies that stay
+parallel. Plain ``peft.PeftModel.from_pretrained(tp_model, dir)`` fails with PEFT's "Target
+module ColumnParallelLinear(...) is not supported": use :func:`load_peft_adapter`. Each seam:
+docs/training.md, "tpify/integrations/peft.py".
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """What a training checkpoint was written for, and the refusal of a resume into another model.
 
-Every tpify training checkpoint (:class:`~tpify.integrations.TPTrainer`,
-:class:`~tpify.integrations.TPAccelerator`, ``tpify finetune``) holds its optimizer state (and,
-for TPAccelerator and ``tpify finetune``, the model) as a torch.distributed.checkpoint
-(:mod:`tpify.checkpoint`): each tensor described by the dense tensor it is a piece of, so it
-resumes at any ``tp_size``, ``dp_size``, FSDP2 sharding and ``pad_vocab_multiple``. What must
-still match is the model and the optimizer: another architecture, other shapes or adapters, or
-other param groups would load state onto the wrong parameters. A manifest,
-``tpify_layout.json`` next to the state, records them, and every resume compares it with its
-own before it reads anything.
-
-The manifest (:func:`training_layout`, JSON):
-
-* ``format`` 2 (format 1, written by tpify before DCP checkpoints, held per-rank optimizer files
-  that resume only at their own layout: refused, with the fix);
-* the layout it was written at, for a reader and for the generators (restored exactly at the
-  same layout only, :mod:`tpify.checkpoint`): ``tp_size``, ``dp_size``, ``dp_shard`` (FSDP2's shard
-  count, 1 without), ``pad_vocab_multiple``;
-* the model class and the PEFT adapters present (names);
-* every optimized parameter: its name and dense shape (the vocabulary unpadded);
-* each optimizer's class and param groups (the parameter names of each, in order).
-
-:func:`check_resume` reads the saved manifest and compares what must match; the outcome goes
-through :func:`tpify.agree.agree`, so a mismatch or a missing file on one rank raises on every
-rank (there, an :class:`~tpify.agree.AgreementError` naming it) before any collective or any
-read of the state. The message lists what differs, with the numbers, and the fix.
+Every tpify training checkpoint holds its optimizer state as a torch.distributed.checkpoint
+(:mod:`tpify.checkpoint`): it resumes at any ``tp_size``, ``dp_size``, FSDP2 sharding and
+``pad_vocab_multiple``. The manifest ``tpify_layout.json`` (:func:`training_layout`: format 2,
+the layout, the model class and adapters, every optimized parameter's name and dense shape,
+each optimizer's class and param groups) is compared by :func:`check_resume` through
+:func:`tpify.agree.agree`, so a mismatch or a missing file raises on every rank before any read.
+The fields: docs/training.md, "tpify/integrations/resume.py".
 """
 
 from __future__ import annotations

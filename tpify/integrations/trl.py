@@ -1,58 +1,14 @@
 """TRL's trainers on a tpify model: what :class:`~tpify.integrations.trainer.TPTrainerMixin` adds
 when the trainer class derives from one of TRL's.
 
-TRL 1.x computes its losses and metrics from per-token log-probabilities that its *fused LM head*
-(``trl.trainer.utils.add_fused_lm_head``) computes by multiplying the hidden states by
-``lm_head.weight`` in chunks: on a tensor-parallel model that weight is this rank's vocabulary
-shard ``(V_padded/p, H)``, so the log-probs, the loss and every metric would be silently wrong
-(measured: step-1 SFT loss 5.81 against 3.80 dense at tp = 2). The seams used here, each named in
-docs/trl.md:
-
-* **The fused head, run vocab-parallel.** While a TRL trainer's ``__init__`` runs (and only
-  then), the names ``add_fused_lm_head``, ``get_peft_model``, ``create_model_from_path`` and
-  ``set_seed`` in the TRL modules of the trainer's class are bound to this module's functions,
-  and put back when ``__init__`` returns or raises (:func:`trl_construction`). TRL calls
-  ``add_fused_lm_head(model, temperature=..., outputs=...)`` there; for a tpify model it installs
-  a :class:`VocabParallelFusedHead` instead of replacing ``model.forward``: a forward pre-hook
-  takes ``fused_lm_head=True`` out of the call (so HF's forward never sees it) and leaves
-  ``labels`` in, so tpify's own LM-loss hook keeps the logits split over the vocabulary; a
-  forward hook turns the returned shard ``(B, T, V_padded/p)`` into TRL's
-  ``FusedCausalLMOutput`` with :func:`tpify.loss.vocab_parallel_log_probs`,
-  :func:`~tpify.loss.vocab_parallel_entropy` and :func:`~tpify.loss.vocab_parallel_is_top1`
-  (``mean_logits``: one all-reduce). TRL's trainers then compute their losses (SFT's NLL and DFT,
-  DPO's sigmoid loss with a tensor-parallel reference model, GRPO's clipped objective and its
-  ``k3`` KL estimate from the reference's log-probs) and metrics (``entropy``,
-  ``mean_token_accuracy``, ``logits/*``) from exact values.
-* **peft_config=**: TRL's ``get_peft_model`` call goes to
-  :func:`tpify.integrations.peft.get_peft_model` (LoRA on the parallel layers).
-* **Seeds**: GRPO seeds every process differently (``set_seed(seed, device_specific=True)``, for
-  distinct completions per process); for a tpify model the seed is ``seed + dp_rank``, the same on
-  every rank of a TP group (so ``generate`` samples the same completions there; tpify's inputs
-  check would refuse the next forward otherwise) and distinct across DP replicas.
-* **Reference models** TRL would load from the policy's path (GRPO with ``beta > 0``, DPO without
-  ``ref_model=``) are loaded tensor-parallel with :func:`tpify.from_pretrained` on the policy's
-  groups.
-* **Metrics and the generation batch over DP only.** TRL gathers over every process, as if each
-  held its own samples; the TP ranks of a replica hold the same ones. ``gather_for_metrics``
-  (SFT's, DPO's and RewardTrainer's counts) is over the DP group
-  (:class:`~tpify.integrations.accelerate.TPAccelerator`); their plain ``gather``\ s feed means
-  only, which copies leave unchanged. GRPO gathers rewards, token counts, lengths and entropies
-  and slices its share of the gathered advantages by ``process_index``: its generation and its
-  loss run in :func:`data_parallel_metrics`, where the accelerator's ``gather``, ``reduce``,
-  ``num_processes``, ``process_index`` and the names ``gather``/``gather_object`` in TRL's GRPO
-  module are over DP, so every logged value (``num_tokens``, ``reward_std``, ``rewards/*/std``,
-  lengths, KL, entropy, clip ratios), the batch-wide reward std (``scale_rewards="batch"``,
-  ``normalize_then_sum``), the entropy quantile (``top_entropy_quantile``) and reward groups
-  spanning DP replicas are those of the dense run on ``dp`` processes.
-* **Resume**: GRPO's adaptive entropy controller, which TRL reads back in the
-  ``_load_optimizer_and_scheduler`` tpify replaces, is read from the same file
-  (:func:`after_optimizer_loaded`).
-
-Refused (:func:`check_trainer`, raised in ``__init__`` before anything is built, the same on
-every rank): TRL trainers other than those checked here (by name), vLLM generation, Liger
-kernels, GRPO's ``cast_lm_head_to_fp32`` (it replaces the LM head by a dense ``nn.Linear`` over
-the shard), DPO's ``use_weighting`` (WPO), a tpify model parallelized with ``lm_loss_chunk`` (its
-``labels=`` call returns no logits).
+TRL 1.x computes its losses from per-token log-probs of its fused LM head, which multiplies the
+hidden states by this rank's vocabulary shard ``(V_padded/p, H)``: silently wrong on a
+tensor-parallel model (step-1 SFT loss 5.81 against 3.80 dense at tp = 2). The seams, rebound
+only while a TRL trainer's ``__init__`` runs (:func:`trl_construction`): the fused head run
+vocab-parallel (:class:`VocabParallelFusedHead`), ``get_peft_model``, reference models loaded
+tensor-parallel, seeds ``seed + dp_rank``; GRPO's gathers over DP (:func:`data_parallel_metrics`);
+GRPO's entropy controller on resume (:func:`after_optimizer_loaded`). Refused by
+:func:`check_trainer`, alike on every rank. Each seam and refusal: docs/trl.md.
 """
 
 from __future__ import annotations

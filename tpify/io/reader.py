@@ -116,31 +116,12 @@ _VIEW_MIN_BYTES = 1 << 20
 class _Reader:
     """Reads this rank's slice of each checkpoint tensor from the load's opened files.
 
-    A shard that is one range of its split dimension (:func:`_single_range`: replicated
-    tensors, unpadded vocabulary rows, column-parallel ``nn.Linear`` weights split along
-    dimension 0, which are one contiguous byte range of the file, and row-parallel ``nn.Linear``
-    or column-parallel ``Conv1D`` weights split along dimension 1, a strided slice of every row),
-    of at least ``_VIEW_MIN_BYTES`` (1 MiB) and stored in the dtype asked for, is returned as a
-    zero-copy view of a private (copy-on-write) mapping of the file, as transformers 5 does for
-    a whole model: its pages are read from the page cache when first touched, nothing is copied,
-    and writes to the tensor (training) copy the written pages, never touching the file. One
-    mapping per file serves every view. Any other shard (packed ``[Q|K|V]`` parts at tp > 1,
-    padded vocabularies, a dtype conversion, ``in_place`` loads, every shard when ``views`` is
-    false) is copied by :meth:`ShardSpec.read` block by block through a :class:`_FileTensor`,
-    whose mappings are dropped after each block, so the source pages a copy touched do not stay
-    resident.
-
-    The cost of a strided view: a page holding the end of this rank's slice of one row and the
-    start of the next rank's is mapped by both ranks, so a rank's resident set counts more than
-    its shard (at tp = 2 a 4 KiB half row of a 2048-wide float32 matrix straddles two pages).
-    These are page-cache pages, shared by every rank and by the page cache itself, not extra
-    memory of the machine; the first optimizer step's writes make private copies of the written
-    pages only. ``disable_mmap=True`` copies every shard into memory of its own instead.
-
-    Like transformers' own loads, a view reads the file it was opened from: replacing or
-    deleting the file (``os.replace``, as :func:`tpify.save_pretrained` does) changes nothing, but
-    rewriting that same file in place while the model lives changes the pages not yet read or
-    written.
+    A shard that is one range of its split dimension, of at least ``_VIEW_MIN_BYTES`` (1 MiB) and
+    stored in the dtype asked for, is a zero-copy view of a private (copy-on-write) mapping of the
+    file, as transformers 5 does; any other shard (packed parts at tp > 1, padded vocabularies, a
+    dtype conversion, ``in_place`` loads, ``views`` false) is copied block by block
+    (:meth:`ShardSpec.read` through a :class:`_FileTensor`). The page-cache cost of strided views,
+    ``disable_mmap`` and rewriting a file in place: docs/loading-and-saving.md, "_Reader".
     """
 
     def __init__(self, snap: Snapshot, headers: dict[str, TensorHeader], tp_rank: int, views: bool = True):

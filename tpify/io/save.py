@@ -365,29 +365,12 @@ def _shard_names(path: Path, count: int, save_id: str) -> list[str]:
 
 
 def _swap_into_place(tmp: Path, path: Path, index: dict | None, save_id: str) -> None:
-    """Move the checkpoint written in ``tmp`` (its shards, configs; ``index``: the index to
-    write, with ``tmp``'s file names, or ``None`` for one ``model.safetensors``) into ``path``.
-
-    A new ``path`` is ``tmp`` renamed (atomic; when another save made ``path`` since, as into an
-    existing directory). Into an existing directory, under an exclusive
-    ``flock`` of it (two saves never interleave their moves), in this order:
-
-    1. the shard files, under names no file in ``path`` has (:func:`_shard_names`; ``tmp``'s
-       files renamed and the index written with those names): the checkpoint transformers
-       loads is unchanged, the new files are unused;
-    2. the switch, one atomic step: for one file, ``os.replace`` of ``model.safetensors``
-       (transformers loads it before any index); for an index, ``os.replace`` of
-       ``model.safetensors.index.json``, which is the switch unless a ``model.safetensors``
-       is there, whose ``os.unlink`` then is (the new index and its shards are complete before);
-    3. ``config.json``, then ``generation_config.json`` (each ``os.replace``): until then the new
-       weights load with the old config (the same file in a resumed training; a loud shape error
-       at worst, never a silent mix of weights);
-    4. the weight files of earlier saves the new checkpoint does not use (``_OWNED_WEIGHTS``:
-       the old index first, then files, ``pytorch_model*.bin``), all unused since the switch.
-
-    A kill before step 2 leaves the old checkpoint and unused new files; after it, the new one
-    and unused old files: the next save removes the unused ones (step 4). Every other file
-    (tokenizer, notes, logs, ``checkpoint-*`` directories) stays, as with transformers.
+    """Move the checkpoint written in ``tmp`` (``index``: the index to write, or ``None`` for one
+    ``model.safetensors``) into ``path``: a new ``path`` is ``tmp`` renamed (atomic); into an
+    existing directory, under an exclusive ``flock`` of it, the new shards under unused names, then
+    one atomic switch (``os.replace`` of the file or index), then the configs, then the earlier
+    saves' unused weight files. A kill at any point leaves one whole checkpoint loadable. The order
+    and why: docs/loading-and-saving.md, "_swap_into_place".
 
     Raises:
         OSError: a rename or unlink failed (``path`` then holds one whole checkpoint).

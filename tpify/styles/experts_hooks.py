@@ -1,37 +1,14 @@
 """The ``experts`` style's hooks: fused MoE experts split over the TP group, around their own forward.
 
-A mixture-of-experts layer (Shazeer et al., arXiv:1701.06538) computes, per token ``x`` routed to
-experts ``e`` with weights ``w_e`` (the router's top-k), ``y = sum_e w_e down_e(act(gate_e x) *
-up_e x)``. transformers 5 holds the experts of a layer in one module (``*Experts``: fused
-``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``) whose ``forward(hidden_states,
-top_k_index, top_k_weights)`` runs them (eagerly, or with a grouped GEMM: its
-``experts_implementation``). The ``experts`` style (:mod:`tpify.styles.experts`) splits its
-parameters and installs these hooks, which make the module, its forward untouched, compute the
-dense output:
+* :class:`TensorParallelExperts` (``ep_size = 1``): every rank holds every expert's intermediate
+  slice; Megatron's ``f`` on the inputs and ``g`` on the output: one all-reduce of ``(N, H)``
+  each way per layer (Megatron-LM, arXiv:1909.08053, section 3).
+* :class:`ExpertParallelDispatch` (``ep_size = tp_size``): rank ``r`` holds experts
+  ``[r E/p, (r+1) E/p)`` whole; its rows of tokens go to the experts' ranks and back by two
+  all-to-alls, then the rows are all-gathered (GShard, arXiv:2006.16668).
 
-* :class:`TensorParallelExperts` (tensor-parallel experts, ``ep_size = 1``): every rank holds every
-  expert's intermediate slice ``[r I/p, (r+1) I/p)`` (torch.chunk's ``ceil(I/p)`` columns, fewer or
-  none on the last ranks, where ``p`` does not divide ``I``; nothing here depends on the width), so
-  its output is a partial sum, as a row-parallel layer's is. Megatron's ``f`` on the inputs
-  (identity forward; the gradients of ``hidden_states`` and ``top_k_weights``, partial per rank,
-  summed in one all-reduce in backward) and ``g`` on the output (one all-reduce forward): one
-  all-reduce each way per layer, the cost of a dense MLP (Megatron-LM, arXiv:1909.08053, section 3).
-* :class:`ExpertParallelDispatch` (expert parallelism, ``ep_size = tp_size``): rank ``r`` holds
-  experts ``[r E/p, (r+1) E/p)`` whole. The ranks hold the same tokens (one TP group, one
-  batch); each takes its own rows ``[r N/p, (r+1) N/p)``, sends each (token, expert) pair to the
-  expert's rank (all-to-all), the experts run top-1 with unit weights on what they received,
-  the results come back (all-to-all), are weighted and summed per token on the sender, and the
-  rows are all-gathered (GShard, Lepikhin et al., arXiv:2006.16668; what transformers'
-  ``AllToAllEP`` does). Each (token, expert) pair is computed once, by its expert's owner, so
-  every gradient is complete where it lands: the experts' on their owner, the tokens' and the
-  routing weights' on their sender (the all-to-alls' backward is the reverse exchange), and the
-  row split's backward all-gathers the rows' gradients.
-
-The router and everything outside the experts module stay replicated: the routing (top-k
-indices and weights) and the router's load-balancing loss (``aux_loss``, added by the recipe's
-``[loss] terms``) are computed from the full, replicated hidden states exactly as in the dense
-model, and the router's gradient is complete on every rank (the routing weights' gradient is
-summed by ``f`` or returned whole by the exchange).
+The router stays replicated (routing and ``aux_loss`` as in the dense model). The maths and the
+gradients: docs/recipes.md, "tpify/styles/experts_hooks.py".
 """
 
 from __future__ import annotations
