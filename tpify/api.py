@@ -46,6 +46,8 @@ from .context_parallel import check_model as check_context_parallel
 from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_replica_groups, cp_group_of, cp_size_of,
                    cp_tp_group_of, mesh_device_type, replica_groups, resolve_groups, resolve_tp_size)
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
+from .quantized import (check_layout, load_prequantized_, plan_prequantized, quantization_spec, quantize_,
+                        refuse_if_quantized, saved_quantization)
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
 from .sharding import is_dtensor, shard_spec_of
@@ -229,6 +231,7 @@ def parallelize(
     mesh=None,
     ep_size: int = 1,
     grad_reduce_dtype: torch.dtype | None = None,
+    quantization_config=None,
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -237,7 +240,9 @@ def parallelize(
     ``VocabParallelEmbedding``; each rank keeps its shard, tied weights stay tied, HF ``forward``
     is untouched (``model(...)``, ``labels=``, ``generate()`` behave as on the dense model). The
     model must be loaded identically on every rank of the TP group. Every argument, and what
-    ``model.tp_info`` holds: docs/parallelize.md.
+    ``model.tp_info`` holds: docs/parallelize.md. ``quantization_config`` (a
+    ``transformers.BitsAndBytesConfig``, 4-bit): each rank then holds its shards 4-bit, equal to the
+    dense quantized weight's slices, every parameter frozen for QLoRA (docs/quantization.md).
 
     Shapes: ``.logits`` ``(B, T, V)`` on every rank (vocabulary padding stripped); with ``labels=``
     the loss is vocab-parallel (:mod:`tpify.loss`) and ``.logits`` this rank's shard
@@ -248,23 +253,39 @@ def parallelize(
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
         PlanError: a PEFT model; uncovered modules; indivisible head counts or features (naming the
-            module, the numbers and the tp sizes that work); ``pad_vocab_multiple`` outside 1 to 65,536.
+            module, the numbers and the tp sizes that work); ``pad_vocab_multiple`` outside 1 to 65,536;
+            a quantized layer whose split would cut a quantization block, or of a style with no
+            quantized form (:func:`tpify.quantized.check_layout`).
+        ImportError, NotImplementedError: ``quantization_config`` needs bitsandbytes, or asks for
+            what is not built (8-bit, double quantization, torchao; :func:`tpify.quantized.quantization_spec`).
         TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first).
         ValueError: inconsistent ``tp_size`` / ``tp_group`` / ``dp_group`` / ``mesh``; ``tp_size > 1``
             without torch.distributed; TP groups that do not split the world evenly; a
             ``grad_reduce_dtype`` that is not None or a floating dtype.
         AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
     """
-    error, layout, size, shared = None, None, None, {}
+    error, layout, size, shared, quant = None, None, None, {}, None
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
                                lm_loss_chunk, mesh, ep_size, grad_reduce_dtype)
+        quant = _check_quantization(model, layout, quantization_config)
         shared = fingerprint(model, layout, size, group) | {"grad_reduce_dtype": str(grad_reduce_dtype)}
+        shared |= {"quantization": repr(quant[1])} if quant else {}
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
-    return finish(model, size, layout, tp_group, dp_group, tp_groups, mesh, grad_reduce_dtype)
+    finish(model, size, layout, tp_group, dp_group, tp_groups, mesh, grad_reduce_dtype)
+    return quantize_(model, *quant) if quant is not None else model
+
+
+def _check_quantization(model: nn.Module, layout: Layout, config) -> tuple[list[str], object] | None:
+    """``(the FQNs to quantize, the QuantizationSpec)`` of ``quantization_config``, or None without one;
+    pure (:func:`tpify.quantized.check_layout`)."""
+    if config is None:
+        return None
+    qspec = quantization_spec(config)
+    return check_layout(model, layout, qspec), qspec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +308,7 @@ def from_pretrained(
     ep_size: int = 1,
     grad_reduce_dtype: torch.dtype | None = None,
     torch_dtype: torch.dtype | str | None = None,
+    quantization_config=None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slices.
 
@@ -297,8 +319,11 @@ def from_pretrained(
     model. ``dtype`` (or its deprecated name ``torch_dtype``), ``model_class`` and the key mapping
     behave as transformers 5's; ``tp_size``, ``tp_group``, ``dp_group``, ``mesh``, ``recipe``,
     ``pad_vocab_multiple``, ``sequence_parallel``, ``lm_loss_chunk``, ``ep_size``,
-    ``grad_reduce_dtype`` as in :func:`parallelize`. Every argument: docs/loading-and-saving.md.
-    Returns the parallelized model, in eval mode.
+    ``grad_reduce_dtype``, ``quantization_config`` as in :func:`parallelize` (the slices are read
+    dense, then quantized: peak memory per rank is the dense shard's). A checkpoint saved 4-bit by
+    transformers (bitsandbytes, its ``config.json`` holding the ``quantization_config``) is read as
+    stored: each rank reads only its blocks' codes and absmax. Every argument:
+    docs/loading-and-saving.md. Returns the parallelized model, in eval mode.
 
     Communication: one agreement on the local checks (the checkpoint's names, shapes and dtype),
     :func:`parallelize`'s groups, no collective while reading, one agreement after it.
@@ -306,6 +331,9 @@ def from_pretrained(
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
         ValueError: ``dtype`` and ``torch_dtype`` both given; a dtype that is not floating.
+        NotImplementedError: a pre-quantized checkpoint tpify cannot read by slices
+            (:func:`tpify.quantized.plan_prequantized`: not bitsandbytes 4-bit, double quantization,
+            Conv1D layers, other skipped modules).
         CheckpointError: no safetensors weights; a truncated or corrupt file; tensors missing or of
             another shape; an index and its files that disagree (:func:`tpify.io.files.open_checkpoint`).
         PlanError, RecipeError, ValueError: as :func:`parallelize`.
@@ -317,22 +345,31 @@ def from_pretrained(
     group, share = agreement_scope(tp_group, dp_group)
     with agreement("tpify.from_pretrained", group=group, share=share) as checked:  # every local check first
         dtype, argument = _dtype_argument(dtype, torch_dtype)
+        saved_quant = saved_quantization(path)  # a checkpoint saved 4-bit: its layers read by slices, as stored
+        if saved_quant is not None and quantization_config is not None:
+            raise ValueError(f"{path} is saved quantized already ({saved_quant}); drop quantization_config")
         load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
                              (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size,
-                              grad_reduce_dtype), group)
+                              grad_reduce_dtype), group, saved_quant)
+        quant = _check_quantization(load.model, load.layout, quantization_config)
+        if saved_quant is not None:
+            quant = None
         checked.fingerprint = load.fingerprint | {"grad_reduce_dtype": str(grad_reduce_dtype)}
+        checked.fingerprint |= {"quantization": repr(quant[1])} if quant else {}
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
         finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh,  # groups, surgery, hooks
                grad_reduce_dtype)
         with agreement("reading the checkpoint in tpify.from_pretrained", group=tp_group) as read:
             materialize(model, load.snap, load.source, load.headers, load.dtype, copy=disable_mmap)
+            if load.prequantized is not None:
+                load_prequantized_(model, load.prequantized, saved_quant, load.snap)
             init_missing(model, load.to_init, load.dtype)
             check_loaded(model)
             read.fingerprint = _replicated_fingerprint(model)
     finally:
         load.snap.close()
-    return model
+    return quantize_(model, *quant) if quant is not None else model
 
 
 def _dtype_argument(dtype, torch_dtype) -> tuple[object, str]:
@@ -366,9 +403,11 @@ class _Load:
     to_init: list[str]
     dtype: torch.dtype
     fingerprint: dict
+    prequantized: dict | None = None  # layer FQN -> its 4-bit tensors in a pre-quantized checkpoint
 
 
-def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, options, agree_group) -> _Load:
+def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, options, agree_group,
+                  saved_quant=None) -> _Load:
     """The local part of :func:`from_pretrained` (``asked``: the dtype asked for and the name of its
     argument, :func:`_dtype_argument`): config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
@@ -390,11 +429,16 @@ def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, opt
         dtype = resolve_dtype(config, stored_float_dtype(headers, weight_map), *asked)
         model = build_meta_model(config, cls, dtype)
         size, layout = prepare(model, tp_size, tp_group, recipe, *options)
+        prequantized = None
+        if saved_quant is not None:  # the quantized weights matched by their dense shapes, read apart
+            headers, prequantized = plan_prequantized(model, layout, saved_quant, snap, headers)
         source, to_init = match_checkpoint(model, headers, dense_shapes(model), path, cls.__name__, layout.renames,
                                            may_init=lambda fqns: replicated_head(model, fqns, layout))
         shared = {**fingerprint(model, layout, size, agree_group), "dtype": str(dtype),
                   "checkpoint tensors": _checkpoint_digest(headers)}
-        return _Load(model, size, layout, snap, headers, source, to_init, dtype, shared)
+        for fqn in prequantized or ():
+            source.pop(f"{fqn}.weight", None)
+        return _Load(model, size, layout, snap, headers, source, to_init, dtype, shared, prequantized)
     except BaseException:
         snap.close()
         raise
@@ -492,6 +536,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             checkpoint in (``path`` then holds one whole checkpoint).
     """
     path = Path(path)
+    refuse_if_quantized(model, "tpify.save_pretrained")  # every rank alike, before any collective
     entries = saved_tensors(model)
     with agreement("tpify.save_pretrained") as checked:  # every local check first
         if path.exists() and not path.is_dir():

@@ -25,6 +25,7 @@ from .agree import agree
 from .context_parallel import refuse as refuse_context_parallel
 from .info import TPUsageError, find_tp_model, get_tp_info, record_specs
 from .mesh import fsdp_mesh, init_mesh, mesh_device_type
+from .quantized import is_quantized
 from .sharding import is_dtensor
 
 __all__ = ["replicate_data_parallel", "shard_data_parallel", "transformer_blocks", "planned_dp_shard"]
@@ -163,7 +164,7 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
 
     Raises:
         TPUsageError: on every rank: not a tpify model; already sharded or inside a DDP; no
-            transformer block found (pass ``blocks=``).
+            transformer block found (pass ``blocks=``); a quantized base (:mod:`tpify.quantized`).
         ValueError: on every rank: ``dp_replicate`` not dividing the DP size; hand-made groups that
             are not a mesh's layout.
         AgreementError: another rank failed, or the ranks passed other arguments.
@@ -173,6 +174,10 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
         tp_model = _tp_model(model, "shard_data_parallel")
         info = get_tp_info(tp_model)
         refuse_context_parallel(info, "tpify.shard_data_parallel (FSDP2)")
+        if is_quantized(model):
+            raise TPUsageError("shard_data_parallel (FSDP2) over a quantized tensor-parallel base is not built (its "
+                               "4-bit shards are buffers FSDP2 would not shard); use DDP over the DP group "
+                               "(tpify.replicate_data_parallel) or more tensor parallelism")
         _refuse_wrapped(model, "shard_data_parallel")
         units = transformer_blocks(model, blocks)
         if not units:

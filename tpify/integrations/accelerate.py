@@ -41,6 +41,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import replicate_data_parallel, shard_data_parallel
 from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info, param_specs
+from ..quantized import refuse_full_finetuning
 from ..sharding import is_dtensor
 from ..training import clip_params_grad_norm_
 from .model import TPUsageError, save_dense, tp_model_of
@@ -268,6 +269,8 @@ class TPAccelerator(accelerate.Accelerator):
     def prepare(self, *args, device_placement=None):
         for obj in args:  # learn the layout first, whatever the argument order
             self.register_tp_model(obj)
+            if isinstance(obj, torch.nn.Module) and tp_model_of(obj) is not None:
+                refuse_full_finetuning(obj, "TPAccelerator.prepare")
         if self._plan().shard:
             self._shard(args)
         return super().prepare(*args, device_placement=device_placement)

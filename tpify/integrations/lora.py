@@ -74,6 +74,7 @@ from torch import nn
 from .. import comm
 from ..context import mode_arguments, output_watches
 from ..layers import ColumnParallelLinear, RowParallelLinear, _matmul, matmul_dtype
+from ..quantized import refuse_if_quantized
 from ..random import DEFAULT, TP
 from ..sharding import KeepsShardSpecs, ShardSpec, is_dtensor, lora_factor_spec, shard_spec_of
 
@@ -103,6 +104,13 @@ class _DoraTP(LoraVariant):
     @staticmethod
     def init(module: "LoraTPLinear", adapter_name: str, **kwargs) -> None:
         module._add_magnitude(adapter_name)
+
+
+def _base_matmul(base: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W_r^T + b`` on the base layer's shard: a quantized base's own matmul (it dequantizes again
+    in backward instead of saving the dense shard, :mod:`tpify.quantized`), else the plain one."""
+    local = getattr(base, "local_matmul", None)
+    return local(x, bias) if local is not None else _matmul(x, base.weight, bias, base.weight_layout)
 
 
 def _assign(param: nn.Parameter, value: torch.Tensor) -> None:
@@ -402,9 +410,9 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         dtypes = [comm.grad_reduce_dtype(matmul_dtype(t), floor) for t in (x, *dropped.values())]
         dtypes += [comm.grad_reduce_dtype(h.dtype, floor) for h in hs]
         x, *entered = comm.copy_many_to_tp_region([x, *dropped.values(), *hs], base.tp_group, dtypes)
-        recomputed = {a: _matmul(xd, base.weight, None, base.weight_layout) for a, xd in zip(dropped, entered)}
+        recomputed = {a: _base_matmul(base, xd, None) for a, xd in zip(dropped, entered)}
         hs = entered[len(dropped):]
-        y = _matmul(x, base.weight, base.bias, base.weight_layout)  # (B, T, out/p)
+        y = _base_matmul(base, x, base.bias)  # (B, T, out/p)
         y = self._add_adapters(y, base.bias, adapters, hs, recomputed, partial_grads=False)
         return base.gather(y) if gather else y
 
@@ -423,7 +431,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
             weight, = comm.sum_grad_ranges([lora_a.weight], [(0, [(0, lora_a.weight.shape[0])])], base.tp_group)
             hs.append(F.linear(xd, weight))  # (B, T, r)
             if a in self.lora_variant and self._dropout_is_active(a):
-                recomputed[a] = _matmul(xd, base.weight, None, base.weight_layout)
+                recomputed[a] = _base_matmul(base, xd, None)
         y = base(x, runtime_gather_output=False)  # (B, T, out/p)
         y = self._add_adapters(y, base.bias, adapters, hs, recomputed, partial_grads=False)
         return base.gather(y) if gather else y
@@ -431,13 +439,13 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
     def _row(self, base: RowParallelLinear, x: torch.Tensor, adapters: list[str], scatter: bool) -> torch.Tensor:
         if not base.input_is_parallel:
             x = comm.scatter_to_tp_region(x, base.tp_group)
-        partial = _matmul(x, base.weight, None, base.weight_layout)  # (B, T, out), partial sum
+        partial = _base_matmul(base, x, None)  # (B, T, out), partial sum
         hs, dropped = [], {}
         for a in adapters:  # sharded input: TP-distinct masks; (B, T, r) partial sums
             xd = self._dropped(x, a, TP)
             hs.append(self.lora_A[a](xd))
             if a in self.lora_variant and self._dropout_is_active(a):
-                dropped[a] = _matmul(xd, base.weight, None, base.weight_layout)  # (B, T, out), partial sum
+                dropped[a] = _base_matmul(base, xd, None)  # (B, T, out), partial sum
         pieces = [partial, *dropped.values(), *hs]
         # the base layer's one collective, wider: all-reduce, or reduce-scatter along T (sequence
         # parallelism); one per dtype, each piece summed in its own (the base's partial output in the
@@ -483,6 +491,7 @@ class LoraTPLinear(KeepsShardSpecs, nn.Module, LoraLayer):
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         base = self.get_base_layer()
+        refuse_if_quantized(base, "merging a LoRA adapter")
         for a in check_adapters_to_merge(self, adapter_names):
             if a not in self.lora_A:
                 continue

@@ -22,6 +22,7 @@ from torch import nn
 from ..hf_modules import is_conv1d
 from ..info import TPUsageError, find_tp_model, get_tp_info, param_specs, record_specs
 from ..layers import ColumnParallelLinear, RowParallelLinear
+from ..quantized import check_lora_on_quantized
 from ..sharding import is_dtensor, shard_spec_of
 from .lora import LoraTPLinear
 
@@ -106,6 +107,7 @@ def _prepare_config(model: nn.Module, config, what: str) -> None:
         raise TPUsageError(f"{what}: {'; '.join(refused)}: not supported on a tensor-parallel model")
     resolve_target_modules(model, config)
     _refuse_shared_latents(model, config, what)
+    check_lora_on_quantized(model, config, what)
     config._register_custom_module({ColumnParallelLinear: LoraTPLinear, RowParallelLinear: LoraTPLinear})
 
 

@@ -37,6 +37,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import planned_dp_shard
 from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info
+from ..quantized import refuse_full_finetuning
 from ..random import get_rng_tracker
 from ..sharding import is_dtensor
 from .accelerate import TPAccelerator, data_parallel_plan
@@ -85,6 +86,7 @@ class TPTrainerMixin:
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
         refuse_context_parallel(get_tp_info(tp_model), name)
+        refuse_full_finetuning(model, name)
         if on_trl:
             if args is None:
                 raise TPUsageError(f"{name}: pass args= (TRL's config for the trainer): its defaults count "
