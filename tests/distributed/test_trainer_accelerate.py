@@ -607,6 +607,29 @@ def test_plain_trainer_and_accelerator_refuse_a_tp_model():
         assert "TPTrainer" in errors[0]
 
 
+def _no_torchrun_env_body(rank, world):
+    """TPTrainer in ranks started without torchrun's environment (accelerate then counts 1 process)."""
+    import tpify
+    from tpify.integrations import TPTrainer, TPUsageError
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    model = tpify.parallelize(_model(), tp_size=2)
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            TPTrainer(model=model, args=_args(out, 2), train_dataset=_Data())
+        except TPUsageError as e:
+            return str(e)
+    return None
+
+
+def test_tptrainer_without_torchrun_environment_is_refused_on_every_rank():
+    """Without torchrun's WORLD_SIZE accelerate counts one process and Trainer scales each loss by
+    num_processes // tp_size = 0 (a silently zero loss): refused on every rank at construction."""
+    for error in tputil.spawn(_no_torchrun_env_body, 2, timeout=120):
+        assert error is not None and "accelerate sees 1 process(es) but torch.distributed has 2 ranks" in error, error
+
+
 def _checks_ok(ranks, *names):
     failures = {(rank, n): r[1][n] for n in names for rank, r in enumerate(ranks) if r[1][n] is not None}
     assert not failures, "\n".join(f"--- rank {rank}, {n} ---\n{tb}" for (rank, n), tb in failures.items())

@@ -143,6 +143,7 @@ class TPTrainerMixin:
                                                      use_gather_object=self.args.eval_use_gather_object)
         if getattr(self, "_tp_plan", None) is not None:
             self.accelerator.set_data_parallel_plan(self._tp_plan)
+        _check_accelerate_sees_the_world(self.accelerator.state.num_processes)
 
     def get_tp_size(self) -> int:
         return get_tp_info(self._tp_model).tp_size
@@ -299,3 +300,20 @@ def tp_trainer_class(base: type) -> type:
 class TPTrainer(TPTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` that trains a tpify model exactly: :class:`TPTrainerMixin` on
     ``Trainer`` (see the module docstring and the mixin's)."""
+
+
+def _check_accelerate_sees_the_world(num_processes: int) -> None:
+    """accelerate counts the processes from torchrun's environment (``WORLD_SIZE``, ``RANK``), not
+    from torch.distributed. Ranks started another way (``mp.spawn``, a hand-made process group)
+    leave it at 1, and Trainer then scales each loss by ``num_processes // tp_size`` = 0: the loss
+    and every gradient silently zero. Raises :class:`TPUsageError` on every rank (each sees the
+    same mismatch) before any step."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if num_processes != world:
+        raise TPUsageError(
+            f"TPTrainer: accelerate sees {num_processes} process(es) but torch.distributed has {world} ranks; "
+            f"Trainer would scale the loss by num_processes // tp_size and train on a wrong (zero) loss. Launch "
+            f"with torchrun, or set torchrun's environment in every rank before building the trainer (RANK, "
+            f"WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
