@@ -54,6 +54,14 @@ LOSS: dict[str, tuple[str, ...]] = {
     "tpify.loss.statistics": ("tpify.loss.cross_entropy", "tpify.loss.steps"),
     "tpify.loss.chunked": ("tpify.comm", "tpify.layers", "tpify.loss.steps"),
 }
+# Inside the layers package, likewise: what every layer shares, the region entry, then the layers.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "tpify.layers.common": ("tpify.context", "tpify.sharding"),
+    "tpify.layers.region": ("tpify.comm", "tpify.context", "tpify.layers.common"),
+    "tpify.layers.linear": ("tpify.comm", "tpify.context", "tpify.hf_modules", "tpify.sharding",
+                            "tpify.layers.common", "tpify.layers.region"),
+    "tpify.layers.embedding": ("tpify.comm", "tpify.context", "tpify.sharding", "tpify.layers.common"),
+}
 
 
 # Packages of the core whose files import no tpify module but these (the direction inside the core):
@@ -159,6 +167,12 @@ def test_the_loss_modules_import_one_way():
     """Each module of ``tpify.loss`` (one job each) imports only the ones :data:`LOSS` lists, and
     every module of the package is listed."""
     _check_package_table("tpify.loss", LOSS, "LOSS")
+
+
+def test_the_layers_modules_import_one_way():
+    """Each module of ``tpify.layers`` (one job each) imports only the ones :data:`LAYERS` lists,
+    and every module of the package is listed."""
+    _check_package_table("tpify.layers", LAYERS, "LAYERS")
 
 
 def _check_package_table(package: str, table: dict[str, tuple[str, ...]], table_name: str) -> None:
