@@ -387,8 +387,7 @@ def column_linear_overlapped_backward_equals_the_plain_region_operator(c):
     for overlap in (True, False):
         for make in (lambda: nn.Linear(6, 8), lambda: Conv1D(8, 6)):
             dense = _dense(make(), 100)
-            layer = ColumnParallelLinear.from_dense(dense, c.group)
-            layer.overlap_grad_reduce = overlap
+            layer = ColumnParallelLinear.from_dense(dense, c.group, overlap_grad_reduce=overlap)
             x = _t(101, (2, 3, 6)).requires_grad_()
             with comm.count_collectives() as bwd:
                 layer(x).backward(_t(102, (2, 3, 4)))

@@ -42,63 +42,39 @@ class _ParallelLinear(KeepsShardSpecs, nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """Linear layer whose output features are split over the TP group.
 
-    ``Y = X A + b`` with ``A = [A_1 ... A_p]`` split along the output features; rank ``r`` holds
-    ``A_r`` and ``b_r`` and computes ``Y_r = copy(X) A_r + b_r`` (Megatron-LM,
-    arXiv:1909.08053, section 3, eq. 3). Packed projections (``partition_sizes``, e.g. GPT-2
-    ``c_attn`` = ``[Q | K | V]``) split each part separately so rank ``r`` holds
-    ``[Q_r | K_r | V_r]``. Parts listed in ``replicated_parts`` are cut into ``replica_shards``
-    slices (KV heads), each held by ``g = tp_size / replica_shards`` consecutive ranks: rank ``r``
-    holds ``[Q_r | K_{r//g} | V_{r//g}]``, the KV head of its query group (grouped-query attention
-    at ``tp_size`` above the KV heads; multi-query attention, one K/V head, is
-    ``replica_shards = 1``: K and V whole on every rank). Each rank computes only its query heads'
-    share of their gradient, so the gradients of those rows (and bias entries) are summed over
-    the ``g`` ranks holding them in backward (:func:`tpify.comm.sum_grad_ranges` over the
-    context's :meth:`~tpify.context.TPContext.replica_group`).
-    A padded output (``padded_out_features``, for a vocabulary that ``p`` does not divide)
-    carries zero rows that are stripped when the output is gathered. With ``uneven`` a part that
-    ``p`` does not divide (an MLP's intermediate size, never heads: the planner decides) is split
-    by torch.chunk's rule, ``ceil(n / p)`` features per rank and fewer, possibly none, on the last
-    ones (:func:`tpify.sharding.chunk_range`); ``out_features_per_partition`` is then this rank's.
+    ``Y = X A + b``, ``A = [A_1 ... A_p]`` split along the output features; rank ``r`` computes
+    ``Y_r = copy(X) A_r + b_r`` (Megatron-LM, arXiv:1909.08053, section 3, eq. 3). Packed parts
+    (``partition_sizes``, GPT-2's ``[Q | K | V]``) are split one by one; ``replicated_parts`` are
+    cut into ``replica_shards`` slices (KV heads) held by ``tp_size / replica_shards`` ranks each,
+    their gradients summed over those ranks; ``padded_out_features`` adds zero rows stripped on
+    gather; ``uneven`` splits a part ``p`` does not divide by torch.chunk's rule.
 
     Shapes:
-        input: ``(B, T, in_features)``, replicated on every rank.
+        input: ``(B, T, in_features)`` replicated, or under sequence parallelism the tensor a
+        region entry all-gathered along ``T``.
         output: ``(B, T, out_features_per_partition)`` this rank's shard, or with
-        ``gather_output=True`` ``(B, T, out_features)`` on every rank (padding stripped).
+        ``gather_output`` ``(B, T, out_features)`` on every rank (padding stripped).
     Communication:
         forward: none, or one all-gather of the output with ``gather_output``.
-        backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)``, started
-        asynchronously and overlapped with the weight-gradient matmul (``overlap_grad_reduce``,
-        default True; Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``; the
-        plain synchronous ``copy_to_tp_region`` under ``torch.compile``), shared with the other
-        layers of ``region_input`` that read the same tensor (:class:`ColumnParallelInput`: one
-        all-reduce of their summed input gradients, not one each); with replicated
-        parts, one more of their weight (and bias) gradient rows over the replica group. With sequence parallelism
-        active: none of its own (the input was all-gathered along ``T`` before the layer, by a
-        region entry of ``region_input`` whose one reduce-scatter of the summed input gradients
-        the last layer reading it starts, overlapped with its weight gradient); the layers
-        reading it save this rank's tokens ``(B, T/p, in_features)``, not the gathered input,
-        and the first of them in backward all-gathers them again, overlapped with its input
-        gradient (one all-gather per gathered input, shared by its readers; none when the
-        weights take no gradient).
-    Dtype: the parameters' dtype, or autocast's (the matmul's operands cast once in forward, as
-        ``F.linear`` under autocast). The input gradient is summed over the group in the matmul's
-        dtype (``bfloat16`` under bf16 autocast with ``float32`` weights and activations: each
-        rank's partial ``dX`` is a ``bfloat16`` matmul's output), then cast to the input's dtype, as
-        Megatron-LM all-reduces ``grad_input`` in the dtype its matmul produced; the context's
-        ``grad_reduce_dtype`` (``parallelize(grad_reduce_dtype=torch.float32)``) makes it at least
-        that dtype (docs/mechanics.md, "Precision of the reductions").
-    Overlap: on CUDA the GPU starts the all-reduce beside the weight-gradient matmul only when
-        ``CUDA_DEVICE_MAX_CONNECTIONS=1`` was set before CUDA initialised (kernels then start in
-        launch order); unset, the first overlapped forward warns once
-        (:func:`check_overlap_environment`; ``tpify finetune`` sets it for its ranks).
+        backward: one all-reduce (sum) of the input gradient ``(B, T, in_features)`` started
+        asynchronously beside the weight-gradient matmul and shared by the layers reading the same
+        tensor (:class:`ColumnParallelInput`); under sequence parallelism that region entry's one
+        reduce-scatter instead; ``overlap_grad_reduce=False`` and ``torch.compile`` take the plain
+        ``copy_to_tp_region`` (the same sums, no overlap, no sharing); with replicated parts one
+        more all-reduce of their gradient rows over the replica group.
+    Dtype: the parameters', or autocast's; the input gradient is summed in the matmul's dtype, at
+        least the context's ``grad_reduce_dtype``. On CUDA the overlap needs
+        ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`check_overlap_environment` warns once).
     Raises:
-        ValueError: a part of the output features is not divisible by ``tp_size`` (without
-            ``uneven``); a packed layer, or one whose ranks hold different sizes, asked to gather
-            its output (the gathered order would not be the dense one; an all-gather takes equal
-            sizes), at construction or per call (``runtime_gather_output``, on every rank alike);
+        ValueError: a part not divisible by ``tp_size`` (without ``uneven``); a packed or uneven
+            layer asked to gather its output (at construction or per call, on every rank alike);
             replicated parts that are not distinct part indices; ``replica_shards`` not dividing
-            ``tp_size`` or a replicated part; ``replica_shards > 1`` without the context's replica
-            groups (a layer built alone).
+            ``tp_size`` or a replicated part; ``replica_shards > 1`` without the context's
+            replica groups (a layer built alone).
+
+    More (the replicated KV heads, the saved tokens under sequence parallelism, the precision of
+    the reductions, the launch order on CUDA): docs/mechanics.md, "Reference: details moved from
+    the docstrings".
     """
 
     def __init__(
@@ -116,6 +92,7 @@ class ColumnParallelLinear(_ParallelLinear):
         weight_layout: str = "linear",
         sequence_parallel: bool = False,
         uneven: bool = False,
+        overlap_grad_reduce: bool = True,
         context: TPContext | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -124,7 +101,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._init_common(in_features, out_features, tp_group, weight_layout, context)
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        self.overlap_grad_reduce = True  # see forward; False: the plain copy_to_tp_region (for comparisons)
+        self.overlap_grad_reduce = overlap_grad_reduce  # False: the plain copy_to_tp_region, as under torch.compile
         # the model's one region entry (layers reading one activation share it), or the layer's own
         self.region_input = self.ctx.region_input if self.ctx.region_input is not None else ColumnParallelInput()
         w_spec, spec = column_specs(out_features, self.tp_size, weight_layout, partition_sizes, padded_out_features,
