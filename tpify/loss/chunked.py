@@ -296,17 +296,9 @@ def vocab_parallel_linear_cross_entropy(
     ``(c, V/p)`` in the weight's dtype, the logit ops as the model applies them, then the softmax
     statistics of :func:`vocab_parallel_cross_entropy` (its steps, on the chunk) and the chunk's loss.
 
-    Gradients (hidden, weight, bias), in backward, whatever the reduction: each chunk's logits are
-    recomputed from the saved hidden states and the saved softmax statistics ``m`` and ``S``
-    (``N`` values each), and ``dL/dz`` (through the logit ops, cast to the head's dtype) gives
-    ``dX = dz W``, ``dW += dz^T X``, ``db += sum dz``: four matmuls per chunk in all, one more than
-    the unchunked head and loss, for keeping nothing of size ``(V/p, H)`` from forward to
-    backward (Cut Cross-Entropy, Wijmans et al., arXiv:2411.09009, section 4). The matmuls run
-    in the head's dtype (``bfloat16`` under bf16 autocast or for a bf16 head) and their sums
-    over chunks in float32 or wider: a float32 (float64) weight's gradient accumulates in place;
-    a half-precision weight's in float32 per block of ``V/p / 8`` rows
-    (:data:`VOCAB_BLOCKS`), each rounded once into the returned gradient, and ``dX`` over those
-    blocks in one float32 ``(N, H)`` buffer.
+    Backward recomputes each chunk's logits from the saved hidden states and softmax statistics
+    (four matmuls per chunk, nothing of size ``(V/p, H)`` kept from forward; Cut Cross-Entropy,
+    arXiv:2411.09009, section 4), the sums over chunks in float32 or wider.
 
     Shapes:
         hidden: ``(..., H)``, e.g. ``(B, T, H)``, replicated on every rank of the group.
@@ -319,15 +311,9 @@ def vocab_parallel_linear_cross_entropy(
         the weight cast once per pass, not kept), the softmax in float32 (float64 for float64);
         the loss in that compute dtype. Gradients in their tensors' dtypes (a float32 weight's
         under autocast: float32, accumulated as such, not rounded through bfloat16).
-    Memory: kept from forward to backward: the hidden states (in the head's dtype), the weight
-        and bias themselves (no copy) and ``m``, ``S`` and the targets' masks (``N`` values each).
-        Per chunk one ``(c, V/p)`` buffer in the compute dtype (two with ``softcap`` in
-        backward); in backward, besides the gradients it returns, for a half-precision weight
-        or under autocast one float32 ``(V/p / 8, H)`` block buffer, the ``(c, V/p / 8)`` tile,
-        the float32 ``(N, H)`` sum of ``dX`` and, under autocast, a block of the weight cast to
-        bfloat16 (forward casts the whole weight once, for its chunks, and frees it).
-        The default chunk (:func:`default_chunk_size`) keeps the chunk buffer at most 1/8 of the
-        weight gradient.
+    Memory: kept for backward: the hidden states, the weight and bias (no copy), ``N``-sized
+        statistics; per chunk one ``(c, V/p)`` buffer (:func:`default_chunk_size`: at most 1/8
+        of the weight gradient).
     Communication: per chunk 2 all-reduces, ``c`` values (max; the first chunk's carries the 5
         target and shard-width checks) and ``2c`` (``3c`` with ``label_smoothing > 0``): in all
         ``2 * ceil(N / chunk_size)`` all-reduces of ``N + 5`` and ``2N`` (``3N``) values, the
@@ -353,6 +339,9 @@ def vocab_parallel_linear_cross_entropy(
             ``logit_ops``/``grad_reduce_dtype``, shapes that do not match (before any
             collective); bad or differing targets and shard widths (every rank, from the first
             all-reduce), as :func:`vocab_parallel_cross_entropy`.
+
+    More (the backward's matmuls and their precision, the memory in full): docs/loss.md,
+    "Reference: details moved from the docstrings".
     """
     return linear_cross_entropy_deferred(
         hidden, weight, target, bias=bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
