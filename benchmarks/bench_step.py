@@ -658,7 +658,7 @@ def _plot(path: str, shape: Shape, tps, units, med, times, note: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# tpify's autograd functions that issue collectives (tpify/comm/, layers.py, loss.py): a blocking
+# tpify's autograd functions that issue collectives (tpify/comm/, tpify/layers/, tpify/loss/): a blocking
 # gloo collective waits in Python (``work.wait()``), not in a profiled op, so the wait shows up as
 # the self time of the function around it.
 _TPIFY_COMM_FUNCTIONS = ("_CopyToTPRegion", "_CopyManyToTPRegion", "_ReduceFromTPRegion", "_ScatterToTPRegion",

@@ -46,7 +46,7 @@ def _check_training_equivalence(cls, config, tp):
     labels[0, :3] = -100
     out_ref = ref(ids, labels=labels)
     out_par = par(ids, labels=labels)
-    # With labels the parallel loss comes from vocab-sharded logits (tpify/loss.py) in the logits'
+    # With labels the parallel loss comes from vocab-sharded logits (tpify/loss/) in the logits'
     # dtype (float64), while HF's causal loss upcasts to float32: compare it with a float64
     # reference of HF's semantics, and the gathered logits from a call without labels.
     loss_ref = tputil.ref_lm_loss(out_ref.logits, labels, causal=cls is GPT2LMHeadModel)

@@ -47,6 +47,21 @@ COMM: dict[str, tuple[str, ...]] = {
     "tpify.comm.deferred": (),
     "tpify.comm.inputs": ("tpify.comm.collectives", "tpify.comm.deferred", "tpify.comm.groups"),
 }
+# Inside the loss package, one job per module, imported one way: the named steps below the losses.
+LOSS: dict[str, tuple[str, ...]] = {
+    "tpify.loss.steps": ("tpify.comm",),
+    "tpify.loss.cross_entropy": ("tpify.loss.steps",),
+    "tpify.loss.statistics": ("tpify.loss.cross_entropy", "tpify.loss.steps"),
+    "tpify.loss.chunked": ("tpify.comm", "tpify.layers", "tpify.loss.steps"),
+}
+# Inside the layers package, likewise: what every layer shares, the region entry, then the layers.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "tpify.layers.common": ("tpify.context", "tpify.sharding"),
+    "tpify.layers.region": ("tpify.comm", "tpify.context", "tpify.layers.common"),
+    "tpify.layers.linear": ("tpify.comm", "tpify.context", "tpify.hf_modules", "tpify.sharding",
+                            "tpify.layers.common", "tpify.layers.region"),
+    "tpify.layers.embedding": ("tpify.comm", "tpify.context", "tpify.sharding", "tpify.layers.common"),
+}
 
 
 # Packages of the core whose files import no tpify module but these (the direction inside the core):
@@ -145,12 +160,30 @@ def test_the_leaves_of_the_core_import_only_below_them():
 def test_the_comm_modules_import_one_way():
     """Each module of ``tpify.comm`` (one job each) imports only the ones :data:`COMM` lists, and
     every module of the package is listed."""
-    modules = {_module_name(p, ROOT) for p in _files("tpify.comm")} - {"tpify.comm"}
-    assert modules == set(COMM), f"list every module of tpify.comm in COMM: {sorted(modules ^ set(COMM))}"
+    _check_package_table("tpify.comm", COMM, "COMM")
+
+
+def test_the_loss_modules_import_one_way():
+    """Each module of ``tpify.loss`` (one job each) imports only the ones :data:`LOSS` lists, and
+    every module of the package is listed."""
+    _check_package_table("tpify.loss", LOSS, "LOSS")
+
+
+def test_the_layers_modules_import_one_way():
+    """Each module of ``tpify.layers`` (one job each) imports only the ones :data:`LAYERS` lists,
+    and every module of the package is listed."""
+    _check_package_table("tpify.layers", LAYERS, "LAYERS")
+
+
+def _check_package_table(package: str, table: dict[str, tuple[str, ...]], table_name: str) -> None:
+    modules = {_module_name(p, ROOT) for p in _files(package)} - {package}
+    assert modules == set(table), f"list every module of {package} in {table_name}: {sorted(modules ^ set(table))}"
     problems = []
-    for module, allowed in COMM.items():
+    for module, allowed in table.items():
         path = _files(module)[0]
         for line, name in tpify_imports(path):
+            if name == "tpify":  # ``from .. import comm`` names the package, then the module
+                continue
             if name != module and not any(name == a or name.startswith(a + ".") for a in allowed):
                 problems.append(f"{path.relative_to(ROOT.parent)}:{line}: {module} imports {name}")
     assert not problems, "\n".join(problems)

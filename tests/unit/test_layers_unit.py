@@ -387,8 +387,7 @@ def column_linear_overlapped_backward_equals_the_plain_region_operator(c):
     for overlap in (True, False):
         for make in (lambda: nn.Linear(6, 8), lambda: Conv1D(8, 6)):
             dense = _dense(make(), 100)
-            layer = ColumnParallelLinear.from_dense(dense, c.group)
-            layer.overlap_grad_reduce = overlap
+            layer = ColumnParallelLinear.from_dense(dense, c.group, overlap_grad_reduce=overlap)
             x = _t(101, (2, 3, 6)).requires_grad_()
             with comm.count_collectives() as bwd:
                 layer(x).backward(_t(102, (2, 3, 4)))
@@ -491,15 +490,13 @@ def column_linears_sharing_a_sequence_parallel_gather_reduce_scatter_once(c):
     denses = [_dense(nn.Linear(6, 8), 170 + 10 * i) for i in range(3)]
     shared = ColumnParallelInput()
     context = TPContext(c.group, region_input=shared)
-    layers = [ColumnParallelLinear.from_dense(d, c.group, context=context, sequence_parallel=True) for d in denses]
     x = _t(200, (2, 4, 6))  # (B, T, H): rank r holds tokens [2r, 2r + 2)
     gouts = [_t(201 + i, (2, 4, 8)) for i in range(3)]
 
     def parallel(used, plain=()):
         xp = x[:, c.rank * 2:(c.rank + 1) * 2].clone().requires_grad_()
-        for i, layer in enumerate(layers):
-            layer.zero_grad()
-            layer.overlap_grad_reduce = i not in plain
+        layers = [ColumnParallelLinear.from_dense(d, c.group, context=context, sequence_parallel=True,
+                                                  overlap_grad_reduce=i not in plain) for i, d in enumerate(denses)]
         shared.clear()
         with comm.count_collectives() as fwd:
             gathered = shared.gather(xp, c.group)
@@ -516,8 +513,6 @@ def column_linears_sharing_a_sequence_parallel_gather_reduce_scatter_once(c):
     results = {"all": (parallel({0, 1, 2}), {0, 1, 2}, 1, 3),
                "one left out": (parallel({0, 2}), {0, 2}, 1, 3),
                "one not sharing": (parallel({0, 1, 2}, plain=(1,)), {0, 1, 2}, 2, 2)}
-    for layer in layers:
-        layer.overlap_grad_reduce = True
     # --- asserts only from here on
     for name, ((xg, wgs, fwd, bwd, consumers, shape, contiguous), used, scatters, sharing) in results.items():
         ref_x, ref_w = _dense_shared_input_grads(denses, x, gouts, used)

@@ -182,7 +182,7 @@ def test_chunked_loss_block_sums_equal_the_whole_shard_sums_in_float64(reduction
     """The blocked backward (half-precision weights) and the whole-shard one (float32 and wider) are
     the same sums in another order: checked in float64 by forcing blocks
     (``_linear_cross_entropy_grads`` with a float64 head of a float64 weight, blocks forced)."""
-    import tpify.loss as loss_mod
+    import tpify.loss.chunked as loss_mod  # where _vocab_blocks is looked up
 
     hidden, weight, target = (t[:, :32] if t.dim() == 2 else t for t in _case(torch.float64, seed=1))
     hidden, weight, target = hidden[:64], weight[:300], target[:64].clamp(max=299)  # (64, 32), (300, 32)
