@@ -25,6 +25,7 @@ timeout, 120 s test deadline) instead of passing.
   agreement timeout that the test's 45 s deadline would catch).
 """
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -130,6 +131,7 @@ def _body(rank, world):
     return out
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_disagreeing_ranks_and_one_rank_errors_raise_everywhere():
     r0, r1 = tputil.spawn(_body, 2, timeout=120)
     for out in (r0, r1):

@@ -12,6 +12,7 @@ context) and must differ: the recomputed attention-dropout masks come from an ad
 stream, which is the silent error this guards against.
 """
 
+import pytest
 import copy
 
 import torch
@@ -78,6 +79,7 @@ def _body(rank, world):
     return report
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_gradient_checkpointing_with_dropout_gives_the_gradients_without_it():
     for report in tputil.spawn(_body, 2, timeout=240):
         print(f"measured: without tpify's context the gradients would differ by up to {report}")

@@ -82,6 +82,7 @@ def _causal_lm_body(rank, world):
     return True
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_llama_gqa_equivalence_tp2():
     """LlamaForCausalLM (tied and untied, 4 heads / 2 KV heads) at tp=2: logits, loss, every
     gradient and greedy generate() equal dense; the head classes too."""

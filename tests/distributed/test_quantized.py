@@ -242,6 +242,7 @@ def _body(rank, world):
     return "ok"
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_qlora_tensor_parallel_matches_dense_qlora():
     assert tputil.spawn(_body, 2, timeout=300) == ["ok"] * 2
 
@@ -312,6 +313,7 @@ def _trainer_body(rank, world, path):
     return _log(trainer)
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_qlora_through_tptrainer_matches_transformers_trainer(tmp_path):
     """3 AdamW steps of QLoRA (clipped at 1.0) through TPTrainer at tp 2 against transformers'
     Trainer on the dense 4-bit model with PEFT's LoRA: losses and grad norms rtol 1e-5 (float32)."""

@@ -599,6 +599,7 @@ def _plain_tools_body(rank, world):
     return errors
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_plain_trainer_and_accelerator_refuse_a_tp_model():
     """A DDP over the whole world would corrupt the shards: refused on every rank, no hang."""
     for errors in tputil.spawn(_plain_tools_body, 2, timeout=120):
@@ -623,6 +624,7 @@ def _no_torchrun_env_body(rank, world):
     return None
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_tptrainer_without_torchrun_environment_is_refused_on_every_rank():
     """Without torchrun's WORLD_SIZE accelerate counts one process and Trainer scales each loss by
     num_processes // tp_size = 0 (a silently zero loss): refused on every rank at construction."""
@@ -659,6 +661,7 @@ def test_finetune_resume_at_another_padding_restores_the_optimizer(tp_runs):
     _checks_ok(tp_runs(4, 2)[1], "finetune_resumes_at_other_padding")
 
 
+@pytest.mark.slow  # in the full suite; the quick subset stays under 3 minutes
 def test_plain_trainer_fails_loudly_on_a_tptrainer_checkpoint(tp_runs, tmp_path):
     """Plain ``Trainer`` resuming a TPTrainer checkpoint (to finish in one process) raises before
     any step, instead of training on with a fresh optimizer and a restarted schedule: the
