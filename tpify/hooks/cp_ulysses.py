@@ -1,0 +1,91 @@
+"""Ulysses attention over the CP group: all-to-all from a sequence split to a head split and back.
+
+DeepSpeed-Ulysses (Jacobs et al., arXiv:2309.14509): each rank holds ``T / cp`` tokens of all
+its heads; one all-to-all per tensor gives it the whole sequence of ``n / cp`` heads, it runs the
+dense attention on them (the mask from global positions), and one all-to-all gives the output
+back as ``T / cp`` tokens of every head. Under TP the heads are this TP rank's: ``n / tp / cp``.
+How and when: docs/context-parallelism.md, "Ulysses".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .. import comm
+from ..info import TPUsageError
+
+__all__ = ["ulysses_attention", "check_heads", "kv_repeat"]
+
+
+def check_heads(heads: int, kv_heads: int, cp_size: int, where: str) -> None:
+    """Whether Ulysses can split ``heads`` query heads (``kv_heads`` K/V heads, per TP rank) over
+    ``cp_size`` ranks. Local, the same on every rank.
+
+    Raises:
+        TPUsageError: ``heads`` not divisible by ``cp_size`` (naming the numbers and the fix).
+    """
+    if heads % cp_size or heads % kv_heads:
+        raise TPUsageError(f"{where}: cp_attention='alltoall' splits the attention heads over the CP group, but "
+                           f"{heads} query heads per TP rank ({kv_heads} K/V heads) do not divide by cp_size "
+                           f"{cp_size}; use cp_attention='ring' or 'allgather', or a cp_size that divides {heads}")
+
+
+def kv_repeat(heads: int, kv_heads: int, cp_size: int) -> int:
+    """How many times each K/V head is repeated before the all-to-all: the least ``f`` with
+    ``kv_heads * f`` divisible by ``cp_size`` (it divides the group size ``heads / kv_heads`` when
+    ``cp_size`` divides ``heads``), so that each rank gets whole query-head groups with their K/V."""
+    return cp_size // math.gcd(kv_heads, cp_size)
+
+
+def _attend(query, key, value, mask, scale):
+    """Dense attention of ``(B, n', T, d)`` queries over ``(B, n'_kv, T, d)`` keys under ``mask``."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+def _core(query, key, value, call, window, scale):
+    mask = call.full_mask(window)  # (B', 1, T, T), the gathered tokens against themselves
+    return _attend(query, key, value, mask, scale)
+
+
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call, window: int | None,
+                      scale: float) -> torch.Tensor:
+    """This rank's queries over the whole sequence by the Ulysses all-to-all: ``(B, n, T/cp, d_v)``.
+
+    Shapes: ``query`` ``(B, n, T/cp, d)``, ``key`` ``(B, n_kv, T/cp, d)``, ``value`` ``(B, n_kv,
+    T/cp, d_v)`` (this rank's tokens); after the all-to-alls ``(B, n/cp, T, d)`` and ``(B,
+    n_kv f / cp, T, d)`` (K/V heads repeated ``f`` times when ``cp`` does not divide ``n_kv``,
+    :func:`kv_repeat`). The attention over the ``T`` gathered tokens (rank order) runs with the
+    call's mask (causal, window, documents, :meth:`~tpify.hooks.context_parallel.ContextParallelCall.full_mask`)
+    through ``scaled_dot_product_attention``, under activation recomputation (the
+    ``(B', 1, T, T)`` mask is not kept for backward; the attention forward runs twice).
+
+    Communication: forward three all-to-alls (``q``, ``[K | V]``) of the local activations and one
+    of the output; backward the reverse of each (``4`` all-to-alls of ``B * T/cp * n * d`` values
+    per rank forward and backward, with ``n_kv = n``).
+
+    Raises:
+        TPUsageError: the heads do not divide by ``cp`` (:func:`check_heads`).
+    """
+    heads, kv_heads, size = query.shape[1], key.shape[1], call.size
+    check_heads(heads, kv_heads, size, "ulysses_attention")
+    f = kv_repeat(heads, kv_heads, size)
+    d = key.shape[-1]
+    kv = torch.cat([key, value], dim=-1)
+    if f > 1:
+        kv = kv.repeat_interleave(f, dim=1)
+    q = comm.all_to_all_dims(query, 1, 2, call.group)  # (B, n/cp, T, d), tokens in rank order
+    kv = comm.all_to_all_dims(kv, 1, 2, call.group)  # (B, n_kv f/cp, T, d + d_v)
+    k, v = kv[..., :d], kv[..., d:]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out = checkpoint(_core, q, k, v, call, window, scale, use_reentrant=False)
+    else:
+        out = _core(q, k, v, call, window, scale)
+    return comm.all_to_all_dims(out, 2, 1, call.group)  # (B, n, T/cp, d_v)
