@@ -67,9 +67,9 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     through ``scaled_dot_product_attention``, under activation recomputation (the
     ``(B', 1, T, T)`` mask is not kept for backward; the attention forward runs twice).
 
-    Communication: forward three all-to-alls (``q``, ``[K | V]``) of the local activations and one
-    of the output; backward the reverse of each (``4`` all-to-alls of ``B * T/cp * n * d`` values
-    per rank forward and backward, with ``n_kv = n``).
+    Communication: forward three all-to-alls, of ``q``, of ``[K | V]`` (``f`` times repeated) and
+    of the output (``B * T/cp * n * d`` values each for ``q`` and the output); backward the reverse
+    of each.
 
     Raises:
         TPUsageError: the heads do not divide by ``cp`` (:func:`check_heads`).
