@@ -7,7 +7,8 @@ another order, the softmax merged block by block, ~1e-16), for Llama (grouped-qu
 (sliding window of 5 over 16 tokens: the ring skips the blocks outside it) and GPT-2 (learned
 positions, Conv1D), plain and packed (3 documents in one row), at cp 2 (dp 2 x cp 2), cp 4 and
 cp 2 x tp 2 (Ulysses there: 2 heads per TP rank over cp 2, the one K/V head per TP rank
-repeated). Also in the same job: gradient checkpointing with the ring; the collectives of a cp 2
+repeated). Also in the same job: the ring's query rows cut into tiles of 2 (``TILE_SCORES``);
+gradient checkpointing with the ring; the collectives of a cp 2
 step counted for each form; the ring's sub-blocks per step (the load-balanced plan); the ring
 with its merge replaced by a plain sum (no online-softmax rescale) differs from dense; what is
 refused on every rank (heads that cp does not divide for Ulysses, an unknown ``cp_attention``).
@@ -37,6 +38,15 @@ def _layouts(rank, world):
                 what = f"{name} {mode} cp {cp} x tp {tp}"
                 _compare(par, ref, what, _ids(), worst)
                 _compare(par, ref, what + " packed", _ids(2), worst, position_ids=_packed_positions())
+    from tpify.hooks import cp_ring
+
+    ref = _reference("mistral")  # the query rows of each sub-block in tiles of 2 (T/cp = 8: c = 4 rows)
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(1, cp_size=2), cp_attention="ring")
+    tile, cp_ring.TILE_SCORES = cp_ring.TILE_SCORES, B * 4 * (T // 4) * 2
+    try:
+        _compare(par, ref, "mistral ring cp 2 rows in tiles of 2", _ids(3), worst, position_ids=_packed_positions())
+    finally:
+        cp_ring.TILE_SCORES = tile
     ref = _reference("llama")
     par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2), cp_attention="ring")
     par.gradient_checkpointing_enable()

@@ -54,7 +54,7 @@ def _emulate(q, k, v, positions, cp, rank, window, merge=cp_ring.merge, source_o
         for qh, kh in cp_ring.block_plan(cp, rank, source, c, window):
             qs, ks = cp_ring._halves(c, qh), cp_ring._halves(c, kh)
             o, l = cp_ring._block_forward(local[..., qs, :], kb[..., ks, :], vb[..., ks, :],
-                                          ring.mask(source, qh, kh, c), ring.scale)
+                                          ring.mask(source, qs, kh, c), ring.scale)
             out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, l)
     return out.reshape(B, N, 2 * c, D)
 

@@ -98,6 +98,19 @@ def _block_backward(q, k, v, mask, scale, lse, dout, delta):
     return dq, dk, dv
 
 
+#: The most score elements (``B * n * rows * keys``) one tile of a sub-block computes at once: the
+#: query rows of a sub-block are cut into tiles of at most this many scores (16 MiB in float32),
+#: which bounds the transient memory of the scores and their gradient whatever ``T`` is.
+TILE_SCORES = 1 << 22
+
+
+def _row_tiles(rows: slice, lead: int, keys: int):
+    """Slices of ``rows`` whose scores ``(lead, len, keys)`` hold at most :data:`TILE_SCORES` elements."""
+    step = max(1, TILE_SCORES // max(1, lead * keys))
+    for start in range(rows.start, rows.stop, step):
+        yield slice(start, min(start + step, rows.stop))
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -117,11 +130,11 @@ class _Ring:
         """The rank whose ``[K | V]`` block this rank holds at ``step``."""
         return (self.rank - step) % self.size
 
-    def mask(self, source: int, qh: int, kh: int, c: int) -> torch.Tensor:
-        """``(B', c, c)`` bool: this rank's half ``qh`` of the queries against half ``kh`` of rank
-        ``source``'s keys, from the call's global indices and documents."""
+    def mask(self, source: int, qh: slice, kh: int, c: int) -> torch.Tensor:
+        """``(B', rows, c)`` bool: this rank's query rows ``qh`` (local positions) against half ``kh``
+        of rank ``source``'s keys, from the call's global indices and documents."""
         call, local = self.call, 2 * c
-        qs, ks = _halves(c, qh), slice(source * local + kh * c, source * local + (kh + 1) * c)
+        qs, ks = qh, slice(source * local + kh * c, source * local + (kh + 1) * c)
         qi, ki = call.q_index[qs], call.k_index[ks]
         allowed = ki[None, :] <= qi[:, None]
         if self.window is not None:
@@ -148,10 +161,11 @@ class _RingAttention(torch.autograd.Function):
                 ATTENTION_BLOCKS[step] = len(plan)
             kv_acc = kv.to(acc)
             for qh, kh in plan:
-                qs, ks = _halves(c, qh), _halves(c, kh)
-                o_b, l_b = _block_forward(q[..., qs, :], kv_acc[..., ks, :d], kv_acc[..., ks, d:],
-                                          ring.mask(source, qh, kh, c), ring.scale)
-                out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o_b, l_b)
+                ks = _halves(c, kh)
+                for qs in _row_tiles(_halves(c, qh), b * n, c):
+                    o_b, l_b = _block_forward(q[..., qs, :], kv_acc[..., ks, :d], kv_acc[..., ks, d:],
+                                              ring.mask(source, qs, kh, c), ring.scale)
+                    out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o_b, l_b)
             if pending is not None:
                 kv = pending.wait()
         result = out.to(query.dtype)
@@ -178,13 +192,14 @@ class _RingAttention(torch.autograd.Function):
             kv_acc = kv.to(acc)
             dkv = torch.zeros_like(kv_acc)
             for qh, kh in block_plan(ring.size, ring.rank, source, c, ring.window):
-                qs, ks = _halves(c, qh), _halves(c, kh)
-                dq_b, dk_b, dv_b = _block_backward(q[..., qs, :], kv_acc[..., ks, :d], kv_acc[..., ks, d:],
-                                                   ring.mask(source, qh, kh, c), ring.scale, lse[..., qs],
-                                                   dout[..., qs, :], delta[..., qs])
-                dq[..., qs, :] += dq_b
-                dkv[..., ks, :d] += dk_b
-                dkv[..., ks, d:] += dv_b
+                ks = _halves(c, kh)
+                for qs in _row_tiles(_halves(c, qh), b * n, c):
+                    dq_b, dk_b, dv_b = _block_backward(q[..., qs, :], kv_acc[..., ks, :d], kv_acc[..., ks, d:],
+                                                       ring.mask(source, qs, kh, c), ring.scale, lse[..., qs],
+                                                       dout[..., qs, :], delta[..., qs])
+                    dq[..., qs, :] += dq_b
+                    dkv[..., ks, :d] += dk_b
+                    dkv[..., ks, d:] += dv_b
             if incoming is not None:
                 dkv = dkv + incoming.wait()
             incoming = comm.ring_shift_start(dkv, ring.group, _DKV_TAG)  # on to the block's next rank
@@ -213,8 +228,9 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     block's gradient.
     Memory kept for backward: this rank's ``q, k, v``, the output and the log-sum-exp
     (``B * n * T/cp`` floats). While the ring runs: the block computed and the one in flight
-    (backward: also two ``[dK | dV]`` accumulators), and one sub-block's ``(B, n, c, c)`` scores
-    (``c = T / (2 cp)``), never the whole sequence's K/V.
+    (backward: also two ``[dK | dV]`` accumulators), and the scores of one tile of query rows
+    against ``c = T / (2 cp)`` keys (at most :data:`TILE_SCORES` elements, a few copies of them
+    in backward), never the whole sequence's K/V.
     """
     ring = _Ring(call, window, scale, key.shape[1], query.shape[-1])
     return _RingAttention.apply(query, key, value, ring)
