@@ -7,7 +7,8 @@ another order, the softmax merged block by block, ~1e-16), for Llama (grouped-qu
 (sliding window of 5 over 16 tokens: the ring skips the blocks outside it) and GPT-2 (learned
 positions, Conv1D), plain and packed (3 documents in one row), at cp 2 (dp 2 x cp 2), cp 4 and
 cp 2 x tp 2 (Ulysses there: 2 heads per TP rank over cp 2, the one K/V head per TP rank
-repeated). Also in the same job: the ring's query rows cut into tiles of 2 (``TILE_SCORES``);
+repeated). Also in the same job: the ring's query rows cut into tiles of 2 (``TILE_SCORES``),
+Ulysses' gathered queries in chunks of 3 rows (``MASK_BYTES``);
 gradient checkpointing with the ring; the collectives of a cp 2
 step counted for each form; the ring's sub-blocks per step (the load-balanced plan); the ring
 with its merge replaced by a plain sum (no online-softmax rescale) differs from dense; what is
@@ -47,6 +48,16 @@ def _layouts(rank, world):
         _compare(par, ref, "mistral ring cp 2 rows in tiles of 2", _ids(3), worst, position_ids=_packed_positions())
     finally:
         cp_ring.TILE_SCORES = tile
+    from tpify.hooks import cp_ulysses
+
+    ref = _reference("mistral")  # the T = 16 gathered queries in chunks of 3 rows (two packed rows: B' = 2)
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(1, cp_size=2), cp_attention="alltoall")
+    mask_bytes, cp_ulysses.MASK_BYTES = cp_ulysses.MASK_BYTES, 2 * T * 3
+    try:
+        _compare(par, ref, "mistral alltoall cp 2 rows in chunks of 3", _ids(4), worst,
+                 position_ids=_packed_positions())
+    finally:
+        cp_ulysses.MASK_BYTES = mask_bytes
     ref = _reference("llama")
     par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2), cp_attention="ring")
     par.gradient_checkpointing_enable()

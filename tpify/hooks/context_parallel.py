@@ -88,10 +88,10 @@ class ContextParallelCall:
         while the attention kernel runs."""
         return _mask(self.q_index, self.k_index, self.doc_q, self.doc_k, sliding_window)
 
-    def full_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """``(B', 1, T, T)`` bool: :meth:`mask` for every gathered token (rank order) as a query,
-        what the Ulysses form's attention over the whole sequence of its heads takes."""
-        return _mask(self.k_index, self.k_index, self.doc_k, self.doc_k, sliding_window)
+    def rows_mask(self, rows: slice, sliding_window: int | None) -> torch.Tensor:
+        """``(B', 1, rows, T)`` bool: :meth:`mask` for the gathered tokens ``rows`` (rank order) as
+        queries, what the Ulysses form's attention over the whole sequence of its heads takes."""
+        return _mask(self.k_index[rows], self.k_index, self.doc_k[:, rows], self.doc_k, sliding_window)
 
 
 def _mask(q_index, k_index, doc_q, doc_k, sliding_window: int | None) -> torch.Tensor:

@@ -50,9 +50,33 @@ def _attend(query, key, value, mask, scale):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
-def _core(query, key, value, call, window, scale):
-    mask = call.full_mask(window)  # (B', 1, T, T), the gathered tokens against themselves
+#: The most mask bytes (``B' * rows * T``) one chunk of query rows builds: the ``T`` gathered
+#: queries are attended in chunks of rows, each under its own activation recomputation, so the
+#: boolean mask never exists for the whole ``T x T`` (64 MiB: 8k rows at ``T = 8192``).
+MASK_BYTES = 1 << 26
+
+
+def _rows(call, rows: slice, key, value, window, scale, query):
+    """The attention of the gathered queries ``rows`` (rank order) over every gathered key."""
+    mask = call.rows_mask(rows, window)  # (B', 1, rows, T)
     return _attend(query, key, value, mask, scale)
+
+
+def _core(query, key, value, call, window, scale):
+    """``(B, n', T, d_v)``: the gathered queries in chunks of rows (:data:`MASK_BYTES`), each
+    recomputed in backward when gradients are on (its mask is then built again, never kept)."""
+    total, lead = query.shape[2], call.doc_k.shape[0]
+    step = max(1, MASK_BYTES // max(1, lead * total))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    outs = []
+    for start in range(0, total, step):
+        rows = slice(start, min(start + step, total))
+        if grad:
+            outs.append(checkpoint(_rows, call, rows, key, value, window, scale, query[:, :, rows],
+                                   use_reentrant=False))
+        else:
+            outs.append(_rows(call, rows, key, value, window, scale, query[:, :, rows]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call, window: int | None,
@@ -63,9 +87,11 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     T/cp, d_v)`` (this rank's tokens); after the all-to-alls ``(B, n/cp, T, d)`` and ``(B,
     n_kv f / cp, T, d)`` (K/V heads repeated ``f`` times when ``cp`` does not divide ``n_kv``,
     :func:`kv_repeat`). The attention over the ``T`` gathered tokens (rank order) runs with the
-    call's mask (causal, window, documents, :meth:`~tpify.hooks.context_parallel.ContextParallelCall.full_mask`)
-    through ``scaled_dot_product_attention``, under activation recomputation (the
-    ``(B', 1, T, T)`` mask is not kept for backward; the attention forward runs twice).
+    call's mask (causal, window, documents, :meth:`~tpify.hooks.context_parallel.ContextParallelCall.rows_mask`)
+    through ``scaled_dot_product_attention``, in chunks of query rows whose mask holds at most
+    :data:`MASK_BYTES`, each under activation recomputation (no mask is kept for backward; the
+    attention forward runs twice). Kept for backward: the head-split ``q``, ``k``, ``v`` (the
+    size of the local ones) and the output.
 
     Communication: forward three all-to-alls, of ``q``, of ``[K | V]`` (``f`` times repeated) and
     of the output (``B * T/cp * n * d`` values each for ``q`` and the output); backward the reverse
@@ -84,8 +110,5 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q = comm.all_to_all_dims(query, 1, 2, call.group)  # (B, n/cp, T, d), tokens in rank order
     kv = comm.all_to_all_dims(kv, 1, 2, call.group)  # (B, n_kv f/cp, T, d + d_v)
     k, v = kv[..., :d], kv[..., d:]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out = checkpoint(_core, q, k, v, call, window, scale, use_reentrant=False)
-    else:
-        out = _core(q, k, v, call, window, scale)
+    out = _core(q, k, v, call, window, scale)
     return comm.all_to_all_dims(out, 2, 1, call.group)  # (B, n, T/cp, d_v)
