@@ -50,10 +50,11 @@ def _attend(query, key, value, mask, scale):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
-#: The most mask bytes (``B' * rows * T``) one chunk of query rows builds: the ``T`` gathered
+#: The most mask elements (``B' * rows * T``) one chunk of query rows builds: the ``T`` gathered
 #: queries are attended in chunks of rows, each under its own activation recomputation, so the
-#: boolean mask never exists for the whole ``T x T`` (64 MiB: 8k rows at ``T = 8192``).
-MASK_BYTES = 1 << 26
+#: mask never exists for the whole ``T x T`` (16 MiB as booleans, 64 MiB in the float32 form
+#: ``scaled_dot_product_attention`` turns a boolean mask into: 2k rows at ``T = 8192``).
+MASK_BYTES = 1 << 24
 
 
 def _rows(call, rows: slice, key, value, window, scale, query):
