@@ -9,7 +9,8 @@ positions, Conv1D), plain and packed (3 documents in one row), at cp 2 (dp 2 x c
 cp 2 x tp 2 (Ulysses there: 2 heads per TP rank over cp 2, the one K/V head per TP rank
 repeated). Also in the same job: the ring's query rows cut into tiles of 2 (``TILE_SCORES``),
 Ulysses' gathered queries in chunks of 3 rows (``MASK_BYTES``);
-gradient checkpointing with the ring; the collectives of a cp 2
+gradient checkpointing with the ring; ``from_pretrained(..., cp_attention=...)`` of the saved
+dense model (each form); the collectives of a cp 2
 step counted for each form; the ring's sub-blocks per step (the load-balanced plan); the ring
 with its merge replaced by a plain sum (no online-softmax rescale) differs from dense; what is
 refused on every rank (heads that cp does not divide for Ulysses, an unknown ``cp_attention``).
@@ -148,8 +149,27 @@ def _refused(rank, world):
     assert par.tp_info.cp_size == 2
 
 
-def _job(rank, world):
+def _loaded(rank, path: str) -> dict:
+    """``tpify.from_pretrained(..., cp_attention=...)`` of the saved dense model, each form, cp 2 (dp 2)."""
+    import torch.distributed as dist
+
+    import tpify
+
+    ref = _reference("llama")
+    if rank == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    worst = {}
+    for mode in ("ring", "alltoall"):
+        par = tpify.from_pretrained(path, mesh=tpify.init_mesh(1, cp_size=2), cp_attention=mode, dtype=torch.float64)
+        assert par.tp_info.ctx.cp_attention == mode
+        _compare(par, ref, f"llama from_pretrained {mode} cp 2", _ids(6), worst)
+    return worst
+
+
+def _job(rank, world, path):
     worst = _layouts(rank, world)
+    worst.update(_loaded(rank, path))
     _counted(rank, world)
     _no_rescale(rank, world)
     _refused(rank, world)
@@ -157,6 +177,6 @@ def _job(rank, world):
 
 
 @pytest.mark.slow
-def test_ring_and_ulysses_match_dense_every_family_and_layout():
-    results = tputil.spawn(_job, 4, timeout=900)
+def test_ring_and_ulysses_match_dense_every_family_and_layout(tmp_path):
+    results = tputil.spawn(_job, 4, str(tmp_path / "llama"), timeout=900)
     print("measured: max |difference from dense| (loss and every gradient):", results[0])
