@@ -421,7 +421,8 @@ def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, opt
     """The local part of :func:`from_pretrained` (``asked``: the dtype asked for and the name of its
     argument, :func:`_dtype_argument`): config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
-    sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size, grad_reduce_dtype and cp_attention), the key map, and the fingerprint every rank must share (the
+    sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size, grad_reduce_dtype and cp_attention),
+    the key map, and the fingerprint every rank must share (the
     checkpoint's and :func:`tpify.api.fingerprint`). No collective; the files are closed again
     on an error.
 

@@ -233,7 +233,8 @@ def check_model(model: nn.Module, cp_size: int, cp_attention: str = "allgather",
             ``cp_attention="alltoall"`` where the query heads per TP rank do not divide by ``cp_size``.
     """
     if cp_attention not in CP_ATTENTION_MODES:
-        raise ValueError(f"cp_attention must be one of {', '.join(map(repr, CP_ATTENTION_MODES))}, got {cp_attention!r}")
+        raise ValueError(f"cp_attention must be one of {', '.join(map(repr, CP_ATTENTION_MODES))}, "
+                         f"got {cp_attention!r}")
     if cp_size == 1:
         return
     config = getattr(model, "config", None)
@@ -252,8 +253,8 @@ def check_model(model: nn.Module, cp_size: int, cp_attention: str = "allgather",
         problems.append("output_router_logits=True (the router's auxiliary loss is a mean over all tokens)")
     heads = getattr(config, "num_attention_heads", None)
     if cp_attention == "alltoall" and isinstance(heads, int) and heads % tp_size == 0 and (heads // tp_size) % cp_size:
-        problems.append(f"cp_attention='alltoall' splits the attention heads over the CP group, but {heads} query heads "
-                        f"/ tp_size {tp_size} = {heads // tp_size} per TP rank do not divide by cp_size {cp_size} "
+        problems.append(f"cp_attention='alltoall' splits the attention heads over the CP group, but {heads} query "
+                        f"heads / tp_size {tp_size} = {heads // tp_size} per TP rank do not divide by cp_size {cp_size} "
                         f"(use cp_attention='ring' or 'allgather', or a cp_size that divides {heads // tp_size})")
     if problems:
         raise TPUsageError(f"context parallelism (cp_size {cp_size}) on {type(model).__name__}: "

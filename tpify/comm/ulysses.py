@@ -42,7 +42,8 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
-def all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int,
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
     """``x`` split along ``scatter_dim`` into ``p`` slices, slice ``j`` sent to rank ``j``; the slices
     received concatenated along ``gather_dim`` in rank order.
 

@@ -4,8 +4,10 @@ Each rank of the CP group holds ``T / cp`` tokens of every sequence; no HF ``for
 replaced. :func:`context_parallel_attention` (transformers' ``AttentionInterface``,
 ``"tpify_context_parallel"``) all-gathers ``[K | V]`` over the CP group per layer (backward: one
 reduce-scatter of ``[dK | dV]``), recomputed in backward (Llama 3's form, arXiv:2407.21783,
-section 3.3.2); :class:`ContextParallelHooks` checks each call, gathers the position ids, and
-sums the parameters' gradients over the CP group; ``generate`` is refused. How and why:
+section 3.3.2), or runs the ring (:mod:`tpify.hooks.cp_ring`) or the Ulysses all-to-all
+(:mod:`tpify.hooks.cp_ulysses`) as ``parallelize(cp_attention=...)`` chose;
+:class:`ContextParallelHooks` checks each call, gathers the position ids, and sums the
+parameters' gradients over the CP group; ``generate`` is refused. How and why:
 docs/context-parallelism.md.
 """
 
@@ -127,6 +129,11 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
                                attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of this rank's queries over the whole sequence, for transformers' attention interface.
+
+    The call's ``mode`` (``parallelize(cp_attention=...)``) picks the form: ``"allgather"``
+    (below), ``"ring"`` (:func:`tpify.hooks.cp_ring.ring_attention`) or ``"alltoall"``
+    (:func:`tpify.hooks.cp_ulysses.ulysses_attention`); the same shapes, checks and result, their
+    own communication and memory. What follows describes ``"allgather"``.
 
     Shapes: ``query`` ``(B, n, T/cp, d)``, ``key`` ``(B, n_kv, T/cp, d)``, ``value`` ``(B, n_kv,
     T/cp, d_v)`` (this rank's tokens; under TP this rank's heads); returns ``((B, T/cp, n, d_v),
