@@ -53,7 +53,7 @@ from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["QuantizationSpec", "QuantizedColumnParallelLinear", "QuantizedRowParallelLinear", "quantization_spec",
            "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "saved_quantization", "plan_prequantized",
-           "load_prequantized_", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
+           "load_prequantized_", "is_quantized", "quantized_bytes", "shard_bytes", "refuse_if_quantized"]
 
 _COLUMN_STYLES = ("colwise", "packed_colwise")
 _ROW_STYLES = ("rowwise",)
@@ -402,6 +402,14 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     return {"quantized": q, "trainable": trainable, "frozen": frozen}
+
+
+def shard_bytes(numel: int, qspec: QuantizationSpec) -> dict[str, int]:
+    """Bytes a quantized shard of ``numel`` weight elements takes, as :func:`quantize_` stores it:
+    ``codes`` (two 4-bit codes per uint8, ``ceil(numel / 2)``), ``absmax`` (one float32 per block,
+    ``4 * ceil(numel / blocksize)``) and ``code_table`` (the 16 float32 NF4/FP4 values each layer
+    keeps). Pure arithmetic (``tpify plan --quantize`` sizes layers on the meta device with it)."""
+    return {"codes": -(-numel // 2), "absmax": 4 * -(-numel // qspec.blocksize), "code_table": 16 * 4}
 
 
 def check_lora_on_quantized(model: nn.Module, config, what: str) -> None:
