@@ -337,3 +337,45 @@ def test_qlora_through_tptrainer_matches_transformers_trainer(tmp_path):
         torch.testing.assert_close(torch.tensor(log, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                    atol=1e-6, rtol=1e-5)
     print(f"measured QLoRA TPTrainer tp=2 vs Trainer: {got[0]} vs {want}")
+
+
+def _real_bytes(model):
+    """This rank's bytes of a quantized model with LoRA: the 4-bit shards (codes + absmax + code
+    tables), the frozen parameters kept in their dtype, the LoRA parameters."""
+    from tpify.quantized import quantized_bytes
+
+    sizes = quantized_bytes(model)
+    return {"quantized_bytes": sizes["quantized"], "kept_bytes": sizes["frozen"], "lora_bytes": sizes["trainable"]}
+
+
+def _plan_body(rank, world, tmp):
+    import peft
+
+    import tpify
+    from tpify.authoring.plan import plan_report
+    from tpify.integrations import get_peft_model
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    for family, quant in (("llama", "nf4"), ("gpt2", "fp4")):
+        cls, make_config, targets, _ = FAMILIES[family]
+        torch.manual_seed(0)
+        par = tpify.parallelize(cls(make_config()), tp_size=world, quantization_config=bnb_config(quant))
+        lora = get_peft_model(par, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+        real = _real_bytes(lora)
+        plan = plan_report(f"{tmp}/{family}", world, quantize=quant, lora_r=8)["quantized"]["rank"]
+        assert {k: plan[k] for k in real} == real, (family, rank, real, plan)
+        out[family] = real
+    return out
+
+
+@pytest.mark.slow  # a spawn of 2 ranks; the arithmetic itself is checked by hand in tests/unit/test_cli_plan.py
+def test_plan_quantized_bytes_equal_the_real_shards_at_tp2(tmp_path):
+    """``tpify plan --quantize`` (on the meta device, no ranks) gives, per rank, exactly the bytes of
+    the real quantized model at tp 2: the 4-bit codes, absmax and code tables of every shard, the
+    parameters kept unquantized, and the LoRA factors (r = 8 on every quantized layer); Llama (GQA,
+    NF4) and GPT-2 (packed ``c_attn``, ``Conv1D``, FP4). Integers: compared exactly."""
+    for family in ("llama", "gpt2"):
+        FAMILIES[family][1]().save_pretrained(tmp_path / family)
+    got = tputil.spawn(_plan_body, 2, str(tmp_path), timeout=300)
+    assert got[0] == got[1]  # even splits: every rank the same
