@@ -24,13 +24,17 @@ and the tp sizes at which it aligns, on every rank, before any collective (:func
 runs on the layout in :func:`tpify.parallelize`'s local checks).
 
 **What is built** (everything else raises): bitsandbytes 4-bit, ``bnb_4bit_quant_type`` ``"nf4"`` or
-``"fp4"``, ``bnb_4bit_use_double_quant=False``, ``bnb_4bit_quant_storage=torch.uint8``, on layers of
+``"fp4"``, with or without double quantization, ``bnb_4bit_quant_storage=torch.uint8``, on layers of
 styles ``colwise``, ``packed_colwise`` and ``rowwise`` without sequence parallelism or uneven splits.
 The LM head and embeddings stay unquantized, as transformers keeps them; ``llm_int8_skip_modules``
-names more modules to keep. Refused by name: 8-bit (``load_in_8bit``), double quantization (its
-second-level statistics are quantized in blocks of 256 absmax values with one offset, the mean of
-the whole dense weight's absmax: a shard's own quantization differs), ``TorchAoConfig`` and other
-configs, the styles ``replicate``, ``experts``, ``latent`` and ``per_head``.
+names more modules to keep. Double quantization quantizes the dense weight's absmax again in
+blocks of 256 with one offset, the mean over the whole weight: a shard's own double quantization
+differs, so each rank keeps its blocks' absmax as the dense model restores them
+(:func:`_double_quantized_absmax`: exact at every split that keeps the 64-element blocks whole;
+the statistics stay float32). Refused by name: 8-bit (``load_in_8bit``: on CUDA LLM.int8
+quantizes each activation row over all input features, which a row-parallel shard does not see),
+``TorchAoConfig`` and other configs, the styles ``replicate``, ``experts``, ``latent`` and
+``per_head``.
 
 **Two paths, both exact.** Quantize on load (:func:`quantize_`: each rank quantizes the dense slice
 it read) and a checkpoint transformers saved 4-bit (:func:`plan_prequantized`,
@@ -103,14 +107,18 @@ def quantization_spec(config) -> QuantizationSpec:
     if not isinstance(config, BitsAndBytesConfig):
         raise NotImplementedError(
             f"quantization_config={type(config).__name__}: tpify builds quantized tensor-parallel layers from "
-            f"bitsandbytes 4-bit only (transformers.BitsAndBytesConfig(load_in_4bit=True, ...)); "
-            f"{type(config).__name__} (torchao, GPTQ, AWQ, ...) is not built")
+            f"bitsandbytes 4-bit only (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4' "
+            f"or 'fp4', bnb_4bit_use_double_quant=True or False)); {type(config).__name__} (torchao, GPTQ, AWQ, ...) "
+            f"is not built")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError("quantization_config=BitsAndBytesConfig(...) needs the package bitsandbytes: "
                           "pip install bitsandbytes (or tpify[quant])")
     if config.load_in_8bit:
-        raise NotImplementedError("quantization_config with load_in_8bit=True (LLM.int8): not built in tpify's "
-                                  "tensor-parallel layers; use load_in_4bit=True (NF4/FP4)")
+        raise NotImplementedError(
+            "quantization_config with load_in_8bit=True (LLM.int8): not built in tpify's tensor-parallel layers. "
+            "On CUDA its matmul quantizes each activation row by its absmax over all input features, which a "
+            "row-parallel shard (in_features / tp of them) does not see, so a sharded int8 layer would not equal "
+            "the dense one; use load_in_4bit=True (NF4/FP4, exact under tensor parallelism)")
     if not config.load_in_4bit:
         raise ValueError("quantization_config asks for no quantization (load_in_4bit=False, load_in_8bit=False)")
     if config.bnb_4bit_quant_type not in ("nf4", "fp4"):
@@ -691,4 +699,7 @@ def refuse_if_quantized(module: nn.Module, what: str) -> None:
         raise NotImplementedError(
             f"{what} on a quantized tensor-parallel base is refused: the 4-bit weights cannot take a merged "
             f"adapter or be saved dense without dequantizing (not built); save the adapter instead "
-            f"(peft_model.save_pretrained) and merge it into the unquantized checkpoint")
+            f"(peft_model.save_pretrained(dir)) and merge it into the unquantized checkpoint: "
+            f"tpify.from_pretrained(dense_dir) (or transformers' from_pretrained, no quantization_config), "
+            f"tpify.integrations.load_peft_adapter / peft.PeftModel.from_pretrained(model, dir), merge_and_unload(), "
+            f"save_pretrained (docs/quantization.md)")
