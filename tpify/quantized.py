@@ -616,40 +616,40 @@ def load_prequantized_(model: nn.Module, layers: dict, qspec: QuantizationSpec, 
     """
     from safetensors import safe_open
 
-    handles = {}
-    try:
-        for fqn, saved in layers.items():
-            layer = model.get_submodule(fqn)
-            cls = _QUANTIZED[type(layer)]
-            param = layer._parameters.pop("weight")
-            layer.__class__ = cls
-            layer.weight_shard_spec = shard_spec_of(param)
-            out_f, in_f = saved.state["shape"]
-            f = handles.get(saved.file)
-            if f is None:
-                f = handles[saved.file] = safe_open(snap.where(saved.file), framework="pt", device="cpu")
-            block = qspec.blocksize
-            ranges = list(_byte_ranges(layer.weight_shard_spec, in_f, out_f, layer.tp_rank, cls is
-                                       QuantizedRowParallelLinear, block))
-            codes_slice, absmax_slice = f.get_slice(saved.key), f.get_slice(saved.key + ".absmax")
-            if codes_slice.get_shape()[0] * 2 < out_f * in_f or absmax_slice.get_shape()[0] * block < out_f * in_f:
-                raise ValueError(f"{saved.key}: {codes_slice.get_shape()} codes / {absmax_slice.get_shape()} absmax "
-                                 f"for a [{out_f}, {in_f}] weight")
-            codes = torch.cat([codes_slice[a // 2: (b + 1) // 2] for a, b in ranges])
-            if "nested_blocksize" in saved.state:  # the absmax are uint8 codes of a second quantization
-                absmax = _restore_nested_absmax(f, saved, ranges, block)
-            else:
-                absmax = torch.cat([absmax_slice[a // block: -(-b // block)] for a, b in ranges])
-            local_shape = (sum(b - a for a, b in ranges) // in_f, in_f) if cls is QuantizedColumnParallelLinear \
-                else (out_f, sum(b - a for a, b in ranges) // out_f)
-            layer.register_buffer("weight_codes", codes.reshape(-1, 1).contiguous(), persistent=False)
-            layer.register_buffer("weight_absmax", absmax.float().contiguous(), persistent=False)
-            layer.register_buffer("weight_code_table", f.get_tensor(saved.key + ".quant_map").float(), persistent=False)
-            layer._mark_sharded()
-            layer.quant_shape, layer.quant_dtype = local_shape, getattr(torch, saved.state["dtype"])
-            layer.quant_type, layer.quant_blocksize, layer.compute_dtype = qspec.quant_type, block, qspec.compute_dtype
-    finally:
-        handles.clear()
+    for fqn, saved in layers.items():
+        # one mapping per layer, dropped after it: the pages of codes a read touched leave the
+        # resident set before the next layer (a mapping kept for the load would hold them all)
+        f = safe_open(snap.where(saved.file), framework="pt", device="cpu")
+        layer = model.get_submodule(fqn)
+        cls = _QUANTIZED[type(layer)]
+        param = layer._parameters.pop("weight")
+        layer.__class__ = cls
+        layer.weight_shard_spec = shard_spec_of(param)
+        out_f, in_f = saved.state["shape"]
+        block = qspec.blocksize
+        ranges = list(_byte_ranges(layer.weight_shard_spec, in_f, out_f, layer.tp_rank, cls is
+                                   QuantizedRowParallelLinear, block))
+        codes_slice, absmax_slice = f.get_slice(saved.key), f.get_slice(saved.key + ".absmax")
+        if codes_slice.get_shape()[0] * 2 < out_f * in_f or absmax_slice.get_shape()[0] * block < out_f * in_f:
+            raise ValueError(f"{saved.key}: {codes_slice.get_shape()} codes / {absmax_slice.get_shape()} absmax "
+                             f"for a [{out_f}, {in_f}] weight")
+        codes = torch.cat([codes_slice[a // 2: (b + 1) // 2] for a, b in ranges])
+        if "nested_blocksize" in saved.state:  # the absmax are uint8 codes of a second quantization
+            absmax = _restore_nested_absmax(f, saved, ranges, block)
+        else:
+            absmax = torch.cat([absmax_slice[a // block: -(-b // block)] for a, b in ranges])
+        local_shape = (sum(b - a for a, b in ranges) // in_f, in_f) if cls is QuantizedColumnParallelLinear \
+            else (out_f, sum(b - a for a, b in ranges) // out_f)
+        layer.register_buffer("weight_codes", codes.reshape(-1, 1).contiguous(), persistent=False)
+        layer.register_buffer("weight_absmax", absmax.float().contiguous(), persistent=False)
+        # a copy: a view (.float() of float32 is one) would keep the file's mapping, and every page
+        # of codes the reads above touched, resident for the model's life
+        layer.register_buffer("weight_code_table", f.get_tensor(saved.key + ".quant_map").to(torch.float32, copy=True),
+                              persistent=False)
+        layer._mark_sharded()
+        layer.quant_shape, layer.quant_dtype = local_shape, getattr(torch, saved.state["dtype"])
+        layer.quant_type, layer.quant_blocksize, layer.compute_dtype = qspec.quant_type, block, qspec.compute_dtype
+        del f, codes_slice, absmax_slice
     for p in model.parameters():
         p.requires_grad_(False)
     model.tp_quantization = qspec
