@@ -380,7 +380,8 @@ def quantize_(model: nn.Module, fqns: list[str], qspec: QuantizationSpec) -> nn.
     replaced by the codes and statistics buffers. Every parameter of the model is frozen afterwards
     (QLoRA: adapters are added on top and train).
 
-    Communication: none.
+    Communication: none; with double quantization one all-gather over the TP group per layer of
+    its absmax, ``(numel / 64 / tp_size,)`` float32 (:func:`_double_quantized_absmax`).
 
     Raises:
         TypeError: a listed module is not a ColumnParallelLinear or RowParallelLinear.
@@ -503,7 +504,7 @@ def saved_quantization(path) -> QuantizationSpec | None:
 
     Raises:
         NotImplementedError, ImportError, ValueError: as :func:`quantization_spec` (a
-            ``quant_method`` other than bitsandbytes, 8-bit, double quantization, ...).
+            ``quant_method`` other than bitsandbytes, 8-bit, ...).
     """
     import json
     from pathlib import Path
@@ -544,8 +545,8 @@ def plan_prequantized(model: nn.Module, layout, qspec: QuantizationSpec, snap, h
     Raises:
         PlanError: as :func:`check_layout`.
         NotImplementedError: a quantized tensor of a layer tpify would not quantize, or the other
-            way round (other skip lists); double quantization or another quant type or block size
-            in a tensor's state; a ``Conv1D`` layer (GPT-2: not built for pre-quantized loading).
+            way round (other skip lists); a quant type, block size or double quantization in a
+            tensor's state other than the config's; a ``Conv1D`` layer (GPT-2: not built for pre-quantized loading).
     """
     from bitsandbytes.utils import unpack_tensor_to_dict
     from safetensors import safe_open
