@@ -20,7 +20,11 @@ The ring (``cp_attention="ring"``, :mod:`tpify.hooks.cp_ring`) is measured the s
 a shift that hands the rank the block of the rank before it from the whole sequence's K/V (what
 the P2P receive would bring; the backward's ``[dK | dV]`` accumulators come back unchanged, which
 costs the same compute but is not the sum, so only the forward rows are compared). Rows
-``ring`` next to ``cp`` (the all-gather form) at the same rank.
+``ring`` next to ``cp`` (the all-gather form) at the same rank. The ring's sub-blocks here are
+causal with one document (no window, no packing): each is one call of the flash kernel that returns
+the log-sum-exp (``aten._scaled_dot_product_flash_attention`` on CUDA in bf16/fp16,
+``..._for_cpu`` on the CPU), or the masked einsum where the kernel refuses the inputs (fp32 on
+CUDA); the line before each dtype's table says which, and the run counts the calls.
 
 Run on a GPU: ``python benchmarks/bench_cp_attention_gpu.py``; ``--device cpu --tokens 256`` checks
 the script on a CPU (times by the wall clock, no memory figures).
@@ -139,9 +143,13 @@ def main(argv=None) -> int:
     print("| dtype | T | cp | rank | fwd+bwd ms (median) | x dense | peak MiB above inputs | x dense | "
           "max abs diff from dense rows |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    from tpify.hooks import cp_ring
+
     for dtype in [getattr(torch, name) for name in args.dtypes]:
         for tokens in args.tokens:
             q, k, v = _inputs(tokens, heads, kv_heads, dim, dtype, device)
+            kernel = cp_ring.flash_kernel(q, k, v)
+            cp_ring.KERNEL_CALLS = {}
             configs = [("dense", None, None)]
             for cp in args.cp:
                 for rank in (0, cp - 1):
@@ -170,6 +178,10 @@ def main(argv=None) -> int:
                         return checkpoint(_attend, qq, kk, vv, call, None, None, use_reentrant=False)
 
                     outs[key] = (_measure(run, (local_q, gathered_k, gathered_v), times[key], peaks[key]), index)
+            calls, cp_ring.KERNEL_CALLS = cp_ring.KERNEL_CALLS, None
+            print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | ring sub-blocks: "
+                  f"{'flash kernel (' + kernel + ')' if kernel else 'masked einsum (no flash kernel for these inputs)'}"
+                  f", calls {calls} | | | | | |")
             t_dense, p_dense = statistics.median(times["denseNone"]), statistics.median(peaks["denseNone"])
             dense_out = outs["denseNone"]
             print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | 1 | - | {t_dense:.2f} | 1.00 | "

@@ -135,8 +135,9 @@ def flash_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     einsum path). Host facts only (device, dtype, head dims): no data read.
 
     ``"cuda"``: ``aten._scaled_dot_product_flash_attention`` (and its backward) for float16 and
-    bfloat16 with ``d == d_v``, ``d`` a multiple of 8 and at most 256 (what the CUDA flash kernel
-    takes; float32 and float64 on CUDA keep the einsum path). ``"cpu"``:
+    bfloat16 with ``d == d_v``, ``d`` a multiple of 8 and at most 256, on compute capability 8.0 or
+    newer (what the CUDA flash kernel takes; float32 and float64 on CUDA, and older GPUs, keep the
+    einsum path). ``"cpu"``:
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward) for float16, bfloat16,
     float32 and float64 with ``d == d_v``. Any other device: None.
     """
@@ -144,7 +145,7 @@ def flash_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     if d != d_v or key.shape[-1] != d:
         return None
     if query.device.type == "cuda" and query.dtype in _FLASH_CUDA_DTYPES and d % 8 == 0 and d <= 256:
-        return "cuda"
+        return "cuda" if torch.cuda.get_device_capability(query.device) >= (8, 0) else None
     if query.device.type == "cpu" and query.dtype in _FLASH_CPU_DTYPES:
         return "cpu"
     return None
@@ -354,10 +355,17 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Shapes: ``query`` ``(B, n, T/cp, d)``, ``key`` ``(B, n_kv, T/cp, d)``, ``value`` ``(B, n_kv,
     T/cp, d_v)``, this rank's tokens in load-balanced order (grouped-query heads: ``n_kv``
-    divides ``n``, never repeated). ``call``: the :class:`~tpify.hooks.context_parallel.ContextParallelCall`
-    (group, rank, global indices, documents); ``window``: the layer's sliding window or None.
-    Dtypes: the blocks are computed, merged and their gradients summed in float32 (float64 for
-    float64 inputs); the output and gradients come back in the inputs' dtypes.
+    divides ``n``; repeated per step for the flash kernel only). ``call``: the
+    :class:`~tpify.hooks.context_parallel.ContextParallelCall` (group, rank, global indices,
+    documents); ``window``: the layer's sliding window or None.
+
+    Kernel per sub-block: with no window, one document per row (the call's documents, read once
+    per call: one device-to-host read of a bool) and inputs :func:`flash_kernel` accepts, the
+    flash kernel that returns the log-sum-exp, without a mask (``is_causal`` on the diagonal
+    sub-blocks), and its backward with the final output and log-sum-exp; otherwise tpify's masked
+    einsum over tiles of query rows. Dtypes: the flash kernel computes in the input dtype (its
+    softmax statistics in float32); the merge, the einsum and the gradient sums run in float32
+    (float64 for float64 inputs); the output and gradients come back in the inputs' dtypes.
 
     Communication: forward ``cp - 1`` ring shifts of this rank's ``[K | V]``
     (``B * n_kv * T/cp * (d + d_v)`` values each, in the input dtype), each posted before the
@@ -366,9 +374,14 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     block's gradient.
     Memory kept for backward: this rank's ``q, k, v``, the output and the log-sum-exp
     (``B * n * T/cp`` floats). While the ring runs: the block computed and the one in flight
-    (backward: also two ``[dK | dV]`` accumulators), and the scores of one tile of query rows
-    against ``c = T / (2 cp)`` keys (at most :data:`TILE_SCORES` elements, a few copies of them
-    in backward), never the whole sequence's K/V.
+    (backward: also two ``[dK | dV]`` accumulators), and, on the einsum, the scores of one tile of
+    query rows against ``c = T / (2 cp)`` keys (at most :data:`TILE_SCORES` elements, a few copies
+    of them in backward), never the whole sequence's K/V; on the flash kernel, the block's K/V
+    repeated to the query heads (grouped-query attention) instead of the scores.
+
+    Raises:
+        RuntimeError: (the flash path) a sub-block of the plan that is neither a diagonal nor fully
+            visible, which the load-balanced layout never gives (a guard, before any kernel call).
     """
     kernel = flash_kernel(query, key, value) if window is None else None
     if kernel is not None and not _one_document(call):
