@@ -240,12 +240,18 @@ def test_flash_path_bfloat16_within_bfloat16_rounding(monkeypatch):
                 assert (got.double() - ref).abs().max() <= 2 * err + 1e-2, ((got.double() - ref).abs().max(), err)
 
 
-def test_flash_kernel_host_facts():
-    """Which kernel the unmasked sub-blocks take, from device, dtype and head dims alone."""
+def test_flash_kernel_host_facts(monkeypatch):
+    """Which kernel the unmasked sub-blocks take, from device, dtype, head dims and the GPU's compute
+    capability alone (an H100's 9.0 and a V100's 7.0 stand in for the device here)."""
     from types import SimpleNamespace as NS
 
     def t(device, dtype, d):
         return NS(device=torch.device(device), dtype=dtype, shape=(1, 2, 4, d))
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert cp_ring.flash_kernel(t("cuda", torch.bfloat16, 128), t("cuda", torch.bfloat16, 128),
+                                t("cuda", torch.bfloat16, 128)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
     assert cp_ring.flash_kernel(t("cuda", torch.bfloat16, 128), t("cuda", torch.bfloat16, 128),
                                 t("cuda", torch.bfloat16, 128)) == "cuda"
