@@ -25,6 +25,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "tpify.authoring": ("tpify.cli", "tpify.authoring"),
     "tpify.integrations": _ABOVE_API,
     "tpify.api": _ABOVE_API + ("tpify.api",),
+    # pipeline stages sit on the core (a parallelized model is cut into stages); the core never imports them
+    "tpify.pipeline": _ABOVE_API + ("tpify.pipeline",),
 }
 # The leaves: what tpify sets on a model, and the facts about HF modules, import nothing of tpify
 # but these (one-way core: everything reads them, they read nothing above them).

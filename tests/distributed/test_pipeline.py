@@ -1,0 +1,118 @@
+"""Pipeline stages (``tpify.pipeline``) against the single-process dense model, float64.
+
+One spawned job of 4 gloo ranks runs every check (spawning costs seconds): GPT-2 (tied head,
+learned positions) and Llama (untied, GQA) at pp 2 (GPipe, 1F1B), pp 4 (1F1B), pp 2 with two
+virtual stages per rank (interleaved 1F1B), and Llama at pp 2 x tp 2 (1F1B); each the loss and
+every gradient of the first step, then 3 AdamW steps with clipping, and the tied embedding's
+gradient equal on the first and last stage. Tolerance: float64 sums in another order (~1e-16);
+tputil.F64 (atol 1e-10) leaves room for the 3 AdamW steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import tputil
+
+pytestmark = pytest.mark.slow
+
+B, T, M = 8, 6, 4
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=61, n_positions=16, n_embd=16, n_layer=4, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _dense_loss(ref, ids, labels):
+    logits = ref(input_ids=ids).logits  # (B, T, V) float64; HF's own loss would compute in float32
+    target = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def _batch(vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored targets: the count is the whole batch's
+    labels[5, 2] = -100
+    return ids, labels
+
+
+def _case(make, mesh_args, schedule, n_virtual, tp):
+    import tpify
+    import tpify.pipeline as pp
+
+    torch.manual_seed(0)
+    ref = make().double()
+    mesh = tpify.init_mesh(tp, **mesh_args, device_type="cpu")
+    model = copy.deepcopy(ref)
+    if tp > 1:
+        model = tpify.parallelize(model, mesh=mesh)
+    sched = pp.pipeline(model, mesh, schedule=schedule, n_microbatches=M, n_virtual=n_virtual)
+    stages = pp.stages_of(sched)
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    opt = torch.optim.AdamW(pp.parameters(sched), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    vocab = ref.config.vocab_size
+    what = f"{type(ref).__name__} {mesh_args} tp {tp} {schedule} x{n_virtual}"
+    for it in range(3):
+        ids, labels = _batch(vocab, it)
+        want = _dense_loss(ref, ids, labels)
+        want.backward()
+        loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
+        if last:
+            torch.testing.assert_close(loss, want.detach(), **tputil.F64, msg=f"{what}: loss, step {it}")
+        if it == 0:  # every gradient, before clipping
+            ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+            for stage in stages:
+                named = tputil.dense_named(stage.model, "grad") if tp > 1 else \
+                    {n: p.grad for n, p in stage.model.named_parameters()}
+                assert named, what
+                for n, g in named.items():
+                    torch.testing.assert_close(g, ref_grads[n], **tputil.F64, msg=f"{what}: grad {n}")
+        want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        norm = pp.clip_grad_norm_(sched, 0.05)
+        torch.testing.assert_close(norm, want_norm, **tputil.F64, msg=f"{what}: norm, step {it}")
+        ref_opt.step(); ref_opt.zero_grad()
+        opt.step(); opt.zero_grad()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for stage in stages:
+        named = tputil.dense_named(stage.model) if tp > 1 else dict(stage.model.named_parameters())
+        for n, p in named.items():
+            torch.testing.assert_close(p, ref_params[n], **tputil.F64, msg=f"{what}: {n} after 3 AdamW steps")
+    return what
+
+
+def _job(rank, world):
+    done = []
+    for make in (_gpt2, _llama):
+        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "GPipe", 1, 1))
+        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1))
+        done.append(_case(make, {"pp_size": 4}, "1F1B", 1, 1))
+        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "Interleaved1F1B", 2, 1))
+    done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2))
+    done.append(_case(_gpt2, {"pp_size": 2}, "GPipe", 1, 2))
+    return done
+
+
+def test_pipeline_matches_dense():
+    results = tputil.spawn(_job, 4, timeout=600)
+    assert all(len(r) == 10 for r in results)

@@ -1,0 +1,187 @@
+"""torch's pipeline schedules over tpify's stages, the last stage's loss, and one training step.
+
+:func:`build_schedule` returns torch's schedule object (``torch.distributed.pipelining``:
+``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) whose loss is
+:class:`PipelineLoss`; :func:`step` shifts the labels as HF does, counts the non-ignored targets of
+the whole batch once, runs the schedule and sums the tied embedding's gradient between the first
+and last stage, so that the loss and every gradient equal the dense model's mean loss over the
+batch (gradient accumulation over the microbatches, ``scale_grads=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
+
+from .. import comm
+from ..agree import agree
+from ..loss import vocab_parallel_cross_entropy
+from .plan import PipelineError
+from .split import PipelineInfo
+
+__all__ = ["SCHEDULES", "REFUSED_SCHEDULES", "PipelineLoss", "build_schedule", "check_microbatches", "step",
+           "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+#: The schedules tpify builds: name -> (torch class, several stages per rank).
+SCHEDULES = {"GPipe": (ScheduleGPipe, False), "1F1B": (Schedule1F1B, False),
+             "Interleaved1F1B": (ScheduleInterleaved1F1B, True)}
+#: torch's other schedules, refused with the reason.
+REFUSED_SCHEDULES = {
+    name: "its backward is split into input and weight gradients (stage_backward_input / _weight), which tpify's "
+          "tensor-parallel layers and tied-embedding sum are not verified against; use GPipe, 1F1B or Interleaved1F1B"
+    for name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "LoopedBFS")}
+
+
+class PipelineLoss:
+    """The last stage's loss of one microbatch: ``sum of token losses / num_items``.
+
+    ``num_items`` is the count of non-ignored targets of the whole batch (a tensor on the device,
+    counted once by :func:`step`), so the microbatches' losses add up to the dense model's mean
+    loss and their gradients to its gradient. From the vocabulary shard with
+    :func:`tpify.loss.vocab_parallel_cross_entropy` (Megatron-LM, arXiv:1909.08053, section 3).
+
+    Shapes: ``logits`` ``(b, T, V_padded / tp_size)``, ``target`` ``(b, T)`` (shifted already);
+    returns a scalar. Dtype: float32 for half-precision logits, else the logits' dtype.
+    Communication: the vocab-parallel loss's all-reduces over the TP group (none at tp 1).
+    """
+
+    def __init__(self, tp_group, vocab_size: int):
+        self.tp_group, self.vocab_size = tp_group, vocab_size
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        if comm.group_size(self.tp_group) == 1:
+            total = F.cross_entropy(logits.flatten(0, -2)[:, :self.vocab_size], target.flatten(),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+        else:
+            total = vocab_parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum",
+                                                 tp_group=self.tp_group, vocab_size=self.vocab_size)
+        return total / num_items.to(total.dtype)
+
+
+def check_microbatches(schedule: str, n_microbatches, pp_size: int, num_stages: int, local_stages: int) -> None:
+    """Whether ``schedule`` can take ``n_microbatches`` on this layout (torch's own conditions,
+    checked before anything is built). Pure.
+
+    Raises:
+        PipelineError: an unknown or refused schedule, a count that is not a positive integer,
+            fewer microbatches than stages (1F1B), a count that is not a multiple of the rounds
+            (interleaved), several stages per rank for a one-stage schedule.
+    """
+    if schedule in REFUSED_SCHEDULES:
+        raise PipelineError(f"schedule {schedule!r} is not built: {REFUSED_SCHEDULES[schedule]}")
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"schedule {schedule!r}: use one of {sorted(SCHEDULES)}")
+    if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+        raise PipelineError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+    multi = SCHEDULES[schedule][1]
+    if not multi and local_stages != 1:
+        raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but the model was split into "
+                            f"{local_stages} per rank: use Interleaved1F1B, or split with n_virtual=1")
+    if schedule == "1F1B" and n_microbatches < num_stages:
+        raise PipelineError(f"1F1B needs at least as many microbatches as stages: n_microbatches = {n_microbatches}, "
+                            f"{num_stages} stages; use n_microbatches >= {num_stages}")
+    if multi:
+        rounds = max(1, n_microbatches // pp_size)
+        if n_microbatches % rounds:
+            raise PipelineError(f"{schedule} needs n_microbatches to be a multiple of its rounds "
+                                f"(max(1, n_microbatches // pp_size) = {rounds}): got {n_microbatches} at pp "
+                                f"{pp_size}; use a multiple of {pp_size}")
+
+
+def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: int = 1,
+                   device: torch.device | None = None):
+    """torch's schedule object running ``info``'s stages (:func:`tpify.pipeline.split_model`).
+
+    ``schedule.step`` is torch's; use :func:`step` (labels shifted, the batch's target count, the
+    tied embedding's gradient summed). ``schedule.tpify_pipeline`` is ``info``. ``device``: where
+    the stages' activations live (default: the stages' parameters').
+
+    Communication: one agreement (the store) on the schedule and the microbatch count; torch's
+    send/recv over the pipeline group when the schedule first runs.
+
+    Raises:
+        PipelineError: on every rank, as :func:`check_microbatches`.
+        AgreementError: another rank failed, or the ranks passed other arguments.
+    """
+    error = None
+    try:
+        check_microbatches(schedule, n_microbatches, info.mesh["pp"].size(), info.num_stages, len(info.stages))
+    except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
+        error = e
+    agree("tpify.pipeline.build_schedule", {"schedule": schedule, "n_microbatches": n_microbatches}, error)
+    device = device if device is not None else next(info.stages[0].parameters()).device
+    stages = [PipelineStage(s, s.stage_index, s.num_stages, device, group=info.pp_group) for s in info.stages]
+    cls, multi = SCHEDULES[schedule]
+    loss = PipelineLoss(info.tp_group, info.vocab_size)
+    out = cls(stages if multi else stages[0], n_microbatches, loss_fn=loss, scale_grads=False)
+    out.tpify_pipeline = info
+    return out
+
+
+def _batch_problem(info: PipelineInfo, has_first: bool, has_last: bool, input_ids, labels, m: int) -> str | None:
+    """What is wrong with this rank's part of the batch, or None. Local."""
+    if has_first != (input_ids is not None):
+        return ("input_ids are given on a rank that holds no first stage: pass them on the first stage only"
+                if input_ids is not None else "the first stage needs input_ids")
+    if has_last != (labels is not None):
+        return ("labels are given on a rank that holds no last stage: pass them on the last stage only"
+                if labels is not None else "the last stage needs labels")
+    for name, t in (("input_ids", input_ids), ("labels", labels)):
+        if t is not None and (t.dim() != 2 or t.shape[0] % m):
+            return (f"{name} of shape {tuple(t.shape)}: a (B, T) batch whose B is a multiple of n_microbatches = {m}"
+                    f" (each microbatch gets B / {m} rows)")
+    return None
+
+
+def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One forward and backward of the whole batch through the pipeline; the loss on the rank
+    holding the last stage (None elsewhere). The gradients accumulate in the stages' parameters.
+
+    The labels are shifted as HF's causal LMs shift them (``labels[:, 1:]``, ``-100`` last) before
+    the batch is cut into microbatches; the non-ignored targets of the whole batch are counted once
+    (a tensor: no host sync), each microbatch's loss is its sum over that count. After the schedule,
+    a tied embedding's gradient is summed between the first and last stage (both then hold the
+    dense gradient; their updates stay equal). Plain causal attention only: padding masks and
+    packed sequences are not taken (no ``attention_mask``).
+
+    Shapes: ``input_ids`` ``(B, T)`` int64 on the first stage's ranks only, ``labels`` ``(B, T)``
+    on the last stage's only (``B`` a multiple of the microbatch count). Returns a scalar.
+    Communication: one agreement (the store: no collective) on the inputs; torch's send/recv
+    between stages; the TP layers' collectives; one all-reduce of the tied weight's gradient over
+    the embedding group.
+
+    Raises:
+        PipelineError: on every rank before any collective: inputs on a stage that takes none, a
+            missing input, a batch the microbatches do not divide, ``input_ids`` and ``labels``
+            of different sizes.
+    """
+    info: PipelineInfo = schedule.tpify_pipeline
+    m = schedule._n_microbatches
+    has_first = any(s.is_first for s in info.stages)
+    has_last = any(s.is_last for s in info.stages)
+    problem = _batch_problem(info, has_first, has_last, input_ids, labels, m)
+    error = PipelineError(f"tpify.pipeline.step: {problem}") if problem else None
+    shapes = agree("tpify.pipeline.step", {"n_microbatches": m}, error,
+                   share=tuple(tuple(t.shape) for t in (input_ids, labels) if t is not None))
+    seen = {s for s in (shapes or []) for s in s}
+    if len(seen) > 1:
+        raise PipelineError(f"tpify.pipeline.step: input_ids and labels of different shapes on the first and last "
+                            f"stage: {sorted(seen)}; pass the same (B, T) batch")
+    target, loss_kwargs, losses = None, None, None
+    if has_last:
+        target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # HF's shift, before the microbatches
+        loss_kwargs = {"num_items": (target != IGNORE_INDEX).sum()}
+        losses = []
+    args = (input_ids,) if has_first else ()
+    schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
+    if info.embedding_group is not None:
+        for p in info.tied_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, info.embedding_group)
+    return torch.stack(losses).sum().detach() if has_last else None
