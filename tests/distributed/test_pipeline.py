@@ -40,6 +40,20 @@ def _llama():
     return LlamaForCausalLM(cfg)
 
 
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      use_sliding_window=True, sliding_window=3, max_window_layers=2, tie_word_embeddings=False,
+                      layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    return Qwen2ForCausalLM(cfg)
+
+
+LORA = dict(r=4, lora_alpha=8, init_lora_weights="gaussian",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 def _dense_loss(ref, ids, labels):
     logits = ref(input_ids=ids).logits  # (B, T, V) float64; HF's own loss would compute in float32
     target = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -55,9 +69,12 @@ def _batch(vocab, seed):
     return ids, labels
 
 
-def _case(make, mesh_args, schedule, n_virtual, tp):
+def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False):
+    import peft
+
     import tpify
     import tpify.pipeline as pp
+    from tpify.integrations import get_peft_model
 
     torch.manual_seed(0)
     ref = make().double()
@@ -65,14 +82,26 @@ def _case(make, mesh_args, schedule, n_virtual, tp):
     model = copy.deepcopy(ref)
     if tp > 1:
         model = tpify.parallelize(model, mesh=mesh)
+    if checkpointing:  # HF's, inside each decoder layer (tpify's own method on a parallel model)
+        for m in (ref, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:  # the adapters alike on both (one seed); the stages cut from the HF model PEFT adapted in place
+        torch.manual_seed(1)
+        ref = peft.get_peft_model(ref, peft.LoraConfig(**LORA)).base_model.model
+        torch.manual_seed(1)
+        model = (get_peft_model(model, peft.LoraConfig(**LORA)) if tp > 1 else
+                 peft.get_peft_model(model, peft.LoraConfig(**LORA))).base_model.model
     sched = pp.pipeline(model, mesh, schedule=schedule, n_microbatches=M, n_virtual=n_virtual)
+    del model
     stages = pp.stages_of(sched)
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)
-    opt = torch.optim.AdamW(pp.parameters(sched), lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    trained = [p for p in pp.parameters(sched) if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     vocab = ref.config.vocab_size
-    what = f"{type(ref).__name__} {mesh_args} tp {tp} {schedule} x{n_virtual}"
+    what = (f"{type(ref).__name__} {mesh_args} tp {tp} {schedule} x{n_virtual}{' checkpointing' * checkpointing}"
+            f"{' LoRA' * lora}")
     for it in range(3):
         ids, labels = _batch(vocab, it)
         want = _dense_loss(ref, ids, labels)
@@ -86,9 +115,13 @@ def _case(make, mesh_args, schedule, n_virtual, tp):
                 named = tputil.dense_named(stage.model, "grad") if tp > 1 else \
                     {n: p.grad for n, p in stage.model.named_parameters()}
                 assert named, what
+                assert any(g is not None for g in named.values()), what
                 for n, g in named.items():
+                    if ref_grads[n] is None:
+                        assert g is None, f"{what}: {n} has a gradient, the dense one none"
+                        continue
                     torch.testing.assert_close(g, ref_grads[n], **tputil.F64, msg=f"{what}: grad {n}")
-        want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        want_norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
         norm = pp.clip_grad_norm_(sched, 0.05)
         torch.testing.assert_close(norm, want_norm, **tputil.F64, msg=f"{what}: norm, step {it}")
         ref_opt.step(); ref_opt.zero_grad()
@@ -110,9 +143,44 @@ def _job(rank, world):
         done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "Interleaved1F1B", 2, 1))
     done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2))
     done.append(_case(_gpt2, {"pp_size": 2}, "GPipe", 1, 2))
+    done.append(_case(_qwen2, {"pp_size": 4}, "1F1B", 1, 1))  # sliding and full layers: the stage's layer_types
+    done.append(_case(_qwen2, {"pp_size": 2}, "Interleaved1F1B", 2, 2))
+    done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2, checkpointing=True))
+    done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, lora=True))
+    done.append(_case(_llama, {"pp_size": 2}, "GPipe", 1, 2, lora=True))
+    done.append(_refusals())
     return done
 
 
+def _refusals():
+    """Bad input raises on every rank (PipelineError where it is wrong, AgreementError naming it elsewhere)."""
+    import tpify
+    import tpify.pipeline as pp
+    from tpify import AgreementError
+
+    mesh = tpify.init_mesh(1, pp_size=4, device_type="cpu")
+    torch.manual_seed(0)
+    model = _llama().double()
+    with pytest.raises(pp.PipelineError, match="8 pipeline stages but the model has 4 layers"):
+        pp.pipeline(model, mesh, schedule="Interleaved1F1B", n_microbatches=4)
+    with pytest.raises(pp.PipelineError, match="at least as many microbatches as stages"):
+        pp.pipeline(model, mesh, schedule="1F1B", n_microbatches=2)
+    with pytest.raises(pp.PipelineError, match=r"no pipeline plan.*\[pipeline\]"):
+        pp.pipeline(_gpt2(), mesh, recipe={"model_type": "gpt2", "rule": [{"match": "wte", "style": "replicate"}]})
+    sched = pp.pipeline(model, mesh, schedule="GPipe", n_microbatches=4)
+    first = pp.stages_of(sched)[0].is_first
+    last = pp.stages_of(sched)[0].is_last
+    ids, labels = _batch(64, 0)
+    with pytest.raises((pp.PipelineError, AgreementError), match="given on a rank that holds no first stage"):
+        pp.step(sched, input_ids=ids, labels=labels if last else None)  # input_ids on every rank
+    with pytest.raises(pp.PipelineError, match="multiple of n_microbatches = 4") if first or last else \
+            pytest.raises(AgreementError, match="multiple of n_microbatches"):
+        pp.step(sched, input_ids=ids[:6] if first else None, labels=labels[:6] if last else None)
+    loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)  # still usable
+    assert (loss is not None) == last
+    return "refusals"
+
+
 def test_pipeline_matches_dense():
-    results = tputil.spawn(_job, 4, timeout=600)
-    assert all(len(r) == 10 for r in results)
+    results = tputil.spawn(_job, 4, timeout=900)
+    assert all(len(r) == 16 for r in results)
