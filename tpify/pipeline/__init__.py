@@ -10,7 +10,8 @@ torch's schedules (:mod:`.schedule`). One job per module:
 * :mod:`.stage`: :class:`StageModule`, one stage of the HF model;
 * :mod:`.split`: :func:`split_model`, this rank's stages and the embedding group;
 * :mod:`.schedule`: :func:`build_schedule` (torch's schedule objects), :class:`PipelineLoss`, :func:`step`;
-* :mod:`.grads`: the global gradient norm over pp x tp and clipping.
+* :mod:`.grads`: the global gradient norm over pp x tp and clipping;
+* :mod:`.load`: :func:`from_pretrained` reading only this rank's stages, :func:`save_pretrained` by stage.
 
 Usage (docs/pipeline-parallelism.md)::
 
@@ -26,13 +27,14 @@ Usage (docs/pipeline-parallelism.md)::
 from __future__ import annotations
 
 from .grads import clip_grad_norm_, grad_norm, parameters
+from .load import from_pretrained, save_pretrained
 from .plan import PipelineError, PipelinePlan, layer_ranges, pipeline_plan
 from .schedule import PipelineLoss, build_schedule, step
 from .split import PipelineInfo, split_model
 from .stage import StageModule
 
 __all__ = ["pipeline", "split_model", "build_schedule", "step", "parameters", "grad_norm", "clip_grad_norm_",
-           "stages_of", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
+           "stages_of", "from_pretrained", "save_pretrained", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
            "layer_ranges", "pipeline_plan"]
 
 

@@ -18,9 +18,9 @@ from ..info import tp_info_of
 from ..mesh import pp_group_of, pp_size_of
 from ..recipe import Recipe, available_recipes, load_recipe
 from .plan import PipelineError, layer_ranges, pipeline_plan, stage_indices
-from .stage import StageModule, build_stage
+from .stage import StageModule, build_stage, n_layers_of
 
-__all__ = ["PipelineInfo", "split_model", "STAGE_STYLES"]
+__all__ = ["PipelineInfo", "split_model", "plan_stages", "STAGE_STYLES"]
 
 #: How stages are placed on the pipeline ranks (:func:`tpify.pipeline.plan.stage_indices`).
 STAGE_STYLES = ("loop", "v")
@@ -61,11 +61,41 @@ def _recipe_of(model: nn.Module, recipe) -> Recipe | None:
 
 
 def _tied(model: nn.Module, plan) -> bool:
-    """Whether the head's weight is the input embedding's (one Parameter)."""
+    """Whether the head's weight is the input embedding's (one Parameter); on a model
+    :func:`tpify.pipeline.from_pretrained` cut (one of them absent), what its config says."""
     head = getattr(model, plan.head, None)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return (head is not None and embed is not None and getattr(head, "weight", None) is not None
-            and head.weight is getattr(embed, "weight", None))
+    if head is None or embed is None:
+        return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    return getattr(head, "weight", None) is not None and head.weight is getattr(embed, "weight", None)
+
+
+def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str, recipe):
+    """``(plan, every stage's layers, this rank's stages)``: the checks of :func:`split_model`,
+    pure and the same on every rank.
+
+    Raises:
+        PipelineError: as :func:`split_model`.
+    """
+    pp = pp_size_of(mesh)
+    if pp < 2:
+        raise PipelineError(f"a pipeline needs a mesh with a 'pp' axis of 2 or more ranks (got pp = {pp}): "
+                            f"build it with tpify.init_mesh(tp_size, pp_size=P)")
+    if style not in STAGE_STYLES:
+        raise PipelineError(f"style {style!r}: use one of {STAGE_STYLES}")
+    if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1 or \
+            (style == "v" and n_virtual != 2):
+        raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank (2 with style='v')")
+    _check_model(model)
+    cut = getattr(model, "tpify_pipeline_cut", None)  # (ranges, this rank's stages, plan) of a model loaded by stage
+    plan = cut[2] if cut is not None else pipeline_plan(model, _recipe_of(model, recipe))
+    ranges = layer_ranges(n_layers_of(base_model_and_prefix(model)[0], plan), pp * n_virtual, split_points)
+    mine = stage_indices(mesh["pp"].get_local_rank(), pp, n_virtual, style)
+    if cut is not None and cut[:2] != (tuple(ranges), tuple(mine)):
+        raise PipelineError(f"{type(model).__name__} was loaded for the stages {[list(r) for r in cut[0]]} (this rank: "
+                            f"{list(cut[1])}), but is split into {[list(r) for r in ranges]} (this rank: {mine}): pass "
+                            f"the same n_virtual, split_points and style to tpify.pipeline.from_pretrained and pipeline")
+    return plan, ranges, mine
 
 
 def _check_model(model: nn.Module) -> None:
@@ -109,20 +139,7 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
     """
     error, ranges, plan, mine, pp = None, None, None, [], pp_size_of(mesh)
     try:
-        if pp < 2:
-            raise PipelineError(f"split_model needs a mesh with a 'pp' axis of 2 or more ranks (got pp = {pp}): "
-                                f"build it with tpify.init_mesh(tp_size, pp_size=P)")
-        if style not in STAGE_STYLES:
-            raise PipelineError(f"style {style!r}: use one of {STAGE_STYLES}")
-        if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1 or \
-                (style == "v" and n_virtual != 2):
-            raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank (2 with style='v')")
-        _check_model(model)
-        plan = pipeline_plan(model, _recipe_of(model, recipe))
-        base = base_model_and_prefix(model)[0]
-        n_layers = len(getattr(base, plan.layers))
-        ranges = layer_ranges(n_layers, pp * n_virtual, split_points)
-        mine = stage_indices(mesh["pp"].get_local_rank(), pp, n_virtual, style)
+        plan, ranges, mine = plan_stages(model, mesh, n_virtual, split_points, style, recipe)
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     agree("tpify.pipeline.split_model", {"stages": [(r.start, r.stop) for r in ranges] if ranges else None,

@@ -22,20 +22,22 @@ from ..hf_modules import base_model_and_prefix
 from ..info import tp_info_of
 from ..layers import ColumnParallelLinear
 
-__all__ = ["StageModule", "Zero", "stage_config", "build_stage"]
+__all__ = ["StageModule", "Zero", "stage_config", "build_stage", "n_layers_of", "trim_model"]
 
 
 class Zero(nn.Module):
     """What a first-stage module that adds a term to the embeddings becomes on the other stages
-    (GPT-2's position embedding ``wpe``): returns a scalar 0 of the hidden states' dtype, so
-    ``inputs_embeds + wpe(position_ids)`` is ``inputs_embeds`` exactly."""
+    (GPT-2's position embedding ``wpe``): returns a 0-dim 0 on its input's device, so
+    ``inputs_embeds + wpe(position_ids)`` is ``inputs_embeds`` exactly (a 0-dim tensor does not
+    change the dtype of the sum)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.register_buffer("zero", torch.zeros((), dtype=dtype, device=device), persistent=False)
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.zeros((), device=x.device)
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.zero
+
+def _elsewhere(kind: str) -> nn.Module | None:
+    """What a first- or last-stage module becomes on the other stages (``absent``: removed)."""
+    return {"absent": None, "identity": nn.Identity(), "zero": Zero()}[kind]
 
 
 def _shell(module: nn.Module) -> nn.Module:
@@ -101,6 +103,28 @@ class StageModule(nn.Module):
                 f"{self.layer_ids.stop - 1}{', tied head' if self.tied and self.is_last else ''}")
 
 
+def n_layers_of(base: nn.Module, plan) -> int:
+    """The dense model's layer count: the config's ``num_hidden_layers`` (a model :func:`trim_model`
+    cut holds fewer), else the ModuleList's length."""
+    n = getattr(base.config, "num_hidden_layers", None)
+    return n if isinstance(n, int) else len(getattr(base, plan.layers))
+
+
+def trim_model(model: nn.Module, plan, layer_ids: set[int], first: bool, last: bool) -> None:
+    """Remove from ``model``, in place, what a rank holding ``layer_ids`` (and the first / last
+    stage or not) does not hold: the other layers (the ModuleList keeps the global indices as
+    keys), the first / last stage's modules as the plan says, the head. ``from_pretrained`` then
+    reads only the tensors left. Local."""
+    base = base_model_and_prefix(model)[0]
+    layers = getattr(base, plan.layers)
+    layers._modules = {k: v for k, v in layers._modules.items() if int(k) in layer_ids}
+    for names, here in ((plan.first, first), (plan.last, last)):
+        for name, elsewhere in ({} if here else names).items():
+            setattr(base, name, _elsewhere(elsewhere))
+    if not last:
+        setattr(model, plan.head, None)
+
+
 def build_stage(model: nn.Module, plan, layer_ids: range, stage_index: int, num_stages: int,
                 tied: bool) -> StageModule:
     """The :class:`StageModule` of ``stage_index`` cut from ``model`` (which stays as it was: the
@@ -110,21 +134,15 @@ def build_stage(model: nn.Module, plan, layer_ids: range, stage_index: int, num_
     setattr(top, prefix, stage_base)
     dense_layers = getattr(base, plan.layers)
     layers = nn.ModuleList()
-    layers._modules = {str(i): dense_layers[i] for i in layer_ids}  # the global indices as keys
+    layers._modules = {str(i): dense_layers._modules[str(i)] for i in layer_ids}  # the global indices as keys
     setattr(stage_base, plan.layers, layers)
     first, last = stage_index == 0, stage_index == num_stages - 1
-    param = next(iter(model.parameters()))
     for names, here in ((plan.first, first), (plan.last, last)):
-        if here:
-            continue
-        for name, elsewhere in names.items():
-            replacement = {"absent": None, "identity": nn.Identity(),
-                           "zero": Zero(param.dtype, param.device)}[elsewhere]
-            setattr(stage_base, name, replacement)
+        for name, elsewhere in ({} if here else names).items():
+            setattr(stage_base, name, _elsewhere(elsewhere))
     if not last:
         setattr(top, plan.head, None)
-    n_layers = len(dense_layers)
-    config = stage_config(base.config, layer_ids, n_layers)
+    config = stage_config(base.config, layer_ids, n_layers_of(base, plan))
     stage_base.config = config
     info = tp_info_of(model)
     if info is not None:
