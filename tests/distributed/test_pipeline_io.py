@@ -89,6 +89,7 @@ def _job(rank, world, root):
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
         pp.save_pretrained(sched, saved)
+        pp.save_checkpoint(Path(root) / f"{name}-dcp", sched, [opt])  # weights and AdamW state after one step
         files = sorted(p.name for p in saved.glob("*.safetensors"))
         assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], files
         back = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64)  # plain transformers
@@ -100,7 +101,14 @@ def _job(rank, world, root):
         again.train()
         sched4 = pp.pipeline(again, mesh4, schedule="GPipe", n_microbatches=M)
         del again
+        opt4 = torch.optim.AdamW(pp.parameters(sched4), lr=1e-2)
+        pp.load_checkpoint(Path(root) / f"{name}-dcp", sched4, [opt4])  # resume at another pp and tp
         _step_matches(sched4, ref, 1, f"{name} saved at pp 2 x tp 2, loaded at pp 4")
+        opt4.step(); ref_opt.step()  # the second AdamW step continues the first's moments
+        want = dict(ref.named_parameters(remove_duplicate=False))
+        for stage in pp.stages_of(sched4):
+            for n, p in stage.model.named_parameters():
+                torch.testing.assert_close(p, want[n], **tputil.F64, msg=f"{name}: resumed at pp 4, {n} after step 2")
         barrier()
         out.append(name)
     return out

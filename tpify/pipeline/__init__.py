@@ -11,7 +11,8 @@ torch's schedules (:mod:`.schedule`). One job per module:
 * :mod:`.split`: :func:`split_model`, this rank's stages and the embedding group;
 * :mod:`.schedule`: :func:`build_schedule` (torch's schedule objects), :class:`PipelineLoss`, :func:`step`;
 * :mod:`.grads`: the global gradient norm over pp x tp and clipping;
-* :mod:`.load`: :func:`from_pretrained` reading only this rank's stages, :func:`save_pretrained` by stage.
+* :mod:`.load`: :func:`from_pretrained` reading only this rank's stages, :func:`save_pretrained` by stage;
+* :mod:`.checkpoint`: training checkpoints (DCP) that resume at another pp and tp.
 
 Usage (docs/pipeline-parallelism.md)::
 
@@ -26,6 +27,7 @@ Usage (docs/pipeline-parallelism.md)::
 
 from __future__ import annotations
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .grads import clip_grad_norm_, grad_norm, parameters
 from .load import from_pretrained, save_pretrained
 from .plan import PipelineError, PipelinePlan, layer_ranges, pipeline_plan
@@ -34,7 +36,7 @@ from .split import PipelineInfo, split_model
 from .stage import StageModule
 
 __all__ = ["pipeline", "split_model", "build_schedule", "step", "parameters", "grad_norm", "clip_grad_norm_",
-           "stages_of", "from_pretrained", "save_pretrained", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
+           "stages_of", "from_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
            "layer_ranges", "pipeline_plan"]
 
 

@@ -46,6 +46,7 @@ class PipelineInfo:
     embedding_group: object = None
     tied_params: list = field(default_factory=list)
     style: str = "loop"
+    plan: object = None
 
 
 def _recipe_of(model: nn.Module, recipe) -> Recipe | None:
@@ -148,7 +149,7 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
     tied = _tied(model, plan)
     stages = [build_stage(model, plan, ranges[s], s, num_stages, tied) for s in mine]
     info = tp_info_of(model)
-    out = PipelineInfo(mesh, stages, ranges, num_stages, pp_group_of(mesh),
+    out = PipelineInfo(mesh, stages, ranges, num_stages, pp_group_of(mesh), plan=plan,
                        tp_group=info.tp_group if info is not None else mesh["tp"].get_group(),
                        vocab_size=int(config_get(model.config.get_text_config(), "vocab_size")), style=style)
     first_rank = stage_indices(0, pp, n_virtual, style)

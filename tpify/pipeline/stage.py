@@ -22,7 +22,7 @@ from ..hf_modules import base_model_and_prefix
 from ..info import tp_info_of
 from ..layers import ColumnParallelLinear
 
-__all__ = ["StageModule", "Zero", "stage_config", "build_stage", "n_layers_of", "trim_model"]
+__all__ = ["StageModule", "Zero", "stage_config", "build_stage", "n_layers_of", "trim_model", "shell_of"]
 
 
 class Zero(nn.Module):
@@ -40,7 +40,7 @@ def _elsewhere(kind: str) -> nn.Module | None:
     return {"absent": None, "identity": nn.Identity(), "zero": Zero()}[kind]
 
 
-def _shell(module: nn.Module) -> nn.Module:
+def shell_of(module: nn.Module) -> nn.Module:
     """A new module object sharing ``module``'s parameters, buffers and children, with dicts of its
     own (replacing a child of the shell leaves ``module`` as it was)."""
     new = copy.copy(module)
@@ -130,7 +130,7 @@ def build_stage(model: nn.Module, plan, layer_ids: range, stage_index: int, num_
     """The :class:`StageModule` of ``stage_index`` cut from ``model`` (which stays as it was: the
     stage is a shell sharing its parameters). Local; no communication."""
     base, prefix = base_model_and_prefix(model)
-    top, stage_base = _shell(model), _shell(base)
+    top, stage_base = shell_of(model), shell_of(base)
     setattr(top, prefix, stage_base)
     dense_layers = getattr(base, plan.layers)
     layers = nn.ModuleList()
