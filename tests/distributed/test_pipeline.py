@@ -2,7 +2,8 @@
 
 One spawned job of 4 gloo ranks runs every check (spawning costs seconds): GPT-2 (tied head,
 learned positions) and Llama (untied, GQA) at pp 2 (GPipe, 1F1B), pp 4 (1F1B), pp 2 with two
-virtual stages per rank (interleaved 1F1B), and Llama at pp 2 x tp 2 (1F1B); each the loss and
+virtual stages per rank (interleaved 1F1B), and Llama at pp 2 x tp 2 (1F1B); at pp 2 x dp 2 each
+data-parallel replica takes its half of the global batch (the dense model sees the whole); each the loss and
 every gradient of the first step, then 3 AdamW steps with clipping, and the tied embedding's
 gradient equal on the first and last stage. Tolerance: float64 sums in another order (~1e-16);
 tputil.F64 (atol 1e-10) leaves room for the 3 AdamW steps.
@@ -50,6 +51,16 @@ def _qwen2():
     return Qwen2ForCausalLM(cfg)
 
 
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                        experts_implementation="eager")
+    return MixtralForCausalLM(cfg)
+
+
 LORA = dict(r=4, lora_alpha=8, init_lora_weights="gaussian",
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
@@ -60,12 +71,13 @@ def _dense_loss(ref, ids, labels):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
 
 
-def _batch(vocab, seed):
+def _batch(vocab, seed, rows=B):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (B, T), generator=g)
+    ids = torch.randint(0, vocab, (rows, T), generator=g)
     labels = ids.clone()
     labels[0, :3] = -100  # ignored targets: the count is the whole batch's
     labels[5, 2] = -100
+    labels[rows - 1, 1:] = -100  # the replicas' halves hold different counts
     return ids, labels
 
 
@@ -75,6 +87,7 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
     import tpify
     import tpify.pipeline as pp
     from tpify.integrations import get_peft_model
+    from tpify.mesh import dp_mesh
 
     torch.manual_seed(0)
     ref = make().double()
@@ -102,10 +115,13 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
     vocab = ref.config.vocab_size
     what = (f"{type(ref).__name__} {mesh_args} tp {tp} {schedule} x{n_virtual}{' checkpointing' * checkpointing}"
             f"{' LoRA' * lora}")
+    dp = dp_mesh(mesh)
+    replicas, replica = dp.size(), dp.get_local_rank()
     for it in range(3):
-        ids, labels = _batch(vocab, it)
+        ids, labels = _batch(vocab, it, B * replicas)  # the global batch; each dp replica its B rows
         want = _dense_loss(ref, ids, labels)
         want.backward()
+        ids, labels = ids[replica * B:(replica + 1) * B], labels[replica * B:(replica + 1) * B]
         loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
         if last:
             torch.testing.assert_close(loss, want.detach(), **tputil.F64, msg=f"{what}: loss, step {it}")
@@ -135,6 +151,9 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
 
 
 def _job(rank, world):
+    import tpify
+    import tpify.pipeline as pp
+
     done = []
     for make in (_gpt2, _llama):
         done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "GPipe", 1, 1))
@@ -148,6 +167,11 @@ def _job(rank, world):
     done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2, checkpointing=True))
     done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, lora=True))
     done.append(_case(_llama, {"pp_size": 2}, "GPipe", 1, 2, lora=True))
+    done.append(_case(_mixtral, {"pp_size": 2}, "1F1B", 1, 2))  # MoE: fused experts tensor-parallel in each stage
+    with pytest.raises(pp.PipelineError, match="output_router_logits"):  # the aux loss is not built: refused
+        m = _mixtral()
+        m.config.output_router_logits = True
+        pp.pipeline(m, tpify.init_mesh(1, pp_size=2, device_type="cpu"), n_microbatches=M)
     done.append(_refusals())
     return done
 
@@ -183,4 +207,4 @@ def _refusals():
 
 def test_pipeline_matches_dense():
     results = tputil.spawn(_job, 4, timeout=900)
-    assert all(len(r) == 16 for r in results)
+    assert all(len(r) == 17 for r in results)

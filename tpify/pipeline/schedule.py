@@ -21,6 +21,7 @@ from .plan import PipelineError
 from .split import PipelineInfo
 
 __all__ = ["SCHEDULES", "REFUSED_SCHEDULES", "PipelineLoss", "build_schedule", "check_microbatches", "step",
+           "sum_over_replicas",
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
@@ -138,6 +139,30 @@ def _batch_problem(info: PipelineInfo, has_first: bool, has_last: bool, input_id
     return None
 
 
+def sum_over_replicas(info: PipelineInfo) -> None:
+    """Sum the gradients of this rank's stages over the data-parallel replicas (each computed its
+    part of the global batch's mean loss): one all-reduce per (device, dtype) bucket, the
+    gradients flattened into one buffer and back. Nothing with one replica. No DDP or FSDP2
+    engine: every replica holds the whole stage."""
+    if comm.group_size(info.dp_group) == 1:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    seen = set()
+    for stage in info.stages:
+        for p in stage.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in buckets.values():
+        flat = comm.all_reduce(_flatten_dense_tensors(grads), info.dp_group)
+        for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(summed)
+
+
 def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor | None:
     """One forward and backward of the whole batch through the pipeline; the loss on the rank
     holding the last stage (None elsewhere). The gradients accumulate in the stages' parameters.
@@ -146,14 +171,18 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     the batch is cut into microbatches; the non-ignored targets of the whole batch are counted once
     (a tensor: no host sync), each microbatch's loss is its sum over that count. After the schedule,
     a tied embedding's gradient is summed between the first and last stage (both then hold the
-    dense gradient; their updates stay equal). Plain causal attention only: padding masks and
-    packed sequences are not taken (no ``attention_mask``).
+    dense gradient; their updates stay equal). With data-parallel replicas (the mesh's dp axes)
+    each gives its own batch: the count is the global batch's (summed over dp), the gradients are
+    summed over dp (:func:`sum_over_replicas`), and the loss returned is the global batch's mean.
+    Plain causal attention only: padding masks and packed sequences are not taken (no
+    ``attention_mask``).
 
     Shapes: ``input_ids`` ``(B, T)`` int64 on the first stage's ranks only, ``labels`` ``(B, T)``
     on the last stage's only (``B`` a multiple of the microbatch count). Returns a scalar.
     Communication: one agreement (the store: no collective) on the inputs; torch's send/recv
     between stages; the TP layers' collectives; one all-reduce of the tied weight's gradient over
-    the embedding group.
+    the embedding group; over the dp replicas (when more than one): the count and the loss (one
+    value each), the gradients (one all-reduce per (device, dtype) bucket).
 
     Raises:
         PipelineError: on every rank before any collective: inputs on a stage that takes none, a
@@ -175,7 +204,9 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     target, loss_kwargs, losses = None, None, None
     if has_last:
         target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # HF's shift, before the microbatches
-        loss_kwargs = {"num_items": (target != IGNORE_INDEX).sum()}
+        count = (target != IGNORE_INDEX).sum()
+        comm.all_reduce(count, info.dp_group)  # the global batch's count: over the data-parallel replicas
+        loss_kwargs = {"num_items": count}
         losses = []
     args = (input_ids,) if has_first else ()
     schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
@@ -184,4 +215,8 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             comm.all_reduce(p.grad, info.embedding_group)
-    return torch.stack(losses).sum().detach() if has_last else None
+    sum_over_replicas(info)
+    if not has_last:
+        return None
+    loss = torch.stack(losses).sum().detach()
+    return comm.all_reduce(loss, info.dp_group)  # the global batch's mean loss on every replica

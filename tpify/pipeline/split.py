@@ -15,8 +15,9 @@ from torch import nn
 from ..agree import agree
 from ..hf_modules import base_model_and_prefix, config_get
 from ..info import tp_info_of
-from ..mesh import pp_group_of, pp_size_of
+from ..mesh import dp_mesh, pp_group_of, pp_size_of
 from ..recipe import Recipe, available_recipes, load_recipe
+from ..sharding import is_dtensor
 from .plan import PipelineError, layer_ranges, pipeline_plan, stage_indices
 from .stage import StageModule, build_stage, n_layers_of
 
@@ -30,7 +31,8 @@ STAGE_STYLES = ("loop", "v")
 class PipelineInfo:
     """What :func:`split_model` decided, kept on the schedule (``schedule.tpify_pipeline``).
 
-    ``stages``: this rank's :class:`StageModule` s; ``ranges``: every stage's layers;
+    ``stages``: this rank's :class:`StageModule` s; ``ranges``: every stage's layers; ``dp_group``:
+    the data-parallel replicas of this rank's stages (the mesh's dp axes at this pp, cp, tp);
     ``embedding_group``: the first and last stage's ranks of this pipeline when a tied head
     lives on another rank than its embedding (None otherwise, or when this rank holds neither);
     ``tied_params``: this rank's tied embedding / head parameter(s) whose gradient is summed over it.
@@ -42,6 +44,7 @@ class PipelineInfo:
     num_stages: int
     pp_group: object
     tp_group: object = None
+    dp_group: object = None
     vocab_size: int = 0
     embedding_group: object = None
     tied_params: list = field(default_factory=list)
@@ -101,6 +104,16 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
 
 def _check_model(model: nn.Module) -> None:
     """What the stages would compute wrongly: refused. Raises PipelineError."""
+    if not hasattr(model, "config") or any(is_dtensor(p) for p in model.parameters()):
+        raise PipelineError(f"{type(model).__name__}: a pipeline cuts the Hugging Face model itself; this one is wrapped "
+                            f"(DDP) or FSDP2-sharded (DTensor parameters): pp x FSDP2 and pp x DDP are not built. Cut "
+                            f"the plain (or tpify.parallelize-d) model; tpify.pipeline.step sums the gradients over the "
+                            f"mesh's data-parallel replicas itself")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "output_router_logits", False):
+        raise PipelineError(f"{type(model).__name__}: config.output_router_logits is True, so the dense model adds "
+                            f"the router's auxiliary loss to the LM loss; the pipeline's last stage computes the LM "
+                            f"loss alone (the aux loss is not built): set output_router_logits=False")
     info = tp_info_of(model)
     if info is not None:
         layout = info.layout
@@ -135,7 +148,8 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
         PipelineError: on every rank: a mesh without a ``"pp"`` axis of more than one rank; more
             stages than layers; bad ``split_points``, ``n_virtual`` or ``style``; a model without a
             pipeline plan (naming the recipe key to add) or without an LM head; sequence
-            parallelism, ``lm_loss_chunk`` or logit ops on the parallel model (not built).
+            parallelism, ``lm_loss_chunk`` or logit ops on the parallel model; the router's aux
+            loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model (not built).
         AgreementError: another rank failed, or the ranks disagree on the layout.
     """
     error, ranges, plan, mine, pp = None, None, None, [], pp_size_of(mesh)
@@ -151,6 +165,7 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
     info = tp_info_of(model)
     out = PipelineInfo(mesh, stages, ranges, num_stages, pp_group_of(mesh), plan=plan,
                        tp_group=info.tp_group if info is not None else mesh["tp"].get_group(),
+                       dp_group=dp_mesh(mesh).get_group(),
                        vocab_size=int(config_get(model.config.get_text_config(), "vocab_size")), style=style)
     first_rank = stage_indices(0, pp, n_virtual, style)
     apart = tied and not (0 in first_rank and num_stages - 1 in first_rank)
