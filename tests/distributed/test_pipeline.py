@@ -202,6 +202,12 @@ def _refusals():
         pp.step(sched, input_ids=ids[:6] if first else None, labels=labels[:6] if last else None)
     loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)  # still usable
     assert (loss is not None) == last
+    mesh = tpify.init_mesh(2, pp_size=2, device_type="cpu")
+    sched = pp.pipeline(tpify.parallelize(_llama().double(), mesh=mesh), mesh, schedule="GPipe", n_microbatches=4)
+    first, last = pp.stages_of(sched)[0].is_first, pp.stages_of(sched)[0].is_last
+    other = (ids + mesh["tp"].get_local_rank()) % 64  # the TP ranks of the first stage given different ids
+    with pytest.raises(pp.PipelineError, match="different input_ids or labels"):
+        pp.step(sched, input_ids=other if first else None, labels=labels if last else None)
     return "refusals"
 
 

@@ -11,11 +11,13 @@ batch (gradient accumulation over the microbatches, ``scale_grads=False``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .. import comm
 from ..agree import agree
+from ..comm.inputs import inputs_checksum
 from ..loss import vocab_parallel_cross_entropy
 from .plan import PipelineError
 from .split import PipelineInfo
@@ -187,7 +189,8 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     Raises:
         PipelineError: on every rank before any collective: inputs on a stage that takes none, a
             missing input, a batch the microbatches do not divide, ``input_ids`` and ``labels``
-            of different sizes.
+            of different sizes, ranks of one TP group given different batches (their checksum, one
+            host sync, shared in the agreement, as tpify's guard checks a plain model's call).
     """
     info: PipelineInfo = schedule.tpify_pipeline
     m = schedule._n_microbatches
@@ -195,12 +198,25 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     has_last = any(s.is_last for s in info.stages)
     problem = _batch_problem(info, has_first, has_last, input_ids, labels, m)
     error = PipelineError(f"tpify.pipeline.step: {problem}") if problem else None
-    shapes = agree("tpify.pipeline.step", {"n_microbatches": m}, error,
-                   share=tuple(tuple(t.shape) for t in (input_ids, labels) if t is not None))
-    seen = {s for s in (shapes or []) for s in s}
+    named = [(n, t) for n, t in (("input_ids", input_ids), ("labels", labels)) if t is not None]
+    # what the TP guard checks on a plain model's call: the ranks of a TP group hold one batch (one host sync)
+    checksum = int(inputs_checksum(named)) if named and error is None else None
+    tp_ranks = tuple(dist.get_process_group_ranks(info.tp_group)) if comm.group_size(info.tp_group) > 1 else ()
+    shared = agree("tpify.pipeline.step", {"n_microbatches": m}, error,
+                   share=(tuple(tuple(t.shape) for _, t in named), checksum, tp_ranks))
+    seen = {s for shapes, _, _ in (shared or []) for s in shapes}
     if len(seen) > 1:
         raise PipelineError(f"tpify.pipeline.step: input_ids and labels of different shapes on the first and last "
                             f"stage: {sorted(seen)}; pass the same (B, T) batch")
+    by_group: dict[tuple, set] = {}
+    for _, value, ranks in shared or []:
+        if ranks:
+            by_group.setdefault(ranks, set()).add(value)
+    differing = sorted(ranks for ranks, values in by_group.items() if len(values) > 1)
+    if differing:
+        raise PipelineError(f"tpify.pipeline.step: the ranks of tensor-parallel group(s) {differing} were given "
+                            f"different input_ids or labels; every rank of a TP group must get the same batch (the "
+                            f"same sampler seed, or a broadcast from its first rank)")
     target, loss_kwargs, losses = None, None, None
     if has_last:
         target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # HF's shift, before the microbatches
