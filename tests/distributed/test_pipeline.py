@@ -200,6 +200,9 @@ def _refusals():
     with pytest.raises(pp.PipelineError, match="multiple of n_microbatches = 4") if first or last else \
             pytest.raises(AgreementError, match="multiple of n_microbatches"):
         pp.step(sched, input_ids=ids[:6] if first else None, labels=labels[:6] if last else None)
+    with pytest.raises(pp.PipelineError, match="attention_mask / position_ids are not taken"):
+        pp.step(sched, input_ids=ids if first else None, labels=labels if last else None,
+                attention_mask=torch.ones_like(ids))
     loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)  # still usable
     assert (loss is not None) == last
     mesh = tpify.init_mesh(2, pp_size=2, device_type="cpu")

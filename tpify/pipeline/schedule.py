@@ -32,10 +32,16 @@ IGNORE_INDEX = -100
 SCHEDULES = {"GPipe": (ScheduleGPipe, False), "1F1B": (Schedule1F1B, False),
              "Interleaved1F1B": (ScheduleInterleaved1F1B, True)}
 #: torch's other schedules, refused with the reason.
+_SPLIT_BACKWARD = ("its backward is split into input and weight gradients (stage_backward_input / _weight), which "
+                   "tpify's tensor-parallel layers and the tied-embedding sum are not verified against")
 REFUSED_SCHEDULES = {
-    name: "its backward is split into input and weight gradients (stage_backward_input / _weight), which tpify's "
-          "tensor-parallel layers and tied-embedding sum are not verified against; use GPipe, 1F1B or Interleaved1F1B"
-    for name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "LoopedBFS")}
+    "InterleavedZeroBubble": _SPLIT_BACKWARD + "; use GPipe, 1F1B or Interleaved1F1B",
+    "ZBVZeroBubble": _SPLIT_BACKWARD + " (and its V placement of the stages is not built); use GPipe, 1F1B or "
+                                       "Interleaved1F1B",
+    "DualPipeV": _SPLIT_BACKWARD + " (and its V placement of the stages is not built); use GPipe, 1F1B or "
+                                   "Interleaved1F1B",
+    "LoopedBFS": "not verified against the dense model yet; use Interleaved1F1B (the same placement of the stages)",
+}
 
 
 class PipelineLoss:
@@ -165,7 +171,8 @@ def sum_over_replicas(info: PipelineInfo) -> None:
             g.copy_(summed)
 
 
-def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor | None:
+def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """One forward and backward of the whole batch through the pipeline; the loss on the rank
     holding the last stage (None elsewhere). The gradients accumulate in the stages' parameters.
 
@@ -179,6 +186,8 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     Plain causal attention only: padding masks and packed sequences are not taken (no
     ``attention_mask``).
 
+    ``attention_mask`` / ``position_ids``: refused when given (not built; pad on the right).
+
     Shapes: ``input_ids`` ``(B, T)`` int64 on the first stage's ranks only, ``labels`` ``(B, T)``
     on the last stage's only (``B`` a multiple of the microbatch count). Returns a scalar.
     Communication: one agreement (the store: no collective) on the inputs; torch's send/recv
@@ -189,7 +198,7 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     Raises:
         PipelineError: on every rank before any collective: inputs on a stage that takes none, a
             missing input, a batch the microbatches do not divide, ``input_ids`` and ``labels``
-            of different sizes, ranks of one TP group given different batches (their checksum, one
+            of different sizes, an ``attention_mask`` or ``position_ids``, ranks of one TP group given different batches (their checksum, one
             host sync, shared in the agreement, as tpify's guard checks a plain model's call).
     """
     info: PipelineInfo = schedule.tpify_pipeline
@@ -197,6 +206,11 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     has_first = any(s.is_first for s in info.stages)
     has_last = any(s.is_last for s in info.stages)
     problem = _batch_problem(info, has_first, has_last, input_ids, labels, m)
+    if attention_mask is not None or position_ids is not None:
+        problem = ("attention_mask / position_ids are not taken: the stages compute the plain causal mask and "
+                   "positions 0 .. T-1 as the dense forward does without them; padding masks and packed sequences "
+                   "are not built. Pad on the right with labels -100 (causal attention never reads later tokens, "
+                   "and ignored targets are not counted)")
     error = PipelineError(f"tpify.pipeline.step: {problem}") if problem else None
     named = [(n, t) for n, t in (("input_ids", input_ids), ("labels", labels)) if t is not None]
     # what the TP guard checks on a plain model's call: the ranks of a TP group hold one batch (one host sync)

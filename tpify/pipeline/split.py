@@ -23,8 +23,10 @@ from .stage import StageModule, build_stage, n_layers_of
 
 __all__ = ["PipelineInfo", "split_model", "plan_stages", "STAGE_STYLES"]
 
-#: How stages are placed on the pipeline ranks (:func:`tpify.pipeline.plan.stage_indices`).
-STAGE_STYLES = ("loop", "v")
+#: How stages are placed on the pipeline ranks (:func:`tpify.pipeline.plan.stage_indices`): the
+#: loop (stage ``s`` on rank ``s % pp``), which every schedule tpify builds assumes; the V placement
+#: comes with the zero-bubble V schedules (refused: :data:`tpify.pipeline.schedule.REFUSED_SCHEDULES`).
+STAGE_STYLES = ("loop",)
 
 
 @dataclass
@@ -87,9 +89,8 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
                             f"build it with tpify.init_mesh(tp_size, pp_size=P)")
     if style not in STAGE_STYLES:
         raise PipelineError(f"style {style!r}: use one of {STAGE_STYLES}")
-    if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1 or \
-            (style == "v" and n_virtual != 2):
-        raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank (2 with style='v')")
+    if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1:
+        raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank")
     _check_model(model)
     cut = getattr(model, "tpify_pipeline_cut", None)  # (ranges, this rank's stages, plan) of a model loaded by stage
     plan = cut[2] if cut is not None else pipeline_plan(model, _recipe_of(model, recipe))
@@ -134,7 +135,7 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
     """This rank's pipeline stages of ``model`` (a causal LM, dense or :func:`tpify.parallelize`-d
     over ``mesh``'s tp axis), for ``mesh``'s ``"pp"`` axis of ``pp`` ranks.
 
-    The model is cut into ``pp * n_virtual`` stages (``style="v"``: ``2 pp``, two per rank) of
+    The model is cut into ``pp * n_virtual`` stages (stage ``s`` on pipeline rank ``s % pp``) of
     balanced layer counts, or at ``split_points`` (the first layer of each stage but the first),
     from the recipe's ``[pipeline]`` table or transformers' ``base_model_pp_plan``
     (:func:`tpify.pipeline.plan.pipeline_plan`). Each stage is a :class:`StageModule` sharing
