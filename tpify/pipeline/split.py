@@ -15,7 +15,7 @@ from torch import nn
 from ..agree import agree
 from ..hf_modules import base_model_and_prefix, config_get
 from ..info import tp_info_of
-from ..mesh import dp_mesh, pp_group_of, pp_size_of
+from ..mesh import cp_size_of, dp_mesh, pp_group_of, pp_size_of
 from ..recipe import Recipe, available_recipes, load_recipe
 from ..sharding import is_dtensor
 from .plan import PipelineError, layer_ranges, pipeline_plan, stage_indices
@@ -87,6 +87,10 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
     if pp < 2:
         raise PipelineError(f"a pipeline needs a mesh with a 'pp' axis of 2 or more ranks (got pp = {pp}): "
                             f"build it with tpify.init_mesh(tp_size, pp_size=P)")
+    if cp_size_of(mesh) > 1:
+        raise PipelineError(f"pipeline stages with context parallelism (cp = {cp_size_of(mesh)}) are not built: the "
+                            f"stages would each need the sequence split and the labels shifted before it; build the "
+                            f"mesh with cp_size=1")
     if style not in STAGE_STYLES:
         raise PipelineError(f"style {style!r}: use one of {STAGE_STYLES}")
     if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1:
@@ -150,7 +154,8 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
             stages than layers; bad ``split_points``, ``n_virtual`` or ``style``; a model without a
             pipeline plan (naming the recipe key to add) or without an LM head; sequence
             parallelism, ``lm_loss_chunk`` or logit ops on the parallel model; the router's aux
-            loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model (not built).
+            loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model; a mesh with
+            context parallelism (not built).
         AgreementError: another rank failed, or the ranks disagree on the layout.
     """
     error, ranges, plan, mine, pp = None, None, None, [], pp_size_of(mesh)
