@@ -81,7 +81,7 @@ def _batch(vocab, seed, rows=B):
     return ids, labels
 
 
-def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False):
+def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False, chunk=None):
     import peft
 
     import tpify
@@ -104,7 +104,7 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
         torch.manual_seed(1)
         model = (get_peft_model(model, peft.LoraConfig(**LORA)) if tp > 1 else
                  peft.get_peft_model(model, peft.LoraConfig(**LORA))).base_model.model
-    sched = pp.pipeline(model, mesh, schedule=schedule, n_microbatches=M, n_virtual=n_virtual)
+    sched = pp.pipeline(model, mesh, schedule=schedule, n_microbatches=M, n_virtual=n_virtual, lm_loss_chunk=chunk)
     del model
     stages = pp.stages_of(sched)
     first = any(s.is_first for s in stages)
@@ -114,7 +114,7 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     vocab = ref.config.vocab_size
     what = (f"{type(ref).__name__} {mesh_args} tp {tp} {schedule} x{n_virtual}{' checkpointing' * checkpointing}"
-            f"{' LoRA' * lora}")
+            f"{' LoRA' * lora}{f' lm_loss_chunk {chunk}' if chunk else ''}")
     worst = [0.0]
 
     def close(got, want, msg):
@@ -172,7 +172,9 @@ def _job(rank, world):
     done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2, checkpointing=True))
     done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, lora=True))
     done.append(_case(_llama, {"pp_size": 2}, "GPipe", 1, 2, lora=True))
-    done.append(_case(_mixtral, {"pp_size": 2}, "1F1B", 1, 2))  # MoE: fused experts tensor-parallel in each stage
+    done.append(_case(_mixtral, {"pp_size": 2}, "1F1B", 1, 2))
+    done.append(_case(_gpt2, {"pp_size": 2}, "1F1B", 1, 2, chunk=5))  # the tied head's weight from the loss
+    done.append(_case(_llama, {"pp_size": 4}, "GPipe", 1, 1, chunk="auto"))  # MoE: fused experts tensor-parallel in each stage
     with pytest.raises(pp.PipelineError, match="output_router_logits"):  # the aux loss is not built: refused
         m = _mixtral()
         m.config.output_router_logits = True
@@ -221,7 +223,7 @@ def _refusals():
 
 def test_pipeline_matches_dense():
     results = tputil.spawn(_job, 4, timeout=900)
-    assert all(len(r) == 17 for r in results)
+    assert all(len(r) == 19 for r in results)
     cases = [c for c in results[0] if isinstance(c, tuple)]
     for i, (what, _) in enumerate(cases):  # the largest |difference| over the ranks (docs/pipeline-parallelism.md)
         print(f"{what}: {max(r[i][1] for r in results):.1e}")

@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .. import comm
 from ..agree import agree
 from ..comm.inputs import inputs_checksum
-from ..loss import vocab_parallel_cross_entropy
+from ..loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from .plan import PipelineError
 from .split import PipelineInfo
 
@@ -52,15 +53,30 @@ class PipelineLoss:
     loss and their gradients to its gradient. From the vocabulary shard with
     :func:`tpify.loss.vocab_parallel_cross_entropy` (Megatron-LM, arXiv:1909.08053, section 3).
 
-    Shapes: ``logits`` ``(b, T, V_padded / tp_size)``, ``target`` ``(b, T)`` (shifted already);
-    returns a scalar. Dtype: float32 for half-precision logits, else the logits' dtype.
-    Communication: the vocab-parallel loss's all-reduces over the TP group (none at tp 1).
+    With ``chunk`` (an int, or ``"auto"``: :func:`tpify.loss.default_chunk_size`) the last stage
+    returns the head's input and the loss is :func:`tpify.loss.vocab_parallel_linear_cross_entropy`
+    from it and ``head``'s weight shard, ``chunk`` tokens at a time: the ``(b, T, V/p)`` logits are
+    never held (the head's weight gradient flows from the loss's backward).
+
+    Shapes: ``logits`` ``(b, T, V_padded / tp_size)`` (with ``chunk``: ``(b, T, H)``), ``target``
+    ``(b, T)`` (shifted already); returns a scalar. Dtype: float32 for half-precision logits, else
+    the logits' dtype. Communication: the vocab-parallel loss's all-reduces over the TP group
+    (none at tp 1).
     """
 
-    def __init__(self, tp_group, vocab_size: int):
-        self.tp_group, self.vocab_size = tp_group, vocab_size
+    def __init__(self, tp_group, vocab_size: int, head: nn.Module | None = None, chunk: int | str | None = None):
+        self.tp_group, self.vocab_size, self.head, self.chunk = tp_group, vocab_size, head, chunk
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
+        if self.chunk is not None:  # ``logits`` is the head's input (B, T, H): the logits are never held
+            weight = self.head.weight
+            if getattr(self.head, "weight_layout", "linear") != "linear":
+                weight = weight.t()
+            total = vocab_parallel_linear_cross_entropy(
+                logits, weight, target, bias=getattr(self.head, "bias", None), ignore_index=IGNORE_INDEX,
+                reduction="sum", tp_group=self.tp_group, vocab_size=self.vocab_size,
+                chunk_size=None if self.chunk == "auto" else self.chunk)
+            return total / num_items.to(total.dtype)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         if comm.group_size(self.tp_group) == 1:
@@ -103,30 +119,41 @@ def check_microbatches(schedule: str, n_microbatches, pp_size: int, num_stages: 
 
 
 def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: int = 1,
-                   device: torch.device | None = None):
+                   device: torch.device | None = None, lm_loss_chunk: int | str | None = None):
     """torch's schedule object running ``info``'s stages (:func:`tpify.pipeline.split_model`).
 
     ``schedule.step`` is torch's; use :func:`step` (labels shifted, the batch's target count, the
     tied embedding's gradient summed). ``schedule.tpify_pipeline`` is ``info``. ``device``: where
-    the stages' activations live (default: the stages' parameters').
+    the stages' activations live (default: the stages' parameters'). ``lm_loss_chunk``: None (the
+    loss from the logits shard), a positive int or ``"auto"`` (the chunked linear cross-entropy,
+    :class:`PipelineLoss`).
 
     Communication: one agreement (the store) on the schedule and the microbatch count; torch's
     send/recv over the pipeline group when the schedule first runs.
 
     Raises:
-        PipelineError: on every rank, as :func:`check_microbatches`.
+        PipelineError: on every rank, as :func:`check_microbatches`; a bad ``lm_loss_chunk``.
         AgreementError: another rank failed, or the ranks passed other arguments.
     """
     error = None
     try:
         check_microbatches(schedule, n_microbatches, info.mesh["pp"].size(), info.num_stages, len(info.stages))
+        if lm_loss_chunk is not None and lm_loss_chunk != "auto" and not (
+                isinstance(lm_loss_chunk, int) and not isinstance(lm_loss_chunk, bool) and lm_loss_chunk > 0):
+            raise PipelineError(f"lm_loss_chunk must be None, 'auto' or a positive number of tokens, got "
+                                f"{lm_loss_chunk!r}")
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
-    agree("tpify.pipeline.build_schedule", {"schedule": schedule, "n_microbatches": n_microbatches}, error)
+    agree("tpify.pipeline.build_schedule", {"schedule": schedule, "n_microbatches": n_microbatches,
+                                            "lm_loss_chunk": lm_loss_chunk}, error)
     device = device if device is not None else next(info.stages[0].parameters()).device
     stages = [PipelineStage(s, s.stage_index, s.num_stages, device, group=info.pp_group) for s in info.stages]
     cls, multi = SCHEDULES[schedule]
-    loss = PipelineLoss(info.tp_group, info.vocab_size)
+    last = next((s for s in info.stages if s.is_last), None)
+    head = getattr(last.model, last.head) if last is not None else None
+    if last is not None:
+        last.return_hidden = lm_loss_chunk is not None
+    loss = PipelineLoss(info.tp_group, info.vocab_size, head, lm_loss_chunk)
     out = cls(stages if multi else stages[0], n_microbatches, loss_fn=loss, scale_grads=False)
     out.tpify_pipeline = info
     return out

@@ -127,8 +127,9 @@ def _check_model(model: nn.Module) -> None:
                                 f"(the split and exit points lie on the first and last stage); parallelize with "
                                 f"sequence_parallel=False")
         if getattr(layout, "lm_loss_chunk", None):
-            raise PipelineError(f"{type(model).__name__}: lm_loss_chunk with pipeline stages is not built (the last "
-                                f"stage's loss is computed from the logits shard); parallelize without it")
+            raise PipelineError(f"{type(model).__name__}: parallelized with lm_loss_chunk, which the model's labels= "
+                                f"call uses; a pipeline computes its loss on the last stage: parallelize without it and "
+                                f"pass lm_loss_chunk to tpify.pipeline.pipeline (or build_schedule)")
         if layout.recipe.logit_ops:
             raise PipelineError(f"{type(model).__name__}: the recipe declares ops on the logits "
                                 f"({list(layout.recipe.logit_ops)}), which the pipeline's last stage does not apply")
