@@ -119,6 +119,13 @@ def _check_model(model: nn.Module) -> None:
         raise PipelineError(f"{type(model).__name__}: config.output_router_logits is True, so the dense model adds "
                             f"the router's auxiliary loss to the LM loss; the pipeline's last stage computes the LM "
                             f"loss alone (the aux loss is not built): set output_router_logits=False")
+    # what transformers applies to the LM head's output (tpify.recipe.logit_ops_of): not applied by the last stage
+    ops = {n: getattr(config, n, None) for n in ("logit_scale", "lm_head_multiplier", "logits_scaling",
+                                                 "final_logit_softcapping")}
+    active = {n: v for n, v in ops.items() if v is not None and not (n != "final_logit_softcapping" and v == 1)}
+    if active:
+        raise PipelineError(f"{type(model).__name__}: the model applies {active} to its logits, which the pipeline's "
+                            f"last stage does not (not built)")
     info = tp_info_of(model)
     if info is not None:
         layout = info.layout
