@@ -318,11 +318,8 @@ def from_pretrained(
     grad_reduce_dtype: torch.dtype | None = None,
     torch_dtype: torch.dtype | str | None = None,
     quantization_config=None,
-<<<<<<< HEAD
-    stage_cut=None,
-=======
     cp_attention: str = "allgather",
->>>>>>> main
+    stage_cut=None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slices.
 
@@ -376,15 +373,11 @@ def from_pretrained(
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
         finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh,  # groups, surgery, hooks
-<<<<<<< HEAD
-               grad_reduce_dtype)
+               grad_reduce_dtype, cp_attention)
         if stage_cut is not None:  # pipeline stages: the modules of other stages go before anything is read
             stage_cut(model)
             held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
             load.to_init = [f for f in load.to_init if f in held]
-=======
-               grad_reduce_dtype, cp_attention)
->>>>>>> main
         with agreement("reading the checkpoint in tpify.from_pretrained", group=tp_group) as read:
             materialize(model, load.snap, load.source, load.headers, load.dtype, copy=disable_mmap)
             if load.prequantized is not None:
