@@ -1,0 +1,206 @@
+"""Context parallelism through the tools: ``TPAccelerator`` and ``TPTrainer``, float64 against a dense loop.
+
+4 gloo ranks, the model parallelized at cp 2 x tp 2 (``tpify.init_mesh(2, cp_size=2)``, dp 1), a
+random Llama (grouped-query attention) in float64, sequences of 16 tokens with about 30% of the
+labels -100. The dense reference is a hand-written loop on one model in each rank (the same
+seed), written to do what the tool does:
+
+* ``TPAccelerator(parallelism_config=ParallelismConfig(cp_size=2, tp_size=2),
+  gradient_accumulation_steps=2)``: the loop calls ``tpify.context_parallel.split_batch`` on each
+  batch, ``accelerator.backward`` (the loss divided by 2), ``accelerator.clip_grad_norm_(.., 1.0)``,
+  AdamW; dense: each micro-batch's mean loss / 2, torch's clipping, AdamW;
+* ``TPTrainer`` (``parallelism_config`` with ``cp_size=2``), 3 steps of 2 accumulated
+  micro-batches, ``max_grad_norm=1.0``, constant learning rate: Trainer counts the targets of the
+  2 whole micro-batches (``num_items_in_batch``) and the model divides each micro-batch's summed
+  loss by it; dense: the same sum / count by HF's loss (float64 arithmetic), clipping, AdamW.
+
+Tolerance ``atol 1e-10, rtol 1e-9`` on every weight after the 3 steps and on the clipping norms:
+the same sums in another order (~1e-16) through 3 Adam steps whose clipped gradients are all well
+above Adam's eps (as in test_context_parallel.py's AdamW check). Also: ``accelerator.save_model``
+at cp 2 writes a directory plain transformers loads, with the trained weights exactly; what is
+refused on every rank (TRL's SFT, DPO, GRPO and RLOO trainers, each with its reason; FSDP2 with
+cp; a ``cp_size`` that is not the model's; evaluation with logits).
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tputil
+from tpify.authoring.reference import perturb_constants
+
+TOL = dict(atol=1e-10, rtol=1e-9)
+T, V, STEPS, MICRO = 16, 101, 3, 2
+
+
+class _Data(torch.utils.data.Dataset):
+    """``n`` sequences of ``T`` tokens, about 30% of the labels -100."""
+
+    def __init__(self, n: int = 12, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, V, (n, T), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[torch.rand(n, T, generator=g) < 0.3] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _reference():
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=48, vocab_size=V,
+                                       max_position_embeddings=64)).double()
+    perturb_constants(ref)
+    ref.loss_function = tputil.float64_loss_function(causal=True)
+    return ref
+
+
+def _batches(batch: int):
+    data = _Data()
+    return [{k: torch.stack([data[i][k] for i in range(s, s + batch)]) for k in ("input_ids", "labels")}
+            for s in range(0, len(data), batch)]
+
+
+def _dense_steps(ref, batch: int, num_items: bool) -> list[float]:
+    """3 AdamW steps of 2 micro-batches, clipped at 1.0: each micro-batch's mean loss / 2, or (``num_items``)
+    its summed loss / the targets of both micro-batches (Trainer's). The norms before clipping."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    batches, norms = _batches(batch), []
+    for step in range(STEPS):
+        micro = batches[MICRO * step: MICRO * (step + 1)]
+        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        for b in micro:
+            if num_items:
+                ref(**b, use_cache=False, num_items_in_batch=torch.tensor(float(count))).loss.backward()
+            else:
+                (ref(**b, use_cache=False).loss / MICRO).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _assert_weights(par, ref, what: str) -> float:
+    want, got = tputil.dense_named(ref), tputil.dense_named(par)
+    err = 0.0
+    for fqn, w in want.items():
+        torch.testing.assert_close(got[fqn], w, **TOL, msg=lambda m: f"{what}: weight {fqn}: {m}")
+        err = max(err, float((got[fqn] - w).abs().max()))
+    return err
+
+
+def _accelerate(rank, out) -> dict:
+    from accelerate import ParallelismConfig
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    import tpify
+    from tpify.context_parallel import split_batch
+    from tpify.integrations import TPAccelerator
+
+    ref = _reference()
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2))
+    accelerator = TPAccelerator(cpu=True, gradient_accumulation_steps=MICRO,
+                                parallelism_config=ParallelismConfig(cp_size=2, tp_size=2))
+    loader = torch.utils.data.DataLoader(_Data(), batch_size=2, shuffle=False)
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.0)
+    model, opt, loader = accelerator.prepare(par, opt, loader)
+    norms = []
+    for i, batch in zip(range(STEPS * MICRO), loader):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**split_batch(batch, model)).loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad()
+    want = _dense_steps(ref, 2, num_items=False)
+    assert len(norms) == STEPS and all(n > 1.0 for n in want), (norms, want)  # clipping acts
+    torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **TOL)
+    err = _assert_weights(par, ref, "TPAccelerator cp 2 x tp 2")
+    # save_model at cp 2: a plain HF directory with the trained weights
+    accelerator.save_model(model, f"{out}/accelerate-model")
+    loaded = AutoModelForCausalLM.from_pretrained(f"{out}/accelerate-model", torch_dtype=torch.float64)
+    saved = dict(loaded.named_parameters())
+    for fqn, w in tputil.dense_named(ref).items():
+        assert torch.equal(saved[fqn], w.cpu()) or torch.allclose(saved[fqn], w.cpu(), **TOL), fqn
+    AcceleratorState._reset_state(True)
+    return {"TPAccelerator cp 2 x tp 2, 3 AdamW steps x 2 micro-batches, clipped (weights)": err}
+
+
+def _trainer(rank, out) -> dict:
+    from accelerate import ParallelismConfig
+    from transformers import TrainingArguments
+
+    import tpify
+    from tpify.integrations import TPTrainer
+
+    class Sequential(TPTrainer):  # the data in order, so that the dense loop sees the same batches
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    ref = _reference()
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2))
+    args = TrainingArguments(output_dir=f"{out}/trainer", per_device_train_batch_size=2,
+                             gradient_accumulation_steps=MICRO, max_steps=STEPS, learning_rate=1e-2,
+                             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+                             logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
+                             save_strategy="no", parallelism_config=ParallelismConfig(cp_size=2, tp_size=2))
+    trainer = Sequential(model=par, args=args, train_dataset=_Data())
+    assert trainer.get_tp_size() == 4 and trainer.get_cp_size() == 1
+    trainer.train()
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    want = _dense_steps(ref, 2, num_items=True)
+    assert all(n > 1.0 for n in want), want
+    torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **TOL)
+    err = _assert_weights(par, ref, "TPTrainer cp 2 x tp 2")
+    from tpify.info import TPUsageError
+
+    with pytest.raises(TPUsageError, match="evaluation with logits .* under context parallelism is not built"):
+        trainer.predict(_Data(n=4, seed=3))
+    return {"TPTrainer cp 2 x tp 2, 3 AdamW steps x 2 micro-batches, num_items_in_batch, clipped (weights)": err}
+
+
+def _refusals(rank) -> None:
+    from accelerate import ParallelismConfig
+    from transformers import TrainingArguments
+
+    import tpify
+    from tpify.info import TPUsageError
+    from tpify.integrations import TPAccelerator, TPTrainer, tp_trainer_class
+
+    par = tpify.parallelize(_reference(), mesh=tpify.init_mesh(2, cp_size=2))
+    import trl
+
+    for cls, reason in (("SFTTrainer", "token accuracy and entropy"), ("DPOTrainer", "sums each sequence's log-probs"),
+                        ("GRPOTrainer", "generates its completions"), ("RLOOTrainer", "generates its completions")):
+        with pytest.raises(TPUsageError, match=f"TRL's {cls} under context parallelism .* not supported: .*{reason}"):
+            tp_trainer_class(getattr(trl, cls))(model=par)
+    with pytest.raises(TPUsageError, match="FSDP2 .* with cp_size=2 is not built"):
+        TPAccelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))
+    with pytest.raises(TPUsageError, match="cp_size 1 asked, the model has 2"):
+        TPAccelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2)).prepare(par)
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[],
+                             parallelism_config=ParallelismConfig(cp_size=4, tp_size=2))
+    with pytest.raises(TPUsageError, match="asks for cp_size 4, the model was parallelized with cp_size 2"):
+        TPTrainer(model=par, args=args)
+
+
+def _body(rank, world, out):
+    tputil.torchrun_env(rank, world)
+    worst = {}
+    worst.update(_accelerate(rank, out))
+    worst.update(_trainer(rank, out))
+    _refusals(rank)
+    return worst
+
+
+@pytest.mark.slow
+def test_accelerate_and_trainer_under_context_parallelism_match_dense(tmp_path):
+    results = tputil.spawn(_body, 4, str(tmp_path), timeout=600)
+    print("measured: max |difference from dense| (weights after 3 steps):", results[0])
