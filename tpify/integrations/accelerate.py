@@ -197,9 +197,10 @@ class TPAccelerator(accelerate.Accelerator):
         TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
             DeepSpeed, an FSDP plugin of version 1 or with options tpify does not support
             (:func:`data_parallel_plan`), a ``ParallelismConfig`` whose sizes are not the
-            model's, FSDP2 on a context-parallel model, ``dispatch_batches``, a data loader prepared before any tpify model, two
-            models with different groups, an FSDP model prepared without its optimizer in the
-            same call while an optimizer holds state, ``get_state_dict``.
+            model's, FSDP2 on a context-parallel model, ``dispatch_batches``, a data loader
+            prepared before any tpify model, two models with different groups, an FSDP model
+            prepared without its optimizer in the same call while an optimizer holds state,
+            ``get_state_dict``.
         ResumeError: (a TPUsageError) ``load_state`` of a state saved from another model or
             param groups.
     """

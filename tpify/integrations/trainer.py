@@ -66,7 +66,8 @@ class TPTrainerMixin:
     :func:`tp_trainer_class`. :class:`TPTrainer` is this mixin on ``transformers.Trainer``.
 
     Same arguments as the trainer; launch ``N = dp * cp * tp`` ranks with the model parallelized at
-    ``tp_size = tp`` (and ``cp_size = cp`` on :func:`tpify.init_mesh`: the module docstring). ``per_device_train_batch_size`` is per DP replica. ``fsdp="full_shard"`` with
+    ``tp_size = tp`` (and ``cp_size = cp`` on :func:`tpify.init_mesh`: the module docstring).
+    ``per_device_train_batch_size`` is per DP replica. ``fsdp="full_shard"`` with
     ``fsdp_config={"version": 2}`` shards with FSDP2 over the DP group; ``parallelism_config`` asks
     for HSDP; else DDP over the DP group. TRL trainers (:data:`tpify.integrations.trl.CHECKED_TRAINERS`)
     get what :mod:`tpify.integrations.trl` adds (vocab-parallel fused LM head, ``peft_config``,
@@ -128,7 +129,8 @@ class TPTrainerMixin:
             if plan.cp_size is not None and plan.cp_size != info.cp_size:
                 raise TPUsageError(f"{name}: parallelism_config asks for cp_size {plan.cp_size}, the model was "
                                    f"parallelized with cp_size {info.cp_size}; parallelize it on "
-                                   f"tpify.init_mesh(tp_size, cp_size={plan.cp_size}) or ask for cp_size={info.cp_size}")
+                                   f"tpify.init_mesh(tp_size, cp_size={plan.cp_size}) or ask for "
+                                   f"cp_size={info.cp_size}")
             if info.cp_size > 1 and plan.shard:
                 raise TPUsageError(f"{name}: FSDP2 ({plan.source}) on a context-parallel model (cp_size "
                                    f"{info.cp_size}) is not built; use DDP over the DP group (no fsdp, no "
