@@ -166,6 +166,55 @@ def _trainer(rank, out) -> dict:
     return {"TPTrainer cp 2 x tp 2, 3 AdamW steps x 2 micro-batches, num_items_in_batch, clipped (weights)": err}
 
 
+def _fsdp(rank) -> dict:
+    """FSDP2 over dp_shard x cp (torchtitan's), 3 AdamW steps clipped at the dense norm: dp_shard 2 x cp 2
+    (each replica its own sequence: the gradients of the dense mean over both), and cp 2 x tp 2 with sequence
+    parallelism (FSDP2 over the CP group alone; the norms' partial gradients summed over TP by tpify)."""
+    import tpify
+    from tpify.context_parallel import split_batch
+    from tpify.sharding import is_dtensor
+    from tpify.training import clip_grad_norm_
+
+    worst = {}
+    for tp, sp in ((1, False), (2, True)):
+        what = f"FSDP2 {'dp_shard 2 x cp 2' if tp == 1 else 'cp 2 x tp 2 sp'}"
+        ref = _reference()
+        par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(tp, cp_size=2), sequence_parallel=sp)
+        tpify.shard_data_parallel(par)
+        assert all(is_dtensor(p) for p in par.parameters())
+        replica, replicas = (rank // 2, 2) if tp == 1 else (0, 1)
+        opt_ref, opt_par = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0) for m in (ref, par))
+        err = 0.0
+        for step in range(STEPS):
+            batch = _batches(2)[step]
+            ids, labels = batch["input_ids"], batch["labels"]
+            if replicas == 1:
+                ids, labels = ids[:1], labels[:1]
+            # each replica's sequence: the dense loss is the mean over the replicas' targets when their counts are
+            # equal; here they differ (-100 labels), so the dense reference sums and divides by the global count
+            count = float((labels[:, 1:] != -100).sum())
+            loss_ref = ref(input_ids=ids, labels=labels, use_cache=False,
+                           num_items_in_batch=torch.tensor(count, dtype=torch.float64)).loss
+            mine = {"input_ids": ids[replica:replica + 1], "labels": labels[replica:replica + 1],
+                    "num_items_in_batch": torch.tensor(count / replicas, dtype=torch.float64)}
+            loss_par = par(**split_batch(mine, par)).loss  # sum / (count / replicas); FSDP2 divides by replicas
+            loss_ref.backward()
+            loss_par.backward()
+            if step == 0:
+                want, got = tputil.dense_named(ref, "grad"), tputil.dense_named(par, "grad")
+                for fqn, g in want.items():
+                    torch.testing.assert_close(got[fqn], g, **TOL, msg=lambda m: f"{what}: grad {fqn}: {m}")
+                    err = max(err, float((got[fqn] - g).abs().max()))
+            norm_ref = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+            norm_par = float(clip_grad_norm_(par, 1.0))
+            assert norm_ref > 1.0 and abs(norm_par - norm_ref) <= 1e-9 * norm_ref, (what, step, norm_par, norm_ref)
+            opt_ref.step(), opt_par.step()
+            opt_ref.zero_grad(), opt_par.zero_grad()
+        worst[f"{what}: every gradient of step 1"] = err
+        worst[f"{what}: weights after 3 AdamW steps, clipped"] = _assert_weights(par, ref, what)
+    return worst
+
+
 def _refusals(rank) -> None:
     from accelerate import ParallelismConfig
     from transformers import TrainingArguments
@@ -196,6 +245,7 @@ def _body(rank, world, out):
     worst = {}
     worst.update(_accelerate(rank, out))
     worst.update(_trainer(rank, out))
+    worst.update(_fsdp(rank))
     _refusals(rank)
     return worst
 
