@@ -14,12 +14,18 @@ seed), written to do what the tool does:
   2 whole micro-batches (``num_items_in_batch``) and the model divides each micro-batch's summed
   loss by it; dense: the same sum / count by HF's loss (float64 arithmetic), clipping, AdamW.
 
+The same two tools at dp_shard 2 x cp 2 under FSDP2 (``ParallelismConfig(dp_shard_size=2, cp_size=2)``,
+each replica one sequence per micro-batch; dense: the mean of the replicas' means for accelerate, Trainer's
+count over both); and ``tpify.shard_data_parallel`` itself (FSDP2 over ``dp_shard x cp``, torchtitan's) at
+dp_shard 2 x cp 2 and at cp 2 x tp 2 with sequence parallelism: every gradient of the first step, then 3 AdamW
+steps clipped at the dense norm.
+
 Tolerance ``atol 1e-10, rtol 1e-9`` on every weight after the 3 steps and on the clipping norms:
 the same sums in another order (~1e-16) through 3 Adam steps whose clipped gradients are all well
 above Adam's eps (as in test_context_parallel.py's AdamW check). Also: ``accelerator.save_model``
 at cp 2 writes a directory plain transformers loads, with the trained weights exactly; what is
-refused on every rank (TRL's SFT, DPO, GRPO and RLOO trainers, each with its reason; FSDP2 with
-cp; a ``cp_size`` that is not the model's; evaluation with logits).
+refused on every rank (TRL's SFT, DPO, GRPO and RLOO trainers, each with its reason; a ``cp_size``
+that is not the model's; evaluation with logits).
 """
 
 import copy
@@ -67,9 +73,11 @@ def _batches(batch: int):
             for s in range(0, len(data), batch)]
 
 
-def _dense_steps(ref, batch: int, num_items: bool) -> list[float]:
-    """3 AdamW steps of 2 micro-batches, clipped at 1.0: each micro-batch's mean loss / 2, or (``num_items``)
-    its summed loss / the targets of both micro-batches (Trainer's). The norms before clipping."""
+def _dense_steps(ref, batch: int, num_items: bool, replicas: int = 1) -> list[float]:
+    """3 AdamW steps of 2 micro-batches, clipped at 1.0: each micro-batch's mean loss / 2 (with ``replicas``
+    data-parallel replicas, each holding ``batch / replicas`` sequences: the mean of their means, as DDP and
+    FSDP2 average), or (``num_items``) its summed loss / the targets of both micro-batches (Trainer's). The
+    norms before clipping."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
     batches, norms = _batches(batch), []
     for step in range(STEPS):
@@ -79,7 +87,10 @@ def _dense_steps(ref, batch: int, num_items: bool) -> list[float]:
             if num_items:
                 ref(**b, use_cache=False, num_items_in_batch=torch.tensor(float(count))).loss.backward()
             else:
-                (ref(**b, use_cache=False).loss / MICRO).backward()
+                for part in range(replicas):
+                    rows = slice(part * batch // replicas, (part + 1) * batch // replicas)
+                    one = {k: v[rows] for k, v in b.items()}
+                    (ref(**one, use_cache=False).loss / (MICRO * replicas)).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
@@ -95,7 +106,8 @@ def _assert_weights(par, ref, what: str) -> float:
     return err
 
 
-def _accelerate(rank, out) -> dict:
+def _accelerate(rank, out, fsdp: bool = False) -> dict:
+    """cp 2 x tp 2 with DDP (dp 1), or (``fsdp``) dp_shard 2 x cp 2 under FSDP2, each replica 1 sequence."""
     from accelerate import ParallelismConfig
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
@@ -104,11 +116,13 @@ def _accelerate(rank, out) -> dict:
     from tpify.context_parallel import split_batch
     from tpify.integrations import TPAccelerator
 
+    tp, dp = (1, 2) if fsdp else (2, 1)
+    what = "TPAccelerator " + ("FSDP2 dp_shard 2 x cp 2" if fsdp else "cp 2 x tp 2")
     ref = _reference()
-    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2))
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(tp, cp_size=2))
     accelerator = TPAccelerator(cpu=True, gradient_accumulation_steps=MICRO,
-                                parallelism_config=ParallelismConfig(cp_size=2, tp_size=2))
-    loader = torch.utils.data.DataLoader(_Data(), batch_size=2, shuffle=False)
+                                parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=2, tp_size=tp))
+    loader = torch.utils.data.DataLoader(_Data(), batch_size=2 // dp, shuffle=False)
     opt = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.0)
     model, opt, loader = accelerator.prepare(par, opt, loader)
     norms = []
@@ -119,10 +133,13 @@ def _accelerate(rank, out) -> dict:
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
             opt.step()
             opt.zero_grad()
-    want = _dense_steps(ref, 2, num_items=False)
+    want = _dense_steps(ref, 2, num_items=False, replicas=dp)
     assert len(norms) == STEPS and all(n > 1.0 for n in want), (norms, want)  # clipping acts
     torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **TOL)
-    err = _assert_weights(par, ref, "TPAccelerator cp 2 x tp 2")
+    err = _assert_weights(par, ref, what)
+    if fsdp:
+        AcceleratorState._reset_state(True)
+        return {f"{what}, 3 AdamW steps x 2 micro-batches, clipped (weights)": err}
     # save_model at cp 2: a plain HF directory with the trained weights
     accelerator.save_model(model, f"{out}/accelerate-model")
     loaded = AutoModelForCausalLM.from_pretrained(f"{out}/accelerate-model", torch_dtype=torch.float64)
@@ -130,10 +147,11 @@ def _accelerate(rank, out) -> dict:
     for fqn, w in tputil.dense_named(ref).items():
         assert torch.equal(saved[fqn], w.cpu()) or torch.allclose(saved[fqn], w.cpu(), **TOL), fqn
     AcceleratorState._reset_state(True)
-    return {"TPAccelerator cp 2 x tp 2, 3 AdamW steps x 2 micro-batches, clipped (weights)": err}
+    return {f"{what}, 3 AdamW steps x 2 micro-batches, clipped (weights)": err}
 
 
-def _trainer(rank, out) -> dict:
+def _trainer(rank, out, fsdp: bool = False) -> dict:
+    """cp 2 x tp 2 with DDP (dp 1), or (``fsdp``) dp_shard 2 x cp 2 under FSDP2, each replica 1 sequence."""
     from accelerate import ParallelismConfig
     from transformers import TrainingArguments
 
@@ -144,26 +162,31 @@ def _trainer(rank, out) -> dict:
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
+    tp, dp = (1, 2) if fsdp else (2, 1)
+    what = "TPTrainer " + ("FSDP2 dp_shard 2 x cp 2" if fsdp else "cp 2 x tp 2")
     ref = _reference()
-    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(2, cp_size=2))
-    args = TrainingArguments(output_dir=f"{out}/trainer", per_device_train_batch_size=2,
+    par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(tp, cp_size=2))
+    args = TrainingArguments(output_dir=f"{out}/trainer-{tp}", per_device_train_batch_size=2 // dp,
                              gradient_accumulation_steps=MICRO, max_steps=STEPS, learning_rate=1e-2,
                              lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
                              logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
-                             save_strategy="no", parallelism_config=ParallelismConfig(cp_size=2, tp_size=2))
+                             save_strategy="no",
+                             parallelism_config=ParallelismConfig(dp_shard_size=dp, cp_size=2, tp_size=tp))
     trainer = Sequential(model=par, args=args, train_dataset=_Data())
-    assert trainer.get_tp_size() == 4 and trainer.get_cp_size() == 1
+    assert trainer.get_tp_size() == 2 * tp and trainer.get_cp_size() == 1
     trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     want = _dense_steps(ref, 2, num_items=True)
     assert all(n > 1.0 for n in want), want
     torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **TOL)
-    err = _assert_weights(par, ref, "TPTrainer cp 2 x tp 2")
+    err = _assert_weights(par, ref, what)
+    if fsdp:
+        return {f"{what}, 3 AdamW steps x 2 micro-batches, num_items_in_batch, clipped (weights)": err}
     from tpify.info import TPUsageError
 
     with pytest.raises(TPUsageError, match="evaluation with logits .* under context parallelism is not built"):
         trainer.predict(_Data(n=4, seed=3))
-    return {"TPTrainer cp 2 x tp 2, 3 AdamW steps x 2 micro-batches, num_items_in_batch, clipped (weights)": err}
+    return {f"{what}, 3 AdamW steps x 2 micro-batches, num_items_in_batch, clipped (weights)": err}
 
 
 def _fsdp(rank) -> dict:
@@ -230,8 +253,6 @@ def _refusals(rank) -> None:
                         ("GRPOTrainer", "generates its completions"), ("RLOOTrainer", "generates its completions")):
         with pytest.raises(TPUsageError, match=f"TRL's {cls} under context parallelism .* not supported: .*{reason}"):
             tp_trainer_class(getattr(trl, cls))(model=par)
-    with pytest.raises(TPUsageError, match="FSDP2 .* with cp_size=2 is not built"):
-        TPAccelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))
     with pytest.raises(TPUsageError, match="cp_size 1 asked, the model has 2"):
         TPAccelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2)).prepare(par)
     args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[],
@@ -246,6 +267,8 @@ def _body(rank, world, out):
     worst.update(_accelerate(rank, out))
     worst.update(_trainer(rank, out))
     worst.update(_fsdp(rank))
+    worst.update(_accelerate(rank, out, fsdp=True))
+    worst.update(_trainer(rank, out, fsdp=True))
     _refusals(rank)
     return worst
 

@@ -182,19 +182,27 @@ def tiny_llama(tmp_path_factory):
 
 def test_finetune_context_parallel_long_documents_and_resume_at_another_layout(tiny_llama, tmp_path):
     """``--cp 2`` (2 ranks, each 32 of every 64-token sequence of the shipped text) trains as ``--cp 1``:
-    the same losses (float32: the same sums in another order, rtol 1e-5); its checkpoint resumes at
-    ``--tp 2 --cp 1`` (context parallelism holds no state) and ends with the uninterrupted run's losses.
-    A ``--seq-len`` that ``2 x cp`` does not divide is a usage error before any rank starts."""
-    common = ["--model-dir", str(tiny_llama), "--dp", "1", "--steps", "4", "--seq-len", "64", "--batch-size", "2",
-              "--lr", "1e-3", "--warmup", "1", "--lora-r", "0"]
+    the same losses (float32: the same sums in another order, rtol 1e-5), and so does ``--cp 2 --dp 2
+    --dp-shard 2`` (FSDP2 over dp_shard x cp, 4 ranks, the same global batch: every row has the same
+    number of targets, so the mean over replicas is the batch mean); the ``--cp 2`` checkpoint resumes
+    at ``--tp 2 --cp 1`` (context parallelism holds no state) and ends with the uninterrupted run's
+    losses. A ``--seq-len`` that ``2 x cp`` does not divide is a usage error before any rank starts."""
+    common = ["--model-dir", str(tiny_llama), "--steps", "4", "--seq-len", "64", "--lr", "1e-3", "--warmup", "1",
+              "--lora-r", "0"]
+    fsdp = common + ["--tp", "1", "--cp", "2", "--dp", "2", "--dp-shard", "2", "--batch-size", "1", "--sample-tokens",
+                     "0", "--out", str(tmp_path / "fsdp")]
+    common = common + ["--dp", "1", "--batch-size", "2"]
     stdout = _finetune(*common, "--tp", "1", "--cp", "2", "--out", str(tmp_path / "cp2"), "--save-every", "2")
     assert "no greedy continuation at cp 2" in stdout, stdout[-2000:]
     _finetune(*common, "--tp", "1", "--cp", "1", "--out", str(tmp_path / "cp1"), "--sample-tokens", "0")
     shutil.copytree(tmp_path / "cp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     _finetune(*common, "--tp", "2", "--cp", "1", "--out", str(tmp_path / "resumed"), "--resume", "--sample-tokens", "0")
-    losses = {k: json.loads((tmp_path / k / "losses.json").read_text())["losses"] for k in ("cp2", "cp1", "resumed")}
+    _finetune(*fsdp)
+    runs = ("cp2", "cp1", "resumed", "fsdp")
+    losses = {k: json.loads((tmp_path / k / "losses.json").read_text())["losses"] for k in runs}
     assert all(len(v) == 4 for v in losses.values()), losses
     torch.testing.assert_close(torch.tensor(losses["cp2"]), torch.tensor(losses["cp1"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses["fsdp"]), torch.tensor(losses["cp1"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(losses["resumed"]), torch.tensor(losses["cp2"]), rtol=1e-5, atol=0)
     from transformers import AutoModelForCausalLM
 

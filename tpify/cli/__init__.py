@@ -294,9 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--seq-len {args.seq_len} is not a multiple of 2 x --cp = {2 * args.cp}: context parallelism "
                          f"cuts each sequence into 2 x cp equal chunks (each rank a front and a back one); pass a "
                          f"multiple of {2 * args.cp}")
-        if args.cp > 1 and args.dp_shard > 1:
-            parser.error(f"--dp-shard {args.dp_shard} with --cp {args.cp}: FSDP2 with context parallelism is not "
-                         f"built; pass --dp-shard 1 (DDP over the DP group) or --cp 1")
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
     dp = getattr(args, "dp", None)  # embed: any number of replicas of the tp ranks

@@ -21,8 +21,9 @@ docs/context-parallelism.md): the text is cut into sequences of ``seq_len`` toke
 sections, one long document), every rank of a CP group takes the same rows and
 :func:`tpify.context_parallel.split_batch` gives it ``seq_len / cp`` tokens of each (a front and a
 back chunk); the loss and the gradients are the dense model's. ``seq_len`` must be a multiple of
-``2 x cp``; FSDP2 (``dp_shard > 1``) with ``cp > 1`` is refused; the greedy continuation is not
-shown (``generate`` is refused under context parallelism).
+``2 x cp``; with ``dp_shard > 1`` FSDP2 shards over ``dp_shard x cp`` ranks
+(:func:`tpify.shard_data_parallel`); the greedy continuation is not shown (``generate`` is
+refused under context parallelism).
 
 What rank 0 prints: the parameter memory of each rank against the dense model (and the
 gradients and AdamW state of the trainable parameters), a greedy continuation of a fixed prompt
@@ -79,7 +80,7 @@ class FinetuneConfig:
     Raises:
         ValueError: a numeric option outside :data:`LIMITS` (every one listed, each with its
             allowed range), a ``dtype`` not in :data:`DTYPES`, ``dp_shard`` not dividing ``dp``,
-            and with ``cp > 1``: a ``seq_len`` that ``2 x cp`` does not divide, ``dp_shard > 1``.
+            and with ``cp > 1`` a ``seq_len`` that ``2 x cp`` does not divide.
     """
 
     model_dir: str
@@ -126,9 +127,6 @@ class FinetuneConfig:
                 problems.append(f"seq_len = {self.seq_len} is not a multiple of 2 x cp = {2 * self.cp}: context "
                                 f"parallelism cuts each sequence into 2 x cp equal chunks (each rank a front and a "
                                 f"back one); pass --seq-len {low or 2 * self.cp} or {low + 2 * self.cp}")
-            if isinstance(self.dp_shard, int) and self.dp_shard > 1:
-                problems.append(f"dp_shard = {self.dp_shard} with cp = {self.cp}: FSDP2 with context parallelism is "
-                                f"not built; pass --dp-shard 1 (DDP over the DP group) or --cp 1")
         if problems:
             raise ValueError("FinetuneConfig: " + "; ".join(problems))
 

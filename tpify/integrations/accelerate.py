@@ -20,8 +20,9 @@ section 3):
   with ``cp_size``, which must be the model's): the data loader gives every rank of a CP group
   the same whole sequences; the training loop calls :func:`tpify.context_parallel.split_batch` on
   each batch (the labels shifted before the split); the loss is the dense one and tpify sums the
-  gradients over the CP group (docs/context-parallelism.md). DDP only: FSDP2 with ``cp_size > 1``
-  is refused;
+  gradients over the CP group (docs/context-parallelism.md); under FSDP2 the shards are split over
+  ``dp_shard x cp`` and FSDP2's reduce-scatter adds the CP group's gradients
+  (:func:`tpify.shard_data_parallel`);
 * ``gather_for_metrics`` gathers over the DP group (each sample once);
   :meth:`~TPAccelerator.data_parallel_view` makes ``gather``, ``reduce``, ``num_processes`` and
   ``process_index`` do the same inside a block. Outside it they span the world, where each TP
@@ -127,8 +128,7 @@ def data_parallel_plan(fsdp_plugin=None, parallelism_config=None) -> DataParalle
 
     Raises:
         TPUsageError: what :func:`_plugin_options` refuses; a ``ParallelismConfig`` with
-            sequence parallelism (``sp_size`` above 1: DeepSpeed's Ulysses), or with ``cp_size``
-            above 1 and FSDP2 (``dp_shard_size`` above 1 or an FSDP plugin: not built).
+            sequence parallelism (``sp_size`` above 1: DeepSpeed's Ulysses).
     """
     options = _plugin_options(fsdp_plugin) if fsdp_plugin is not None else {}
     if parallelism_config is None:
@@ -142,12 +142,6 @@ def data_parallel_plan(fsdp_plugin=None, parallelism_config=None) -> DataParalle
                            f"ParallelismConfig(cp_size=...) (or nothing)")
     cp_size = getattr(pc, "cp_size", 1) or 1
     shard = (pc.dp_shard_size or 1) > 1 or fsdp_plugin is not None
-    if shard and cp_size > 1:
-        raise TPUsageError(f"TPAccelerator: FSDP2 (dp_shard_size={pc.dp_shard_size}"
-                           f"{', an FSDP plugin' if fsdp_plugin is not None else ''}) with cp_size={cp_size} is not "
-                           f"built: tpify's context parallelism composes with DDP over the DP group only. Use "
-                           f"ParallelismConfig(dp_replicate_size=..., cp_size={cp_size}, tp_size=...) without an FSDP "
-                           f"plugin, or cp_size=1")
     return DataParallelPlan(shard=shard, dp_replicate=pc.dp_replicate_size or 1, dp_shard=pc.dp_shard_size or 1,
                             tp_size=pc.tp_size or 1, cp_size=cp_size, source=f"ParallelismConfig(dp_replicate_size="
                             f"{pc.dp_replicate_size}, dp_shard_size={pc.dp_shard_size}, cp_size={cp_size}, "
@@ -197,7 +191,7 @@ class TPAccelerator(accelerate.Accelerator):
         TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
             DeepSpeed, an FSDP plugin of version 1 or with options tpify does not support
             (:func:`data_parallel_plan`), a ``ParallelismConfig`` whose sizes are not the
-            model's, FSDP2 on a context-parallel model, ``dispatch_batches``, a data loader
+            model's, ``dispatch_batches``, a data loader
             prepared before any tpify model, two models with different groups, an FSDP model
             prepared without its optimizer in the same call while an optimizer holds state,
             ``get_state_dict``.
@@ -273,10 +267,6 @@ class TPAccelerator(accelerate.Accelerator):
                                + f" (world {world} = dp {dp}{cp} x tp {info.tp_size}). Ask for the model's sizes, "
                                  f"or parallelize the model with tpify.init_mesh(tp_size={plan.tp_size or info.tp_size}"
                                  f", cp_size={plan.cp_size or info.cp_size})")
-        if plan.shard and info.cp_size > 1:
-            raise TPUsageError(f"TPAccelerator: {plan.source} asks for FSDP2, and the model is context-parallel "
-                               f"(cp_size {info.cp_size}): FSDP2 with context parallelism is not built; use DDP over "
-                               f"the DP group (no FSDP plugin, dp_shard_size=1) or cp_size=1")
 
     def _layout(self):
         models = self._tp_models()

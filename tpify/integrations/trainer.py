@@ -79,7 +79,7 @@ class TPTrainerMixin:
             refused FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer or option tpify
             refuses (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
             Under context parallelism: any TRL trainer (the reason per trainer), a
-            ``parallelism_config`` whose ``cp_size`` is not the model's, FSDP2,
+            ``parallelism_config`` whose ``cp_size`` is not the model's,
             ``label_smoothing_factor``, ``compute_loss_func``; at evaluation, logits asked for.
         ResumeError: resuming a checkpoint of another model or param groups, without a manifest, or
             incomplete; on every rank.
@@ -131,10 +131,6 @@ class TPTrainerMixin:
                                    f"parallelized with cp_size {info.cp_size}; parallelize it on "
                                    f"tpify.init_mesh(tp_size, cp_size={plan.cp_size}) or ask for "
                                    f"cp_size={info.cp_size}")
-            if info.cp_size > 1 and plan.shard:
-                raise TPUsageError(f"{name}: FSDP2 ({plan.source}) on a context-parallel model (cp_size "
-                                   f"{info.cp_size}) is not built; use DDP over the DP group (no fsdp, no "
-                                   f"dp_shard_size) or cp_size=1")
             if info.cp_size > 1 and args.label_smoothing_factor:
                 raise TPUsageError(f"{name}: label_smoothing_factor={args.label_smoothing_factor} under context "
                                    f"parallelism: Trainer's label smoother reads the logits and labels of the whole "
