@@ -238,6 +238,37 @@ def _fsdp(rank) -> dict:
     return worst
 
 
+def _moe(rank) -> dict:
+    """Mixtral (4 experts, top 2, eager experts: the grouped-mm kernel refuses float64) at cp 2 (dp 2 x cp 2, each
+    replica the same batch), cp 2 x tp 2 and cp 2 x tp 2 with sequence parallelism: logits gathered, the loss and
+    every gradient (the router's included) against dense. The experts and the router are per token; the router's
+    load-balancing loss (``output_router_logits=True``, a product of two means over all tokens) is refused."""
+    import transformers as tf
+
+    import tpify
+    from test_context_parallel import _compare, _ids
+    from tpify.info import TPUsageError
+
+    def mixtral(aux: bool = False):
+        torch.manual_seed(0)
+        ref = tf.MixtralForCausalLM(tf.MixtralConfig(
+            vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            output_router_logits=aux, experts_implementation="eager")).double()
+        perturb_constants(ref)
+        ref.loss_function = tputil.float64_loss_function(causal=True)
+        return ref
+
+    worst = {}
+    for tp, cp, sp in ((1, 2, False), (2, 2, False), (2, 2, True)):
+        ref = mixtral()
+        par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(tp, cp_size=cp), sequence_parallel=sp)
+        _compare(par, ref, f"mixtral cp {cp} x tp {tp}{' sp' if sp else ''}", _ids(30), worst)
+    with pytest.raises(TPUsageError, match="output_router_logits=True .*router's auxiliary loss"):
+        tpify.parallelize(mixtral(aux=True), mesh=tpify.init_mesh(2, cp_size=2))
+    return worst
+
+
 def _refusals(rank) -> None:
     from accelerate import ParallelismConfig
     from transformers import TrainingArguments
@@ -267,6 +298,7 @@ def _body(rank, world, out):
     worst.update(_accelerate(rank, out))
     worst.update(_trainer(rank, out))
     worst.update(_fsdp(rank))
+    worst.update(_moe(rank))
     worst.update(_accelerate(rank, out, fsdp=True))
     worst.update(_trainer(rank, out, fsdp=True))
     _refusals(rank)
