@@ -248,7 +248,8 @@ def parallelize(
     the loss is vocab-parallel (:mod:`tpify.loss`) and ``.logits`` this rank's shard
     ``(B, T, V_padded / tp_size)`` (None with ``lm_loss_chunk``).
     Communication: one agreement (:func:`tpify.agree.agree`, the rendezvous store: no collective),
-    then the TP/DP groups and the KV replica groups (collective over the world).
+    then the TP/DP groups and the KV replica groups (collective over the world); with double
+    quantization one all-gather of statistics over the TP group per quantized layer.
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
@@ -257,7 +258,7 @@ def parallelize(
             a quantized layer whose split would cut a quantization block, or of a style with no
             quantized form (:func:`tpify.quantized.check_layout`).
         ImportError, NotImplementedError: ``quantization_config`` needs bitsandbytes, or asks for
-            what is not built (8-bit, double quantization, torchao; :func:`tpify.quantized.quantization_spec`).
+            what is not built (8-bit, torchao; :func:`tpify.quantized.quantization_spec`).
         TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first).
         ValueError: inconsistent ``tp_size`` / ``tp_group`` / ``dp_group`` / ``mesh``; ``tp_size > 1``
             without torch.distributed; TP groups that do not split the world evenly; a
@@ -332,8 +333,8 @@ def from_pretrained(
         FileNotFoundError: ``path`` has no ``config.json``.
         ValueError: ``dtype`` and ``torch_dtype`` both given; a dtype that is not floating.
         NotImplementedError: a pre-quantized checkpoint tpify cannot read by slices
-            (:func:`tpify.quantized.plan_prequantized`: not bitsandbytes 4-bit, double quantization,
-            Conv1D layers, other skipped modules).
+            (:func:`tpify.quantized.plan_prequantized`: not bitsandbytes 4-bit, a tensor's state
+            unlike the config's, Conv1D layers, other skipped modules).
         CheckpointError: no safetensors weights; a truncated or corrupt file; tensors missing or of
             another shape; an index and its files that disagree (:func:`tpify.io.files.open_checkpoint`).
         PlanError, RecipeError, ValueError: as :func:`parallelize`.

@@ -47,6 +47,25 @@ def test_bad_numeric_flags_are_usage_errors(capsys, argv, needle):
     assert needle in _usage_error(capsys, argv)
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["finetune", "--quantize", "int8"], "argument --quantize: invalid choice: 'int8' (choose from 'nf4', 'fp4')"),
+    (["finetune", "--quantize", "nf4", "--lora-r", "0"], "--quantize nf4 with --lora-r 0: full fine-tuning of a "
+                                                         "quantized base is not supported"),
+    (["finetune", "--quantize", "fp4", "--dp", "2", "--dp-shard", "2"], "--quantize fp4 with --dp-shard 2: FSDP2 "
+                                                                        "over a quantized base is not built"),
+])
+def test_quantize_flag_refusals_are_usage_errors(capsys, argv, needle):
+    """``--quantize`` (QLoRA) refuses, before any rank starts, what it does not combine with; the
+    config refuses the same from Python."""
+    assert needle in _usage_error(capsys, argv)
+    with pytest.raises(ValueError, match="full fine-tuning of a quantized base"):
+        FinetuneConfig(model_dir="m", out_dir="o", quantize="nf4", lora_r=0)
+    with pytest.raises(ValueError, match="FSDP2 over a quantized base"):
+        FinetuneConfig(model_dir="m", out_dir="o", quantize="nf4", lora_r=8, dp=2, dp_shard=2)
+    with pytest.raises(ValueError, match=r"quantize must be one of \['nf4', 'fp4'\]"):
+        FinetuneConfig(model_dir="m", out_dir="o", quantize="int8", lora_r=8)
+
+
 def test_finetune_config_refuses_the_same_values_and_lists_every_one():
     with pytest.raises(ValueError) as err:
         FinetuneConfig(model_dir="m", out_dir="o", dp=0, seq_len=0, lr=float("inf"), tp=True, dtype="float16")

@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct, LoRA r = 8 at tp = 3, 10 short steps) on local text files
 GNU GPL shipped in ``tpify/cli/data/``) across ``--tp`` x ``--dp`` ranks; prints each rank's
 memory against the dense model, the loss per step and a greedy continuation of a fixed prompt
 before and after training; saves the merged model as a directory plain transformers loads.
-Checkpoints, exact resume and a loss curve. ``--lora-r 0`` fine-tunes every parameter.
+Checkpoints, exact resume and a loss curve. ``--lora-r 0`` fine-tunes every parameter;
+``--quantize nf4`` (or ``fp4``) is QLoRA: the base frozen in bitsandbytes 4-bit, the adapter saved.
 
 ``tpify embed``: runs real sentences through a pretrained BERT-family encoder
 (default: the embedded sentence-transformers all-MiniLM-L6-v2 from the PyPI package
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``tpify`` parser. Numeric flags are checked as they are parsed (:mod:`tpify.cli.checks`):
     a value out of range is a usage error (exit status 2) naming the flag, the value and the range."""
     from .checks import POSITIVE_INT, flag
-    from .options import DEFAULT_PROMPT, LIMITS  # not .finetune: building the parser imports nothing heavy
+    from .options import DEFAULT_PROMPT, LIMITS, QUANTIZE  # not .finetune: building the parser imports nothing heavy
     from .text import plain
 
     parser = argparse.ArgumentParser(prog="tpify", description=plain(__doc__),
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"prompt continued greedily before and after training (default {DEFAULT_PROMPT!r})")
     ft.add_argument("--sample-tokens", type=flag(LIMITS["sample_tokens"]), default=20,
                     help="tokens of that continuation (default 20; 0: none)")
+    ft.add_argument("--quantize", choices=list(QUANTIZE), default=None,
+                    help="QLoRA: freeze the base in bitsandbytes 4-bit (nf4 or fp4), each rank quantizing its shard; "
+                         "LoRA adapters train on top (needs --lora-r > 0 and tpify[quant]); saves the adapter only")
     ft.set_defaults(worker=_finetune_worker)
 
     embed = sub.add_parser("embed", help="sentence embeddings from a tensor-parallel encoder (the embedded MiniLM)")
@@ -221,7 +225,8 @@ def _finetune_config(args):
                           lr=args.lr, warmup=args.warmup, steps=args.steps, clip=args.clip, save_every=args.save_every,
                           resume=args.resume, seed=args.seed, dtype=args.dtype, lora_r=args.lora_r,
                           lora_alpha=args.lora_alpha, allow_changes=args.allow_changes, prompt=args.prompt,
-                          sample_tokens=args.sample_tokens)
+                          sample_tokens=args.sample_tokens,
+                          quantize=args.quantize)
 
 
 def _finetune_worker(args) -> int:
@@ -237,9 +242,14 @@ def _finetune_worker(args) -> int:
     if dist.get_rank() == 0:
         print(f"losses: {' '.join(f'{v:.4f}' for v in losses)}")
         merged = " (LoRA merged)" if args.lora_r else ""
-        print(f"final model{merged}: {args.out}/final, Hugging Face format: "
-              f"transformers.AutoModelForCausalLM.from_pretrained({str(Path(args.out) / 'final')!r}) loads it")
-        if args.lora_r:
+        if args.quantize:  # QLoRA: no merged model (merging into a 4-bit base is refused); the adapter is the result
+            print(f"QLoRA adapter: {args.out}/adapter (peft format): peft.PeftModel.from_pretrained(base, "
+                  f"{str(Path(args.out) / 'adapter')!r}) on the base loaded with BitsAndBytesConfig(load_in_4bit=True, "
+                  f"bnb_4bit_quant_type={args.quantize!r})")
+        else:
+            print(f"final model{merged}: {args.out}/final, Hugging Face format: "
+                  f"transformers.AutoModelForCausalLM.from_pretrained({str(Path(args.out) / 'final')!r}) loads it")
+        if args.lora_r and not args.quantize:
             print(f"LoRA adapter: {args.out}/adapter (peft format)")
         print(f"loss curve: {args.out}/loss.png")
     dist.destroy_process_group()
@@ -294,6 +304,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--seq-len {args.seq_len} is not a multiple of 2 x --cp = {2 * args.cp}: context parallelism "
                          f"cuts each sequence into 2 x cp equal chunks (each rank a front and a back one); pass a "
                          f"multiple of {2 * args.cp}")
+        if args.quantize and not args.lora_r:
+            parser.error(f"--quantize {args.quantize} with --lora-r 0: full fine-tuning of a quantized base is not "
+                         f"supported (its 4-bit weights take no gradient); pass --lora-r > 0 (QLoRA)")
+        if args.quantize and args.dp_shard > 1:
+            parser.error(f"--quantize {args.quantize} with --dp-shard {args.dp_shard}: FSDP2 over a quantized base is "
+                         f"not built; pass --dp-shard 1 (DDP over the replicas)")
+        if args.quantize and args.cp > 1:
+            parser.error(f"--quantize {args.quantize} with --cp {args.cp}: QLoRA under context parallelism is not "
+                         f"tested; pass --cp 1")
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
     dp = getattr(args, "dp", None)  # embed: any number of replicas of the tp ranks

@@ -48,7 +48,7 @@ from ..agree import agree
 from .launch import world_mismatch
 from .checks import check, output_problem
 from .finetune_resume import _restore, _run_args, _save_checkpoint, check_resume_files, resume_point
-from .options import DEFAULT_PROMPT, DTYPES, LIMITS
+from .options import DEFAULT_PROMPT, DTYPES, LIMITS, QUANTIZE
 
 __all__ = ["FinetuneConfig", "cp_world_mismatch", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices",
            "finetune",
@@ -107,6 +107,7 @@ class FinetuneConfig:
     progress: bool = True        # rank 0 prints the memory report and one line per step
     prompt: str = DEFAULT_PROMPT  # continued greedily before and after training
     sample_tokens: int = 20      # tokens of that continuation; 0: none
+    quantize: str | None = None  # "nf4" / "fp4": QLoRA, the base frozen in bitsandbytes 4-bit (needs lora_r > 0)
 
     def __post_init__(self):
         self.check()
@@ -127,8 +128,28 @@ class FinetuneConfig:
                 problems.append(f"seq_len = {self.seq_len} is not a multiple of 2 x cp = {2 * self.cp}: context "
                                 f"parallelism cuts each sequence into 2 x cp equal chunks (each rank a front and a "
                                 f"back one); pass --seq-len {low or 2 * self.cp} or {low + 2 * self.cp}")
+        if isinstance(self.cp, int) and self.cp > 1 and self.quantize:
+            problems.append(f"quantize = {self.quantize!r} with cp = {self.cp}: QLoRA under context parallelism is "
+                            f"not tested; pass --cp 1")
+        problems += _quantize_problems(self)
         if problems:
             raise ValueError("FinetuneConfig: " + "; ".join(problems))
+
+
+def _quantize_problems(cfg: FinetuneConfig) -> list[str]:
+    """What ``quantize`` (QLoRA) does not combine with: full fine-tuning and FSDP2 (docs/quantization.md)."""
+    if cfg.quantize is None:
+        return []
+    if cfg.quantize not in QUANTIZE:
+        return [f"quantize must be one of {list(QUANTIZE)} (bitsandbytes 4-bit) or None, got {cfg.quantize!r}"]
+    problems = []
+    if not cfg.lora_r:
+        problems.append(f"quantize={cfg.quantize!r} with lora_r = 0: full fine-tuning of a quantized base is not "
+                        f"supported (its 4-bit weights take no gradient); pass --lora-r > 0 (QLoRA)")
+    if isinstance(cfg.dp_shard, int) and cfg.dp_shard > 1:
+        problems.append(f"quantize={cfg.quantize!r} with dp_shard = {cfg.dp_shard}: FSDP2 over a quantized base is "
+                        f"not built (its 4-bit shards are buffers FSDP2 would not shard); pass --dp-shard 1 (DDP)")
+    return problems
 
 
 def pack_texts(tokenizer, files: list[str | Path], seq_len: int) -> torch.Tensor:
@@ -219,7 +240,8 @@ def add_lora(model, cfg: FinetuneConfig):
 
 
 def memory_report(model) -> list[str]:
-    """Lines comparing each rank's parameter memory with the dense model's (a collective).
+    """Lines comparing each rank's parameter memory with the dense model's (a collective); on a
+    quantized model (QLoRA) one more line per rank: the bytes of its 4-bit shards.
 
     Parameters are counted once (tied ones once), in bytes of their dtype; the dense figure counts
     each sharded parameter whole, unpadded. The trainable parameters' gradients take their bytes
@@ -233,17 +255,22 @@ def memory_report(model) -> list[str]:
     dense = sum(_dense_numel(p, specs[id(p)]) * p.element_size() for p in params)
     train = sum(_local_numel(p) * p.element_size() for p in params if p.requires_grad)
     dense_train = sum(_dense_numel(p, specs[id(p)]) * p.element_size() for p in params if p.requires_grad)
-    per_rank = comm.all_gather_objects((dist.get_rank(), local, train))
+    from ..quantized import is_quantized, quantized_bytes
+
+    base4 = quantized_bytes(model)["quantized"] if is_quantized(model) else None
+    per_rank = comm.all_gather_objects((dist.get_rank(), local, train, base4))
 
     def mib(n: int) -> str:
         return f"{n / 2**20:.1f} MiB"
 
     lines = [f"memory: dense model: parameters {mib(dense)}; trainable {mib(dense_train)} "
              f"(gradients {mib(dense_train)}, AdamW state {mib(2 * dense_train)})"]
-    for r, nbytes, tbytes in per_rank:
+    for r, nbytes, tbytes, qbytes in per_rank:
         lines.append(f"  rank {r}: parameters {mib(nbytes)} = {nbytes / dense:.3f} x dense; trainable {mib(tbytes)} "
                      f"= {tbytes / max(dense_train, 1):.3f} x dense (gradients {mib(tbytes)}, AdamW state "
                      f"{mib(2 * tbytes)})")
+        if qbytes is not None:  # QLoRA: the 4-bit codes and absmax are buffers, not parameters
+            lines.append(f"  rank {r}: quantized base (4-bit codes + absmax, besides the parameters) {mib(qbytes)}")
     return lines
 
 
@@ -288,6 +315,17 @@ def _require_peft() -> None:
     if importlib.util.find_spec("peft") is None:
         raise ImportError('LoRA (tpify finetune --lora-r, 8 by default) needs peft, which is not installed; '
                           'pip install "tpify[peft]", or pass --lora-r 0 to fine-tune every parameter', name="peft")
+
+
+def _require_bitsandbytes() -> None:
+    """Raise, before any training, when ``--quantize`` is asked for and bitsandbytes is missing (no import).
+
+    Raises:
+        ImportError: bitsandbytes is not installed; the message names ``pip install "tpify[quant]"``.
+    """
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError('tpify finetune --quantize (QLoRA) needs bitsandbytes, which is not installed; '
+                          'pip install "tpify[quant]", or drop --quantize', name="bitsandbytes")
 
 
 def _plot(losses: list[float], path: Path) -> None:
@@ -337,6 +375,8 @@ def check_run(cfg: FinetuneConfig) -> tuple[Path | None, dict | None]:
     _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
     if cfg.lora_r:
         _require_peft()
+    if cfg.quantize:
+        _require_bitsandbytes()
     if not cfg.resume:
         return None, None
     ckpt, state = resume_point(cfg)
@@ -397,7 +437,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     if cfg.sample_tokens and cfg.cp == 1:
         text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
         if report:
-            merged = ", LoRA merged" if cfg.lora_r else ""
+            merged = ", LoRA merged" if cfg.lora_r and not cfg.quantize else ""
             print(f"after (step {cfg.steps}{merged}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
     comm.barrier()
     return losses
@@ -439,7 +479,10 @@ def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, ran
 
     tpify.manual_seed(cfg.seed)
     layout = {"mesh": tpify.init_mesh(cfg.tp, cp_size=cfg.cp)} if cfg.cp > 1 else {"tp_size": cfg.tp}
-    model = tpify.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype), **layout).to(device)
+    model = tpify.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype), quantization_config=qlora_config(cfg),
+                                  **layout).to(device)
+    if cfg.quantize:
+        norms_to_float32(model)
     trainable = None
     if cfg.lora_r:
         model, trainable, total = add_lora(model, cfg)
@@ -450,6 +493,33 @@ def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, ran
         shard_data_parallel(model, dp_replicate=cfg.dp // cfg.dp_shard)
         return model, model, trainable
     return model, replicate_data_parallel(model), trainable  # DDP over the DP group (the model itself at dp 1)
+
+
+def qlora_config(cfg: FinetuneConfig):
+    """The ``transformers.BitsAndBytesConfig`` of ``cfg.quantize`` (4-bit codes of the base's
+    linear layers, computed in the run's dtype), or None without it."""
+    if not cfg.quantize:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quantize,
+                              bnb_4bit_compute_dtype=getattr(torch, cfg.dtype))
+
+
+def norms_to_float32(model) -> int:
+    """Cast, in place, the weights of the normalization layers (the leaf modules whose parameters
+    are all 1-D: LayerNorm, RMSNorm) to float32, as PEFT's ``prepare_model_for_kbit_training`` keeps
+    them for QLoRA; the linear layers and embeddings keep their dtype. Returns the count cast.
+    Local; a no-op on a float32 model."""
+    n = 0
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if next(module.children(), None) is None and params and all(p.dim() == 1 for p in params):
+            for p in params:
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()
+                    n += 1
+    return n
 
 
 class _StepLines:
@@ -517,8 +587,9 @@ def _train(cfg: FinetuneConfig, model, step_model, optimizer, scheduler, data: t
 
 
 def _save_final(cfg: FinetuneConfig, model, tokenizer, losses: list[float], trainable: int | None):
-    """Write ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter), and on rank 0
-    the tokenizer, ``losses.json`` and ``loss.png``; returns the model (LoRA: the merged one)."""
+    """Write ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter; QLoRA: the
+    adapter and the tokenizer only, no merged model), and on rank 0 the tokenizer, ``losses.json`` and
+    ``loss.png``; returns the model (LoRA: the merged one; QLoRA: the adapted one)."""
     import tpify
     from tpify.training import check_replicas
 
@@ -526,10 +597,16 @@ def _save_final(cfg: FinetuneConfig, model, tokenizer, losses: list[float], trai
     check_replicas(model)
     if cfg.lora_r:
         model.save_pretrained(out_dir / "adapter")  # the dense adapter (plain peft loads it); collective
-        model = model.merge_and_unload()  # each rank merges its slice of B A into its shard of W
-    tpify.save_pretrained(model, out_dir / "final")
+    if cfg.quantize:  # QLoRA: merging into a 4-bit base is refused (tpify.quantized); the adapter is the result
+        if dist.get_rank() == 0:
+            tokenizer.save_pretrained(out_dir / "adapter")
+    else:
+        if cfg.lora_r:
+            model = model.merge_and_unload()  # each rank merges its slice of B A into its shard of W
+        tpify.save_pretrained(model, out_dir / "final")
+        if dist.get_rank() == 0:
+            tokenizer.save_pretrained(out_dir / "final")
     if dist.get_rank() == 0:
-        tokenizer.save_pretrained(out_dir / "final")
         (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg),
                                                          "trainable_parameters": trainable}, indent=1))
         _plot(losses, out_dir / "loss.png")

@@ -36,7 +36,7 @@ def _latest_checkpoint(out_dir: Path) -> Path | None:
 
 # Options that shape the run: a resume must use the values the checkpoint was written with.
 _RUN_FIELDS = ("model_dir", "data", "tp", "cp", "dp", "dp_shard", "seq_len", "batch_size", "lr", "warmup", "steps",
-               "clip", "weight_decay", "seed", "dtype", "lora_r", "lora_alpha")
+               "clip", "weight_decay", "seed", "dtype", "lora_r", "lora_alpha", "quantize")
 
 
 # The layout: a resume may change these (the state is resharded; context parallelism holds no state),

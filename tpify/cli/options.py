@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit
 
-__all__ = ["LIMITS", "DTYPES", "DEFAULT_PROMPT"]
+__all__ = ["LIMITS", "DTYPES", "DEFAULT_PROMPT", "QUANTIZE"]
 
 # The prompt whose greedy continuation is shown before and after training: the default text is
 # the GNU GPL, so what the model learnt shows in the continuation.
@@ -36,3 +36,5 @@ LIMITS = {
     "sample_tokens": Limit(low=0, note="0 shows no continuation"),
 }
 DTYPES = ("float32", "bfloat16")
+# `tpify finetune --quantize`: the bitsandbytes 4-bit formats of a QLoRA base (tpify/quantized.py).
+QUANTIZE = ("nf4", "fp4")
