@@ -573,10 +573,12 @@ def _quantized_body(rank: int, world: int, device: str, quick: bool, out_path: s
         LlamaForCausalLM(cfg).save_pretrained(path)
     dist.barrier()
     results = {}
-    for quant_type, compute in (("nf4", torch.float32), ("fp4", torch.float32), ("nf4", torch.bfloat16)):
-        name = f"{quant_type}, compute {str(compute).split('.')[-1]}"
+    for quant_type, compute, double in (("nf4", torch.float32, False), ("fp4", torch.float32, False),
+                                        ("nf4", torch.bfloat16, False), ("nf4", torch.float32, True)):
+        name = f"{quant_type}, compute {str(compute).split('.')[-1]}" + (", double quant" if double else "")
         try:
-            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=compute)
+            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=compute,
+                                     bnb_4bit_use_double_quant=double)
             ref = LlamaForCausalLM.from_pretrained(path, quantization_config=bnb, dtype=torch.float32,
                                                    device_map=device)
             dense = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
