@@ -17,8 +17,8 @@ seed), written to do what the tool does:
 The same two tools at dp_shard 2 x cp 2 under FSDP2 (``ParallelismConfig(dp_shard_size=2, cp_size=2)``,
 each replica one sequence per micro-batch; dense: the mean of the replicas' means for accelerate, Trainer's
 count over both); and ``tpify.shard_data_parallel`` itself (FSDP2 over ``dp_shard x cp``, torchtitan's) at
-dp_shard 2 x cp 2 and at cp 2 x tp 2 with sequence parallelism: every gradient of the first step, then 3 AdamW
-steps clipped at the dense norm.
+dp_shard 2 x cp 2 (with the all-gather and the ring attention) and at cp 2 x tp 2 with sequence parallelism:
+every gradient of the first step, then 3 AdamW steps clipped at the dense norm.
 
 Tolerance ``atol 1e-10, rtol 1e-9`` on every weight after the 3 steps and on the clipping norms:
 the same sums in another order (~1e-16) through 3 Adam steps whose clipped gradients are all well
@@ -192,17 +192,19 @@ def _trainer(rank, out, fsdp: bool = False) -> dict:
 def _fsdp(rank) -> dict:
     """FSDP2 over dp_shard x cp (torchtitan's), 3 AdamW steps clipped at the dense norm: dp_shard 2 x cp 2
     (each replica its own sequence: the gradients of the dense mean over both), and cp 2 x tp 2 with sequence
-    parallelism (FSDP2 over the CP group alone; the norms' partial gradients summed over TP by tpify)."""
+    parallelism (FSDP2 over the CP group alone; the norms' partial gradients summed over TP by tpify); and
+    dp_shard 2 x cp 2 again with the ring attention (``cp_attention="ring"``)."""
     import tpify
     from tpify.context_parallel import split_batch
     from tpify.sharding import is_dtensor
     from tpify.training import clip_grad_norm_
 
     worst = {}
-    for tp, sp in ((1, False), (2, True)):
-        what = f"FSDP2 {'dp_shard 2 x cp 2' if tp == 1 else 'cp 2 x tp 2 sp'}"
+    for tp, sp, attention in ((1, False, "allgather"), (2, True, "allgather"), (1, False, "ring")):
+        what = f"FSDP2 {'dp_shard 2 x cp 2' if tp == 1 else 'cp 2 x tp 2 sp'}{' ring' if attention == 'ring' else ''}"
         ref = _reference()
-        par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(tp, cp_size=2), sequence_parallel=sp)
+        par = tpify.parallelize(copy.deepcopy(ref), mesh=tpify.init_mesh(tp, cp_size=2), sequence_parallel=sp,
+                                cp_attention=attention)
         tpify.shard_data_parallel(par)
         assert all(is_dtensor(p) for p in par.parameters())
         replica, replicas = (rank // 2, 2) if tp == 1 else (0, 1)
