@@ -319,6 +319,7 @@ def from_pretrained(
     torch_dtype: torch.dtype | str | None = None,
     quantization_config=None,
     cp_attention: str = "allgather",
+    stage_cut=None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slices.
 
@@ -332,8 +333,10 @@ def from_pretrained(
     ``grad_reduce_dtype``, ``quantization_config``, ``cp_attention`` as in :func:`parallelize` (the slices are read
     dense, then quantized: peak memory per rank is the dense shard's). A checkpoint saved 4-bit by
     transformers (bitsandbytes, its ``config.json`` holding the ``quantization_config``) is read as
-    stored: each rank reads only its blocks' codes and absmax. Every argument:
-    docs/loading-and-saving.md. Returns the parallelized model, in eval mode.
+    stored: each rank reads only its blocks' codes and absmax. ``stage_cut``: a function called
+    with the parallel meta model before anything is read, which removes the modules this rank does
+    not hold (:func:`tpify.pipeline.from_pretrained` passes its cut: only the stage's tensors are
+    read). Every argument: docs/loading-and-saving.md. Returns the parallelized model, in eval mode.
 
     Communication: one agreement on the local checks (the checkpoint's names, shapes and dtype),
     :func:`parallelize`'s groups, no collective while reading, one agreement after it.
@@ -371,13 +374,21 @@ def from_pretrained(
     try:  # the files stay open from the headers to the last slice: one save, never a mix
         finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh,  # groups, surgery, hooks
                grad_reduce_dtype, cp_attention)
+        if stage_cut is not None:  # pipeline stages: the modules of other stages go before anything is read
+            stage_cut(model)
+            held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+            load.to_init = [f for f in load.to_init if f in held]
         with agreement("reading the checkpoint in tpify.from_pretrained", group=tp_group) as read:
             materialize(model, load.snap, load.source, load.headers, load.dtype, copy=disable_mmap)
             if load.prequantized is not None:
                 load_prequantized_(model, load.prequantized, saved_quant, load.snap)
             init_missing(model, load.to_init, load.dtype)
             check_loaded(model)
-            read.fingerprint = _replicated_fingerprint(model)
+            if stage_cut is None:
+                read.fingerprint = _replicated_fingerprint(model)
+        if stage_cut is not None:  # stages hold other tensors: their replicated values compared within the TP group
+            agree("the replicated weights read in tpify.from_pretrained", _replicated_fingerprint(model),
+                  group=get_tp_info(model).tp_group)
     finally:
         load.snap.close()
     return quantize_(model, *quant) if quant is not None else model

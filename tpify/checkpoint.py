@@ -185,7 +185,7 @@ def _rank() -> int:
 
 
 def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | None = None, *,
-                    model_state: bool = True, generators: bool = True) -> None:
+                    model_state: bool = True, generators: bool = True, partial: bool = False) -> None:
     """Write a training checkpoint that :func:`load_checkpoint` reads back at any layout.
 
     ``path`` receives DCP's files: ``__<rank>_0.distcp`` from every rank in parallel and
@@ -201,6 +201,10 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
         extra: small picklable values (the same on every rank).
         model_state, generators: False for a caller that saves the weights (TPTrainer: densely) or
             the generators itself.
+        partial: each rank holds a part of the model the others do not (pipeline stages: the
+            same global names, other parameters per stage); each rank's optimizer structure is
+            then saved as ``optim.meta.rank<k>`` and :func:`load_checkpoint` (``partial=True``)
+            merges them, so a resume may hold another part (another pp).
 
     Communication: :func:`sharded_state_dict`'s, then DCP's (gather and scatter of the save plans,
     a gather of the results). Every rank of the world calls it.
@@ -238,7 +242,7 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
                 else:
                     kinds[k] = ("object", v)
             meta["state"][name] = kinds
-        state[_prefix(i, "optim") + "meta"] = _blob(meta)
+        state[_prefix(i, "optim") + "meta" + (f".rank{_rank()}" if partial else "")] = _blob(meta)
     state["sched"] = _blob([s.state_dict() for s in schedulers])
     state["extra"] = _blob(dict(extra or {}))
     state["layout"] = _blob({"tp_size": ctx.tp_size, **checkpoint_layout()})
@@ -323,13 +327,14 @@ def _load_objects(path, keys: list[str]) -> dict:
 
 
 def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: bool = True,
-                    generators: bool = True) -> dict:
+                    generators: bool = True, partial: bool = False) -> dict:
     """Read what :func:`save_checkpoint` wrote into ``models``, ``optimizers`` and ``schedulers``,
     in place, at this run's layout (which may differ from the saved one); return its ``extra``.
 
     Parameters are copied into (holders stay valid); each optimizer's state is rebuilt by parameter
     name and loaded with ``load_state_dict`` (a fresh optimizer is fine); schedulers get their saved
-    state; generators as the module docstring says. ``model_state``/``generators``: as saved.
+    state; generators as the module docstring says. ``model_state``/``generators``/``partial``: as
+    saved (``partial``: the ranks' optimizer structures merged, each rank takes its parameters').
 
     Communication: one agreement on the local checks first; DCP's (three loads: the small objects,
     the tensors, the generators); one all-gather over TP per tensor of the dense-order fallback.
@@ -352,12 +357,18 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
     except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
         error = e
     agree("tpify.load_checkpoint", {"checkpoint": str(path)}, error)
-    objects = _load_objects(path, ["sched", "extra", "layout"] + [_prefix(i, "optim") + "meta"
-                                                                  for i in range(len(optimizers))])
+    objects = _load_objects(path, ["sched", "extra", "layout"] + ([] if partial else [
+        _prefix(i, "optim") + "meta" for i in range(len(optimizers))]))
+    if partial:  # every rank's optimizer structure (pipeline stages), merged
+        saved_world = objects["layout"]["world_size"]
+        for i in range(len(optimizers)):
+            key = _prefix(i, "optim") + "meta"
+            parts = _load_objects(path, [f"{key}.rank{k}" for k in range(saved_world)])
+            objects[key] = _merged_meta([parts[f"{key}.rank{k}"] for k in range(saved_world)])
     if len(objects["sched"]) != len(schedulers):
         raise CheckpointError(f"{path} holds {len(objects['sched'])} scheduler(s); this run has {len(schedulers)}")
     optim_states = [_optimizer_targets(i, opt, objects[_prefix(i, "optim") + "meta"], names, by_name, metadata,
-                                       specs, ctx, state) for i, opt in enumerate(optimizers)]
+                                       specs, ctx, state, partial) for i, opt in enumerate(optimizers)]
     _dcp_load(state, path)
     with torch.no_grad():
         for p, assemble in finish:
@@ -404,7 +415,21 @@ def _model_targets(path, models, model_state: bool, metadata, specs, ctx, state:
                               f"dp_size), or start from its dense weights with a fresh optimizer")
 
 
-def _optimizer_targets(i: int, opt, meta: dict, names: dict, by_name: dict, metadata, specs, ctx, state: dict):
+def _merged_meta(metas: list[dict]) -> dict:
+    """The optimizer structures several ranks saved (``partial``), as one: each param group's
+    names in a union (its hyperparameters from the first rank naming it), every state entry."""
+    groups, state = [], {}
+    for meta in metas:
+        for g, group in enumerate(meta["param_groups"]):
+            if g == len(groups):
+                groups.append({**group, "params": []})
+            groups[g]["params"] += [n for n in group["params"] if n not in groups[g]["params"]]
+        state.update(meta["state"])
+    return {"param_groups": groups, "state": state}
+
+
+def _optimizer_targets(i: int, opt, meta: dict, names: dict, by_name: dict, metadata, specs, ctx, state: dict,
+                       partial: bool = False):
     """``(opt, built, groups)``: optimizer ``i``'s state rebuilt by parameter name from its saved
     ``meta`` (objects as saved, tensors as buffers DCP fills, sharded tensors as ``(parameter,
     assemble)``), the tensors to read added to ``state``. Local, no collective.
@@ -413,6 +438,13 @@ def _optimizer_targets(i: int, opt, meta: dict, names: dict, by_name: dict, meta
         CheckpointError: its param groups list other parameters than the checkpoint's.
     """
     mine = [[names.get(id(p)) for p in g["params"]] for g in opt.param_groups]
+    if partial:  # this rank's part of every rank's structure: its own names, in its order
+        saved = [set(g["params"]) for g in meta["param_groups"]]
+        if len(saved) != len(mine) or any(not set(m) <= s for m, s in zip(mine, saved)):
+            raise CheckpointError(f"load_checkpoint: optimizer {i}'s param groups list parameters the checkpoint's "
+                                  f"do not ({len(saved)} groups then, {len(mine)} now)")
+        meta = {"param_groups": [{**g, "params": m} for g, m in zip(meta["param_groups"], mine)],
+                "state": {n: v for n, v in meta["state"].items() if any(n in m for m in mine)}}
     if [g["params"] for g in meta["param_groups"]] != mine:
         raise CheckpointError(f"load_checkpoint: optimizer {i}'s param groups list other parameters than the "
                               f"checkpoint's ({[len(g['params']) for g in meta['param_groups']]} then, "

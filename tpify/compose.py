@@ -90,7 +90,7 @@ def compose(recipe: Recipe, model) -> Recipe:
                   "exit": f"{prefix}.{isp['exit']}", "scope": f"{prefix}.{isp['scope']}" if "scope" in isp else prefix}
     return Recipe(recipe.model_type, rules, tuple(divisible), recipe.source, recipe.description, tuple(divide_config),
                   recipe.loss, recipe.ignores_num_items, recipe.loss_terms, recipe.logit_ops, tuple(renames),
-                  subclasses, sp)
+                  subclasses, sp, pipeline=recipe.pipeline)
 
 
 def _check_sub_config(recipe: Recipe, sub, where: str) -> None:

@@ -34,6 +34,7 @@ from .agree import host_of_rank
 
 
 __all__ = ["init_mesh", "dp_mesh", "fsdp_mesh", "cp_group_of", "cp_tp_group_of", "cp_size_of", "MESH_DIMS",
+           "PP_MESH_DIMS", "pp_size_of", "pp_group_of",
            "resolve_tp_size", "INFER", "check_dp_group",
            "check_mesh", "agreement_scope", "resolve_groups", "host_of_rank", "split_tp_groups", "check_replica_groups",
            "replica_groups", "mesh_device_type", "model_device_type"]
@@ -45,12 +46,16 @@ INFER = "infer"
 #: The axes of the mesh :func:`init_mesh` builds, outermost first (TP innermost: contiguous ranks;
 #: then context parallelism), torchtitan's order.
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+#: The axes with pipeline stages (``init_mesh(..., pp_size > 1)``): ``"pp"`` outermost, so that the
+#: stages are the slowest-varying coordinate (pp across hosts, tp inside one), torchtitan's order.
+#: With ``pp_size == 1`` the mesh keeps :data:`MESH_DIMS` (no axis of one rank is added).
+PP_MESH_DIMS = ("pp", *MESH_DIMS)
 
 # The meshes init_mesh made, by (device type, shape). Process-wide on purpose: init_mesh is called
 # before any model or context exists, and every later call (each parallelize without a mesh) must get
 # the same mesh back, whose process groups were made collectively over the world and are never
 # freed; the one object that outlives those calls, the default process group, takes no attributes.
-_meshes: dict[tuple[str, int, int, int, int], DeviceMesh] = {}
+_meshes: dict[tuple, DeviceMesh] = {}
 _logger = logging.getLogger(__name__)
 _said_no_process_group: list[bool] = []  # set once this process has said it (once per process)
 
@@ -146,21 +151,23 @@ def split_tp_groups(hosts: list[str], tp_size: int) -> list[str]:
     return out
 
 
-def _check_sizes(tp_size, dp_replicate, world: int, cp_size=1) -> None:
+def _check_sizes(tp_size, dp_replicate, world: int, cp_size=1, pp_size=1) -> None:
     """Local checks of :func:`init_mesh`'s sizes. Raises ValueError naming the numbers and the fix."""
-    for name, value in (("tp_size", tp_size), ("dp_replicate", dp_replicate), ("cp_size", cp_size)):
+    for name, value in (("tp_size", tp_size), ("dp_replicate", dp_replicate), ("cp_size", cp_size),
+                        ("pp_size", pp_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"init_mesh: {name} must be a positive integer, got {value!r}")
-    if world % (tp_size * dp_replicate * cp_size):
+    if world % (tp_size * dp_replicate * cp_size * pp_size):
         cp = f" x cp_size {cp_size}" if cp_size > 1 else ""
-        raise ValueError(f"init_mesh: dp_replicate {dp_replicate}{cp} x tp_size {tp_size} = "
-                         f"{dp_replicate * cp_size * tp_size} does not divide the world size {world}: the mesh "
-                         f"dp_replicate x dp_shard x cp x tp must be the world; pass sizes whose product divides "
-                         f"{world}")
+        pp = f"pp_size {pp_size} x " if pp_size > 1 else ""
+        raise ValueError(f"init_mesh: {pp}dp_replicate {dp_replicate}{cp} x tp_size {tp_size} = "
+                         f"{pp_size * dp_replicate * cp_size * tp_size} does not divide the world size {world}: the "
+                         f"mesh {'pp x ' if pp_size > 1 else ''}dp_replicate x dp_shard x cp x tp must be the world; "
+                         f"pass sizes whose product divides {world}")
 
 
-def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, host_local_tp: bool | None = None,
-              device_type: str | None = None) -> DeviceMesh:
+def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, pp_size: int = 1,
+              host_local_tp: bool | None = None, device_type: str | None = None) -> DeviceMesh:
     """The world as a ``("dp_replicate", "dp_shard", "cp", "tp")`` DeviceMesh, made once per shape
     and device type (then the same mesh again).
 
@@ -168,6 +175,10 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, host_loc
     groups are contiguous ranks, then the context-parallel groups (``mesh["cp"]``: ranks that each
     hold ``T / cp_size`` tokens of the same sequences, :mod:`tpify.context_parallel`; with
     ``cp_size > 1`` also the flattened axis ``"cp_tp"``, :func:`cp_tp_group_of`).
+    With ``pp_size > 1`` an outermost ``"pp"`` axis comes first (:data:`PP_MESH_DIMS`): ranks
+    ``s * world/pp .. (s+1) * world/pp - 1`` hold pipeline stage ``s`` (:mod:`tpify.pipeline`;
+    ``mesh["pp"]`` is this rank's pipeline, :func:`pp_group_of`), and ``dp_shard = world //
+    (pp_size * dp_replicate * cp_size * tp_size)``; with ``pp_size == 1`` the mesh is the 4-D one.
     ``mesh["tp"]`` is this rank's TP group, :func:`dp_mesh` the DP group (DDP), :func:`fsdp_mesh`
     FSDP2's (or HSDP's) mesh; pass it as ``mesh=`` to :func:`tpify.parallelize`. A TP group whose
     ranks are on several hosts (:func:`host_of_rank`, shared in the agreement) raises with
@@ -179,8 +190,8 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, host_loc
     (collective over the world); none when the mesh exists already.
 
     Raises:
-        ValueError: on every rank: sizes that are not positive integers, ``dp_replicate * cp_size *
-            tp_size`` not dividing the world, a TP group across hosts with ``host_local_tp=True``.
+        ValueError: on every rank: sizes that are not positive integers, ``pp_size * dp_replicate *
+            cp_size * tp_size`` not dividing the world, a TP group across hosts with ``host_local_tp=True``.
         AgreementError: another rank failed, or the ranks passed different sizes.
     Warns:
         UserWarning: a TP group across hosts, with ``host_local_tp=None``.
@@ -191,16 +202,20 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, host_loc
     world = dist.get_world_size()
     error = None
     try:
-        _check_sizes(tp_size, dp_replicate, world, cp_size)
+        _check_sizes(tp_size, dp_replicate, world, cp_size, pp_size)
     except ValueError as e:
         error = e
     device = device_type or mesh_device_type()
-    shape = (dp_replicate, world // (tp_size * cp_size * dp_replicate), cp_size, tp_size) if error is None else None
+    shape = None
+    if error is None:
+        shape = (dp_replicate, world // (pp_size * tp_size * cp_size * dp_replicate), cp_size, tp_size)
+        shape = (pp_size, *shape) if pp_size > 1 else shape
     key = (device, *shape) if shape is not None else None
     if key in _meshes and not host_local_tp:  # host_local_tp=True checks the hosts again
         return _meshes[key]
-    hosts = agree.agree("tpify.init_mesh", {"tp_size": tp_size, "dp_replicate": dp_replicate, "cp_size": cp_size}, error,
-                  share=host_of_rank())
+    sizes = {"tp_size": tp_size, "dp_replicate": dp_replicate, "cp_size": cp_size}
+    sizes |= {"pp_size": pp_size} if pp_size != 1 else {}  # the same fingerprint as before at pp 1
+    hosts = agree.agree("tpify.init_mesh", sizes, error, share=host_of_rank())
     split = split_tp_groups(hosts, tp_size) if hosts is not None and host_local_tp is not False else []
     if split:
         local = os.environ.get("LOCAL_WORLD_SIZE", "unset")
@@ -213,12 +228,29 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, host_loc
             raise ValueError(message + " (refused: host_local_tp=True)")
         warnings.warn(message + " (pass host_local_tp=True to refuse, False to silence)", UserWarning, stacklevel=2)
     if key not in _meshes:
-        mesh = init_device_mesh(device, shape, mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device, shape, mesh_dim_names=PP_MESH_DIMS if pp_size > 1 else MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         if cp_size > 1:
             mesh["cp", "tp"]._flatten("cp_tp")
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP2's shard axis under context parallelism
         _meshes[key] = mesh
     return _meshes[key]
+
+
+def pp_size_of(mesh: DeviceMesh | None) -> int:
+    """The size of ``mesh``'s ``"pp"`` axis (1 without a mesh or without the axis). Local."""
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh["pp"].size()
+
+
+def pp_group_of(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    """This rank's pipeline: the ranks of ``mesh``'s ``"pp"`` axis (the same dp, cp and tp
+    coordinates, one rank per stage), which send activations to each other; None when the axis is
+    absent or has one rank. Local after :func:`init_mesh`."""
+    if pp_size_of(mesh) == 1:
+        return None
+    return mesh["pp"].get_group()
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -261,13 +293,21 @@ def cp_tp_group_of(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None) 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2's ``fully_shard`` takes: ``mesh["dp_shard"]`` (1-D: shard over it), or, when
     the mesh replicates (``dp_replicate > 1``), ``mesh["dp_replicate", "dp_shard"]`` (2-D: HSDP,
-    replicate over the first axis, shard over the second). Local."""
+    replicate over the first axis, shard over the second). With context parallelism (``cp > 1``)
+    the shard axis is ``"dp_shard_cp"``, ``dp_shard`` and ``cp`` flattened (torchtitan's): the
+    ranks of a CP group hold the same weights, so FSDP2 shards them over ``dp_shard x cp`` and its
+    reduce-scatter adds the CP group's partial gradients (:func:`tpify.shard_data_parallel` sets
+    the divide factor to the DP size). Local after :func:`init_mesh`."""
     names = mesh.mesh_dim_names or ()
     if "dp_shard" not in names:
         return mesh["dp"]
+    shard = "dp_shard"
+    if cp_size_of(mesh) > 1:
+        shard = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shard)  # made by init_mesh: found again
     if "dp_replicate" in names and mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
 
 
 def check_mesh(mesh, tp_size: int | None, tp_group, dp_group) -> int:
@@ -288,13 +328,15 @@ def check_mesh(mesh, tp_size: int | None, tp_group, dp_group) -> int:
     world = dist.get_world_size()
     if mesh.size() != world:
         shape = " x ".join(f"{n} {mesh.size(i)}" for i, n in enumerate(names))
+        if "pp" in names:
+            shape += " (with pipeline stages)"
         raise ValueError(f"mesh {shape} = {mesh.size()} ranks, but the world has {world}: the data-parallel and "
                          f"tensor-parallel sizes (and the context-parallel size) must multiply to the world size; "
                          f"build it with tpify.init_mesh(tp_size, dp_replicate, cp_size=cp) (dp_shard = world // "
                          f"(dp_replicate * cp * tp_size))")
-    unknown = [n for i, n in enumerate(names) if n not in (*MESH_DIMS, "dp") and mesh.size(i) > 1]
+    unknown = [n for i, n in enumerate(names) if n not in (*PP_MESH_DIMS, "dp") and mesh.size(i) > 1]
     if unknown:
-        raise ValueError(f"mesh has axes {names}; tpify knows {MESH_DIMS} (and 'dp'), and would not split the model "
+        raise ValueError(f"mesh has axes {names}; tpify knows {PP_MESH_DIMS} (and 'dp'), and would not split the model "
                          f"or the data over {unknown}: build the mesh with tpify.init_mesh")
     if tp_group is not None or dp_group != INFER:
         raise ValueError("pass mesh= alone, or tp_group= (and dp_group=), not both: the mesh makes both groups")

@@ -52,8 +52,15 @@ __all__ = ["Recipe", "Rule", "RuleIndex", "Include", "RecipeError", "STYLES", "l
 #: The keys every rule may have, whatever its style; a style's own keys are its ``KEYS``.
 _COMMON_KEYS = {"match", "style", "divide", "head_inputs", "optional", "when", "kv_heads", "kv_groups", "kv_counts"}
 _TOP_KEYS = {"model_type", "description", "divisible", "divide_config", "loss", "checkpoint", "subclasses",
-             "sequence_parallel", "rule", "include"}
+             "sequence_parallel", "rule", "include", "pipeline"}
 _SP_KEYS = {"split", "gather", "exit"}
+#: ``[pipeline]`` (tpify.pipeline): the decoder layers' ModuleList, the modules of the first and last
+#: stage (each with what it becomes on the other stages), and the head (default: the output embeddings).
+_PP_KEYS = {"layers", "first", "last", "head"}
+#: What a first- or last-stage module becomes on the other stages: ``absent`` (removed: the HF
+#: forward does not call it when given ``inputs_embeds``), ``identity`` (returns its input: a final
+#: norm, a dropout), ``zero`` (returns 0: a term added to the embeddings, GPT-2's ``wpe``).
+PIPELINE_ELSEWHERE = ("absent", "identity", "zero")
 _SP_OPTIONAL = {"scope"}
 _INCLUDE_KEYS = {"recipe", "prefix", "config"}
 _HEAD_INPUT_KEYS = {"arg", "dim", "heads"}
@@ -245,6 +252,7 @@ class Recipe:
     subclasses: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # class -> (forward, scale attr)
     sequence_parallel: dict | None = None  # {"split": glob, "gather": [globs], "exit": glob[, "scope": prefix]}
     includes: tuple[Include, ...] = ()  # other recipes applied to sub-modules (tpify.compose flattens them)
+    pipeline: dict | None = None  # [pipeline]: {"layers": name, "first"/"last": {name: elsewhere}, "head": name}
 
     def digest_data(self) -> list:
         """Everything that decides a layout, as JSON-able data (for the agreement fingerprint)."""
@@ -255,7 +263,8 @@ class Recipe:
                 + [self.model_type, list(self.divisible), list(self.divide_config), sorted(self.loss.items()),
                    list(self.ignores_num_items), list(self.renames), sorted(self.subclasses.items()),
                    self.sequence_parallel, list(self.loss_terms), list(self.logit_ops),
-                   [(i.prefix, i.config, i.recipe) for i in self.includes]])
+                   [(i.prefix, i.config, i.recipe) for i in self.includes]]
+                + ([self.pipeline] if self.pipeline is not None else []))
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<memory>") -> "Recipe":
@@ -284,13 +293,14 @@ class Recipe:
         renames = _read_checkpoint(data.get("checkpoint", {}), fail)
         subclasses = _read_subclasses(data.get("subclasses", {}), fail)
         sp = _read_sequence_parallel(data.get("sequence_parallel"), fail)
+        pipeline = read_pipeline(data.get("pipeline"), fail)
         includes = _includes(data.get("include", []), fail)
         raw_rules = data.get("rule", [])
         if not isinstance(raw_rules, list) or not (raw_rules or includes):
             fail("a recipe needs at least one [[rule]] (or [[include]])")
         rules = [_read_rule(i, raw, fail) for i, raw in enumerate(raw_rules)]
         return cls(model_type, rules, tuple(divisible), source, data.get("description", ""), tuple(divide_config),
-                   loss, ignores, terms, ops, renames, subclasses, sp, includes)
+                   loss, ignores, terms, ops, renames, subclasses, sp, includes, pipeline)
 
 
 def _names(data: dict, key: str, message: str, fail) -> list[str]:
@@ -382,6 +392,30 @@ def _read_sequence_parallel(sp, fail) -> dict | None:
              "exit = the glob of the module whose output is all-gathered (and optionally scope = the "
              "module whose column- and row-parallel layers must all be gathered, by default the whole model)")
     return sp
+
+
+def read_pipeline(table, fail) -> dict | None:
+    """``[pipeline]``: ``layers`` (the decoder layers' ModuleList, a child of the base model),
+    ``first`` and ``last`` (tables of base-model children -> what each becomes on the other
+    stages, one of :data:`PIPELINE_ELSEWHERE`), ``head`` (the head class's child on the last stage
+    only; default its output embeddings). Returns the table with defaults filled, or None."""
+    if table is None:
+        return None
+    message = ("[pipeline] must be a table with layers = the name of the decoder layers' ModuleList (a child of the "
+               "base model, e.g. 'layers' or 'h'), and optionally first = { name = 'absent' | 'identity' | 'zero' } "
+               "(the modules of the first stage and what each becomes on the others), last = { ... } (those of the "
+               "last stage), head = the head class's child computing the logits (default: its output embeddings)")
+    if not isinstance(table, dict) or "layers" not in table or set(table) - _PP_KEYS:
+        fail(message + (f"; unknown keys {sorted(set(table) - _PP_KEYS)}" if isinstance(table, dict) else ""))
+    out = {"layers": table["layers"], "first": table.get("first", {}), "last": table.get("last", {}),
+           "head": table.get("head")}
+    names = [out["layers"]] + list(out["first"]) + list(out["last"]) if isinstance(out["first"], dict) and \
+        isinstance(out["last"], dict) else None
+    if names is None or not all(isinstance(n, str) and n and "." not in n for n in names) \
+            or not all(v in PIPELINE_ELSEWHERE for v in [*out["first"].values(), *out["last"].values()]) \
+            or not (out["head"] is None or isinstance(out["head"], str) and out["head"]):
+        fail(message)
+    return out
 
 
 def _read_rule(i: int, raw, fail) -> Rule:

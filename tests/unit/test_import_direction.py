@@ -24,7 +24,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "tpify.cli": ("tpify.cli",),
     "tpify.authoring": ("tpify.cli", "tpify.authoring"),
     "tpify.integrations": _ABOVE_API,
-    "tpify.api": _ABOVE_API + ("tpify.api",),
+    # pipeline stages sit on the core beside the integrations (a parallelized model is cut into stages,
+    # from_pretrained reads a stage); the core never imports them
+    "tpify.api": _ABOVE_API + ("tpify.api", "tpify.pipeline"),
+    "tpify.pipeline": _ABOVE_API + ("tpify.pipeline",),
 }
 # The leaves: what tpify sets on a model, and the facts about HF modules, import nothing of tpify
 # but these (one-way core: everything reads them, they read nothing above them).

@@ -1,0 +1,229 @@
+"""Pipeline stages (``tpify.pipeline``) against the single-process dense model, float64.
+
+One spawned job of 4 gloo ranks runs every check (spawning costs seconds): GPT-2 (tied head,
+learned positions) and Llama (untied, GQA) at pp 2 (GPipe, 1F1B), pp 4 (1F1B), pp 2 with two
+virtual stages per rank (interleaved 1F1B), and Llama at pp 2 x tp 2 (1F1B); at pp 2 x dp 2 each
+data-parallel replica takes its half of the global batch (the dense model sees the whole); each the loss and
+every gradient of the first step, then 3 AdamW steps with clipping, and the tied embedding's
+gradient equal on the first and last stage. Tolerance: float64 sums in another order (~1e-16);
+tputil.F64 (atol 1e-10) leaves room for the 3 AdamW steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import tputil
+
+pytestmark = pytest.mark.slow
+
+B, T, M = 8, 6, 4
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=61, n_positions=16, n_embd=16, n_layer=4, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      use_sliding_window=True, sliding_window=3, max_window_layers=2, tie_word_embeddings=False,
+                      layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    return Qwen2ForCausalLM(cfg)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                        experts_implementation="eager")
+    return MixtralForCausalLM(cfg)
+
+
+LORA = dict(r=4, lora_alpha=8, init_lora_weights="gaussian",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def _dense_loss(ref, ids, labels):
+    logits = ref(input_ids=ids).logits  # (B, T, V) float64; HF's own loss would compute in float32
+    target = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def _batch(vocab, seed, rows=B):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, T), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored targets: the count is the whole batch's
+    labels[5, 2] = -100
+    labels[rows - 1, 1:] = -100  # the replicas' halves hold different counts
+    return ids, labels
+
+
+def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False, chunk=None):
+    import peft
+
+    import tpify
+    import tpify.pipeline as pp
+    from tpify.integrations import get_peft_model
+    from tpify.mesh import dp_mesh
+
+    torch.manual_seed(0)
+    ref = make().double()
+    mesh = tpify.init_mesh(tp, **mesh_args, device_type="cpu")
+    model = copy.deepcopy(ref)
+    if tp > 1:
+        model = tpify.parallelize(model, mesh=mesh)
+    if checkpointing:  # HF's, inside each decoder layer (tpify's own method on a parallel model)
+        for m in (ref, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:  # the adapters alike on both (one seed); the stages cut from the HF model PEFT adapted in place
+        torch.manual_seed(1)
+        ref = peft.get_peft_model(ref, peft.LoraConfig(**LORA)).base_model.model
+        torch.manual_seed(1)
+        model = (get_peft_model(model, peft.LoraConfig(**LORA)) if tp > 1 else
+                 peft.get_peft_model(model, peft.LoraConfig(**LORA))).base_model.model
+    sched = pp.pipeline(model, mesh, schedule=schedule, n_microbatches=M, n_virtual=n_virtual, lm_loss_chunk=chunk)
+    del model
+    stages = pp.stages_of(sched)
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    trained = [p for p in pp.parameters(sched) if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    vocab = ref.config.vocab_size
+    what = (f"{type(ref).__name__} {mesh_args} tp {tp} {schedule} x{n_virtual}{' checkpointing' * checkpointing}"
+            f"{' LoRA' * lora}{f' lm_loss_chunk {chunk}' if chunk else ''}")
+    worst = [0.0]
+
+    def close(got, want, msg):
+        torch.testing.assert_close(got, want, **tputil.F64, msg=msg)
+        worst[0] = max(worst[0], float((got.detach() - want.detach()).abs().max()))
+    dp = dp_mesh(mesh)
+    replicas, replica = dp.size(), dp.get_local_rank()
+    for it in range(3):
+        ids, labels = _batch(vocab, it, B * replicas)  # the global batch; each dp replica its B rows
+        want = _dense_loss(ref, ids, labels)
+        want.backward()
+        ids, labels = ids[replica * B:(replica + 1) * B], labels[replica * B:(replica + 1) * B]
+        loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
+        if last:
+            close(loss, want.detach(), f"{what}: loss, step {it}")
+        if it == 0:  # every gradient, before clipping
+            ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+            for stage in stages:
+                named = tputil.dense_named(stage.model, "grad") if tp > 1 else \
+                    {n: p.grad for n, p in stage.model.named_parameters()}
+                assert named, what
+                assert any(g is not None for g in named.values()), what
+                for n, g in named.items():
+                    if ref_grads[n] is None:
+                        assert g is None, f"{what}: {n} has a gradient, the dense one none"
+                        continue
+                    close(g, ref_grads[n], f"{what}: grad {n}")
+        want_norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
+        norm = pp.clip_grad_norm_(sched, 0.05)
+        close(norm, want_norm, f"{what}: norm, step {it}")
+        ref_opt.step(); ref_opt.zero_grad()
+        opt.step(); opt.zero_grad()
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for stage in stages:
+        named = tputil.dense_named(stage.model) if tp > 1 else dict(stage.model.named_parameters())
+        for n, p in named.items():
+            close(p, ref_params[n], f"{what}: {n} after 3 AdamW steps")
+    return what, worst[0]
+
+
+def _job(rank, world):
+    import tpify
+    import tpify.pipeline as pp
+
+    done = []
+    for make in (_gpt2, _llama):
+        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "GPipe", 1, 1))
+        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1))
+        done.append(_case(make, {"pp_size": 4}, "1F1B", 1, 1))
+        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "Interleaved1F1B", 2, 1))
+    done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2))
+    done.append(_case(_gpt2, {"pp_size": 2}, "GPipe", 1, 2))
+    done.append(_case(_qwen2, {"pp_size": 4}, "1F1B", 1, 1))  # sliding and full layers: the stage's layer_types
+    done.append(_case(_qwen2, {"pp_size": 2}, "Interleaved1F1B", 2, 2))
+    done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2, checkpointing=True))
+    done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, lora=True))
+    done.append(_case(_llama, {"pp_size": 2}, "GPipe", 1, 2, lora=True))
+    done.append(_case(_mixtral, {"pp_size": 2}, "1F1B", 1, 2))
+    done.append(_case(_gpt2, {"pp_size": 2}, "1F1B", 1, 2, chunk=5))  # the tied head's weight from the loss
+    done.append(_case(_llama, {"pp_size": 4}, "GPipe", 1, 1, chunk="auto"))  # MoE: fused experts tensor-parallel in each stage
+    with pytest.raises(pp.PipelineError, match="output_router_logits"):  # the aux loss is not built: refused
+        m = _mixtral()
+        m.config.output_router_logits = True
+        pp.pipeline(m, tpify.init_mesh(1, pp_size=2, device_type="cpu"), n_microbatches=M)
+    done.append(_refusals())
+    return done
+
+
+def _refusals():
+    """Bad input raises on every rank (PipelineError where it is wrong, AgreementError naming it elsewhere)."""
+    import tpify
+    import tpify.pipeline as pp
+    from tpify import AgreementError
+
+    mesh = tpify.init_mesh(1, pp_size=4, device_type="cpu")
+    torch.manual_seed(0)
+    model = _llama().double()
+    with pytest.raises(pp.PipelineError, match="8 pipeline stages but the model has 4 layers"):
+        pp.pipeline(model, mesh, schedule="Interleaved1F1B", n_microbatches=4)
+    with pytest.raises(pp.PipelineError, match="at least as many microbatches as stages"):
+        pp.pipeline(model, mesh, schedule="1F1B", n_microbatches=2)
+    with pytest.raises(pp.PipelineError, match=r"no pipeline plan.*\[pipeline\]"):
+        pp.pipeline(_gpt2(), mesh, recipe={"model_type": "gpt2", "rule": [{"match": "wte", "style": "replicate"}]})
+    sched = pp.pipeline(model, mesh, schedule="GPipe", n_microbatches=4)
+    first = pp.stages_of(sched)[0].is_first
+    last = pp.stages_of(sched)[0].is_last
+    ids, labels = _batch(64, 0)
+    with pytest.raises((pp.PipelineError, AgreementError), match="given on a rank that holds no first stage"):
+        pp.step(sched, input_ids=ids, labels=labels if last else None)  # input_ids on every rank
+    with pytest.raises(pp.PipelineError, match="multiple of n_microbatches = 4") if first or last else \
+            pytest.raises(AgreementError, match="multiple of n_microbatches"):
+        pp.step(sched, input_ids=ids[:6] if first else None, labels=labels[:6] if last else None)
+    with pytest.raises(pp.PipelineError, match="attention_mask / position_ids are not taken"):
+        pp.step(sched, input_ids=ids if first else None, labels=labels if last else None,
+                attention_mask=torch.ones_like(ids))
+    loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)  # still usable
+    assert (loss is not None) == last
+    mesh = tpify.init_mesh(2, pp_size=2, device_type="cpu")
+    sched = pp.pipeline(tpify.parallelize(_llama().double(), mesh=mesh), mesh, schedule="GPipe", n_microbatches=4)
+    first, last = pp.stages_of(sched)[0].is_first, pp.stages_of(sched)[0].is_last
+    other = (ids + mesh["tp"].get_local_rank()) % 64  # the TP ranks of the first stage given different ids
+    with pytest.raises(pp.PipelineError, match="different input_ids or labels"):
+        pp.step(sched, input_ids=other if first else None, labels=labels if last else None)
+    return "refusals"
+
+
+def test_pipeline_matches_dense():
+    results = tputil.spawn(_job, 4, timeout=900)
+    assert all(len(r) == 19 for r in results)
+    cases = [c for c in results[0] if isinstance(c, tuple)]
+    for i, (what, _) in enumerate(cases):  # the largest |difference| over the ranks (docs/pipeline-parallelism.md)
+        print(f"{what}: {max(r[i][1] for r in results):.1e}")

@@ -1,0 +1,62 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: the model's own layers cut into stages.
+
+The third dimension beside tensor and data parallelism (Megatron-LM, Narayanan et al.,
+arXiv:2104.04473): a mesh with an outermost ``"pp"`` axis (``tpify.init_mesh(tp, pp_size=P)``),
+each pipeline rank holding the HF model with only its stage's layers (:mod:`.stage`), run by
+torch's schedules (:mod:`.schedule`). One job per module:
+
+* :mod:`.plan`: where the model is cut (recipe ``[pipeline]`` or transformers' ``base_model_pp_plan``)
+  and the layer ranges of the stages;
+* :mod:`.stage`: :class:`StageModule`, one stage of the HF model;
+* :mod:`.split`: :func:`split_model`, this rank's stages and the embedding group;
+* :mod:`.schedule`: :func:`build_schedule` (torch's schedule objects), :class:`PipelineLoss`, :func:`step`;
+* :mod:`.grads`: the global gradient norm over pp x tp and clipping;
+* :mod:`.load`: :func:`from_pretrained` reading only this rank's stages, :func:`save_pretrained` by stage;
+* :mod:`.checkpoint`: training checkpoints (DCP) that resume at another pp and tp.
+
+Usage (docs/pipeline-parallelism.md)::
+
+    mesh = tpify.init_mesh(tp_size=2, pp_size=2)
+    model = tpify.parallelize(model, mesh=mesh)            # tp inside each stage (skip at tp 1)
+    schedule = tpify.pipeline.pipeline(model, mesh, schedule="1F1B", n_microbatches=4)
+    del model                                              # the other stages' layers are freed
+    opt = torch.optim.AdamW(tpify.pipeline.parameters(schedule))
+    loss = tpify.pipeline.step(schedule, input_ids=ids if first else None, labels=labels if last else None)
+    tpify.pipeline.clip_grad_norm_(schedule, 1.0); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .grads import clip_grad_norm_, grad_norm, parameters
+from .load import from_pretrained, save_pretrained
+from .plan import PipelineError, PipelinePlan, layer_ranges, pipeline_plan
+from .schedule import PipelineLoss, build_schedule, step
+from .split import PipelineInfo, split_model
+from .stage import StageModule
+
+__all__ = ["pipeline", "split_model", "build_schedule", "step", "parameters", "grad_norm", "clip_grad_norm_",
+           "stages_of", "from_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
+           "layer_ranges", "pipeline_plan"]
+
+
+def pipeline(model, mesh, *, schedule: str = "1F1B", n_microbatches: int = 1, n_virtual: int | None = None,
+             split_points: list[int] | None = None, recipe=None, device=None, lm_loss_chunk=None):
+    """:func:`split_model` then :func:`build_schedule`: torch's schedule object over this rank's
+    stages of ``model`` (a causal LM, dense or parallelized over ``mesh``'s tp axis).
+
+    ``n_virtual``: stages per rank (default 2 for ``Interleaved1F1B``, else 1); ``lm_loss_chunk``:
+    the chunked linear cross-entropy (:class:`PipelineLoss`). The stages:
+    :func:`stages_of`; a training step: :func:`step`. Communication and Raises: those of
+    :func:`split_model` and :func:`build_schedule` (PipelineError on every rank).
+    """
+    if n_virtual is None:
+        n_virtual = 2 if schedule == "Interleaved1F1B" else 1
+    info = split_model(model, mesh, n_virtual=n_virtual, split_points=split_points, recipe=recipe)
+    return build_schedule(info, schedule, n_microbatches, device, lm_loss_chunk)
+
+
+def stages_of(schedule) -> list[StageModule]:
+    """This rank's :class:`StageModule` s of a schedule :func:`build_schedule` made (their ``.model``
+    is the HF model holding the stage's layers under their global names)."""
+    return schedule.tpify_pipeline.stages
