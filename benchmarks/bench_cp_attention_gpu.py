@@ -24,7 +24,9 @@ costs the same compute but is not the sum, so only the forward rows are compared
 causal with one document (no window, no packing): each is one call of the flash kernel that returns
 the log-sum-exp (``aten._scaled_dot_product_flash_attention`` on CUDA in bf16/fp16,
 ``..._for_cpu`` on the CPU), or the masked einsum where the kernel refuses the inputs (fp32 on
-CUDA); the line before each dtype's table says which, and the run counts the calls.
+CUDA); the line before each dtype's table says which, counts the calls, and gives the ring's
+gradients at cp 1 (no shift: every gradient is the ring's own) against dense SDPA's, both in the
+run's dtype (the flash kernel's backward checked on the device).
 
 Run on a GPU: ``python benchmarks/bench_cp_attention_gpu.py``; ``--device cpu --tokens 256`` checks
 the script on a CPU (times by the wall clock, no memory figures).
@@ -125,6 +127,27 @@ def _ring_run(q, k, v, tokens: int, cp: int, rank: int, device):
     return run, q.index_select(2, index), local_k, local_v, index
 
 
+def _ring_gradients_check(q, k, v, device) -> str:
+    """The ring at cp 1 (no shift: its own block, two diagonal sub-blocks and one full one) against
+    dense SDPA, forward and backward in the inputs' dtype: ``dQ``, ``dK``, ``dV`` max abs difference
+    over the dense gradient's max abs (the flash kernel's backward conventions checked on the device)."""
+    from tpify.context_parallel import sequence_order
+    from tpify.hooks import cp_ring
+    from tpify.hooks.context_parallel import ContextParallelCall
+
+    tokens = q.shape[2]
+    call, _ = ContextParallelCall.from_positions(None, 1, 0, sequence_order(tokens, 1, device=device)[None], "ring")
+    g = torch.Generator(device=device).manual_seed(1)
+    grad = torch.randn(q.shape, device=device, dtype=q.dtype, generator=g)
+    ring_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    dense_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ring = torch.autograd.grad(cp_ring.ring_attention(*ring_leaves, call, None, q.shape[-1] ** -0.5),
+                               ring_leaves, grad)
+    dense = torch.autograd.grad(_dense(*dense_leaves), dense_leaves, grad)
+    rel = [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(ring, dense)]
+    return "dQ %.1e, dK %.1e, dV %.1e" % tuple(rel)
+
+
 def main(argv=None) -> int:
     from tpify.context_parallel import load_balanced_index, sequence_order
     from tpify.hooks.context_parallel import ContextParallelCall, _attend
@@ -181,7 +204,8 @@ def main(argv=None) -> int:
             calls, cp_ring.KERNEL_CALLS = cp_ring.KERNEL_CALLS, None
             print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | ring sub-blocks: "
                   f"{'flash kernel (' + kernel + ')' if kernel else 'masked einsum (no flash kernel for these inputs)'}"
-                  f", calls {calls} | | | | | |")
+                  f", calls {calls}; ring cp 1 gradients vs dense SDPA (max abs diff / max abs): "
+                  f"{_ring_gradients_check(q, k, v, device)} | | | | | |")
             t_dense, p_dense = statistics.median(times["denseNone"]), statistics.median(peaks["denseNone"])
             dense_out = outs["denseNone"]
             print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | 1 | - | {t_dense:.2f} | 1.00 | "
