@@ -381,10 +381,15 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Raises:
         RuntimeError: (the flash path) a sub-block of the plan that is neither a diagonal nor fully
-            visible, which the load-balanced layout never gives (a guard, before any kernel call).
+            visible, which the load-balanced layout never gives (a guard, on every rank before the
+            first shift).
     """
     kernel = flash_kernel(query, key, value) if window is None else None
     if kernel is not None and not _one_document(call):
         kernel = None  # packed documents: the masked einsum path
+    if kernel is not None:  # every sub-block of every step a diagonal or fully visible, checked before any shift
+        for source in range(call.size):
+            for qh, kh in block_plan(call.size, call.rank, source, query.shape[2] // 2, None):
+                _piece_causal(call.size, call.rank, source, qh, kh)
     ring = _Ring(call, window, scale, key.shape[1], query.shape[-1], kernel)
     return _RingAttention.apply(query, key, value, ring)
