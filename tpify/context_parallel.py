@@ -89,6 +89,12 @@ def cp_of(model_or_mesh) -> tuple[dist.ProcessGroup | None, int, int]:
     return info.cp_group, info.cp_size, info.cp_rank
 
 
+#: The keyword :func:`split_batch` adds when it made the positions itself (``arange(T)``: one document
+#: per row); the model's context-parallel pre-hook takes it out of the call, and the ring attention
+#: then picks its mask-free kernel without reading the positions from the device.
+ONE_DOCUMENT_KWARG = "tpify_cp_one_document"
+
+
 def _split_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[:, index]`` (the tokens along dim 1), contiguous."""
     return x.index_select(1, index.to(x.device)).contiguous()
@@ -100,7 +106,8 @@ def split_batch(batch: Mapping, model_or_mesh=None, *, cp_size: int | None = Non
     loader or a training loop calls on every rank (every rank of a CP group given the same batch).
 
     ``input_ids`` / ``inputs_embeds`` and ``position_ids`` (default ``arange(T)``): chunks ``r`` and
-    ``2 cp - 1 - r`` (:func:`load_balanced_index`); ``labels`` shifted over the whole sequence
+    ``2 cp - 1 - r`` (:func:`load_balanced_index`; without ``position_ids`` the result also holds
+    ``ONE_DOCUMENT_KWARG: True``, which the model takes out); ``labels`` shifted over the whole sequence
     first (HF's ``ForCausalLMLoss``), returned as ``shift_labels`` and ``labels``; an all-ones
     ``attention_mask`` dropped; non-tensors and 0-dim tensors kept. With ``pad_token_id``, ``T``
     is padded at the end to a multiple of ``2 * cp`` (targets ``ignore_index``). With
@@ -136,6 +143,7 @@ def split_batch(batch: Mapping, model_or_mesh=None, *, cp_size: int | None = Non
     positions = out.get("position_ids")
     if positions is None:
         positions = torch.arange(tokens, device=x.device).unsqueeze(0)
+        out[ONE_DOCUMENT_KWARG] = True  # known here, on the host: the ring then reads nothing from the device
     target = out.pop("shift_labels", None)
     labels = out.pop("labels", None)
     if target is None and labels is not None:  # HF's ForCausalLMLoss shift, over the whole sequence

@@ -119,3 +119,21 @@ def test_the_mesh_sizes_must_divide_the_world():
         _check_sizes(2, 1, 8, 3)
     with pytest.raises(ValueError, match="cp_size must be a positive integer"):
         _check_sizes(2, 1, 8, 0)
+
+
+def test_split_batch_tells_the_model_when_every_row_is_one_document():
+    """Positions made by split_batch (no ``position_ids`` given) are one document per row, known on
+    the host: the ring attention then needs no device read; packed positions carry no such flag."""
+    from tpify.context_parallel import ONE_DOCUMENT_KWARG
+    from tpify.hooks import cp_ring
+    from tpify.hooks.context_parallel import ContextParallelCall
+
+    ids = torch.arange(16).view(2, 8)
+    plain = split_batch({"input_ids": ids}, cp_size=2, cp_rank=0)
+    assert plain[ONE_DOCUMENT_KWARG] is True
+    packed = split_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)},
+                         cp_size=2, cp_rank=0)
+    assert ONE_DOCUMENT_KWARG not in packed
+    call = ContextParallelCall(None, 2, None, None, None, None)
+    call.one_document = True  # the hook sets it from the flag; doc_k is never read then
+    assert cp_ring._one_document(call) is True

@@ -25,7 +25,7 @@ from .. import comm
 from ..context import TPContext
 from .cp_ring import ring_attention
 from .cp_ulysses import ulysses_attention
-from ..context_parallel import load_balanced_index, sequence_order
+from ..context_parallel import ONE_DOCUMENT_KWARG, load_balanced_index, sequence_order
 from ..grad_sums import SummedGrads
 from ..info import TPUsageError
 
@@ -53,14 +53,17 @@ class ContextParallelCall:
         doc_q, doc_k: ``(B', T / cp)`` and ``(B', T)`` the document of each query and key (packed
             sequences: a new document where the position ids do not go up by one), ``B'`` 1 or B.
         calls: attention layers that ran in this call (checked against the model's layers).
+        one_document: True when the host knows that every row is one document (the batch came
+            through ``split_batch`` without ``position_ids``), else None (the ring reads it once).
     """
 
-    __slots__ = ("group", "size", "rank", "mode", "q_index", "k_index", "doc_q", "doc_k", "calls")
+    __slots__ = ("group", "size", "rank", "mode", "q_index", "k_index", "doc_q", "doc_k", "calls", "one_document")
 
     def __init__(self, group, size: int, q_index, k_index, doc_q, doc_k, rank: int = 0, mode: str = "allgather"):
         self.group, self.size, self.rank, self.mode = group, size, rank, mode
         self.q_index, self.k_index, self.doc_q, self.doc_k = q_index, k_index, doc_q, doc_k
         self.calls = 0
+        self.one_document = None  # True: known on the host (split_batch made the positions); None: read if needed
 
     @classmethod
     def from_positions(cls, group, size: int, rank: int, gathered: torch.Tensor,
@@ -289,9 +292,11 @@ class ContextParallelHooks(comm.SharesProcessGroups):
     def pre_hook(self, model: nn.Module, args: tuple, kwargs: dict):
         self.summed.at_root(model)
         self.call = None
+        one_document = kwargs.pop(ONE_DOCUMENT_KWARG, None)
         positions, tokens = self._check(model, args, kwargs)
         gathered = comm.all_gather_dim(positions.contiguous(), 1, self.group)  # (B', T) in rank order
         self.call, ok = ContextParallelCall.from_positions(self.group, self.size, self.rank, gathered, self.mode)
+        self.call.one_document = True if one_document is True else None
         comm.raise_unless(ok, ValueError, _FIRST_DOCUMENT_ONLY, defer=self.ctx.state.checks)
         kwargs[CALL_KWARG] = self.call
         if "use_cache" in _forward_params(type(model)):

@@ -160,7 +160,10 @@ def _one_document(call) -> bool:
     """True when no row of the call holds more than one document (no packing, no padding by
     restarted positions): then every sub-block the plan keeps is fully visible or a diagonal, and
     needs no mask. One device-to-host read of one bool per model call (the first ring layer reads
-    it, the others reuse it), not per layer or per sub-block."""
+    it, the others reuse it), not per layer or per sub-block; none when the host knows it already
+    (``call.one_document``: the batch came through ``split_batch`` without ``position_ids``)."""
+    if getattr(call, "one_document", None) is True:
+        return True
     known = _ONE_DOCUMENT.get(call.doc_k)
     if known is None:
         known = bool((call.doc_k == call.doc_k[:, :1]).all())
