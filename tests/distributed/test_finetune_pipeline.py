@@ -86,7 +86,7 @@ def test_tiny_gpt2_interleaved_pp2_tp2(tiny_gpt2, tmp_path):
     """A 4-layer GPT-2 at ``--pp 2 --tp 2`` (4 ranks; Interleaved1F1B: 4 stages of one layer, two
     per rank, 4 microbatches) against ``--pp 1 --tp 1``: 4 AdamW steps with clipping; the tied
     embedding's gradient summed between the first and last stage. Tolerances as the SmolLM2 test
-    (float32; here 4 layers of width 64)."""
+    (float32; here 4 layers of width 64). Each rank's parameter bytes equal ``tpify plan --pp``'s."""
     lr = 1e-3
     common = ["--model-dir", str(tiny_gpt2), "--lora-r", "0", "--steps", "4", "--seq-len", "32", "--batch-size", "4",
               "--sample-tokens", "0", "--lr", str(lr), "--warmup", "1"]
@@ -96,6 +96,12 @@ def test_tiny_gpt2_interleaved_pp2_tp2(tiny_gpt2, tmp_path):
     torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pp2tp2")), torch.tensor(_losses(tmp_path / "dense")),
                                rtol=1e-5, atol=0)
     _same_weights(tmp_path / "dense" / "final", tmp_path / "pp2tp2" / "final", atol=4 * 2 * lr)
+    # tpify plan --pp's bytes per rank are the real stages' (global rank g is pipeline rank g // tp)
+    from tpify.authoring.plan_pipeline import pipeline_report
+
+    real = json.loads((tmp_path / "pp2tp2" / "losses.json").read_text())["rank_param_bytes"]
+    planned = pipeline_report(str(tiny_gpt2), 2, 2, schedule="Interleaved1F1B")["ranks"]
+    assert real == [planned[g // 2]["rank_bytes"] for g in range(4)], (real, planned)
 
 
 def test_refusals_before_launch(tiny_gpt2, tmp_path):

@@ -108,10 +108,10 @@ def _dense_bytes(cfg) -> int:
     return numel * torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
 
 
-def pipeline_memory_report(cfg, schedule, params: list[torch.nn.Parameter]) -> list[str]:
-    """Lines giving each rank's stages, layers and parameter bytes against the dense model (every
-    weight trains: gradients take the parameters' bytes again, AdamW's state twice). Collective:
-    one ``all_gather_object`` over the world."""
+def pipeline_memory_report(cfg, schedule, params: list[torch.nn.Parameter]) -> tuple[list[str], list[int]]:
+    """``(lines, bytes)``: lines giving each rank's stages, layers and parameter bytes against the
+    dense model (every weight trains: gradients take the parameters' bytes again, AdamW's state
+    twice); each global rank's parameter bytes. Collective: one ``all_gather_object`` over the world."""
     from .. import pipeline as pp
 
     stages = pp.stages_of(schedule)
@@ -129,7 +129,7 @@ def pipeline_memory_report(cfg, schedule, params: list[torch.nn.Parameter]) -> l
         where = ", ".join(f"stage {s} (layers {a}..{b})" for s, a, b in on)
         lines.append(f"  rank {r}: {where}: parameters {mib(nbytes)} = {nbytes / dense:.3f} x dense (gradients "
                      f"{mib(nbytes)}, AdamW state {mib(2 * nbytes)})")
-    return lines
+    return lines, [nbytes for _, _, nbytes in sorted(per_rank)]
 
 
 def _agreed(cfg) -> None:
@@ -195,7 +195,8 @@ def finetune_pipeline(cfg) -> list[float]:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))
     report = cfg.progress and rank == 0
-    for line in pipeline_memory_report(cfg, schedule, params):
+    lines_, rank_bytes = pipeline_memory_report(cfg, schedule, params)
+    for line in lines_:
         if report:
             print(line, flush=True)
     if report and cfg.sample_tokens:
@@ -228,7 +229,8 @@ def finetune_pipeline(cfg) -> list[float]:
 
         tokenizer.save_pretrained(out_dir / "final")
         (out_dir / "losses.json").write_text(json.dumps({"losses": lines.losses, "config": asdict(cfg),
-                                                         "trainable_parameters": None}, indent=1))
+                                                         "trainable_parameters": None,
+                                                         "rank_param_bytes": rank_bytes}, indent=1))
         _plot(lines.losses, out_dir / "loss.png")
     comm.barrier()
     return lines.losses
