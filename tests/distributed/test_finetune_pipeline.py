@@ -70,14 +70,16 @@ def test_smollm2_pp2_equals_pp1(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory):
-    """A 4-layer GPT-2 (tied head, learned positions) with the real MiniLM WordPiece tokenizer."""
+    """A 4-layer GPT-2 (tied head, learned positions) with the real MiniLM WordPiece tokenizer;
+    dropout off, so that the pipeline and the dense run compute the same function (their dropout
+    masks come from other generator streams)."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     path = tmp_path_factory.mktemp("tiny-gpt2-pp")
     tok = AutoTokenizer.from_pretrained(tputil.minilm_dir())
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=tok.vocab_size,
-                               bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)).save_pretrained(path)
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
