@@ -12,8 +12,8 @@ function), with two stages of half the time each per rank when interleaved, so e
 same work per microbatch. Why sleeps: this machine has 2 cores, and 4 compute-bound ranks cannot run
 in parallel on it, so a compute-bound stage would measure the CPU scheduler, not the pipeline; a
 sleeping rank takes no core. Measured per rank: busy = the sum of the stage's own forward and
-backward intervals (timestamps inside the autograd function), step = from a barrier to the end of
-this rank's ``schedule.step``; bubble = 1 - busy / step, the mean over ranks, the median over 5
+backward intervals (timestamps inside the autograd function), step = from a barrier before
+``schedule.step`` to a barrier after it (the step ends for every rank when the last is done); bubble = 1 - busy / step, the mean over ranks, the median over 5
 steps after one warm-up. Analytic (Narayanan et al., arXiv:2104.04473, section 2.2):
 ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` interleaved with ``v = 2``
 stages per rank (as ``idle / (idle + busy)``; the paper's ``(p-1)/m`` divides by the busy time
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import tputil  # noqa: E402  (gloo rank spawning shared with the tests)
 
-T_F = 0.004  # seconds a stage's forward sleeps per microbatch (the backward: 2 T_F)
+T_F = 0.020  # seconds a stage's forward sleeps per microbatch (the backward: 2 T_F)
 MICROBATCHES = (4, 8, 16)
 
 
@@ -104,8 +104,8 @@ def _bubble_body(rank, world, cases):
             args = (x,) if rank == 0 else ()
             target = torch.zeros(2 * m, 8) if rank == world - 1 else None
             sched.step(*args, target=target)
+            dist.barrier()  # the step ends when the last rank is done: a rank that finishes early idles till then
             step = time.perf_counter() - a
-            dist.barrier()
             if it:
                 fractions.append(1 - sum(log) / step)
         out.append((schedule, m, statistics.median(fractions)))

@@ -319,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         dp = dp * _pipeline_size(args)
     if launched:
         problem = launch.world_mismatch(args.tp, dp, int(os.environ["WORLD_SIZE"]))
+        if problem and _pipeline_size(args) > 1:
+            problem = (f"--pp {args.pp} x --tp {args.tp} x --dp {args.dp} = {args.tp * dp} ranks, but "
+                       f"{os.environ['WORLD_SIZE']} ranks were started; pass sizes whose product is "
+                       f"{os.environ['WORLD_SIZE']}")
         if problem:
             parser.error(problem)  # on every rank, before the process group starts
     else:
