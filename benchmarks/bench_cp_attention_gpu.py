@@ -15,6 +15,13 @@ the largest difference of its output rows from the dense causal attention's rows
 kernel: the dense side takes the flash kernel, the masked side the memory-efficient one).
 Rounds interleaved: each round runs every configuration once, in turn.
 
+The ring (``cp_attention="ring"``, :mod:`tpify.hooks.cp_ring`) is measured the same way, its
+``[K | V]`` transport emulated: ``tpify.comm.ring_shift_start`` is replaced, for this process, by
+a shift that hands the rank the block of the rank before it from the whole sequence's K/V (what
+the P2P receive would bring; the backward's ``[dK | dV]`` accumulators come back unchanged, which
+costs the same compute but is not the sum, so only the forward rows are compared). Rows
+``ring`` next to ``cp`` (the all-gather form) at the same rank.
+
 Run on a GPU: ``python benchmarks/bench_cp_attention_gpu.py``; ``--device cpu --tokens 256`` checks
 the script on a CPU (times by the wall clock, no memory figures).
 """
@@ -67,6 +74,53 @@ def _measure(fn, args, rounds_out: list, peaks: list):
     return out.detach()
 
 
+class _EmulatedShift:
+    """``tpify.comm.ring_shift_start`` for one process: the ``[K | V]`` of the block the P2P ring
+    would bring next, taken from the whole sequence (forward and backward alike); other tensors
+    (the ``[dK | dV]`` accumulators) come back as they are."""
+
+    def __init__(self, kv_blocks: list, rank: int):
+        self.kv_blocks, self.rank, self.step = kv_blocks, rank, 0
+
+    def __call__(self, tensor, group, tag=0):
+        from tpify.comm import RingShift
+        from tpify.hooks.cp_ring import _KV_TAG
+
+        if tag != _KV_TAG:
+            return RingShift([], tensor, tensor)
+        cp = len(self.kv_blocks)
+        if tensor.data_ptr() == self.kv_blocks[self.rank].data_ptr() or self.step >= cp - 1:
+            self.step = 0  # a new ring (the forward, then the backward, start from this rank's block)
+        self.step += 1
+        return RingShift([], tensor, self.kv_blocks[(self.rank - self.step) % cp].to(tensor.dtype))
+
+
+def _ring_run(q, k, v, tokens: int, cp: int, rank: int, device):
+    """``(run, local_q, local_k, local_v, index)`` for this rank's ring attention, the shifts emulated."""
+    import tpify.comm
+    from tpify.context_parallel import load_balanced_index, sequence_order
+    from tpify.hooks import cp_ring
+    from tpify.hooks.context_parallel import ContextParallelCall
+
+    order = sequence_order(tokens, cp, device=device)
+    index = load_balanced_index(tokens, cp, rank, device=device)
+    call, _ = ContextParallelCall.from_positions(None, cp, rank, order[None], "ring")
+    blocks = [torch.cat([k, v], -1).index_select(2, load_balanced_index(tokens, cp, r, device=device))
+              for r in range(cp)]
+    shift = _EmulatedShift(blocks, rank)
+    local_k, local_v = blocks[rank][..., :k.shape[-1]], blocks[rank][..., k.shape[-1]:]
+
+    def run(qq, kk, vv):
+        tpify.comm.ring_shift_start, old = shift, tpify.comm.ring_shift_start
+        shift.step = 0
+        try:
+            return cp_ring.ring_attention(qq, kk, vv, call, None, qq.shape[-1] ** -0.5)
+        finally:
+            tpify.comm.ring_shift_start = old
+
+    return run, q.index_select(2, index), local_k, local_v, index
+
+
 def main(argv=None) -> int:
     from tpify.context_parallel import load_balanced_index, sequence_order
     from tpify.hooks.context_parallel import ContextParallelCall, _attend
@@ -76,6 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     args = parser.parse_args(argv)
     device = args.device
     heads, kv_heads, dim = 32, 8, 128
@@ -84,13 +139,14 @@ def main(argv=None) -> int:
     print("| dtype | T | cp | rank | fwd+bwd ms (median) | x dense | peak MiB above inputs | x dense | "
           "max abs diff from dense rows |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in [getattr(torch, name) for name in args.dtypes]:
         for tokens in args.tokens:
             q, k, v = _inputs(tokens, heads, kv_heads, dim, dtype, device)
             configs = [("dense", None, None)]
             for cp in args.cp:
                 for rank in (0, cp - 1):
                     configs.append((f"cp{cp}", cp, rank))
+                    configs.append((f"ring{cp}", cp, rank))
             times = {c[0] + str(c[2]): [] for c in configs}
             peaks = {c[0] + str(c[2]): [] for c in configs}
             outs = {}
@@ -99,6 +155,10 @@ def main(argv=None) -> int:
                     key = name + str(rank)
                     if cp is None:
                         outs[key] = _measure(_dense, (q, k, v), times[key], peaks[key])
+                        continue
+                    if name.startswith("ring"):
+                        run, lq, lk, lv, index = _ring_run(q, k, v, tokens, cp, rank, device)
+                        outs[key] = (_measure(run, (lq, lk, lv), times[key], peaks[key]), index)
                         continue
                     order = sequence_order(tokens, cp, device=device)
                     index = load_balanced_index(tokens, cp, rank, device=device)
@@ -119,7 +179,7 @@ def main(argv=None) -> int:
                 out, index = outs[key]
                 diff = float((out.float() - dense_out.index_select(2, index).float()).abs().max())
                 t, p = statistics.median(times[key]), statistics.median(peaks[key])
-                print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | {cp} | {rank} | {t:.2f} | "
+                print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | {name} | {rank} | {t:.2f} | "
                       f"{t / t_dense:.2f} | {p / 2**20:.0f} | {p / p_dense:.2f} | {diff:.1e} |")
             del q, k, v, outs
             if device == "cuda":

@@ -15,16 +15,19 @@ Model: a random Llama, 4 layers, hidden ``--hidden`` (default 512), 8 query / 4 
 intermediate 4 x hidden, vocabulary 8192, float32 weights (the unquantized parts' dtype; bf16
 halves them). Each tp size is a world of tp gloo ranks on this machine.
 
-Loading: the peak resident memory a load adds (RSS sampled every 2 ms, minus the RSS before;
-imports done first), per rank, of a pre-quantized checkpoint (4 layers, hidden ``--load-hidden``, NF4, saved by
+Loading: the resident memory a load adds (RSS sampled every 2 ms, minus the RSS before; imports
+done first), per rank, of a pre-quantized checkpoint (4 layers, hidden ``--load-hidden``, NF4, saved by
 transformers), by transformers' ``from_pretrained`` in one process and by ``tpify.from_pretrained``
-at each tp (each rank reads its blocks only; zero-copy views of the mapped file count as resident
-once touched).
+at each tp (each rank reads its blocks only): the peak during the load, split after it into
+anonymous memory (the process's own copies) and file pages (the mapped safetensors file: zero-copy
+tensors, and pages a read touched), and the RSS once every tensor has been touched (what a first
+forward does): transformers' tensors are lazy views of the mapped file, resident only when read,
+so the peak during its load alone undercounts.
 
-The "what fits" lines are arithmetic from these measured ratios applied to Llama-shaped models
-(7B, 13B, 70B; bf16 unquantized parts, r = 16): the per-rank bytes of the base, adapters and
-AdamW state, not activations (those depend on batch and sequence and are split by tp too only
-inside the parallel regions).
+The "what fits" lines are ``tpify plan --quantize nf4``'s per-rank bytes (checked equal to the real
+shards in tests/distributed/test_quantized.py) for Llama 3 8B and 70B shapes (bf16 unquantized
+parts, LoRA r = 16 with its gradients and AdamW state): not activations (those depend on batch
+and sequence and are split by tp too only inside the parallel regions).
 
 Run: ``python benchmarks/bench_quantized.py`` (about a minute on 2 CPU cores). Results go in
 docs/quantization.md with the date and the machine.
@@ -165,7 +168,7 @@ def _rss_rank(rank: int, tp: int, store_path: str, path: str, results) -> None:
                 peak[0] = max(peak[0], proc.memory_info().rss)
                 done.wait(0.002)
 
-        before = proc.memory_info().rss
+        before, kinds_before = proc.memory_info().rss, _rss_kinds()
         sampler = threading.Thread(target=sample)
         sampler.start()
         if tp == 0:
@@ -175,8 +178,14 @@ def _rss_rank(rank: int, tp: int, store_path: str, path: str, results) -> None:
         peak[0] = max(peak[0], proc.memory_info().rss)
         done.set()
         sampler.join()
+        kinds = {k: v - kinds_before[k] for k, v in _rss_kinds().items()}
+        with torch.no_grad():  # what a first forward does: every page of every tensor read once
+            for t in list(model.parameters()) + list(model.buffers()):
+                if t.numel():
+                    t.reshape(-1)[:: max(1, 4096 // t.element_size())].float().sum()
+        touched = proc.memory_info().rss - before
         del model
-        results.put((rank, peak[0] - before))
+        results.put((rank, (peak[0] - before, kinds["RssAnon"], kinds["RssFile"], touched)))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         import traceback
 
@@ -186,8 +195,21 @@ def _rss_rank(rank: int, tp: int, store_path: str, path: str, results) -> None:
             dist.destroy_process_group()
 
 
-def _load_peak(tp: int, path: str) -> int:
-    """The largest rank's added peak RSS loading ``path`` at ``tp`` (0: transformers, one process)."""
+def _rss_kinds() -> dict[str, int]:
+    """This process's resident bytes by kind (``/proc/self/status``): ``RssAnon`` (its own
+    allocations) and ``RssFile`` (pages of mapped files, such as a safetensors file read zero-copy)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _load_peak(tp: int, path: str) -> tuple[int, int, int, int]:
+    """The largest rank's ``(peak RSS added, anonymous added, file-backed added, RSS added once every
+    tensor is touched)`` loading ``path`` at ``tp`` (0: transformers, one process), by its peak."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,30 +223,31 @@ def _load_peak(tp: int, path: str) -> int:
     errors = [v for _, v in got if isinstance(v, str)]
     if errors:
         raise RuntimeError(errors[0])
-    return max(v for _, v in got)
+    return max((v for _, v in got), key=lambda v: v[0])
 
 
 def _fits() -> list[str]:
-    """Per-rank GB of base + adapters + AdamW for Llama-shaped models (bf16 unquantized parts, r = 16)."""
-    shapes = {"7B": (4096, 11008, 32, 32, 32, 32000), "13B": (5120, 13824, 40, 40, 40, 32000),
-              "70B": (8192, 28672, 80, 64, 8, 32000)}
+    """Per-rank GB of a QLoRA run on Llama 3 shapes (8B, 70B), from ``tpify plan --quantize nf4``'s
+    bytes per rank (:func:`tpify.authoring.plan.plan_report` on the meta device): the 4-bit base and
+    the bf16 parts kept, plus LoRA r = 16 on every quantized layer x 4 (parameters, gradients, AdamW's
+    two moments, all bf16); which of 24, 48 and 80 GB GPUs hold it with 20 % left for activations."""
+    from transformers import LlamaConfig
+
+    from tpify.authoring.plan import plan_report
+
+    shapes = {"Llama 3 8B": (4096, 14336, 32, 32, 8), "Llama 3 70B": (8192, 28672, 80, 64, 8)}
     lines = []
-    for name, (h, inter, layers, heads, kv, vocab) in shapes.items():
-        kvw = h // heads * kv
-        per_layer = h * h * 2 + h * kvw * 2 + 3 * h * inter  # q, o, k, v, gate, up, down
-        q_bytes = layers * per_layer * (0.5 + 4 / 64)  # 4 bits + a float32 absmax per 64 weights; 1/tp (measured)
-        r = 16
+    for name, (h, inter, layers, heads, kv) in shapes.items():
         out = []
-        for tp in (2, 4, 8):
-            kept = 2 * vocab * h * 2 / tp  # embeddings and LM head, bf16, vocab-split (norms negligible)
-            # column layers (q, k, v, gate, up): A (r, h) replicated, B (out / tp, r); row layers (o, down):
-            # A (r, in / tp), B (h, r) replicated
-            column = r * h * 5 + r * (h + 2 * kvw + 2 * inter) / tp
-            row = r * (h + inter) / tp + 2 * r * h
-            lora = layers * (column + row) * 4 * 4  # float32 parameters, gradients, 2 AdamW moments
-            gb = q_bytes / tp + kept + lora
-            fits = [gpu for gpu in (24, 48, 80) if gb / 1e9 < 0.8 * gpu]  # 20 % left for activations
-            out.append(f"tp {tp}: {gb / 1e9:.1f} GB/rank (fits {', '.join(f'{g} GB' for g in fits) or 'none'})")
+        with tempfile.TemporaryDirectory() as tmp:
+            LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv, vocab_size=128256, tie_word_embeddings=False,
+                        dtype="bfloat16").save_pretrained(tmp)
+            for tp in (1, 2, 4, 8):
+                rank = plan_report(tmp, tp, quantize="nf4", lora_r=16)["quantized"]["rank"]
+                gb = (rank["base_bytes"] + 4 * rank["lora_bytes"]) / 1e9
+                fits = [gpu for gpu in (24, 48, 80) if gb < 0.8 * gpu]
+                out.append(f"tp {tp}: {gb:.2f} GB/rank (fits {', '.join(f'{g} GB' for g in fits) or 'none'})")
         lines.append(f"{name}: " + "; ".join(out))
     return lines
 
@@ -264,16 +287,18 @@ def main(argv=None) -> int:
         q.save_pretrained(f"{tmp}/4bit")
         del q
         on_disk = sum(f.stat().st_size for f in Path(f"{tmp}/4bit").glob("*.safetensors"))
-        hf = _load_peak(0, f"{tmp}/4bit")
         print(f"loading a pre-quantized checkpoint (Llama 4 layers, hidden {args.load_hidden}, NF4; "
-              f"{on_disk / 2**20:.1f} MiB of safetensors): peak RSS added per rank, largest rank")
-        print("| loader | MiB | ratio to transformers |")
-        print("| --- | --- | --- |")
-        print(f"| transformers from_pretrained, one process | {hf / 2**20:.1f} | 1 |")
-        for tp in args.tp:
-            peak = _load_peak(tp, f"{tmp}/4bit")
-            print(f"| tpify.from_pretrained, tp {tp} | {peak / 2**20:.1f} | {peak / hf:.3f} |")
-    print("what fits (base + LoRA r=16 + AdamW, no activations; estimated from the layer shapes):")
+              f"{on_disk / 2**20:.1f} MiB of safetensors): RSS added per rank (MiB), largest rank")
+        print("| loader | peak during the load | of it: anonymous | of it: file pages | once every tensor is "
+              "touched | ratio (touched) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        rows = [("transformers from_pretrained, one process", _load_peak(0, f"{tmp}/4bit"))]
+        rows += [(f"tpify.from_pretrained, tp {tp}", _load_peak(tp, f"{tmp}/4bit")) for tp in args.tp]
+        for name, (peak, anon, file, touched) in rows:
+            print(f"| {name} | {peak / 2**20:.1f} | {anon / 2**20:.1f} | {file / 2**20:.1f} | {touched / 2**20:.1f} | "
+                  f"{touched / rows[0][1][3]:.3f} |")
+    print("what fits (tpify plan --quantize nf4: base + LoRA r = 16 + gradients + AdamW, bf16, no activations; "
+          "20 % of each GPU left for them):")
     for line in _fits():
         print("  " + line)
     return 0

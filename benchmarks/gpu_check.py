@@ -63,9 +63,10 @@ from types import SimpleNamespace
 
 import torch
 
-SECTIONS = ("env", "mesh_device", "tp1_overhead", "two_ranks", "chunked_loss", "compile")
+SECTIONS = ("env", "mesh_device", "tp1_overhead", "two_ranks", "chunked_loss", "compile", "quantized")
 #: each section's share of the whole budget (seconds at the default 570; scaled with --budget)
-BUDGET_S = {"env": 20, "mesh_device": 90, "tp1_overhead": 170, "two_ranks": 130, "chunked_loss": 70, "compile": 120}
+BUDGET_S = {"env": 20, "mesh_device": 90, "tp1_overhead": 170, "two_ranks": 130, "chunked_loss": 70, "compile": 120,
+            "quantized": 90}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -543,6 +544,106 @@ def section_compile(rec: Recorder, cfg) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Ranks.
+
+
+# ---------------------------------------------------------------------------------------------
+# QLoRA: a 4-bit base split over two ranks, bitsandbytes' CUDA kernels.
+
+def _quantized_body(rank: int, world: int, device: str, quick: bool, out_path: str, tmp: str) -> dict:
+    """tpify's 4-bit layers at tp 2 (both ranks on the one GPU, gloo) against transformers' own 4-bit
+    loading with PEFT's LoRA in one process: codes and statistics bitwise, logits, loss, LoRA grads."""
+    import bitsandbytes.functional as bnbf
+    import peft
+    import torch.distributed as dist
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    import tpify
+    from tpify.authoring.compare import dense_named
+    from tpify.integrations import get_peft_model
+    from tpify.quantized import QuantizedColumnParallelLinear, QuantizedRowParallelLinear
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rec = Recorder(Path(out_path)) if rank == 0 else None
+    hidden = 256 if quick else 1024
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    path = f"{tmp}/llama"
+    if rank == 0:
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    dist.barrier()
+    results = {}
+    for quant_type, compute, double in (("nf4", torch.float32, False), ("fp4", torch.float32, False),
+                                        ("nf4", torch.bfloat16, False), ("nf4", torch.float32, True)):
+        name = f"{quant_type}, compute {str(compute).split('.')[-1]}" + (", double quant" if double else "")
+        try:
+            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=compute,
+                                     bnb_4bit_use_double_quant=double)
+            ref = LlamaForCausalLM.from_pretrained(path, quantization_config=bnb, dtype=torch.float32,
+                                                   device_map=device)
+            dense = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+            par = tpify.parallelize(dense, tp_size=world, quantization_config=bnb)
+            refs = dict(ref.named_modules())
+            deq_equal, layers = True, 0
+            for fqn, m in par.named_modules():
+                if isinstance(m, (QuantizedColumnParallelLinear, QuantizedRowParallelLinear)):
+                    w = refs[fqn].weight
+                    full = bnbf.dequantize_4bit(w.data, w.quant_state)  # (out, in)
+                    spec = m.weight_shard_spec
+                    dim = 1 if isinstance(m, QuantizedRowParallelLinear) else 0
+                    want = torch.cat([full.narrow(dim, a, b - a) for a, b in spec.ranges(rank)], dim=dim)
+                    local = m.weight if m.weight_layout == "linear" else m.weight.t()
+                    deq_equal = deq_equal and torch.equal(local.to(want.dtype), want)
+                    layers += 1
+            lora_cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                       "gate_proj", "up_proj", "down_proj"], init_lora_weights="gaussian")
+            torch.manual_seed(1)
+            ref_l = peft.get_peft_model(ref, lora_cfg)
+            torch.manual_seed(1)
+            par_l = get_peft_model(par, peft.LoraConfig(**lora_cfg.to_dict()))
+            ref_l.train(), par_l.train()
+            ids = _ids(1000, 2, 64, device, seed=3)
+            loss_r = ref_l(ids, labels=ids).loss
+            loss_p = par_l(ids, labels=ids).loss
+            loss_r.backward(), loss_p.backward()
+            want, got = dense_named(ref_l, "grad"), dense_named(par_l, "grad")
+            grad_err = max(rel_err(got[n], g) for n, g in want.items() if g is not None)
+            timing = {}
+            for label, model in (("dense QLoRA", ref_l), ("tpify tp 2", par_l)):
+                def step(model=model):
+                    model(ids, labels=ids).loss.backward()
+                timing[label] = statistics.median(timed(step, device, 2, 5))
+            row = {"quantized layers (this rank)": layers, "dequantized shard bitwise equal": deq_equal,
+                   "loss rel err": rel_err(loss_p, loss_r), "LoRA grad rel err (max)": grad_err,
+                   "ms fwd+bwd dense QLoRA (1 GPU)": round(timing["dense QLoRA"], 2),
+                   "ms fwd+bwd tpify tp 2 (rank 0, both ranks on one GPU)": round(timing["tpify tp 2"], 2)}
+            tol = 1e-5 if compute == torch.float32 else 2e-2
+            row["tolerance"] = tol
+            row["ok"] = deq_equal and row["loss rel err"] <= tol and grad_err <= 10 * tol
+            del ref, ref_l, par, par_l, dense
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - recorded, the next check runs
+            row = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500], "traceback": traceback.format_exc()[-2500:]}
+        results[name] = row
+        if rec is not None:
+            rec.put(name, row)
+    dist.barrier()
+    return results
+
+
+def section_quantized(rec: Recorder, cfg) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        rec.put("setup", {"ok": False, "error": "bitsandbytes is not installed (carry its wheel in .whl/)"})
+        return
+    import bitsandbytes
+
+    rec.put("setup", {"ranks": 2, "backend": "gloo", "bitsandbytes": bitsandbytes.__version__,
+                      "reference": "transformers 4-bit from_pretrained + PEFT LoRA, one process"})
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_quantized_body, 2, "gloo", cfg.device, cfg.quick, str(rec.path), tmp,
+              timeout=max(10.0, cfg.budget - 5))
 
 def _rank_entry(rank, world, backend, store_path, fn, args, results):
     import datetime as dt

@@ -53,4 +53,26 @@ echo "gpu_wheels: $pins"
 python -m pip download --quiet --no-deps --only-binary=:all: --dest .whl $pins
 python -m pip download --quiet --no-deps --only-binary=:all: --dest .whl liger-kernel==0.8.5 \
   || echo "gpu_wheels: no Liger-Kernel wheel: the chunked-loss section of gpu_check skips it"
+# bitsandbytes (the quantized section): its wheel carries a CUDA library per CUDA version (43 MB); keep
+# those of CUDA 12.6 to 13.2 so that .whl stays under the device tool's 64 MiB (the RECORD follows)
+if python -m pip download --quiet --no-deps --only-binary=:all: --dest .whl/bnb "bitsandbytes==$(python -c \
+    'from importlib.metadata import version; print(version("bitsandbytes"))' 2>/dev/null || echo 0.50.2)"; then
+  python - <<'PY'
+"""Drop the ROCm, XPU and older CUDA libraries from the bitsandbytes wheel in .whl/bnb/, into .whl/."""
+import pathlib, re, zipfile
+src = next(pathlib.Path(".whl/bnb").glob("bitsandbytes-*.whl"))
+keep = lambda n: not n.endswith(".so") or re.search(r"cuda1(2[68]|3[0-9])\.so$", n)
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(pathlib.Path(".whl") / src.name, "w", zipfile.ZIP_DEFLATED) as zout:
+    for item in zin.infolist():
+        if not keep(item.filename):
+            continue
+        data = zin.read(item.filename)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(l for l in data.splitlines(keepends=True) if keep(l.split(b",")[0].decode()))
+        zout.writestr(item, data)
+PY
+  rm -rf .whl/bnb
+else
+  echo "gpu_wheels: no bitsandbytes wheel: the quantized section of gpu_check reports it missing"
+fi
 ls .whl | wc -l | xargs echo "gpu_wheels: wheels:" && du -sh .whl

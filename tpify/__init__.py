@@ -16,7 +16,8 @@ transformers' Trainer, accelerate or peft only when asked for). The layers are
 :mod:`tpify.layers`, the collectives and their counter :mod:`tpify.comm`, the training utilities
 (global-norm clipping, replica checks) :mod:`tpify.training`; data parallelism on torch's engines
 (:func:`init_mesh`, :func:`replicate_data_parallel` for DDP, :func:`shard_data_parallel` for
-FSDP2/HSDP) :mod:`tpify.data_parallel`; the map of the package is docs/architecture.md.
+FSDP2/HSDP) :mod:`tpify.data_parallel`; pipeline stages on torch's schedules (``init_mesh(...,
+pp_size=P)``) :mod:`tpify.pipeline`; the map of the package is docs/architecture.md.
 """
 
 from __future__ import annotations

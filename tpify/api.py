@@ -132,7 +132,7 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
             recipe: "str | Path | dict | Recipe | None", pad_vocab_multiple: int = 1,
             sequence_parallel: bool = False, dp_group: "dist.ProcessGroup | None | str" = INFER,
             lm_loss_chunk: int | str | None = None, mesh=None, ep_size: int = 1,
-            grad_reduce_dtype: torch.dtype | None = None) -> tuple[int, Layout]:
+            grad_reduce_dtype: torch.dtype | None = None, cp_attention: str = "allgather") -> tuple[int, Layout]:
     """The local half of the pipeline: ``(tp_size, layout)``; no collective.
 
     Raises:
@@ -144,10 +144,11 @@ def prepare(model: nn.Module, tp_size: int | None, tp_group: dist.ProcessGroup |
     check_before_parallelize(model)
     if mesh is not None:
         size = check_mesh(mesh, tp_size, tp_group, dp_group)
-        check_context_parallel(model, cp_size_of(mesh))
+        check_context_parallel(model, cp_size_of(mesh), cp_attention, size)
     else:
         size = resolve_tp_size(tp_size, tp_group)
         check_dp_group(dp_group, tp_group)
+        check_context_parallel(model, 1, cp_attention)  # the value checked; no CP group without a mesh
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     layout = build_layout(model, resolve_recipe(model, recipe), size, pad_vocab_multiple=pad_vocab_multiple,
@@ -170,7 +171,7 @@ def check_grad_reduce_dtype(value) -> None:
 
 def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGroup | None,
            dp_group: "dist.ProcessGroup | None | str" = INFER, tp_groups: list | None = None,
-           mesh=None, grad_reduce_dtype: torch.dtype | None = None) -> nn.Module:
+           mesh=None, grad_reduce_dtype: torch.dtype | None = None, cp_attention: str = "allgather") -> nn.Module:
     """The collective half of the pipeline, after the agreement: groups, surgery, ``tp_info``, the
     parallel LM loss, the HF methods and the guards.
 
@@ -189,7 +190,7 @@ def finish(model: nn.Module, size: int, layout: Layout, tp_group: dist.ProcessGr
     ctx = TPContext(tp_group, region_input=ColumnParallelInput(), state=CallState(),
                     replica_groups=replica_groups(shards, tp_group, mesh, tp_groups),
                     summed_grads=SummedGrads(cp_tp_group_of(mesh, tp_group)), cp_group=cp_group_of(mesh),
-                    grad_reduce_dtype=grad_reduce_dtype)
+                    grad_reduce_dtype=grad_reduce_dtype, cp_attention=cp_attention)
     ctx.rng = new_tracker(ctx.rank)
     apply_layout(model, layout, ctx)  # surgery: swap, tie, divide
     info = TPInfo(ctx, dp_group, layout, dp_source=dp_source, mesh=mesh, foreign_shards=foreign_shards(model))
@@ -232,6 +233,7 @@ def parallelize(
     ep_size: int = 1,
     grad_reduce_dtype: torch.dtype | None = None,
     quantization_config=None,
+    cp_attention: str = "allgather",
 ) -> nn.Module:
     """Make a Hugging Face model tensor-parallel in place, by module surgery, and return it.
 
@@ -243,12 +245,16 @@ def parallelize(
     ``model.tp_info`` holds: docs/parallelize.md. ``quantization_config`` (a
     ``transformers.BitsAndBytesConfig``, 4-bit): each rank then holds its shards 4-bit, equal to the
     dense quantized weight's slices, every parameter frozen for QLoRA (docs/quantization.md).
+    ``cp_attention`` (with a ``mesh`` whose ``"cp"`` axis is larger than 1): how attention runs
+    over the split sequence, ``"allgather"`` (default), ``"ring"`` or ``"alltoall"``
+    (docs/context-parallelism.md).
 
     Shapes: ``.logits`` ``(B, T, V)`` on every rank (vocabulary padding stripped); with ``labels=``
     the loss is vocab-parallel (:mod:`tpify.loss`) and ``.logits`` this rank's shard
     ``(B, T, V_padded / tp_size)`` (None with ``lm_loss_chunk``).
     Communication: one agreement (:func:`tpify.agree.agree`, the rendezvous store: no collective),
-    then the TP/DP groups and the KV replica groups (collective over the world).
+    then the TP/DP groups and the KV replica groups (collective over the world); with double
+    quantization one all-gather of statistics over the TP group per quantized layer.
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
@@ -257,25 +263,28 @@ def parallelize(
             a quantized layer whose split would cut a quantization block, or of a style with no
             quantized form (:func:`tpify.quantized.check_layout`).
         ImportError, NotImplementedError: ``quantization_config`` needs bitsandbytes, or asks for
-            what is not built (8-bit, double quantization, torchao; :func:`tpify.quantized.quantization_spec`).
-        TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first).
+            what is not built (8-bit, torchao; :func:`tpify.quantized.quantization_spec`).
+        TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first);
+            ``cp_attention="alltoall"`` with query heads per TP rank that ``cp_size`` does not divide.
         ValueError: inconsistent ``tp_size`` / ``tp_group`` / ``dp_group`` / ``mesh``; ``tp_size > 1``
             without torch.distributed; TP groups that do not split the world evenly; a
-            ``grad_reduce_dtype`` that is not None or a floating dtype.
+            ``grad_reduce_dtype`` that is not None or a floating dtype; a ``cp_attention`` other
+            than ``"allgather"``, ``"ring"``, ``"alltoall"``.
         AgreementError: another rank failed its checks, or the ranks disagree (listed per rank).
     """
     error, layout, size, shared, quant = None, None, None, {}, None
     group, share = agreement_scope(tp_group, dp_group)
     try:  # every local check, then one agreement: the same outcome on every rank, before any other collective
         size, layout = prepare(model, tp_size, tp_group, recipe, pad_vocab_multiple, sequence_parallel, dp_group,
-                               lm_loss_chunk, mesh, ep_size, grad_reduce_dtype)
+                               lm_loss_chunk, mesh, ep_size, grad_reduce_dtype, cp_attention)
         quant = _check_quantization(model, layout, quantization_config)
-        shared = fingerprint(model, layout, size, group) | {"grad_reduce_dtype": str(grad_reduce_dtype)}
+        shared = fingerprint(model, layout, size, group) | {"grad_reduce_dtype": str(grad_reduce_dtype),
+                                                            "cp_attention": cp_attention}
         shared |= {"quantization": repr(quant[1])} if quant else {}
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
-    finish(model, size, layout, tp_group, dp_group, tp_groups, mesh, grad_reduce_dtype)
+    finish(model, size, layout, tp_group, dp_group, tp_groups, mesh, grad_reduce_dtype, cp_attention)
     return quantize_(model, *quant) if quant is not None else model
 
 
@@ -309,6 +318,7 @@ def from_pretrained(
     grad_reduce_dtype: torch.dtype | None = None,
     torch_dtype: torch.dtype | str | None = None,
     quantization_config=None,
+    cp_attention: str = "allgather",
     stage_cut=None,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint tensor-parallel, each rank reading its slices.
@@ -320,7 +330,7 @@ def from_pretrained(
     model. ``dtype`` (or its deprecated name ``torch_dtype``), ``model_class`` and the key mapping
     behave as transformers 5's; ``tp_size``, ``tp_group``, ``dp_group``, ``mesh``, ``recipe``,
     ``pad_vocab_multiple``, ``sequence_parallel``, ``lm_loss_chunk``, ``ep_size``,
-    ``grad_reduce_dtype``, ``quantization_config`` as in :func:`parallelize` (the slices are read
+    ``grad_reduce_dtype``, ``quantization_config``, ``cp_attention`` as in :func:`parallelize` (the slices are read
     dense, then quantized: peak memory per rank is the dense shard's). A checkpoint saved 4-bit by
     transformers (bitsandbytes, its ``config.json`` holding the ``quantization_config``) is read as
     stored: each rank reads only its blocks' codes and absmax. ``stage_cut``: a function called
@@ -335,8 +345,8 @@ def from_pretrained(
         FileNotFoundError: ``path`` has no ``config.json``.
         ValueError: ``dtype`` and ``torch_dtype`` both given; a dtype that is not floating.
         NotImplementedError: a pre-quantized checkpoint tpify cannot read by slices
-            (:func:`tpify.quantized.plan_prequantized`: not bitsandbytes 4-bit, double quantization,
-            Conv1D layers, other skipped modules).
+            (:func:`tpify.quantized.plan_prequantized`: not bitsandbytes 4-bit, a tensor's state
+            unlike the config's, Conv1D layers, other skipped modules).
         CheckpointError: no safetensors weights; a truncated or corrupt file; tensors missing or of
             another shape; an index and its files that disagree (:func:`tpify.io.files.open_checkpoint`).
         PlanError, RecipeError, ValueError: as :func:`parallelize`.
@@ -353,16 +363,17 @@ def from_pretrained(
             raise ValueError(f"{path} is saved quantized already ({saved_quant}); drop quantization_config")
         load = _prepare_load(path, model_class, (dtype, argument), recipe, tp_size, tp_group,
                              (pad_vocab_multiple, sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size,
-                              grad_reduce_dtype), group, saved_quant)
+                              grad_reduce_dtype, cp_attention), group, saved_quant)
         quant = _check_quantization(load.model, load.layout, quantization_config)
         if saved_quant is not None:
             quant = None
-        checked.fingerprint = load.fingerprint | {"grad_reduce_dtype": str(grad_reduce_dtype)}
+        checked.fingerprint = load.fingerprint | {"grad_reduce_dtype": str(grad_reduce_dtype),
+                                                  "cp_attention": cp_attention}
         checked.fingerprint |= {"quantization": repr(quant[1])} if quant else {}
     model = load.model
     try:  # the files stay open from the headers to the last slice: one save, never a mix
         finish(model, load.tp_size, load.layout, tp_group, dp_group, checked.shared, mesh,  # groups, surgery, hooks
-               grad_reduce_dtype)
+               grad_reduce_dtype, cp_attention)
         if stage_cut is not None:  # pipeline stages: the modules of other stages go before anything is read
             stage_cut(model)
             held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -422,7 +433,8 @@ def _prepare_load(path: Path, model_class, asked, recipe, tp_size, tp_group, opt
     """The local part of :func:`from_pretrained` (``asked``: the dtype asked for and the name of its
     argument, :func:`_dtype_argument`): config, the checkpoint's files and headers, the
     meta model, its layout (``api.prepare``; ``options``: its pad_vocab_multiple,
-    sequence_parallel, dp_group, lm_loss_chunk, mesh and ep_size), the key map, and the fingerprint every rank must share (the
+    sequence_parallel, dp_group, lm_loss_chunk, mesh, ep_size, grad_reduce_dtype and cp_attention),
+    the key map, and the fingerprint every rank must share (the
     checkpoint's and :func:`tpify.api.fingerprint`). No collective; the files are closed again
     on an error.
 

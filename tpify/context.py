@@ -80,6 +80,8 @@ class TPContext(comm.SharesProcessGroups):
             (:func:`tpify.mesh.replica_groups`).
         cp_group, cp_size, cp_rank: the context-parallel group (the ranks that split the tokens of
             the same sequences, :mod:`tpify.context_parallel`; ``None`` and size 1 without it).
+        cp_attention: how attention runs over the CP group: ``"allgather"``, ``"ring"`` or
+            ``"alltoall"`` (:data:`tpify.context_parallel.CP_ATTENTION_MODES`).
         grad_reduce_dtype: the narrowest dtype the input-gradient all-reduces (and reduce-scatters)
             of the column-parallel layers, LoRA's and the chunked loss's run in
             (:func:`tpify.comm.grad_reduce_dtype`); None (default): the dtype of the matmul that
@@ -89,9 +91,10 @@ class TPContext(comm.SharesProcessGroups):
 
     def __init__(self, group: dist.ProcessGroup | None, region_input=None, rng=None, state: CallState | None = None,
                  replica_groups: dict | None = None, summed_grads=None, cp_group: dist.ProcessGroup | None = None,
-                 grad_reduce_dtype=None):
+                 grad_reduce_dtype=None, cp_attention: str = "allgather"):
         self.group = group
         self.cp_group = cp_group
+        self.cp_attention = cp_attention
         self.cp_size = comm.group_size(cp_group) if cp_group is not None else 1
         self.cp_rank = comm.group_rank(cp_group) if cp_group is not None else 0
         self.grad_reduce_dtype = grad_reduce_dtype

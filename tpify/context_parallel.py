@@ -19,13 +19,20 @@ from . import comm
 from .info import TPUsageError, find_tp_model, get_tp_info
 
 __all__ = ["load_balanced_index", "sequence_order", "split_batch", "gather_sequence", "check_model", "cp_of",
-           "refuse", "VERIFIED_MODEL_TYPES", "SPLIT_KEYS"]
+           "refuse", "VERIFIED_MODEL_TYPES", "SPLIT_KEYS", "CP_ATTENTION_MODES"]
 
 #: Model types whose attention, positions and loss tpify has verified exact under context
-#: parallelism (tests/distributed/test_context_parallel.py): attention through transformers'
+#: parallelism (tests/distributed/test_context_parallel.py; mixtral, whose experts and router are per
+#: token, in test_context_parallel_tools.py): attention through transformers'
 #: attention interface with the call's keyword arguments, positions from ``position_ids`` alone
 #: (RoPE or learned), causal full or sliding-window masks. Others are refused by name.
-VERIFIED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
+VERIFIED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2", "mixtral")
+
+#: How attention runs over the CP group (``parallelize(cp_attention=...)``): ``"allgather"`` (the
+#: default: ``[K | V]`` all-gathered, Llama 3's form), ``"ring"`` (``[K | V]`` blocks passed around
+#: the ring by P2P, merged by the online softmax, :mod:`tpify.hooks.cp_ring`), ``"alltoall"``
+#: (Ulysses: the heads split over the group for the attention, :mod:`tpify.hooks.cp_ulysses`).
+CP_ATTENTION_MODES = ("allgather", "ring", "alltoall")
 
 #: The per-token keys :func:`split_batch` splits (``attention_mask``: all ones only, dropped).
 SPLIT_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")
@@ -213,16 +220,22 @@ def gather_sequence(x: torch.Tensor, model_or_mesh) -> torch.Tensor:
     return gathered.index_select(1, torch.argsort(order))
 
 
-def check_model(model: nn.Module, cp_size: int) -> None:
-    """Whether tpify can run ``model`` context-parallel; local, no communication (called by
+def check_model(model: nn.Module, cp_size: int, cp_attention: str = "allgather", tp_size: int = 1) -> None:
+    """Whether tpify can run ``model`` context-parallel with attention ``cp_attention``
+    (:data:`CP_ATTENTION_MODES`) at ``tp_size``; local, no communication (called by
     :func:`tpify.parallelize` before its agreement, so every rank raises alike).
 
     Raises:
+        ValueError: ``cp_attention`` not one of :data:`CP_ATTENTION_MODES`.
         TPUsageError: a model type not verified under context parallelism (:data:`VERIFIED_MODEL_TYPES`:
             its positions may not be plain token positions, its attention may not go through
             transformers' attention interface), an encoder-decoder, a bidirectional (non-causal)
-            model, a config whose ``output_router_logits`` adds a loss term over all tokens.
+            model, a config whose ``output_router_logits`` adds a loss term over all tokens;
+            ``cp_attention="alltoall"`` where the query heads per TP rank do not divide by ``cp_size``.
     """
+    if cp_attention not in CP_ATTENTION_MODES:
+        raise ValueError(f"cp_attention must be one of {', '.join(map(repr, CP_ATTENTION_MODES))}, "
+                         f"got {cp_attention!r}")
     if cp_size == 1:
         return
     config = getattr(model, "config", None)
@@ -239,6 +252,11 @@ def check_model(model: nn.Module, cp_size: int) -> None:
         problems.append("bidirectional or cross attention")
     if getattr(config, "output_router_logits", False):
         problems.append("output_router_logits=True (the router's auxiliary loss is a mean over all tokens)")
+    heads = getattr(config, "num_attention_heads", None)
+    if cp_attention == "alltoall" and isinstance(heads, int) and heads % tp_size == 0 and (heads // tp_size) % cp_size:
+        problems.append(f"cp_attention='alltoall' splits the attention heads over the CP group, but {heads} query "
+                        f"heads / tp_size {tp_size} = {heads // tp_size} per TP rank do not divide by cp_size {cp_size} "
+                        f"(use cp_attention='ring' or 'allgather', or a cp_size that divides {heads // tp_size})")
     if problems:
         raise TPUsageError(f"context parallelism (cp_size {cp_size}) on {type(model).__name__}: "
                            + "; ".join(problems) + ". Run it with cp_size=1 (tpify.init_mesh(tp_size, cp_size=1))")

@@ -24,13 +24,17 @@ and the tp sizes at which it aligns, on every rank, before any collective (:func
 runs on the layout in :func:`tpify.parallelize`'s local checks).
 
 **What is built** (everything else raises): bitsandbytes 4-bit, ``bnb_4bit_quant_type`` ``"nf4"`` or
-``"fp4"``, ``bnb_4bit_use_double_quant=False``, ``bnb_4bit_quant_storage=torch.uint8``, on layers of
+``"fp4"``, with or without double quantization, ``bnb_4bit_quant_storage=torch.uint8``, on layers of
 styles ``colwise``, ``packed_colwise`` and ``rowwise`` without sequence parallelism or uneven splits.
 The LM head and embeddings stay unquantized, as transformers keeps them; ``llm_int8_skip_modules``
-names more modules to keep. Refused by name: 8-bit (``load_in_8bit``), double quantization (its
-second-level statistics are quantized in blocks of 256 absmax values with one offset, the mean of
-the whole dense weight's absmax: a shard's own quantization differs), ``TorchAoConfig`` and other
-configs, the styles ``replicate``, ``experts``, ``latent`` and ``per_head``.
+names more modules to keep. Double quantization quantizes the dense weight's absmax again in
+blocks of 256 with one offset, the mean over the whole weight: a shard's own double quantization
+differs, so each rank keeps its blocks' absmax as the dense model restores them
+(:func:`_double_quantized_absmax`: exact at every split that keeps the 64-element blocks whole;
+the statistics stay float32). Refused by name: 8-bit (``load_in_8bit``: on CUDA LLM.int8
+quantizes each activation row over all input features, which a row-parallel shard does not see),
+``TorchAoConfig`` and other configs, the styles ``replicate``, ``experts``, ``latent`` and
+``per_head``.
 
 **Two paths, both exact.** Quantize on load (:func:`quantize_`: each rank quantizes the dense slice
 it read) and a checkpoint transformers saved 4-bit (:func:`plan_prequantized`,
@@ -53,7 +57,7 @@ from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["QuantizationSpec", "QuantizedColumnParallelLinear", "QuantizedRowParallelLinear", "quantization_spec",
            "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "saved_quantization", "plan_prequantized",
-           "load_prequantized_", "is_quantized", "quantized_bytes", "refuse_if_quantized"]
+           "load_prequantized_", "is_quantized", "quantized_bytes", "shard_bytes", "refuse_if_quantized"]
 
 _COLUMN_STYLES = ("colwise", "packed_colwise")
 _ROW_STYLES = ("rowwise",)
@@ -70,12 +74,16 @@ class QuantizationSpec:
         compute_dtype: the dtype the matmul runs in (``bnb_4bit_compute_dtype``), or None: the input's.
         skip: module names kept unquantized (``llm_int8_skip_modules``), matched as transformers
             matches them (a name equal to the FQN or to one of its dotted components / suffixes).
+        double_quant: ``bnb_4bit_use_double_quant``: the dense weight's absmax quantized again
+            (blocks of 256, one offset); each rank keeps its blocks' absmax as the dense model
+            dequantizes them (:func:`_double_quantized_absmax`), float32.
     """
 
     quant_type: str
     blocksize: int = 64
     compute_dtype: torch.dtype | None = None
     skip: tuple[str, ...] = ()
+    double_quant: bool = False
 
     def skips(self, fqn: str) -> bool:
         return any(fqn == s or fqn.endswith("." + s) or s in fqn.split(".") for s in self.skip)
@@ -88,7 +96,7 @@ def quantization_spec(config) -> QuantizationSpec:
 
     Raises:
         ImportError: bitsandbytes is not installed (``pip install bitsandbytes``, or ``tpify[quant]``).
-        NotImplementedError: 8-bit, double quantization, another quant storage, a config class other
+        NotImplementedError: 8-bit, another quant storage, a config class other
             than ``BitsAndBytesConfig`` (``TorchAoConfig``, GPTQ, AWQ, ...): not built, by name.
         ValueError: a 4-bit quant type other than nf4/fp4; a config that asks for no quantization.
     """
@@ -99,28 +107,28 @@ def quantization_spec(config) -> QuantizationSpec:
     if not isinstance(config, BitsAndBytesConfig):
         raise NotImplementedError(
             f"quantization_config={type(config).__name__}: tpify builds quantized tensor-parallel layers from "
-            f"bitsandbytes 4-bit only (transformers.BitsAndBytesConfig(load_in_4bit=True, ...)); "
-            f"{type(config).__name__} (torchao, GPTQ, AWQ, ...) is not built")
+            f"bitsandbytes 4-bit only (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4' "
+            f"or 'fp4', bnb_4bit_use_double_quant=True or False)); {type(config).__name__} (torchao, GPTQ, AWQ, ...) "
+            f"is not built")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError("quantization_config=BitsAndBytesConfig(...) needs the package bitsandbytes: "
                           "pip install bitsandbytes (or tpify[quant])")
     if config.load_in_8bit:
-        raise NotImplementedError("quantization_config with load_in_8bit=True (LLM.int8): not built in tpify's "
-                                  "tensor-parallel layers; use load_in_4bit=True (NF4/FP4)")
+        raise NotImplementedError(
+            "quantization_config with load_in_8bit=True (LLM.int8): not built in tpify's tensor-parallel layers. "
+            "On CUDA its matmul quantizes each activation row by its absmax over all input features, which a "
+            "row-parallel shard (in_features / tp of them) does not see, so a sharded int8 layer would not equal "
+            "the dense one; use load_in_4bit=True (NF4/FP4, exact under tensor parallelism)")
     if not config.load_in_4bit:
         raise ValueError("quantization_config asks for no quantization (load_in_4bit=False, load_in_8bit=False)")
-    if config.bnb_4bit_use_double_quant:
-        raise NotImplementedError(
-            "bnb_4bit_use_double_quant=True: not built under tensor parallelism (the absmax of each block is "
-            "quantized again in blocks of 256 with one offset, the mean over the whole dense weight, which a "
-            "rank's shard alone does not give); pass bnb_4bit_use_double_quant=False")
     if config.bnb_4bit_quant_type not in ("nf4", "fp4"):
         raise ValueError(f"bnb_4bit_quant_type must be 'nf4' or 'fp4', got {config.bnb_4bit_quant_type!r}")
     storage = getattr(config, "bnb_4bit_quant_storage", torch.uint8)
     if storage not in (None, torch.uint8, "uint8"):
         raise NotImplementedError(f"bnb_4bit_quant_storage={storage}: only torch.uint8 is built")
     skip = tuple(config.llm_int8_skip_modules or ())
-    return QuantizationSpec(config.bnb_4bit_quant_type, 64, config.bnb_4bit_compute_dtype, skip)
+    return QuantizationSpec(config.bnb_4bit_quant_type, 64, config.bnb_4bit_compute_dtype, skip,
+                            bool(config.bnb_4bit_use_double_quant))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,7 +380,8 @@ def quantize_(model: nn.Module, fqns: list[str], qspec: QuantizationSpec) -> nn.
     replaced by the codes and statistics buffers. Every parameter of the model is frozen afterwards
     (QLoRA: adapters are added on top and train).
 
-    Communication: none.
+    Communication: none; with double quantization one all-gather over the TP group per layer of
+    its absmax, ``(numel / 64 / tp_size,)`` float32 (:func:`_double_quantized_absmax`).
 
     Raises:
         TypeError: a listed module is not a ColumnParallelLinear or RowParallelLinear.
@@ -384,10 +393,62 @@ def quantize_(model: nn.Module, fqns: list[str], qspec: QuantizationSpec) -> nn.
             raise TypeError(f"{fqn}: expected a ColumnParallelLinear or RowParallelLinear, got {type(layer).__name__}")
         layer.__class__ = cls
         layer._quantize_own_weight(qspec)
+        if qspec.double_quant:
+            layer.weight_absmax.copy_(_double_quantized_absmax(layer))
     for p in model.parameters():
         p.requires_grad_(False)
     model.tp_quantization = qspec
     return model
+
+
+def _block_index(layer) -> torch.Tensor:
+    """Indices, in the dense weight's absmax vector (one per block of the flattened ``[out, in]``
+    weight), of this rank's blocks, in the order its ``weight_absmax`` holds them. ``(n_local,)`` int64."""
+    spec, block = layer.weight_shard_spec, layer.quant_blocksize
+    out_f, in_f = _dense_quant_shape(layer)
+    ranges = _byte_ranges(spec, in_f, out_f, layer.tp_rank, isinstance(layer, QuantizedRowParallelLinear), block)
+    return torch.cat([torch.arange(a // block, b // block) for a, b in ranges])
+
+
+def _dense_quant_shape(layer) -> tuple[int, int]:
+    """``(out_features, in_features)`` of the dense ``[out, in]`` weight a layer's shard comes from."""
+    spec = layer.weight_shard_spec  # its global_size: the dense size of the split dimension
+    local = layer.quant_shape  # (out_local, in) column-parallel, (out, in_local) row-parallel
+    if isinstance(layer, QuantizedRowParallelLinear):
+        return local[0], spec.global_size
+    return spec.global_size, local[1]
+
+
+def _double_quantized_absmax(layer) -> torch.Tensor:
+    """This rank's absmax as the dense double-quantized weight dequantizes them, ``(n_local,)`` float32.
+
+    bitsandbytes' ``quantize_4bit(compress_statistics=True)`` quantizes the dense weight's absmax
+    vector ``a`` again: ``offset = a.mean()``, ``quantize_blockwise(a - offset, blocksize=256)``; its
+    ``dequantize_4bit`` restores ``dequantize_blockwise(...) + offset`` before decoding the codes. The
+    offset is a mean over the whole dense weight and the blocks of 256 span rows, so a shard's own
+    double quantization would differ; instead every rank gathers the dense ``a`` from the ranks'
+    (exact, undoubled) absmax, runs bitsandbytes' two calls on it as the dense model does, and keeps
+    its own blocks of the result: the dequantized weight equals the dense double-quantized one bit
+    for bit at every split that keeps the 64-element blocks whole. The statistics are kept
+    dequantized (float32): double quantization's saving (~0.37 bits per parameter) is not taken.
+
+    Communication: one all-gather over the TP group of ``(n_local,)`` float32.
+    """
+    import bitsandbytes.functional as bnbf
+
+    from . import comm
+
+    own = _block_index(layer).to(layer.weight_absmax.device)
+    out_f, in_f = _dense_quant_shape(layer)
+    gathered = comm.all_gather_dim(layer.weight_absmax.contiguous(), 0, layer.tp_group)  # (tp * n_local,)
+    index = comm.all_gather_dim(own, 0, layer.tp_group)  # every rank's block indices, in its order
+    dense = torch.empty(-(-out_f * in_f // layer.quant_blocksize), dtype=gathered.dtype, device=gathered.device)
+    dense[index] = gathered  # replicated K/V rows are written by each of their ranks, with equal values
+    offset = dense.mean()
+    qabsmax, state2 = bnbf.quantize_blockwise(dense - offset, blocksize=256)
+    restored = bnbf.dequantize_blockwise(qabsmax, state2)
+    restored += offset
+    return restored[own].float()
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -402,6 +463,14 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     return {"quantized": q, "trainable": trainable, "frozen": frozen}
+
+
+def shard_bytes(numel: int, qspec: QuantizationSpec) -> dict[str, int]:
+    """Bytes a quantized shard of ``numel`` weight elements takes, as :func:`quantize_` stores it:
+    ``codes`` (two 4-bit codes per uint8, ``ceil(numel / 2)``), ``absmax`` (one float32 per block,
+    ``4 * ceil(numel / blocksize)``) and ``code_table`` (the 16 float32 NF4/FP4 values each layer
+    keeps). Pure arithmetic (``tpify plan --quantize`` sizes layers on the meta device with it)."""
+    return {"codes": -(-numel // 2), "absmax": 4 * -(-numel // qspec.blocksize), "code_table": 16 * 4}
 
 
 def check_lora_on_quantized(model: nn.Module, config, what: str) -> None:
@@ -435,7 +504,7 @@ def saved_quantization(path) -> QuantizationSpec | None:
 
     Raises:
         NotImplementedError, ImportError, ValueError: as :func:`quantization_spec` (a
-            ``quant_method`` other than bitsandbytes, 8-bit, double quantization, ...).
+            ``quant_method`` other than bitsandbytes, 8-bit, ...).
     """
     import json
     from pathlib import Path
@@ -476,8 +545,8 @@ def plan_prequantized(model: nn.Module, layout, qspec: QuantizationSpec, snap, h
     Raises:
         PlanError: as :func:`check_layout`.
         NotImplementedError: a quantized tensor of a layer tpify would not quantize, or the other
-            way round (other skip lists); double quantization or another quant type or block size
-            in a tensor's state; a ``Conv1D`` layer (GPT-2: not built for pre-quantized loading).
+            way round (other skip lists); a quant type, block size or double quantization in a
+            tensor's state other than the config's; a ``Conv1D`` layer (GPT-2: not built for pre-quantized loading).
     """
     from bitsandbytes.utils import unpack_tensor_to_dict
     from safetensors import safe_open
@@ -507,10 +576,12 @@ def plan_prequantized(model: nn.Module, layout, qspec: QuantizationSpec, snap, h
         if is_conv1d(model.get_submodule(fqn)):
             problems.append(f"{fqn}: a Conv1D layer (GPT-2) read from a pre-quantized checkpoint is not built")
             continue
-        if "nested_blocksize" in state or state.get("quant_type") != qspec.quant_type \
+        nested = state.get("nested_blocksize")
+        if nested != (256 if qspec.double_quant else None) or state.get("quant_type") != qspec.quant_type \
                 or state.get("blocksize") != qspec.blocksize:
-            problems.append(f"{fqn}: saved as {state} (built: {qspec.quant_type}, blocks of {qspec.blocksize}, "
-                            f"no double quantization)")
+            problems.append(f"{fqn}: saved as {state} (the config says: {qspec.quant_type}, blocks of "
+                            f"{qspec.blocksize}, " + ("double quantization in blocks of 256)" if qspec.double_quant
+                                                      else "no double quantization)"))
             continue
         dtype = getattr(torch, state["dtype"])
         out[fqn + ".weight"] = TensorHeader(tuple(state["shape"]), header.file, dtype)
@@ -546,41 +617,62 @@ def load_prequantized_(model: nn.Module, layers: dict, qspec: QuantizationSpec, 
     """
     from safetensors import safe_open
 
-    handles = {}
-    try:
-        for fqn, saved in layers.items():
-            layer = model.get_submodule(fqn)
-            cls = _QUANTIZED[type(layer)]
-            param = layer._parameters.pop("weight")
-            layer.__class__ = cls
-            layer.weight_shard_spec = shard_spec_of(param)
-            out_f, in_f = saved.state["shape"]
-            f = handles.get(saved.file)
-            if f is None:
-                f = handles[saved.file] = safe_open(snap.where(saved.file), framework="pt", device="cpu")
-            block = qspec.blocksize
-            ranges = list(_byte_ranges(layer.weight_shard_spec, in_f, out_f, layer.tp_rank, cls is
-                                       QuantizedRowParallelLinear, block))
-            codes_slice, absmax_slice = f.get_slice(saved.key), f.get_slice(saved.key + ".absmax")
-            if codes_slice.get_shape()[0] * 2 < out_f * in_f or absmax_slice.get_shape()[0] * block < out_f * in_f:
-                raise ValueError(f"{saved.key}: {codes_slice.get_shape()} codes / {absmax_slice.get_shape()} absmax "
-                                 f"for a [{out_f}, {in_f}] weight")
-            codes = torch.cat([codes_slice[a // 2: (b + 1) // 2] for a, b in ranges])
+    for fqn, saved in layers.items():
+        # one mapping per layer, dropped after it: the pages of codes a read touched leave the
+        # resident set before the next layer (a mapping kept for the load would hold them all)
+        f = safe_open(snap.where(saved.file), framework="pt", device="cpu")
+        layer = model.get_submodule(fqn)
+        cls = _QUANTIZED[type(layer)]
+        param = layer._parameters.pop("weight")
+        layer.__class__ = cls
+        layer.weight_shard_spec = shard_spec_of(param)
+        out_f, in_f = saved.state["shape"]
+        block = qspec.blocksize
+        ranges = list(_byte_ranges(layer.weight_shard_spec, in_f, out_f, layer.tp_rank, cls is
+                                   QuantizedRowParallelLinear, block))
+        codes_slice, absmax_slice = f.get_slice(saved.key), f.get_slice(saved.key + ".absmax")
+        if codes_slice.get_shape()[0] * 2 < out_f * in_f or absmax_slice.get_shape()[0] * block < out_f * in_f:
+            raise ValueError(f"{saved.key}: {codes_slice.get_shape()} codes / {absmax_slice.get_shape()} absmax "
+                             f"for a [{out_f}, {in_f}] weight")
+        codes = torch.cat([codes_slice[a // 2: (b + 1) // 2] for a, b in ranges])
+        if "nested_blocksize" in saved.state:  # the absmax are uint8 codes of a second quantization
+            absmax = _restore_nested_absmax(f, saved, ranges, block)
+        else:
             absmax = torch.cat([absmax_slice[a // block: -(-b // block)] for a, b in ranges])
-            local_shape = (sum(b - a for a, b in ranges) // in_f, in_f) if cls is QuantizedColumnParallelLinear \
-                else (out_f, sum(b - a for a, b in ranges) // out_f)
-            layer.register_buffer("weight_codes", codes.reshape(-1, 1).contiguous(), persistent=False)
-            layer.register_buffer("weight_absmax", absmax.float().contiguous(), persistent=False)
-            layer.register_buffer("weight_code_table", f.get_tensor(saved.key + ".quant_map").float(), persistent=False)
-            layer._mark_sharded()
-            layer.quant_shape, layer.quant_dtype = local_shape, getattr(torch, saved.state["dtype"])
-            layer.quant_type, layer.quant_blocksize, layer.compute_dtype = qspec.quant_type, block, qspec.compute_dtype
-    finally:
-        handles.clear()
+        local_shape = (sum(b - a for a, b in ranges) // in_f, in_f) if cls is QuantizedColumnParallelLinear \
+            else (out_f, sum(b - a for a, b in ranges) // out_f)
+        layer.register_buffer("weight_codes", codes.reshape(-1, 1).contiguous(), persistent=False)
+        layer.register_buffer("weight_absmax", absmax.float().contiguous(), persistent=False)
+        # a copy: a view (.float() of float32 is one) would keep the file's mapping, and every page
+        # of codes the reads above touched, resident for the model's life
+        layer.register_buffer("weight_code_table", f.get_tensor(saved.key + ".quant_map").to(torch.float32, copy=True),
+                              persistent=False)
+        layer._mark_sharded()
+        layer.quant_shape, layer.quant_dtype = local_shape, getattr(torch, saved.state["dtype"])
+        layer.quant_type, layer.quant_blocksize, layer.compute_dtype = qspec.quant_type, block, qspec.compute_dtype
+        del f, codes_slice, absmax_slice
     for p in model.parameters():
         p.requires_grad_(False)
     model.tp_quantization = qspec
     return model
+
+
+def _restore_nested_absmax(f, saved: SavedLayer, ranges, block: int) -> torch.Tensor:
+    """The absmax of this rank's blocks (``ranges``: its element ranges of the dense weight) of a
+    double-quantized checkpoint tensor, as bitsandbytes' ``dequantize_4bit`` restores them:
+    ``dequantize_blockwise(absmax codes, nested absmax per 256, nested code map) + offset``, on the
+    layer's whole (small: one byte per 64 weights) absmax vector, then this rank's entries.
+    ``(n_local,)`` float32; local, no communication."""
+    import bitsandbytes.functional as bnbf
+    from bitsandbytes.functional import QuantState
+
+    state2 = QuantState(absmax=f.get_tensor(saved.key + ".nested_absmax").float(), blocksize=saved.state["nested_blocksize"],
+                        code=f.get_tensor(saved.key + ".nested_quant_map").float(),
+                        dtype=getattr(torch, saved.state["nested_dtype"]))
+    restored = bnbf.dequantize_blockwise(f.get_tensor(saved.key + ".absmax"), state2)
+    restored += torch.tensor(float(saved.state["nested_offset"]))  # float32, as QuantState.from_dict reads it
+    own = torch.cat([torch.arange(a // block, b // block) for a, b in ranges])
+    return restored.float()[own]
 
 
 def refuse_full_finetuning(model: nn.Module, what: str) -> None:
@@ -608,4 +700,7 @@ def refuse_if_quantized(module: nn.Module, what: str) -> None:
         raise NotImplementedError(
             f"{what} on a quantized tensor-parallel base is refused: the 4-bit weights cannot take a merged "
             f"adapter or be saved dense without dequantizing (not built); save the adapter instead "
-            f"(peft_model.save_pretrained) and merge it into the unquantized checkpoint")
+            f"(peft_model.save_pretrained(dir)) and merge it into the unquantized checkpoint: "
+            f"tpify.from_pretrained(dense_dir) (or transformers' from_pretrained, no quantization_config), "
+            f"tpify.integrations.load_peft_adapter / peft.PeftModel.from_pretrained(model, dir), merge_and_unload(), "
+            f"save_pretrained (docs/quantization.md)")

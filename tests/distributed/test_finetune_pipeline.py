@@ -117,7 +117,9 @@ def test_refusals_before_launch(tiny_gpt2, tmp_path):
               "1F1B needs at least as many microbatches as stages"),
              (["--pp", "3", "--lora-r", "0", "--batch-size", "3", "--pp-schedule", "Interleaved1F1B",
                "--microbatches", "3"], "6 stages, but the model has 4 layers"),
-             (["--lora-r", "0", "--microbatches", "2"], "take effect with pipeline stages only")]
+             (["--lora-r", "0", "--microbatches", "2"], "take effect with pipeline stages only"),
+             (["--pp", "2", "--lora-r", "0", "--cp", "2"], "--cp: context parallelism inside pipeline stages"),
+             (["--pp", "2", "--quantize", "nf4"], "--quantize: a quantized base in pipeline stages")]
     for args, text in cases:
         out = _finetune(*common, *args, ok=False)
         assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)

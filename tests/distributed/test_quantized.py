@@ -337,3 +337,110 @@ def test_qlora_through_tptrainer_matches_transformers_trainer(tmp_path):
         torch.testing.assert_close(torch.tensor(log, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                    atol=1e-6, rtol=1e-5)
     print(f"measured QLoRA TPTrainer tp=2 vs Trainer: {got[0]} vs {want}")
+
+
+def _real_bytes(model):
+    """This rank's bytes of a quantized model with LoRA: the 4-bit shards (codes + absmax + code
+    tables), the frozen parameters kept in their dtype, the LoRA parameters."""
+    from tpify.quantized import quantized_bytes
+
+    sizes = quantized_bytes(model)
+    return {"quantized_bytes": sizes["quantized"], "kept_bytes": sizes["frozen"], "lora_bytes": sizes["trainable"]}
+
+
+def _plan_body(rank, world, tmp):
+    import peft
+
+    import tpify
+    from tpify.authoring.plan import plan_report
+    from tpify.integrations import get_peft_model
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    for family, quant in (("llama", "nf4"), ("gpt2", "fp4")):
+        cls, make_config, targets, _ = FAMILIES[family]
+        torch.manual_seed(0)
+        par = tpify.parallelize(cls(make_config()), tp_size=world, quantization_config=bnb_config(quant))
+        lora = get_peft_model(par, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+        real = _real_bytes(lora)
+        plan = plan_report(f"{tmp}/{family}", world, quantize=quant, lora_r=8)["quantized"]["rank"]
+        assert {k: plan[k] for k in real} == real, (family, rank, real, plan)
+        out[family] = real
+    return out
+
+
+@pytest.mark.slow  # a spawn of 2 ranks; the arithmetic itself is checked by hand in tests/unit/test_cli_plan.py
+def test_plan_quantized_bytes_equal_the_real_shards_at_tp2(tmp_path):
+    """``tpify plan --quantize`` (on the meta device, no ranks) gives, per rank, exactly the bytes of
+    the real quantized model at tp 2: the 4-bit codes, absmax and code tables of every shard, the
+    parameters kept unquantized, and the LoRA factors (r = 8 on every quantized layer); Llama (GQA,
+    NF4) and GPT-2 (packed ``c_attn``, ``Conv1D``, FP4). Integers: compared exactly."""
+    for family in ("llama", "gpt2"):
+        FAMILIES[family][1]().save_pretrained(tmp_path / family)
+    got = tputil.spawn(_plan_body, 2, str(tmp_path), timeout=300)
+    assert got[0] == got[1]  # even splits: every rank the same
+
+
+def _check_dequantized(par, ref, rank):
+    """Every quantized layer's dequantized shard equals the dense (double-)quantized weight,
+    dequantized by bitsandbytes, restricted to the shard: bitwise. Returns the count."""
+    import bitsandbytes.functional as bnbf
+
+    from tpify.quantized import QuantizedColumnParallelLinear, QuantizedRowParallelLinear
+
+    refs, n = dict(ref.named_modules()), 0
+    for fqn, m in par.named_modules():
+        if not isinstance(m, (QuantizedColumnParallelLinear, QuantizedRowParallelLinear)):
+            continue
+        qs = refs[fqn].weight.quant_state
+        assert qs.nested, fqn
+        out_f, in_f = qs.shape
+        el = _elements(m.weight_shard_spec, in_f, out_f, rank, isinstance(m, QuantizedRowParallelLinear))
+        deq = bnbf.dequantize_4bit(refs[fqn].weight.data, qs).reshape(-1)[el].view(m.quant_shape)
+        local = m.weight if m.weight_layout == "linear" else m.weight.t()
+        assert torch.equal(local, deq), fqn
+        n += 1
+    return n
+
+
+def _double_quant_body(rank, world, tmp):
+    import tpify
+
+    warnings.filterwarnings("ignore")
+    ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
+    for family, quant in (("llama", "nf4"), ("gpt2", "fp4")):
+        cls = FAMILIES[family][0]
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=torch.float32,
+                                    bnb_4bit_use_double_quant=True)
+        ref = cls.from_pretrained(f"{tmp}/{family}", quantization_config=config, dtype=torch.float32,
+                                  device_map="cpu").train()
+        models = [tpify.from_pretrained(f"{tmp}/{family}", tp_size=world, quantization_config=config)]
+        if family == "llama":  # transformers' saved double-quantized checkpoint, read by slices
+            models.append(tpify.from_pretrained(f"{tmp}/{family}-4bit", tp_size=world))
+        for par in models:
+            assert _check_dequantized(par, ref, rank) == (14 if family == "llama" else 8)
+            par.train()
+            with torch.no_grad():
+                torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
+    return "ok"
+
+
+@pytest.mark.slow
+def test_double_quantization_tp2_equals_dense_bitwise(tmp_path):
+    """``bnb_4bit_use_double_quant=True`` at tp 2: the dequantized local weight of every layer equals
+    transformers' dense double-quantized weight (its absmax quantized again in blocks of 256 with
+    the dense mean as offset), dequantized, restricted to the shard, bit for bit: Llama NF4 (hidden
+    256: the row-parallel shards' blocks interleave rows, so the 256-blocks of statistics are cut,
+    which the ranks' gathered statistics make exact) quantized on load and read from transformers'
+    saved 4-bit checkpoint, GPT-2 FP4 (``Conv1D``, packed ``c_attn``). Logits as the other checks
+    (atol 2e-5, rtol 1e-5: float32 summation order)."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(256)).save_pretrained(tmp_path / "llama")
+    GPT2LMHeadModel(gpt2_config()).save_pretrained(tmp_path / "gpt2")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                                bnb_4bit_use_double_quant=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LlamaForCausalLM.from_pretrained(tmp_path / "llama", quantization_config=config, dtype=torch.float32,
+                                         device_map="cpu").save_pretrained(tmp_path / "llama-4bit")
+    assert tputil.spawn(_double_quant_body, 2, str(tmp_path), timeout=300) == ["ok"] * 2

@@ -47,6 +47,25 @@ def test_bad_numeric_flags_are_usage_errors(capsys, argv, needle):
     assert needle in _usage_error(capsys, argv)
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["finetune", "--quantize", "int8"], "argument --quantize: invalid choice: 'int8' (choose from 'nf4', 'fp4')"),
+    (["finetune", "--quantize", "nf4", "--lora-r", "0"], "--quantize nf4 with --lora-r 0: full fine-tuning of a "
+                                                         "quantized base is not supported"),
+    (["finetune", "--quantize", "fp4", "--dp", "2", "--dp-shard", "2"], "--quantize fp4 with --dp-shard 2: FSDP2 "
+                                                                        "over a quantized base is not built"),
+])
+def test_quantize_flag_refusals_are_usage_errors(capsys, argv, needle):
+    """``--quantize`` (QLoRA) refuses, before any rank starts, what it does not combine with; the
+    config refuses the same from Python."""
+    assert needle in _usage_error(capsys, argv)
+    with pytest.raises(ValueError, match="full fine-tuning of a quantized base"):
+        FinetuneConfig(model_dir="m", out_dir="o", quantize="nf4", lora_r=0)
+    with pytest.raises(ValueError, match="FSDP2 over a quantized base"):
+        FinetuneConfig(model_dir="m", out_dir="o", quantize="nf4", lora_r=8, dp=2, dp_shard=2)
+    with pytest.raises(ValueError, match=r"quantize must be one of \['nf4', 'fp4'\]"):
+        FinetuneConfig(model_dir="m", out_dir="o", quantize="int8", lora_r=8)
+
+
 def test_finetune_config_refuses_the_same_values_and_lists_every_one():
     with pytest.raises(ValueError) as err:
         FinetuneConfig(model_dir="m", out_dir="o", dp=0, seq_len=0, lr=float("inf"), tp=True, dtype="float16")
@@ -105,3 +124,17 @@ def test_an_out_path_that_cannot_be_written_is_one_line_and_status_2(capsys, mon
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err and "pass " in err, err
     assert note.read_text() == "not a folder"
+
+
+def test_finetune_context_parallel_sizes_are_checked_before_any_rank(capsys, monkeypatch, tmp_path):
+    """``--cp``: a ``--seq-len`` that ``2 x cp`` does not divide is a usage error (and a ``FinetuneConfig``
+    ValueError naming the two nearest lengths); under torchrun the world must be ``tp x cp x dp``."""
+    assert "--seq-len 30 is not a multiple of 2 x --cp = 4" in _usage_error(
+        capsys, ["finetune", "--cp", "2", "--seq-len", "30", "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match=r"seq_len = 30 is not a multiple of 2 x cp = 4.*--seq-len 28 or 32"):
+        FinetuneConfig(model_dir="m", out_dir="o", cp=2, seq_len=30)
+    assert FinetuneConfig(model_dir="m", out_dir="o", cp=2, seq_len=32).cp == 2
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    err = _usage_error(capsys, ["finetune", "--model-dir", str(tmp_path), "--tp", "1", "--cp", "2", "--dp", "1"])
+    assert "--tp 1 x --cp 2 x --dp 1 = 2 ranks, but 4 ranks were started" in err

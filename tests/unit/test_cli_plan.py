@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from tpify import cli
 from tpify.authoring.plan import PlanReportError, plan_report, rank_shapes
-from tpify.layout import ModuleLayout
+from tpify.layout import ModuleLayout, PlanError
 
 # The small GPT-2: n_layer = 2, n_embd = E = 64, n_head = 4, vocab V = 101 (odd: padded to 102 at
 # tp = 2), n_positions = P = 32, inner MLP width 4E = 256. float32: 4 bytes a parameter.
@@ -212,3 +212,39 @@ def test_a_tower_without_a_standard_head_class_is_planned_with_its_own_class():
     report = plan_report("qwen2_vl_vision", 2)
     assert report["head_class"] == "Qwen2VisionTransformerPretrainedModel"
     assert 0.50 < report["memory"]["ratio"] < 0.51
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """The small GPT-2 with n_embd = 128: row-parallel ``c_proj`` keeps 64 input rows per rank at tp 2,
+    a whole quantization block (at n_embd = 64 its 32 rows would cut one)."""
+    path = tmp_path_factory.mktemp("wide_gpt2")
+    GPT2Config(**{**SMALL, "n_embd": 128}).save_pretrained(path)
+    return path
+
+
+def test_plan_quantize_bytes_by_hand(wide_dir, capsys):
+    """``tpify plan --quantize nf4`` on the small GPT-2 (n_embd W = 128) at tp 2: per rank, every
+    quantized layer's 4-bit codes (half a byte an element), absmax (4 bytes per block of 64) and code
+    table (16 float32), what stays float32 (the plan's per-rank bytes less the quantized weights), and
+    LoRA r = 8 (``A`` replicated, ``B`` split on the column-parallel ``c_attn`` / ``c_fc``; ``A`` split,
+    ``B`` replicated on the row-parallel ``c_proj``s). The real shards give the same bytes at tp 2:
+    tests/distributed/test_quantized.py."""
+    pytest.importorskip("bitsandbytes")
+    W = 128
+    report = plan_report(str(wide_dir), TP, quantize="nf4", lora_r=8)
+    q = report["quantized"]
+    # per block, rank numel of the quantized weights: c_attn W*3W/2, c_proj W*W/2, c_fc W*4W/2, mlp.c_proj 4W*W/2
+    numel = 2 * (3 * W * W + W * W + 4 * W * W + 4 * W * W) // TP
+    assert q["rank"]["codes"] == numel // 2 and q["rank"]["absmax"] == numel // 64 * 4
+    assert q["rank"]["code_table"] == 8 * 16 * 4 and len(q["layers"]) == 8
+    assert q["rank"]["kept_bytes"] == report["memory"]["rank_bytes"] - numel * 4
+    r = 8
+    lora = 2 * (r * W + 3 * W // TP * r + r * W // TP + W * r + r * W + 4 * W // TP * r + r * 4 * W // TP + W * r)
+    assert q["rank"]["lora_bytes"] == lora * 4 and q["quantized_ratio"] == pytest.approx(0.5, abs=2e-3)  # + a code table per rank
+    with pytest.raises(PlanError, match=r"c_proj \(row-parallel"):
+        plan_report(str(wide_dir), 4, quantize="nf4")  # c_proj: 128 / 4 = 32 input rows per rank, half a block
+    assert cli.main(["plan", str(wide_dir), "--tp", "2", "--quantize", "nf4"]) == 0
+    text = capsys.readouterr().out
+    assert "QLoRA base per rank (nf4, blocks of 64; 8 quantized layers; rank 0):" in text
+    assert f"codes {numel // 2:,} B" in text

@@ -74,5 +74,8 @@ def test_every_section_of_the_gpu_check_runs_on_the_cpu_in_quick_mode(tmp_path):
     assert all(isinstance(r["graph breaks"], int) for r in compiled.values()), compiled
     loss = sections["chunked_loss"]["results"]
     assert loss["tpify chunked"]["loss rel diff"] < 1e-2, loss
+    quantized = {k: v for k, v in sections["quantized"]["results"].items() if k != "setup"}
+    assert len(quantized) == 4 and all(r["ok"] and r["dequantized shard bitwise equal"] for r in quantized.values()), \
+        quantized
     md = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {name}: ok" in md for name in sections), md

@@ -47,6 +47,8 @@ COMM: dict[str, tuple[str, ...]] = {
     "tpify.comm.collectives": ("tpify.comm.counting", "tpify.comm.groups"),
     "tpify.comm.regions": ("tpify.comm.collectives", "tpify.comm.groups"),
     "tpify.comm.rows": ("tpify.comm.collectives", "tpify.comm.groups"),
+    "tpify.comm.ring": ("tpify.comm.counting", "tpify.comm.groups"),
+    "tpify.comm.ulysses": ("tpify.comm.counting", "tpify.comm.groups"),
     "tpify.comm.deferred": (),
     "tpify.comm.inputs": ("tpify.comm.collectives", "tpify.comm.deferred", "tpify.comm.groups"),
 }

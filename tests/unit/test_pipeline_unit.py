@@ -102,3 +102,20 @@ def test_stage_keeps_global_names_and_runs_the_hf_forward():
     assert len(model.transformer.h) == 4 and model.lm_head is not None  # the model is left as it was
     ids = torch.randint(0, 32, (2, 5))
     torch.testing.assert_close(last(first(ids)), model(ids).logits, atol=1e-12, rtol=0)
+
+
+def test_logit_ops_and_router_aux_loss_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tpify.pipeline.split import _check_model
+
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                                           final_logit_softcapping=30.0))
+    with pytest.raises(PipelineError, match="final_logit_softcapping"):
+        _check_model(gemma)
+    llama = _llama()
+    _check_model(llama)  # nothing applied to its logits
+    llama.config.output_router_logits = True
+    with pytest.raises(PipelineError, match="output_router_logits"):
+        _check_model(llama)

@@ -40,8 +40,7 @@ def _check(model, tp, **kw):
 
 
 def test_configs_not_built_are_refused_by_name(monkeypatch):
-    with pytest.raises(NotImplementedError, match="bnb_4bit_use_double_quant=True: not built"):
-        quantization_spec(_config(bnb_4bit_use_double_quant=True))
+    assert quantization_spec(_config(bnb_4bit_use_double_quant=True)).double_quant  # built (test below)
     with pytest.raises(NotImplementedError, match="load_in_8bit=True"):
         quantization_spec(BitsAndBytesConfig(load_in_8bit=True))
 
@@ -120,4 +119,40 @@ def test_tp1_equals_transformers_4bit_model(tmp_path):
     assert torch.equal(lq.weight_codes, q.weight_codes) and torch.equal(lq.weight_absmax, q.weight_absmax)
     loaded.train()
     with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, par(ids).logits, atol=0, rtol=0)
+
+
+def test_double_quantization_tp1_equals_transformers_bitwise(tmp_path):
+    """``bnb_4bit_use_double_quant=True`` at tp 1, both paths (quantize on load; transformers' saved
+    double-quantized checkpoint read back): every layer's dequantized weight equals transformers'
+    dense double-quantized weight dequantized, bit for bit; the logits equal within float32 matmul
+    noise (atol 1e-5; train mode, see test_tp1_equals_transformers_4bit_model). tp 2 and the GPT-2
+    layout: tests/distributed/test_quantized.py."""
+    import bitsandbytes.functional as bnbf
+
+    from tpify.quantized import QuantizedColumnParallelLinear, QuantizedRowParallelLinear
+
+    config = _config(bnb_4bit_use_double_quant=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(_llama(hidden=256, inter=512)).save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.float32,
+                                               device_map="cpu")
+    ref.save_pretrained(tmp_path / "quantized")  # before any eval forward
+    par = tpify.from_pretrained(tmp_path, tp_size=1, quantization_config=config)
+    loaded = tpify.from_pretrained(tmp_path / "quantized", tp_size=1)
+    refs, n = dict(ref.named_modules()), 0
+    for model in (par, loaded):
+        for fqn, m in model.named_modules():
+            if isinstance(m, (QuantizedColumnParallelLinear, QuantizedRowParallelLinear)):
+                r = refs[fqn].weight
+                assert r.quant_state.nested
+                assert torch.equal(m.weight, bnbf.dequantize_4bit(r.data, r.quant_state)), fqn
+                n += 1
+    assert n == 2 * 7
+    ids = torch.randint(3, 101, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref.train(), par.train(), loaded.train()
+    with torch.no_grad():
+        torch.testing.assert_close(par(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(loaded(ids).logits, par(ids).logits, atol=0, rtol=0)

@@ -205,7 +205,8 @@ def _rule_uses(model, layout) -> list[dict]:
 
 
 
-def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None = None, ep_size: int = 1) -> dict:
+def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None = None, ep_size: int = 1,
+                quantize: str | None = None, lora_r: int = 8) -> dict:
     """The coverage report of ``recipe`` on ``target`` at ``tp_size``, as JSON-able data.
 
     Args:
@@ -215,18 +216,24 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
         head_class: a task of :data:`tpify.authoring.target.HEAD_TASKS` or a transformers class
             name (default: the family's masked LM, else causal LM, else seq2seq LM, else base model).
         ep_size: 1, or ``tp_size`` for expert parallelism (:func:`tpify.parallelize`).
+        quantize: ``"nf4"`` or ``"fp4"``: also size the QLoRA base (``"quantized"``, :func:`_quantized`),
+            with LoRA adapters of rank ``lora_r`` on every quantized layer.
 
     Returns:
         ``{"target", "model_type", "head_class", "tp_size", "recipe", "dtype", "modules",
         "memory", "divides", "config_divides", "divisible", "unused_rules", "replicated",
-        "lm_head", "loss_kind", "honours_num_items", "head_inputs"}``; shapes are lists in the
+        "lm_head", "loss_kind", "honours_num_items", "head_inputs"}`` (and ``"quantized"`` with
+        ``quantize``); shapes are lists in the
         parameter's own layout (``nn.Linear`` ``[out, in]``, ``Conv1D`` ``[in, out]``), bytes in
         the report's dtype. No collective; nothing is downloaded or allocated.
 
     Raises:
         tpify.authoring.target.TargetError: the target is neither a model_type nor a config directory.
         tpify.recipe.RecipeError: no recipe, or a malformed one.
-        tpify.layout.PlanError: the recipe does not fit the model at ``tp_size``.
+        tpify.layout.PlanError: the recipe does not fit the model at ``tp_size``; with ``quantize``, a
+            split that cuts a quantization block (:func:`tpify.quantized.check_layout`).
+        ValueError, NotImplementedError, ImportError: ``quantize`` is not nf4/fp4, or bitsandbytes
+            is missing (:func:`tpify.quantized.quantization_spec`).
         PlanReportError: an unknown head class, or a layout this command cannot size exactly.
     """
     config = resolve_config(target)
@@ -240,6 +247,7 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
     memory, replicated = _memory(model, layout, params)
     _tied(model, module_rows, params)
     head_inputs = getattr(layout, "head_inputs", None)  # module FQN -> ((argument, dim, dense heads), ...)
+    quantized = {"quantized": _quantized(model, layout, params, memory, quantize, lora_r, dtype)} if quantize else {}
     return {
         "target": str(target), "model_type": config.model_type, "head_class": cls.__name__,
         "tp_size": tp_size, "ep_size": ep_size, "recipe": recipe_obj.source, "recipe_model_type": recipe_obj.model_type,
@@ -251,7 +259,61 @@ def plan_report(target: str, tp_size: int, recipe=None, head_class: str | None =
         "lm_head": layout.lm_head, "loss_kind": layout.loss_kind, "honours_num_items": layout.honours_num_items,
         "head_inputs": [{"fqn": fqn, "argument": arg, "dim": dim, "dense_heads": heads, "per_rank": heads // tp_size}
                         for fqn, items in (head_inputs or {}).items() for arg, dim, heads in items],
+        **quantized,
     }
+
+
+def _quantized(model, layout, params: "_Params", memory: dict, quantize: str, lora_r: int, dtype) -> dict:
+    """Rank 0's bytes of a QLoRA base (``tpify.parallelize(..., quantization_config=
+    BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize))``, then LoRA of rank
+    ``lora_r`` on every quantized layer): per quantized layer its shard's codes, absmax and code
+    table (:func:`tpify.quantized.shard_bytes`, the sizes :func:`tpify.quantized.quantize_` stores);
+    what stays in the report's dtype (every parameter but the quantized weights: norms,
+    embeddings, the LM head, biases); the LoRA factors (``A`` replicated and ``B`` split on a
+    column-parallel base, ``A`` split and ``B`` replicated on a row-parallel one, in the report's
+    dtype) and the same figures for the dense (tp 1) quantized model.
+
+    Raises:
+        tpify.layout.PlanError: a split that cuts a quantization block, a style without a
+            quantized form (:func:`tpify.quantized.check_layout`).
+    """
+    from transformers import BitsAndBytesConfig
+
+    from ..hf_modules import dense_dims
+    from ..quantized import check_layout, quantization_spec, shard_bytes
+
+    qspec = quantization_spec(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize))
+    size = torch.empty((), dtype=dtype).element_size()
+    layers, totals, dense_totals = [], dict.fromkeys(("codes", "absmax", "code_table"), 0), dict.fromkeys(
+        ("codes", "absmax", "code_table"), 0)
+    weights_rank = weights_dense = lora_rank = lora_dense = 0
+    for fqn in check_layout(model, layout, qspec):
+        module = model.get_submodule(fqn)
+        in_f, out_f, _ = dense_dims(module)
+        dense_shape, rank_shape, _, _ = params.shapes[id(module.weight)]
+        n_rank, n_dense = math.prod(rank_shape), math.prod(dense_shape)
+        rank, dense = shard_bytes(n_rank, qspec), shard_bytes(n_dense, qspec)
+        for k in totals:
+            totals[k] += rank[k]
+            dense_totals[k] += dense[k]
+        weights_rank += n_rank * size
+        weights_dense += n_dense * size
+        if layout.modules[fqn].style == "rowwise":  # A: (r, in / tp), B: (out, r)
+            lora = lora_r * (n_rank // out_f) + out_f * lora_r
+        else:  # A: (r, in), B: (out / tp, r)
+            lora = lora_r * in_f + (n_rank // in_f) * lora_r
+        lora_rank += lora * size
+        lora_dense += lora_r * (in_f + out_f) * size
+        layers.append({"fqn": fqn, "rank_shape": list(rank_shape), **rank, "bytes": sum(rank.values())})
+    quantized_rank, quantized_dense = sum(totals.values()), sum(dense_totals.values())
+    kept_rank, kept_dense = memory["rank_bytes"] - weights_rank, memory["dense_bytes"] - weights_dense
+    return {"quant_type": qspec.quant_type, "blocksize": qspec.blocksize, "layers": layers,
+            "rank": {**totals, "quantized_bytes": quantized_rank, "kept_bytes": kept_rank,
+                     "base_bytes": quantized_rank + kept_rank, "lora_bytes": lora_rank},
+            "dense": {**dense_totals, "quantized_bytes": quantized_dense, "kept_bytes": kept_dense,
+                      "base_bytes": quantized_dense + kept_dense, "lora_bytes": lora_dense},
+            "quantized_ratio": quantized_rank / quantized_dense if quantized_dense else 1.0,
+            "lora_r": lora_r, "lora_dtype": str(dtype).removeprefix("torch.")}
 
 
 @dataclass

@@ -52,6 +52,8 @@ def render_text(report: dict) -> str:
     lines += _table(_module_table(r["modules"]), ["module", "type", "rule", "style", "param", "dense shape",
                                                   "per rank", "notes"])
     lines += _memory_lines(r)
+    if r.get("quantized"):
+        lines += _quantized_lines(r["quantized"], r["dtype"])
     lines += _divided_lines(r)
     lines += ["", "Rules that took no part:"]
     if not r["unused_rules"]:
@@ -118,6 +120,20 @@ def _memory_lines(r: dict) -> list[str]:
             f"{mem['ratio']:.4f} x dense",
             f"    sharded:    {_bytes(mem['sharded_rank_bytes'])} (dense {_bytes(mem['sharded_dense_bytes'])})",
             f"    replicated: {_bytes(mem['replicated_bytes'])}", ""]
+
+
+def _quantized_lines(q: dict, dtype: str) -> list[str]:
+    rank, dense = q["rank"], q["dense"]
+    return [f"QLoRA base per rank ({q['quant_type']}, blocks of {q['blocksize']}; {len(q['layers'])} quantized layers; "
+            f"rank 0):",
+            f"  quantized:  {_bytes(rank['quantized_bytes'])} = codes {_bytes(rank['codes'])} + absmax "
+            f"{_bytes(rank['absmax'])} + code tables {_bytes(rank['code_table'])} (dense {_bytes(dense['quantized_bytes'])}: "
+            f"{q['quantized_ratio']:.4f} x)",
+            f"  kept {dtype}: {_bytes(rank['kept_bytes'])} (norms, embeddings, LM head, biases; dense "
+            f"{_bytes(dense['kept_bytes'])})",
+            f"  base:       {_bytes(rank['base_bytes'])} (dense {_bytes(dense['base_bytes'])})",
+            f"  LoRA r = {q['lora_r']} on the quantized layers ({q['lora_dtype']}): {_bytes(rank['lora_bytes'])} (dense "
+            f"{_bytes(dense['lora_bytes'])}); gradients as much again, AdamW state twice", ""]
 
 
 def _divided_lines(r: dict) -> list[str]:

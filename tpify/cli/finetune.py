@@ -1,4 +1,4 @@
-"""Fine-tuning a pretrained causal LM across DP x TP ranks: the loop behind ``tpify finetune``.
+"""Fine-tuning a pretrained causal LM across DP x CP x TP ranks: the loop behind ``tpify finetune``.
 
 Each rank loads only its shard (:func:`tpify.from_pretrained`); the ``tp`` ranks of a TP group
 see the same micro-batch, the ``dp`` replicas different ones; a step is the usual Hugging Face
@@ -14,6 +14,16 @@ depend only on the step number; at the saved layout exactly, at another (``--tp`
 ``--dp-shard``, the same global batch) with the optimizer state resharded; a checkpoint of
 another model is refused on every rank. The
 loss curve (``loss.png``) needs matplotlib, the ``cli`` extra (``pip install "tpify[cli]"``).
+
+Long documents: with ``cp > 1`` the model is context-parallel (``tpify.init_mesh(tp, cp_size=cp)``,
+docs/context-parallelism.md): the text is cut into sequences of ``seq_len`` tokens as always
+(:func:`pack_texts`: the files concatenated, so a sequence runs across the text's paragraphs and
+sections, one long document), every rank of a CP group takes the same rows and
+:func:`tpify.context_parallel.split_batch` gives it ``seq_len / cp`` tokens of each (a front and a
+back chunk); the loss and the gradients are the dense model's. ``seq_len`` must be a multiple of
+``2 x cp``; with ``dp_shard > 1`` FSDP2 shards over ``dp_shard x cp`` ranks
+(:func:`tpify.shard_data_parallel`); the greedy continuation is not shown (``generate`` is
+refused under context parallelism).
 
 What rank 0 prints: the parameter memory of each rank against the dense model (and the
 gradients and AdamW state of the trainable parameters), a greedy continuation of a fixed prompt
@@ -38,11 +48,23 @@ from ..agree import agree
 from .launch import world_mismatch
 from .checks import check, output_problem
 from .finetune_resume import _restore, _run_args, _save_checkpoint, check_resume_files, resume_point
-from .options import DEFAULT_PROMPT, DTYPES, LIMITS
+from .options import DEFAULT_PROMPT, DTYPES, LIMITS, QUANTIZE
 
-__all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices", "finetune",
+__all__ = ["FinetuneConfig", "cp_world_mismatch", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices",
+           "finetune",
            "default_text_files", "add_lora", "lora_targets", "resume_point", "check_resume_files", "check_run",
            "greedy_continuation", "memory_report"]
+
+
+def cp_world_mismatch(tp: int, cp: int, dp: int, world: int) -> str | None:
+    """Why ``tp x cp x dp`` ranks do not fit a world of ``world`` ranks, or None (``cp == 1``:
+    :func:`tpify.cli.launch.world_mismatch`'s message). Pure."""
+    if cp == 1:
+        return world_mismatch(tp, dp, world)
+    if tp * cp * dp == world:
+        return None
+    return (f"--tp {tp} x --cp {cp} x --dp {dp} = {tp * cp * dp} ranks, but {world} ranks were started; pass sizes "
+            f"whose product is {world}, or start {tp * cp * dp} ranks (run without torchrun, tpify starts them itself)")
 
 
 def default_text_files() -> list[Path]:
@@ -57,13 +79,15 @@ class FinetuneConfig:
 
     Raises:
         ValueError: a numeric option outside :data:`LIMITS` (every one listed, each with its
-            allowed range), or a ``dtype`` not in :data:`DTYPES`.
+            allowed range), a ``dtype`` not in :data:`DTYPES`, ``dp_shard`` not dividing ``dp``,
+            and with ``cp > 1`` a ``seq_len`` that ``2 x cp`` does not divide.
     """
 
     model_dir: str
     out_dir: str
     data: list[str] = field(default_factory=list)
     tp: int = 1
+    cp: int = 1                  # > 1: context parallelism, each rank seq_len / cp tokens of every sequence
     dp: int = 1
     dp_shard: int = 1            # > 1: FSDP2 over dp_shard ranks (HSDP with dp / dp_shard replicas)
     seq_len: int = 128
@@ -83,6 +107,7 @@ class FinetuneConfig:
     progress: bool = True        # rank 0 prints the memory report and one line per step
     prompt: str = DEFAULT_PROMPT  # continued greedily before and after training
     sample_tokens: int = 20      # tokens of that continuation; 0: none
+    quantize: str | None = None  # "nf4" / "fp4": QLoRA, the base frozen in bitsandbytes 4-bit (needs lora_r > 0)
     pp: int = 1                  # > 1: pipeline stages (tpify.pipeline; tpify/cli/finetune_pipeline.py)
     pp_schedule: str = "1F1B"    # the pipeline schedule (PP_SCHEDULES)
     microbatches: int | None = None  # microbatches per step of the pipeline; None: pp
@@ -100,8 +125,34 @@ class FinetuneConfig:
                 and self.dp % self.dp_shard:
             problems.append(f"dp_shard = {self.dp_shard} does not divide dp = {self.dp}: FSDP2 shards over "
                             f"dp_shard ranks within each of dp / dp_shard replicas; pass a divisor of {self.dp}")
+        if isinstance(self.cp, int) and self.cp > 1:
+            if isinstance(self.seq_len, int) and self.seq_len % (2 * self.cp):
+                low = self.seq_len - self.seq_len % (2 * self.cp)
+                problems.append(f"seq_len = {self.seq_len} is not a multiple of 2 x cp = {2 * self.cp}: context "
+                                f"parallelism cuts each sequence into 2 x cp equal chunks (each rank a front and a "
+                                f"back one); pass --seq-len {low or 2 * self.cp} or {low + 2 * self.cp}")
+        if isinstance(self.cp, int) and self.cp > 1 and self.quantize:
+            problems.append(f"quantize = {self.quantize!r} with cp = {self.cp}: QLoRA under context parallelism is "
+                            f"not tested; pass --cp 1")
+        problems += _quantize_problems(self)
         if problems:
             raise ValueError("FinetuneConfig: " + "; ".join(problems))
+
+
+def _quantize_problems(cfg: FinetuneConfig) -> list[str]:
+    """What ``quantize`` (QLoRA) does not combine with: full fine-tuning and FSDP2 (docs/quantization.md)."""
+    if cfg.quantize is None:
+        return []
+    if cfg.quantize not in QUANTIZE:
+        return [f"quantize must be one of {list(QUANTIZE)} (bitsandbytes 4-bit) or None, got {cfg.quantize!r}"]
+    problems = []
+    if not cfg.lora_r:
+        problems.append(f"quantize={cfg.quantize!r} with lora_r = 0: full fine-tuning of a quantized base is not "
+                        f"supported (its 4-bit weights take no gradient); pass --lora-r > 0 (QLoRA)")
+    if isinstance(cfg.dp_shard, int) and cfg.dp_shard > 1:
+        problems.append(f"quantize={cfg.quantize!r} with dp_shard = {cfg.dp_shard}: FSDP2 over a quantized base is "
+                        f"not built (its 4-bit shards are buffers FSDP2 would not shard); pass --dp-shard 1 (DDP)")
+    return problems
 
 
 def pack_texts(tokenizer, files: list[str | Path], seq_len: int) -> torch.Tensor:
@@ -192,7 +243,8 @@ def add_lora(model, cfg: FinetuneConfig):
 
 
 def memory_report(model) -> list[str]:
-    """Lines comparing each rank's parameter memory with the dense model's (a collective).
+    """Lines comparing each rank's parameter memory with the dense model's (a collective); on a
+    quantized model (QLoRA) one more line per rank: the bytes of its 4-bit shards.
 
     Parameters are counted once (tied ones once), in bytes of their dtype; the dense figure counts
     each sharded parameter whole, unpadded. The trainable parameters' gradients take their bytes
@@ -206,17 +258,22 @@ def memory_report(model) -> list[str]:
     dense = sum(_dense_numel(p, specs[id(p)]) * p.element_size() for p in params)
     train = sum(_local_numel(p) * p.element_size() for p in params if p.requires_grad)
     dense_train = sum(_dense_numel(p, specs[id(p)]) * p.element_size() for p in params if p.requires_grad)
-    per_rank = comm.all_gather_objects((dist.get_rank(), local, train))
+    from ..quantized import is_quantized, quantized_bytes
+
+    base4 = quantized_bytes(model)["quantized"] if is_quantized(model) else None
+    per_rank = comm.all_gather_objects((dist.get_rank(), local, train, base4))
 
     def mib(n: int) -> str:
         return f"{n / 2**20:.1f} MiB"
 
     lines = [f"memory: dense model: parameters {mib(dense)}; trainable {mib(dense_train)} "
              f"(gradients {mib(dense_train)}, AdamW state {mib(2 * dense_train)})"]
-    for r, nbytes, tbytes in per_rank:
+    for r, nbytes, tbytes, qbytes in per_rank:
         lines.append(f"  rank {r}: parameters {mib(nbytes)} = {nbytes / dense:.3f} x dense; trainable {mib(tbytes)} "
                      f"= {tbytes / max(dense_train, 1):.3f} x dense (gradients {mib(tbytes)}, AdamW state "
                      f"{mib(2 * tbytes)})")
+        if qbytes is not None:  # QLoRA: the 4-bit codes and absmax are buffers, not parameters
+            lines.append(f"  rank {r}: quantized base (4-bit codes + absmax, besides the parameters) {mib(qbytes)}")
     return lines
 
 
@@ -261,6 +318,17 @@ def _require_peft() -> None:
     if importlib.util.find_spec("peft") is None:
         raise ImportError('LoRA (tpify finetune --lora-r, 8 by default) needs peft, which is not installed; '
                           'pip install "tpify[peft]", or pass --lora-r 0 to fine-tune every parameter', name="peft")
+
+
+def _require_bitsandbytes() -> None:
+    """Raise, before any training, when ``--quantize`` is asked for and bitsandbytes is missing (no import).
+
+    Raises:
+        ImportError: bitsandbytes is not installed; the message names ``pip install "tpify[quant]"``.
+    """
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError('tpify finetune --quantize (QLoRA) needs bitsandbytes, which is not installed; '
+                          'pip install "tpify[quant]", or drop --quantize', name="bitsandbytes")
 
 
 def _plot(losses: list[float], path: Path) -> None:
@@ -310,6 +378,8 @@ def check_run(cfg: FinetuneConfig) -> tuple[Path | None, dict | None]:
     _require_matplotlib()  # the loss curve is written at the end: fail now, not after training
     if cfg.lora_r:
         _require_peft()
+    if cfg.quantize:
+        _require_bitsandbytes()
     if not cfg.resume:
         return None, None
     ckpt, state = resume_point(cfg)
@@ -321,7 +391,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     """Run the fine-tune described by ``cfg`` on the already initialised process group; return the
     loss of every step (mean over DP) on every rank.
 
-    ``world = cfg.tp * cfg.dp``; ``cfg.dp_shard > 1`` shards the model with FSDP2 over that many
+    ``world = cfg.tp * cfg.cp * cfg.dp``; ``cfg.cp > 1``: context parallelism (the module
+    docstring); ``cfg.dp_shard > 1`` shards the model with FSDP2 over that many
     ranks of the DP group, else DDP over it. Writes ``out_dir/checkpoint-<k>`` every ``save_every``
     steps, ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter),
     ``losses.json`` and ``loss.png``. What rank 0 prints and the checkpoint contents: docs/training.md,
@@ -329,7 +400,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
 
     Raises:
         ImportError: matplotlib, or peft with ``lora_r > 0``, is not installed (before training).
-        ValueError: an option outside its limits, ``tp * dp`` not the world size, a bad ``out_dir``,
+        ValueError: an option outside its limits, ``tp * cp * dp`` not the world size, a bad ``out_dir``,
             ``data`` or ``model_dir``, or a checkpoint ``resume`` cannot use (other arguments, a
             corrupt ``state.json``, a missing or truncated file: :func:`check_resume_files`); on
             every rank, before anything is read.
@@ -360,16 +431,20 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     for line in memory_report(model):
         if report:
             print(line, flush=True)
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and cfg.cp > 1:
+        if report:
+            print(f"no greedy continuation at cp {cfg.cp} (generate is refused under context parallelism: decoding "
+                  f"has no sequence to split); {cfg.out_dir}/final loads at cp 1", flush=True)
+    elif cfg.sample_tokens:
         text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
         if report:
             print(f"before (step {start_step}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
     _train(cfg, model, step_model, optimizer, scheduler, data, device, start_step, _StepLines(cfg, losses, report))
     model = _save_final(cfg, model, tokenizer, losses, trainable)
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and cfg.cp == 1:
         text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
         if report:
-            merged = ", LoRA merged" if cfg.lora_r else ""
+            merged = ", LoRA merged" if cfg.lora_r and not cfg.quantize else ""
             print(f"after (step {cfg.steps}{merged}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
     comm.barrier()
     return losses
@@ -381,11 +456,11 @@ def _agreed_start(cfg: FinetuneConfig) -> tuple[int, list[float], Path, Path | N
     one rank stops every rank).
 
     Raises:
-        ValueError: ``cfg`` outside its limits, ``tp * dp`` is not the world size, or a check of
+        ValueError: ``cfg`` outside its limits, ``tp * cp * dp`` is not the world size, or a check of
             :func:`check_run` failed on some rank (every rank).
     """
     cfg.check()
-    problem = world_mismatch(cfg.tp, cfg.dp, dist.get_world_size())
+    problem = cp_world_mismatch(cfg.tp, cfg.cp, cfg.dp, dist.get_world_size())
     if problem:
         raise ValueError(problem)
     error, state, ckpt = None, None, None
@@ -401,7 +476,8 @@ def _agreed_start(cfg: FinetuneConfig) -> tuple[int, list[float], Path, Path | N
 
 
 def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, rank: int):
-    """``(model, step_model, trainable)``: the model loaded by slices at ``cfg.tp`` (LoRA adapters
+    """``(model, step_model, trainable)``: the model loaded by slices at ``cfg.tp`` (on the mesh
+    ``tpify.init_mesh(cfg.tp, cp_size=cfg.cp)`` when ``cfg.cp > 1``; LoRA adapters
     added when ``cfg.lora_r``), and what a step calls: the model sharded by FSDP2 in place when
     ``cfg.dp_shard > 1``, else wrapped in DDP over the DP group; ``trainable``: LoRA's
     dense-equivalent trainable parameter count, or None."""
@@ -409,7 +485,11 @@ def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, ran
     from tpify.data_parallel import replicate_data_parallel, shard_data_parallel
 
     tpify.manual_seed(cfg.seed)
-    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, dtype=getattr(torch, cfg.dtype)).to(device)
+    layout = {"mesh": tpify.init_mesh(cfg.tp, cp_size=cfg.cp)} if cfg.cp > 1 else {"tp_size": cfg.tp}
+    model = tpify.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype), quantization_config=qlora_config(cfg),
+                                  **layout).to(device)
+    if cfg.quantize:
+        norms_to_float32(model)
     trainable = None
     if cfg.lora_r:
         model, trainable, total = add_lora(model, cfg)
@@ -422,6 +502,33 @@ def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, ran
     return model, replicate_data_parallel(model), trainable  # DDP over the DP group (the model itself at dp 1)
 
 
+def qlora_config(cfg: FinetuneConfig):
+    """The ``transformers.BitsAndBytesConfig`` of ``cfg.quantize`` (4-bit codes of the base's
+    linear layers, computed in the run's dtype), or None without it."""
+    if not cfg.quantize:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quantize,
+                              bnb_4bit_compute_dtype=getattr(torch, cfg.dtype))
+
+
+def norms_to_float32(model) -> int:
+    """Cast, in place, the weights of the normalization layers (the leaf modules whose parameters
+    are all 1-D: LayerNorm, RMSNorm) to float32, as PEFT's ``prepare_model_for_kbit_training`` keeps
+    them for QLoRA; the linear layers and embeddings keep their dtype. Returns the count cast.
+    Local; a no-op on a float32 model."""
+    n = 0
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if next(module.children(), None) is None and params and all(p.dim() == 1 for p in params):
+            for p in params:
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()
+                    n += 1
+    return n
+
+
 class _StepLines:
     """Rank 0's line per step, printed one step late: the loss and norm were copied to the host
     without blocking (:class:`tpify.comm.HostCopy`), so reading them waits only for that copy, and
@@ -429,7 +536,7 @@ class _StepLines:
 
     def __init__(self, cfg: FinetuneConfig, losses: list[float], report: bool):
         self.cfg, self.losses, self.report = cfg, losses, report
-        self.tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len
+        self.tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len  # whole sequences (over the CP group)
         self.width = len(str(cfg.steps))
         self.logged = None  # the last step's (step, lr, start time, values copied to the host)
 
@@ -454,10 +561,12 @@ class _StepLines:
 def _train(cfg: FinetuneConfig, model, step_model, optimizer, scheduler, data: torch.Tensor, device: torch.device,
            start_step: int, lines: _StepLines) -> None:
     """Steps ``start_step .. cfg.steps - 1``: forward and backward of this DP replica's rows of the
-    global batch (``(B, T)`` token ids, labels the same ids), the global-norm clip, AdamW and the
+    global batch (``(B, T)`` token ids, labels the same ids; under context parallelism this rank's
+    ``(B, T / cp)`` tokens, :func:`tpify.context_parallel.split_batch`), the global-norm clip, AdamW and the
     schedule; ``checkpoint-<step>`` every ``cfg.save_every`` steps. Collectives: DDP's or FSDP2's
     over DP in the backward, the clip's, one all-reduce of the loss over DP per step."""
     import tpify
+    from tpify.context_parallel import split_batch
     from tpify.training import check_replicas, clip_grad_norm_
 
     info = tpify.get_tp_info(model)
@@ -469,7 +578,7 @@ def _train(cfg: FinetuneConfig, model, step_model, optimizer, scheduler, data: t
         lr = scheduler.get_last_lr()[0]
         rows = batch_indices(step, data.shape[0], cfg.batch_size * cfg.dp, cfg.seed)
         ids = data[rows[dp_rank * cfg.batch_size: (dp_rank + 1) * cfg.batch_size]].to(device)  # (B, T)
-        loss = step_model(input_ids=ids, labels=ids).loss
+        loss = step_model(**split_batch({"input_ids": ids, "labels": ids}, model)).loss  # cp 1: the batch itself
         loss.backward()  # DDP or FSDP2 reduces the gradients over DP as the backward runs
         norm = clip_grad_norm_(model, cfg.clip) if cfg.clip > 0 else None
         optimizer.step()
@@ -485,8 +594,9 @@ def _train(cfg: FinetuneConfig, model, step_model, optimizer, scheduler, data: t
 
 
 def _save_final(cfg: FinetuneConfig, model, tokenizer, losses: list[float], trainable: int | None):
-    """Write ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter), and on rank 0
-    the tokenizer, ``losses.json`` and ``loss.png``; returns the model (LoRA: the merged one)."""
+    """Write ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter; QLoRA: the
+    adapter and the tokenizer only, no merged model), and on rank 0 the tokenizer, ``losses.json`` and
+    ``loss.png``; returns the model (LoRA: the merged one; QLoRA: the adapted one)."""
     import tpify
     from tpify.training import check_replicas
 
@@ -494,10 +604,16 @@ def _save_final(cfg: FinetuneConfig, model, tokenizer, losses: list[float], trai
     check_replicas(model)
     if cfg.lora_r:
         model.save_pretrained(out_dir / "adapter")  # the dense adapter (plain peft loads it); collective
-        model = model.merge_and_unload()  # each rank merges its slice of B A into its shard of W
-    tpify.save_pretrained(model, out_dir / "final")
+    if cfg.quantize:  # QLoRA: merging into a 4-bit base is refused (tpify.quantized); the adapter is the result
+        if dist.get_rank() == 0:
+            tokenizer.save_pretrained(out_dir / "adapter")
+    else:
+        if cfg.lora_r:
+            model = model.merge_and_unload()  # each rank merges its slice of B A into its shard of W
+        tpify.save_pretrained(model, out_dir / "final")
+        if dist.get_rank() == 0:
+            tokenizer.save_pretrained(out_dir / "final")
     if dist.get_rank() == 0:
-        tokenizer.save_pretrained(out_dir / "final")
         (out_dir / "losses.json").write_text(json.dumps({"losses": losses, "config": asdict(cfg),
                                                          "trainable_parameters": trainable}, indent=1))
         _plot(losses, out_dir / "loss.png")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit
 
-__all__ = ["LIMITS", "DTYPES", "DEFAULT_PROMPT", "PP_SCHEDULES"]
+__all__ = ["LIMITS", "DTYPES", "DEFAULT_PROMPT", "QUANTIZE", "PP_SCHEDULES"]
 
 # The prompt whose greedy continuation is shown before and after training: the default text is
 # the GNU GPL, so what the model learnt shows in the continuation.
@@ -18,6 +18,7 @@ DEFAULT_PROMPT = "The GNU General Public License is"
 # the same limits (tpify/cli/__init__.py), so a value the parser refuses is refused from Python too.
 LIMITS = {
     "tp": POSITIVE_INT,
+    "cp": Limit(low=1, note="context-parallel ranks, each holding seq_len / cp tokens of every sequence; 1: none"),
     "dp": POSITIVE_INT,
     "dp_shard": Limit(low=1, note="ranks FSDP2 shards each TP shard over; 1: DDP, no sharding"),
     "seq_len": Limit(low=2, note="a causal LM learns to predict each token from the ones before it, so a "
@@ -39,3 +40,5 @@ LIMITS = {
 # The schedules of ``tpify finetune --pp-schedule`` (tpify.pipeline.schedule.SCHEDULES).
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 DTYPES = ("float32", "bfloat16")
+# `tpify finetune --quantize`: the bitsandbytes 4-bit formats of a QLoRA base (tpify/quantized.py).
+QUANTIZE = ("nf4", "fp4")

@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
     plan.add_argument("--ep-size", type=flag(POSITIVE_INT), default=1,
                       help="expert parallelism: 1 (default, tensor-parallel experts) or the tp size (whole experts "
                            "per rank)")
+    plan.add_argument("--quantize", choices=["nf4", "fp4"], default=None,
+                      help="also report the bytes per rank of a QLoRA base: bitsandbytes 4-bit codes + absmax of "
+                           "each quantized shard, what stays unquantized, and LoRA (--lora-r) beside")
+    plan.add_argument("--lora-r", type=flag(POSITIVE_INT), default=8,
+                      help="LoRA rank for the --quantize report (default 8, as tpify finetune)")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_pipeline_flags(plan)
     plan.set_defaults(worker=run, in_process=True)
@@ -78,8 +83,9 @@ def run(args) -> int:
     if getattr(args, "pp", 1) > 1:
         return _run_pipeline(args)
     try:
-        report = plan_report(args.target, args.tp, args.recipe, args.head_class, args.ep_size)
-    except (PlanError, RecipeError, TargetError, PlanReportError) as e:
+        report = plan_report(args.target, args.tp, args.recipe, args.head_class, args.ep_size, args.quantize,
+                             args.lora_r)
+    except (PlanError, RecipeError, TargetError, PlanReportError, ImportError) as e:
         print(f"tpify plan: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=1) if args.json else render_text(report), end="" if not args.json else "\n")

@@ -8,6 +8,8 @@ One job per module, imported one way (``counting``, ``groups`` -> ``collectives`
 * :mod:`~tpify.comm.collectives`: the raw collectives, no autograd rule;
 * :mod:`~tpify.comm.regions`: Megatron-LM's region operators and the sequence-parallel ones;
 * :mod:`~tpify.comm.rows`: expert parallelism's token rows;
+* :mod:`~tpify.comm.ring`: ring attention's P2P shift to the next rank of a group;
+* :mod:`~tpify.comm.ulysses`: the all-to-all between a sequence split and a head split;
 * :mod:`~tpify.comm.deferred`: a call's data checks read by the host one call later;
 * :mod:`~tpify.comm.inputs`: the check that the ranks of a TP group were given one batch.
 
@@ -28,6 +30,9 @@ The protocols that make every rank learn whether every rank succeeded are in :mo
 | ``scatter_rows``                               | keep rows ``[rN/p, (r+1)N/p)``| all-gather the rows            |
 | ``gather_rows``                                | all-gather the rows           | keep this rank's rows          |
 | ``all_to_all_rows``                            | rows of given sizes to rank j | the reverse exchange           |
+| context parallelism                            |                               |                                |
+| ``all_to_all_dims`` (Ulysses)                  | split dim a, gather dim b     | the reverse all-to-all         |
+| ``ring_shift_start`` (no autograd)             | send to r+1, receive from r-1 |                                |
 
 With a one-rank group (or ``group=None`` and no process group) every operator is the identity
 and issues nothing, so a ``tp_size == 1`` model runs without ``torch.distributed``.
@@ -43,7 +48,9 @@ from .inputs import (CheckedInputs, check_same_inputs, checksum, different_layou
 from .regions import (copy_many_to_tp_region, copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
                       grad_reduce_dtype, reduce_from_tp_region, reduce_scatter_to_sequence_region,
                       scatter_to_sequence_region, scatter_to_tp_region, sum_grad_ranges)
+from .ring import RingShift, ring_shift_start
 from .rows import all_to_all_rows, gather_rows, row_range, scatter_rows
+from .ulysses import all_to_all_dims
 
 __all__ = [
     "group_size", "group_rank", "backend_map", "collective_device", "SharesProcessGroups",
@@ -53,7 +60,7 @@ __all__ = [
     "grad_reduce_dtype", "copy_to_tp_region", "copy_many_to_tp_region", "reduce_from_tp_region",
     "scatter_to_tp_region", "gather_from_tp_region", "sum_grad_ranges", "scatter_to_sequence_region",
     "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
-    "row_range", "scatter_rows", "gather_rows", "all_to_all_rows",
+    "row_range", "scatter_rows", "gather_rows", "all_to_all_rows", "RingShift", "ring_shift_start", "all_to_all_dims",
     "FOUND_LATE", "HostCopy", "DeferredChecks", "raise_unless",
     "checksum", "layout_code", "inputs_checksum", "check_same_inputs", "CheckedInputs", "different_layouts_message",
     "different_values_message",

@@ -4,8 +4,10 @@ Each rank of the CP group holds ``T / cp`` tokens of every sequence; no HF ``for
 replaced. :func:`context_parallel_attention` (transformers' ``AttentionInterface``,
 ``"tpify_context_parallel"``) all-gathers ``[K | V]`` over the CP group per layer (backward: one
 reduce-scatter of ``[dK | dV]``), recomputed in backward (Llama 3's form, arXiv:2407.21783,
-section 3.3.2); :class:`ContextParallelHooks` checks each call, gathers the position ids, and
-sums the parameters' gradients over the CP group; ``generate`` is refused. How and why:
+section 3.3.2), or runs the ring (:mod:`tpify.hooks.cp_ring`) or the Ulysses all-to-all
+(:mod:`tpify.hooks.cp_ulysses`) as ``parallelize(cp_attention=...)`` chose;
+:class:`ContextParallelHooks` checks each call, gathers the position ids, and sums the
+parameters' gradients over the CP group; ``generate`` is refused. How and why:
 docs/context-parallelism.md.
 """
 
@@ -21,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import comm
 from ..context import TPContext
+from .cp_ring import ring_attention
+from .cp_ulysses import ulysses_attention
 from ..context_parallel import load_balanced_index, sequence_order
 from ..grad_sums import SummedGrads
 from ..info import TPUsageError
@@ -51,16 +55,16 @@ class ContextParallelCall:
         calls: attention layers that ran in this call (checked against the model's layers).
     """
 
-    __slots__ = ("group", "size", "q_index", "k_index", "doc_q", "doc_k", "calls")
+    __slots__ = ("group", "size", "rank", "mode", "q_index", "k_index", "doc_q", "doc_k", "calls")
 
-    def __init__(self, group, size: int, q_index, k_index, doc_q, doc_k):
-        self.group, self.size = group, size
+    def __init__(self, group, size: int, q_index, k_index, doc_q, doc_k, rank: int = 0, mode: str = "allgather"):
+        self.group, self.size, self.rank, self.mode = group, size, rank, mode
         self.q_index, self.k_index, self.doc_q, self.doc_k = q_index, k_index, doc_q, doc_k
         self.calls = 0
 
     @classmethod
-    def from_positions(cls, group, size: int, rank: int, gathered: torch.Tensor) -> tuple["ContextParallelCall",
-                                                                                            torch.Tensor]:
+    def from_positions(cls, group, size: int, rank: int, gathered: torch.Tensor,
+                       mode: str = "allgather") -> tuple["ContextParallelCall", torch.Tensor]:
         """The call of rank ``rank`` of ``size`` from the position ids of every rank's tokens,
         ``gathered`` ``(B', T)`` in rank order (an all-gather of each rank's ``(B', T/cp)``), and a
         0-dim bool: True when every document after the first of a sequence starts at position 0.
@@ -75,7 +79,8 @@ class ContextParallelCall:
         ok = ~(starts[:, 1:] & (natural[:, 1:] != 0)).any()
         docs = starts.cumsum(1)
         q_index = load_balanced_index(total, size, rank, gathered.device)
-        return cls(group, size, q_index, k_index, docs.index_select(1, q_index), docs.index_select(1, k_index)), ok
+        return cls(group, size, q_index, k_index, docs.index_select(1, q_index), docs.index_select(1, k_index),
+                   rank, mode), ok
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """``(B', 1, T / cp, T)`` bool, True where a local query attends to a gathered key: the same
@@ -83,12 +88,22 @@ class ContextParallelCall:
         tokens before it (transformers' ``sliding_window_overlay``: ``k > q - w``). Built at each
         attention call (a few element-wise ops over ``T^2 / cp`` values) and not kept: it lives
         while the attention kernel runs."""
-        q, k = self.q_index[:, None], self.k_index[None, :]
-        allowed = k <= q
-        if sliding_window is not None:
-            allowed = allowed & (k > q - sliding_window)
-        same = self.doc_q[:, :, None] == self.doc_k[:, None, :]
-        return (same & allowed).unsqueeze(1)
+        return _mask(self.q_index, self.k_index, self.doc_q, self.doc_k, sliding_window)
+
+    def rows_mask(self, rows: slice, sliding_window: int | None) -> torch.Tensor:
+        """``(B', 1, rows, T)`` bool: :meth:`mask` for the gathered tokens ``rows`` (rank order) as
+        queries, what the Ulysses form's attention over the whole sequence of its heads takes."""
+        return _mask(self.k_index[rows], self.k_index, self.doc_k[:, rows], self.doc_k, sliding_window)
+
+
+def _mask(q_index, k_index, doc_q, doc_k, sliding_window: int | None) -> torch.Tensor:
+    """``(B', 1, Tq, Tk)`` bool from global indices and documents (see :meth:`ContextParallelCall.mask`)."""
+    q, k = q_index[:, None], k_index[None, :]
+    allowed = k <= q
+    if sliding_window is not None:
+        allowed = allowed & (k > q - sliding_window)
+    same = doc_q[:, :, None] == doc_k[:, None, :]
+    return (same & allowed).unsqueeze(1)
 
 
 def _refused_kwargs(module: nn.Module, attention_mask, dropout: float, kwargs: dict) -> list[str]:
@@ -114,6 +129,11 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
                                attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of this rank's queries over the whole sequence, for transformers' attention interface.
+
+    The call's ``mode`` (``parallelize(cp_attention=...)``) picks the form: ``"allgather"``
+    (below), ``"ring"`` (:func:`tpify.hooks.cp_ring.ring_attention`) or ``"alltoall"``
+    (:func:`tpify.hooks.cp_ulysses.ulysses_attention`); the same shapes, checks and result, their
+    own communication and memory. What follows describes ``"allgather"``.
 
     Shapes: ``query`` ``(B, n, T/cp, d)``, ``key`` ``(B, n_kv, T/cp, d)``, ``value`` ``(B, n_kv,
     T/cp, d_v)`` (this rank's tokens; under TP this rank's heads); returns ``((B, T/cp, n, d_v),
@@ -150,6 +170,10 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
                            f"sequence does not compute {'; '.join(problems)}. Nothing was computed")
     call.calls += 1
     window = kwargs.get("sliding_window")
+    if call.mode != "allgather":
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        attend = ring_attention if call.mode == "ring" else ulysses_attention
+        return attend(query, key, value, call, window, scale).transpose(1, 2).contiguous(), None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         # backward gathers K/V again and recomputes the attention: only this rank's q, k, v are saved
         out = checkpoint(_attend, query, key, value, call, window, scaling, use_reentrant=False)
@@ -212,6 +236,7 @@ class ContextParallelHooks(comm.SharesProcessGroups):
     def __init__(self, ctx: TPContext, layout, layers: int):
         self.ctx, self.layout, self.layers = ctx, layout, layers
         self.group, self.size, self.rank = ctx.cp_group, ctx.cp_size, ctx.cp_rank
+        self.mode = ctx.cp_attention
         self.summed = SummedGrads(ctx.cp_group)
         self.call: ContextParallelCall | None = None
 
@@ -266,7 +291,7 @@ class ContextParallelHooks(comm.SharesProcessGroups):
         self.call = None
         positions, tokens = self._check(model, args, kwargs)
         gathered = comm.all_gather_dim(positions.contiguous(), 1, self.group)  # (B', T) in rank order
-        self.call, ok = ContextParallelCall.from_positions(self.group, self.size, self.rank, gathered)
+        self.call, ok = ContextParallelCall.from_positions(self.group, self.size, self.rank, gathered, self.mode)
         comm.raise_unless(ok, ValueError, _FIRST_DOCUMENT_ONLY, defer=self.ctx.state.checks)
         kwargs[CALL_KWARG] = self.call
         if "use_cache" in _forward_params(type(model)):

@@ -41,18 +41,19 @@ __all__ = ["pipeline", "split_model", "build_schedule", "step", "parameters", "g
 
 
 def pipeline(model, mesh, *, schedule: str = "1F1B", n_microbatches: int = 1, n_virtual: int | None = None,
-             split_points: list[int] | None = None, recipe=None, device=None):
+             split_points: list[int] | None = None, recipe=None, device=None, lm_loss_chunk=None):
     """:func:`split_model` then :func:`build_schedule`: torch's schedule object over this rank's
     stages of ``model`` (a causal LM, dense or parallelized over ``mesh``'s tp axis).
 
-    ``n_virtual``: stages per rank (default 2 for ``Interleaved1F1B``, else 1). The stages:
+    ``n_virtual``: stages per rank (default 2 for ``Interleaved1F1B``, else 1); ``lm_loss_chunk``:
+    the chunked linear cross-entropy (:class:`PipelineLoss`). The stages:
     :func:`stages_of`; a training step: :func:`step`. Communication and Raises: those of
     :func:`split_model` and :func:`build_schedule` (PipelineError on every rank).
     """
     if n_virtual is None:
         n_virtual = 2 if schedule == "Interleaved1F1B" else 1
     info = split_model(model, mesh, n_virtual=n_virtual, split_points=split_points, recipe=recipe)
-    return build_schedule(info, schedule, n_microbatches, device)
+    return build_schedule(info, schedule, n_microbatches, device, lm_loss_chunk)
 
 
 def stages_of(schedule) -> list[StageModule]:

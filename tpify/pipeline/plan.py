@@ -127,7 +127,8 @@ def layer_ranges(n_layers: int, n_stages: int, split_points: list[int] | None = 
 def stage_indices(pp_rank: int, pp_size: int, n_virtual: int, style: str) -> list[int]:
     """The stages pipeline rank ``pp_rank`` holds: ``loop`` (stage ``s`` on rank ``s % pp``:
     interleaved 1F1B, Narayanan et al., arXiv:2104.04473, section 2.2) or ``v`` (two stages per
-    rank, ``r`` and ``2 pp - 1 - r``: the V shape of zero-bubble V and DualPipeV). Pure."""
+    rank, ``r`` and ``2 pp - 1 - r``: the V shape of zero-bubble V and DualPipeV, for when those
+    schedules are built; :func:`tpify.pipeline.split_model` takes ``loop`` only). Pure."""
     if style == "v":
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + k * pp_size for k in range(n_virtual)]

@@ -11,12 +11,15 @@ batch (gradient accumulation over the microbatches, ``scale_grads=False``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .. import comm
 from ..agree import agree
-from ..loss import vocab_parallel_cross_entropy
+from ..comm.inputs import inputs_checksum
+from ..loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from .plan import PipelineError
 from .split import PipelineInfo
 
@@ -30,10 +33,16 @@ IGNORE_INDEX = -100
 SCHEDULES = {"GPipe": (ScheduleGPipe, False), "1F1B": (Schedule1F1B, False),
              "Interleaved1F1B": (ScheduleInterleaved1F1B, True)}
 #: torch's other schedules, refused with the reason.
+_SPLIT_BACKWARD = ("its backward is split into input and weight gradients (stage_backward_input / _weight), which "
+                   "tpify's tensor-parallel layers and the tied-embedding sum are not verified against")
 REFUSED_SCHEDULES = {
-    name: "its backward is split into input and weight gradients (stage_backward_input / _weight), which tpify's "
-          "tensor-parallel layers and tied-embedding sum are not verified against; use GPipe, 1F1B or Interleaved1F1B"
-    for name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "LoopedBFS")}
+    "InterleavedZeroBubble": _SPLIT_BACKWARD + "; use GPipe, 1F1B or Interleaved1F1B",
+    "ZBVZeroBubble": _SPLIT_BACKWARD + " (and its V placement of the stages is not built); use GPipe, 1F1B or "
+                                       "Interleaved1F1B",
+    "DualPipeV": _SPLIT_BACKWARD + " (and its V placement of the stages is not built); use GPipe, 1F1B or "
+                                   "Interleaved1F1B",
+    "LoopedBFS": "not verified against the dense model yet; use Interleaved1F1B (the same placement of the stages)",
+}
 
 
 class PipelineLoss:
@@ -44,15 +53,30 @@ class PipelineLoss:
     loss and their gradients to its gradient. From the vocabulary shard with
     :func:`tpify.loss.vocab_parallel_cross_entropy` (Megatron-LM, arXiv:1909.08053, section 3).
 
-    Shapes: ``logits`` ``(b, T, V_padded / tp_size)``, ``target`` ``(b, T)`` (shifted already);
-    returns a scalar. Dtype: float32 for half-precision logits, else the logits' dtype.
-    Communication: the vocab-parallel loss's all-reduces over the TP group (none at tp 1).
+    With ``chunk`` (an int, or ``"auto"``: :func:`tpify.loss.default_chunk_size`) the last stage
+    returns the head's input and the loss is :func:`tpify.loss.vocab_parallel_linear_cross_entropy`
+    from it and ``head``'s weight shard, ``chunk`` tokens at a time: the ``(b, T, V/p)`` logits are
+    never held (the head's weight gradient flows from the loss's backward).
+
+    Shapes: ``logits`` ``(b, T, V_padded / tp_size)`` (with ``chunk``: ``(b, T, H)``), ``target``
+    ``(b, T)`` (shifted already); returns a scalar. Dtype: float32 for half-precision logits, else
+    the logits' dtype. Communication: the vocab-parallel loss's all-reduces over the TP group
+    (none at tp 1).
     """
 
-    def __init__(self, tp_group, vocab_size: int):
-        self.tp_group, self.vocab_size = tp_group, vocab_size
+    def __init__(self, tp_group, vocab_size: int, head: nn.Module | None = None, chunk: int | str | None = None):
+        self.tp_group, self.vocab_size, self.head, self.chunk = tp_group, vocab_size, head, chunk
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
+        if self.chunk is not None:  # ``logits`` is the head's input (B, T, H): the logits are never held
+            weight = self.head.weight
+            if getattr(self.head, "weight_layout", "linear") != "linear":
+                weight = weight.t()
+            total = vocab_parallel_linear_cross_entropy(
+                logits, weight, target, bias=getattr(self.head, "bias", None), ignore_index=IGNORE_INDEX,
+                reduction="sum", tp_group=self.tp_group, vocab_size=self.vocab_size,
+                chunk_size=None if self.chunk == "auto" else self.chunk)
+            return total / num_items.to(total.dtype)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         if comm.group_size(self.tp_group) == 1:
@@ -95,30 +119,41 @@ def check_microbatches(schedule: str, n_microbatches, pp_size: int, num_stages: 
 
 
 def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: int = 1,
-                   device: torch.device | None = None):
+                   device: torch.device | None = None, lm_loss_chunk: int | str | None = None):
     """torch's schedule object running ``info``'s stages (:func:`tpify.pipeline.split_model`).
 
     ``schedule.step`` is torch's; use :func:`step` (labels shifted, the batch's target count, the
     tied embedding's gradient summed). ``schedule.tpify_pipeline`` is ``info``. ``device``: where
-    the stages' activations live (default: the stages' parameters').
+    the stages' activations live (default: the stages' parameters'). ``lm_loss_chunk``: None (the
+    loss from the logits shard), a positive int or ``"auto"`` (the chunked linear cross-entropy,
+    :class:`PipelineLoss`).
 
     Communication: one agreement (the store) on the schedule and the microbatch count; torch's
     send/recv over the pipeline group when the schedule first runs.
 
     Raises:
-        PipelineError: on every rank, as :func:`check_microbatches`.
+        PipelineError: on every rank, as :func:`check_microbatches`; a bad ``lm_loss_chunk``.
         AgreementError: another rank failed, or the ranks passed other arguments.
     """
     error = None
     try:
         check_microbatches(schedule, n_microbatches, info.mesh["pp"].size(), info.num_stages, len(info.stages))
+        if lm_loss_chunk is not None and lm_loss_chunk != "auto" and not (
+                isinstance(lm_loss_chunk, int) and not isinstance(lm_loss_chunk, bool) and lm_loss_chunk > 0):
+            raise PipelineError(f"lm_loss_chunk must be None, 'auto' or a positive number of tokens, got "
+                                f"{lm_loss_chunk!r}")
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
-    agree("tpify.pipeline.build_schedule", {"schedule": schedule, "n_microbatches": n_microbatches}, error)
+    agree("tpify.pipeline.build_schedule", {"schedule": schedule, "n_microbatches": n_microbatches,
+                                            "lm_loss_chunk": lm_loss_chunk}, error)
     device = device if device is not None else next(info.stages[0].parameters()).device
     stages = [PipelineStage(s, s.stage_index, s.num_stages, device, group=info.pp_group) for s in info.stages]
     cls, multi = SCHEDULES[schedule]
-    loss = PipelineLoss(info.tp_group, info.vocab_size)
+    last = next((s for s in info.stages if s.is_last), None)
+    head = getattr(last.model, last.head) if last is not None else None
+    if last is not None:
+        last.return_hidden = lm_loss_chunk is not None
+    loss = PipelineLoss(info.tp_group, info.vocab_size, head, lm_loss_chunk)
     out = cls(stages if multi else stages[0], n_microbatches, loss_fn=loss, scale_grads=False)
     out.tpify_pipeline = info
     return out
@@ -163,7 +198,8 @@ def sum_over_replicas(info: PipelineInfo) -> None:
             g.copy_(summed)
 
 
-def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor | None:
+def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """One forward and backward of the whole batch through the pipeline; the loss on the rank
     holding the last stage (None elsewhere). The gradients accumulate in the stages' parameters.
 
@@ -177,6 +213,8 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     Plain causal attention only: padding masks and packed sequences are not taken (no
     ``attention_mask``).
 
+    ``attention_mask`` / ``position_ids``: refused when given (not built; pad on the right).
+
     Shapes: ``input_ids`` ``(B, T)`` int64 on the first stage's ranks only, ``labels`` ``(B, T)``
     on the last stage's only (``B`` a multiple of the microbatch count). Returns a scalar.
     Communication: one agreement (the store: no collective) on the inputs; torch's send/recv
@@ -187,20 +225,39 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     Raises:
         PipelineError: on every rank before any collective: inputs on a stage that takes none, a
             missing input, a batch the microbatches do not divide, ``input_ids`` and ``labels``
-            of different sizes.
+            of different sizes, an ``attention_mask`` or ``position_ids``, ranks of one TP group given different batches (their checksum, one
+            host sync, shared in the agreement, as tpify's guard checks a plain model's call).
     """
     info: PipelineInfo = schedule.tpify_pipeline
     m = schedule._n_microbatches
     has_first = any(s.is_first for s in info.stages)
     has_last = any(s.is_last for s in info.stages)
     problem = _batch_problem(info, has_first, has_last, input_ids, labels, m)
+    if attention_mask is not None or position_ids is not None:
+        problem = ("attention_mask / position_ids are not taken: the stages compute the plain causal mask and "
+                   "positions 0 .. T-1 as the dense forward does without them; padding masks and packed sequences "
+                   "are not built. Pad on the right with labels -100 (causal attention never reads later tokens, "
+                   "and ignored targets are not counted)")
     error = PipelineError(f"tpify.pipeline.step: {problem}") if problem else None
-    shapes = agree("tpify.pipeline.step", {"n_microbatches": m}, error,
-                   share=tuple(tuple(t.shape) for t in (input_ids, labels) if t is not None))
-    seen = {s for s in (shapes or []) for s in s}
+    named = [(n, t) for n, t in (("input_ids", input_ids), ("labels", labels)) if t is not None]
+    # what the TP guard checks on a plain model's call: the ranks of a TP group hold one batch (one host sync)
+    checksum = int(inputs_checksum(named)) if named and error is None else None
+    tp_ranks = tuple(dist.get_process_group_ranks(info.tp_group)) if comm.group_size(info.tp_group) > 1 else ()
+    shared = agree("tpify.pipeline.step", {"n_microbatches": m}, error,
+                   share=(tuple(tuple(t.shape) for _, t in named), checksum, tp_ranks))
+    seen = {s for shapes, _, _ in (shared or []) for s in shapes}
     if len(seen) > 1:
         raise PipelineError(f"tpify.pipeline.step: input_ids and labels of different shapes on the first and last "
                             f"stage: {sorted(seen)}; pass the same (B, T) batch")
+    by_group: dict[tuple, set] = {}
+    for _, value, ranks in shared or []:
+        if ranks:
+            by_group.setdefault(ranks, set()).add(value)
+    differing = sorted(ranks for ranks, values in by_group.items() if len(values) > 1)
+    if differing:
+        raise PipelineError(f"tpify.pipeline.step: the ranks of tensor-parallel group(s) {differing} were given "
+                            f"different input_ids or labels; every rank of a TP group must get the same batch (the "
+                            f"same sampler seed, or a broadcast from its first rank)")
     target, loss_kwargs, losses = None, None, None
     if has_last:
         target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # HF's shift, before the microbatches

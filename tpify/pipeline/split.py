@@ -15,7 +15,7 @@ from torch import nn
 from ..agree import agree
 from ..hf_modules import base_model_and_prefix, config_get
 from ..info import tp_info_of
-from ..mesh import dp_mesh, pp_group_of, pp_size_of
+from ..mesh import cp_size_of, dp_mesh, pp_group_of, pp_size_of
 from ..recipe import Recipe, available_recipes, load_recipe
 from ..sharding import is_dtensor
 from .plan import PipelineError, layer_ranges, pipeline_plan, stage_indices
@@ -23,8 +23,10 @@ from .stage import StageModule, build_stage, n_layers_of
 
 __all__ = ["PipelineInfo", "split_model", "plan_stages", "STAGE_STYLES"]
 
-#: How stages are placed on the pipeline ranks (:func:`tpify.pipeline.plan.stage_indices`).
-STAGE_STYLES = ("loop", "v")
+#: How stages are placed on the pipeline ranks (:func:`tpify.pipeline.plan.stage_indices`): the
+#: loop (stage ``s`` on rank ``s % pp``), which every schedule tpify builds assumes; the V placement
+#: comes with the zero-bubble V schedules (refused: :data:`tpify.pipeline.schedule.REFUSED_SCHEDULES`).
+STAGE_STYLES = ("loop",)
 
 
 @dataclass
@@ -85,11 +87,14 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
     if pp < 2:
         raise PipelineError(f"a pipeline needs a mesh with a 'pp' axis of 2 or more ranks (got pp = {pp}): "
                             f"build it with tpify.init_mesh(tp_size, pp_size=P)")
+    if cp_size_of(mesh) > 1:
+        raise PipelineError(f"pipeline stages with context parallelism (cp = {cp_size_of(mesh)}) are not built: the "
+                            f"stages would each need the sequence split and the labels shifted before it; build the "
+                            f"mesh with cp_size=1")
     if style not in STAGE_STYLES:
         raise PipelineError(f"style {style!r}: use one of {STAGE_STYLES}")
-    if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1 or \
-            (style == "v" and n_virtual != 2):
-        raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank (2 with style='v')")
+    if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1:
+        raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank")
     _check_model(model)
     cut = getattr(model, "tpify_pipeline_cut", None)  # (ranges, this rank's stages, plan) of a model loaded by stage
     plan = cut[2] if cut is not None else pipeline_plan(model, _recipe_of(model, recipe))
@@ -114,6 +119,13 @@ def _check_model(model: nn.Module) -> None:
         raise PipelineError(f"{type(model).__name__}: config.output_router_logits is True, so the dense model adds "
                             f"the router's auxiliary loss to the LM loss; the pipeline's last stage computes the LM "
                             f"loss alone (the aux loss is not built): set output_router_logits=False")
+    # what transformers applies to the LM head's output (tpify.recipe.logit_ops_of): not applied by the last stage
+    ops = {n: getattr(config, n, None) for n in ("logit_scale", "lm_head_multiplier", "logits_scaling",
+                                                 "final_logit_softcapping")}
+    active = {n: v for n, v in ops.items() if v is not None and not (n != "final_logit_softcapping" and v == 1)}
+    if active:
+        raise PipelineError(f"{type(model).__name__}: the model applies {active} to its logits, which the pipeline's "
+                            f"last stage does not (not built)")
     info = tp_info_of(model)
     if info is not None:
         layout = info.layout
@@ -122,8 +134,9 @@ def _check_model(model: nn.Module) -> None:
                                 f"(the split and exit points lie on the first and last stage); parallelize with "
                                 f"sequence_parallel=False")
         if getattr(layout, "lm_loss_chunk", None):
-            raise PipelineError(f"{type(model).__name__}: lm_loss_chunk with pipeline stages is not built (the last "
-                                f"stage's loss is computed from the logits shard); parallelize without it")
+            raise PipelineError(f"{type(model).__name__}: parallelized with lm_loss_chunk, which the model's labels= "
+                                f"call uses; a pipeline computes its loss on the last stage: parallelize without it and "
+                                f"pass lm_loss_chunk to tpify.pipeline.pipeline (or build_schedule)")
         if layout.recipe.logit_ops:
             raise PipelineError(f"{type(model).__name__}: the recipe declares ops on the logits "
                                 f"({list(layout.recipe.logit_ops)}), which the pipeline's last stage does not apply")
@@ -134,7 +147,7 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
     """This rank's pipeline stages of ``model`` (a causal LM, dense or :func:`tpify.parallelize`-d
     over ``mesh``'s tp axis), for ``mesh``'s ``"pp"`` axis of ``pp`` ranks.
 
-    The model is cut into ``pp * n_virtual`` stages (``style="v"``: ``2 pp``, two per rank) of
+    The model is cut into ``pp * n_virtual`` stages (stage ``s`` on pipeline rank ``s % pp``) of
     balanced layer counts, or at ``split_points`` (the first layer of each stage but the first),
     from the recipe's ``[pipeline]`` table or transformers' ``base_model_pp_plan``
     (:func:`tpify.pipeline.plan.pipeline_plan`). Each stage is a :class:`StageModule` sharing
@@ -149,7 +162,8 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
             stages than layers; bad ``split_points``, ``n_virtual`` or ``style``; a model without a
             pipeline plan (naming the recipe key to add) or without an LM head; sequence
             parallelism, ``lm_loss_chunk`` or logit ops on the parallel model; the router's aux
-            loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model (not built).
+            loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model; a mesh with
+            context parallelism (not built).
         AgreementError: another rank failed, or the ranks disagree on the layout.
     """
     error, ranges, plan, mine, pp = None, None, None, [], pp_size_of(mesh)

@@ -73,7 +73,8 @@ class StageModule(nn.Module):
     Shapes:
         input: ``(B, T)`` token ids (int64) on the first stage, else ``(B, T, H)`` hidden states.
         output: ``(B, T, H)`` hidden states, on the last stage the logits ``(B, T, V_padded / tp_size)``,
-            this rank's vocabulary shard (``(B, T, V)`` at tp 1); never gathered.
+            this rank's vocabulary shard (``(B, T, V)`` at tp 1), never gathered; with
+            ``return_hidden`` (the chunked loss) the head's input ``(B, T, H)`` instead.
     Communication: the tensor-parallel layers' (none at tp 1); the pipeline's sends are torch's.
     """
 
@@ -84,6 +85,7 @@ class StageModule(nn.Module):
         self.stage_index, self.num_stages, self.layer_ids, self.head, self.tied = (stage_index, num_stages,
                                                                                   layer_ids, head, tied)
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.return_hidden = False  # the chunked loss (lm_loss_chunk): the last stage returns the head's input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = base_model_and_prefix(self.model)[0]
@@ -91,7 +93,7 @@ class StageModule(nn.Module):
             hidden = base(input_ids=x, use_cache=False).last_hidden_state  # (B, T, H)
         else:
             hidden = base(inputs_embeds=x, use_cache=False).last_hidden_state  # (B, T, H)
-        if not self.is_last:
+        if not self.is_last or self.return_hidden:
             return hidden
         head = getattr(self.model, self.head)
         if isinstance(head, ColumnParallelLinear):
