@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--quantize", choices=list(QUANTIZE), default=None,
                     help="QLoRA: freeze the base in bitsandbytes 4-bit (nf4 or fp4), each rank quantizing its shard; "
                          "LoRA adapters train on top (needs --lora-r > 0 and tpify[quant]); saves the adapter only")
+    _add_pipeline_flags(ft)
     ft.set_defaults(worker=_finetune_worker)
 
     embed = sub.add_parser("embed", help="sentence embeddings from a tensor-parallel encoder (the embedded MiniLM)")
@@ -205,6 +206,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_pipeline_flags(ft) -> None:
+    """``tpify finetune``'s pipeline flags: ``--pp``, ``--pp-schedule``, ``--microbatches``
+    (:mod:`tpify.cli.finetune_pipeline`)."""
+    from .checks import flag
+    from .options import LIMITS, PP_SCHEDULES
+
+    ft.add_argument("--pp", type=flag(LIMITS["pp"]), default=1,
+                    help="pipeline stages (world = pp * tp * dp; the model's layers cut into pp stages, tp inside "
+                         "each; full fine-tuning, --lora-r 0)")
+    ft.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1F1B",
+                    help="pipeline schedule (Interleaved1F1B: two stages per rank)")
+    ft.add_argument("--microbatches", type=flag(LIMITS["microbatches"]), default=None,
+                    help="microbatches per step of the pipeline (default: --pp); they divide --batch-size")
+
+
+def _pipeline_size(args) -> int:
+    """The pipeline stages of the parsed flags (1 for commands without ``--pp``)."""
+    return getattr(args, "pp", 1) or 1
+
+
 def _resolve_finetune(args) -> None:
     if args.model_dir is None:
         from .demo_models import default_smollm2_dir
@@ -226,7 +247,8 @@ def _finetune_config(args):
                           resume=args.resume, seed=args.seed, dtype=args.dtype, lora_r=args.lora_r,
                           lora_alpha=args.lora_alpha, allow_changes=args.allow_changes, prompt=args.prompt,
                           sample_tokens=args.sample_tokens,
-                          quantize=args.quantize)
+                          quantize=args.quantize, pp=args.pp, pp_schedule=args.pp_schedule,
+                          microbatches=args.microbatches)
 
 
 def _finetune_worker(args) -> int:
@@ -263,7 +285,10 @@ def _preflight(args) -> str | None:
     from . import preflight
 
     if args.command == "finetune":
-        return preflight.finetune_problem(_finetune_config(args))
+        from .finetune_pipeline import pipeline_problem
+
+        cfg = _finetune_config(args)
+        return pipeline_problem(cfg) or preflight.finetune_problem(cfg)
     if args.command == "embed":
         return preflight.embed_problem(args.model_dir, args.tp)
     return None
@@ -317,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
     dp = getattr(args, "dp", None)  # embed: any number of replicas of the tp ranks
     cp = getattr(args, "cp", 1)  # finetune --cp: world = tp * cp * dp
+    if dp is not None and _pipeline_size(args) > 1:  # world = pp * tp * dp: the checks below see pp * dp replicas
+        dp = dp * _pipeline_size(args)
     if launched:
         if cp > 1:
             from .finetune import cp_world_mismatch
@@ -324,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             problem = cp_world_mismatch(args.tp, cp, dp, int(os.environ["WORLD_SIZE"]))
         else:
             problem = launch.world_mismatch(args.tp, dp, int(os.environ["WORLD_SIZE"]))
+        if problem and _pipeline_size(args) > 1:
+            problem = (f"--pp {args.pp} x --tp {args.tp} x --dp {args.dp} = {args.tp * dp} ranks, but "
+                       f"{os.environ['WORLD_SIZE']} ranks were started; pass sizes whose product is "
+                       f"{os.environ['WORLD_SIZE']}")
         if problem:
             parser.error(problem)  # on every rank, before the process group starts
     else:

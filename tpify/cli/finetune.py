@@ -108,6 +108,9 @@ class FinetuneConfig:
     prompt: str = DEFAULT_PROMPT  # continued greedily before and after training
     sample_tokens: int = 20      # tokens of that continuation; 0: none
     quantize: str | None = None  # "nf4" / "fp4": QLoRA, the base frozen in bitsandbytes 4-bit (needs lora_r > 0)
+    pp: int = 1                  # > 1: pipeline stages (tpify.pipeline; tpify/cli/finetune_pipeline.py)
+    pp_schedule: str = "1F1B"    # the pipeline schedule (PP_SCHEDULES)
+    microbatches: int | None = None  # microbatches per step of the pipeline; None: pp
 
     def __post_init__(self):
         self.check()
@@ -408,6 +411,10 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
 
     from tpify.training import check_replicas
 
+    if cfg.pp > 1:  # pipeline stages: their own loop (tpify/cli/finetune_pipeline.py)
+        from .finetune_pipeline import finetune_pipeline
+
+        return finetune_pipeline(cfg)
     start_step, losses, model_dir, trainer_dir = _agreed_start(cfg)
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .checks import NON_NEGATIVE_INT, POSITIVE_INT, Limit
 
-__all__ = ["LIMITS", "DTYPES", "DEFAULT_PROMPT", "QUANTIZE"]
+__all__ = ["LIMITS", "DTYPES", "DEFAULT_PROMPT", "QUANTIZE", "PP_SCHEDULES"]
 
 # The prompt whose greedy continuation is shown before and after training: the default text is
 # the GNU GPL, so what the model learnt shows in the continuation.
@@ -34,7 +34,11 @@ LIMITS = {
     "lora_r": Limit(low=0, note="0 fine-tunes every parameter"),
     "lora_alpha": Limit(low=1, none=True, note="unset: twice the LoRA rank"),
     "sample_tokens": Limit(low=0, note="0 shows no continuation"),
+    "pp": Limit(low=1, note="pipeline stages (tpify.pipeline); 1: no pipeline"),
+    "microbatches": Limit(low=1, none=True, note="microbatches per step of the pipeline; unset: --pp"),
 }
+# The schedules of ``tpify finetune --pp-schedule`` (tpify.pipeline.schedule.SCHEDULES).
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 DTYPES = ("float32", "bfloat16")
 # `tpify finetune --quantize`: the bitsandbytes 4-bit formats of a QLoRA base (tpify/quantized.py).
 QUANTIZE = ("nf4", "fp4")

@@ -39,7 +39,37 @@ def add_parser(sub) -> None:
     plan.add_argument("--lora-r", type=flag(POSITIVE_INT), default=8,
                       help="LoRA rank for the --quantize report (default 8, as tpify finetune)")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_pipeline_flags(plan)
     plan.set_defaults(worker=run, in_process=True)
+
+
+def _add_pipeline_flags(plan) -> None:
+    """``--pp N`` (and ``--pp-schedule``): the stages, their layers and modules, bytes per rank."""
+    from .checks import POSITIVE_INT, flag
+
+    plan.add_argument("--pp", type=flag(POSITIVE_INT), default=1,
+                      help="pipeline stages: per stage its layers, the modules on it (embeddings, norm, head) and "
+                           "the parameter bytes per rank at --tp (tpify.pipeline)")
+    plan.add_argument("--pp-schedule", choices=("1F1B", "GPipe", "Interleaved1F1B"), default="1F1B",
+                      help="with --pp: the schedule (Interleaved1F1B: two stages per pipeline rank)")
+
+
+def _run_pipeline(args) -> int:
+    """``tpify plan --pp``: print :func:`tpify.authoring.plan_pipeline.pipeline_report`."""
+    from ..authoring.plan import PlanReportError
+    from ..authoring.plan_pipeline import pipeline_report, render_pipeline
+    from ..authoring.target import TargetError
+    from ..layout import PlanError
+    from ..pipeline.plan import PipelineError
+    from ..recipe import RecipeError
+
+    try:
+        report = pipeline_report(args.target, args.tp, args.pp, args.recipe, args.head_class, args.pp_schedule)
+    except (PlanError, RecipeError, TargetError, PlanReportError, PipelineError) as e:
+        print(f"tpify plan: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=1) if args.json else render_pipeline(report), end="" if not args.json else "\n")
+    return 0
 
 
 def run(args) -> int:
@@ -50,6 +80,8 @@ def run(args) -> int:
     from ..layout import PlanError
     from ..recipe import RecipeError
 
+    if getattr(args, "pp", 1) > 1:
+        return _run_pipeline(args)
     try:
         report = plan_report(args.target, args.tp, args.recipe, args.head_class, args.ep_size, args.quantize,
                              args.lora_r)

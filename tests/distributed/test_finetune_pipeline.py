@@ -1,0 +1,125 @@
+"""``tpify finetune --pp``, through the command: the same losses as ``--pp 1`` and a save plain
+transformers loads (tpify/cli/finetune_pipeline.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tputil
+
+pytestmark = pytest.mark.slow  # real models / end-to-end runs through torchrun: not in the quick subset
+
+ENV = dict(os.environ, GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+
+
+def _finetune(*args, timeout=420, ok=True):
+    out = subprocess.run([sys.executable, "-m", "tpify.cli", "finetune", *args], capture_output=True, text=True,
+                         timeout=timeout, env=ENV)
+    if ok:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out
+
+
+def _losses(out_dir):
+    return json.loads((out_dir / "losses.json").read_text())["losses"]
+
+
+def _same_weights(a_dir, b_dir, atol):
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(a_dir).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(b_dir).state_dict()  # plain transformers loads the pipeline's save
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=atol, rtol=0, msg=name)
+
+
+def test_smollm2_pp2_equals_pp1(tmp_path):
+    """The embedded SmolLM2 (30 layers, tied head) at ``--pp 2 --tp 1`` (1F1B, 2 microbatches:
+    layers 0..14 and 15..29) against ``--pp 1``: every weight trained for 3 AdamW steps with
+    clipping.
+
+    Tolerances (float32): the losses to rtol 1e-5: the pipeline sums two microbatches' token
+    losses where the dense run sums one batch, and 30 layers' float32 matmuls of other shapes
+    (measured: 1.3e-5 absolute on a loss of 5, 2.6e-6 relative). The weights to 3 lr: an AdamW step
+    moves a weight by about lr whatever the gradient's size, so a gradient element near zero
+    whose sign the reordering flips may differ by up to 2 lr per step (measured: 8.8e-5 at lr 1e-4).
+    The saved model's tied head equals its embedding.
+    """
+    from transformers import AutoModelForCausalLM
+
+    lr = 1e-4
+    common = ["--tp", "1", "--lora-r", "0", "--steps", "3", "--seq-len", "32", "--batch-size", "2",
+              "--sample-tokens", "0", "--lr", str(lr)]
+    out = _finetune(*common, "--pp", "2", "--out", str(tmp_path / "pp2")).stdout
+    assert "rank 1: stage 1 (layers 15..29)" in out, out[-2000:]
+    _finetune(*common, "--pp", "1", "--out", str(tmp_path / "pp1"))
+    pp1, pp2 = _losses(tmp_path / "pp1"), _losses(tmp_path / "pp2")
+    assert len(pp1) == len(pp2) == 3
+    torch.testing.assert_close(torch.tensor(pp2), torch.tensor(pp1), rtol=1e-5, atol=0)
+    assert sorted(p.name for p in (tmp_path / "pp2" / "final").glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    _same_weights(tmp_path / "pp1" / "final", tmp_path / "pp2" / "final", atol=3 * lr)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pp2" / "final")
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """A 4-layer GPT-2 (tied head, learned positions) with the real MiniLM WordPiece tokenizer;
+    dropout off, so that the pipeline and the dense run compute the same function (their dropout
+    masks come from other generator streams)."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("tiny-gpt2-pp")
+    tok = AutoTokenizer.from_pretrained(tputil.minilm_dir())
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=tok.vocab_size,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_tiny_gpt2_interleaved_pp2_tp2(tiny_gpt2, tmp_path):
+    """A 4-layer GPT-2 at ``--pp 2 --tp 2`` (4 ranks; Interleaved1F1B: 4 stages of one layer, two
+    per rank, 4 microbatches) against ``--pp 1 --tp 1``: 4 AdamW steps with clipping; the tied
+    embedding's gradient summed between the first and last stage. Tolerances as the SmolLM2 test
+    (float32; here 4 layers of width 64). Each rank's parameter bytes equal ``tpify plan --pp``'s."""
+    lr = 1e-3
+    common = ["--model-dir", str(tiny_gpt2), "--lora-r", "0", "--steps", "4", "--seq-len", "32", "--batch-size", "4",
+              "--sample-tokens", "0", "--lr", str(lr), "--warmup", "1"]
+    _finetune(*common, "--pp", "2", "--tp", "2", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4",
+              "--out", str(tmp_path / "pp2tp2"))
+    _finetune(*common, "--pp", "1", "--tp", "1", "--out", str(tmp_path / "dense"))
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pp2tp2")), torch.tensor(_losses(tmp_path / "dense")),
+                               rtol=1e-5, atol=0)
+    _same_weights(tmp_path / "dense" / "final", tmp_path / "pp2tp2" / "final", atol=4 * 2 * lr)
+    # tpify plan --pp's bytes per rank are the real stages' (global rank g is pipeline rank g // tp)
+    from tpify.authoring.plan_pipeline import pipeline_report
+
+    real = json.loads((tmp_path / "pp2tp2" / "losses.json").read_text())["rank_param_bytes"]
+    planned = pipeline_report(str(tiny_gpt2), 2, 2, schedule="Interleaved1F1B")["ranks"]
+    assert real == [planned[g // 2]["rank_bytes"] for g in range(4)], (real, planned)
+
+
+def test_refusals_before_launch(tiny_gpt2, tmp_path):
+    """What ``--pp`` does not take is one usage error (status 2) before any rank starts."""
+    common = ["--model-dir", str(tiny_gpt2), "--out", str(tmp_path / "x"), "--tp", "1"]
+    cases = [(["--pp", "2"], "LoRA (--lora-r)"),  # LoRA is the default
+             (["--pp", "2", "--lora-r", "0", "--save-every", "1"], "--save-every / --resume"),
+             (["--pp", "2", "--lora-r", "0", "--dp", "2", "--dp-shard", "2"], "--dp-shard (FSDP2)"),
+             (["--pp", "2", "--lora-r", "0", "--batch-size", "3"], "not a multiple of the 2 microbatches"),
+             (["--pp", "4", "--lora-r", "0", "--batch-size", "2", "--microbatches", "2"],
+              "1F1B needs at least as many microbatches as stages"),
+             (["--pp", "3", "--lora-r", "0", "--batch-size", "3", "--pp-schedule", "Interleaved1F1B",
+               "--microbatches", "3"], "6 stages, but the model has 4 layers"),
+             (["--lora-r", "0", "--microbatches", "2"], "take effect with pipeline stages only"),
+             (["--pp", "2", "--lora-r", "0", "--cp", "2"], "--cp: context parallelism inside pipeline stages"),
+             (["--pp", "2", "--quantize", "nf4"], "--quantize: a quantized base in pipeline stages")]
+    for args, text in cases:
+        out = _finetune(*common, *args, ok=False)
+        assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
