@@ -362,8 +362,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     :class:`~tpify.hooks.context_parallel.ContextParallelCall` (group, rank, global indices,
     documents); ``window``: the layer's sliding window or None.
 
-    Kernel per sub-block: with no window, one document per row (the call's documents, read once
-    per call: one device-to-host read of a bool) and inputs :func:`flash_kernel` accepts, the
+    Kernel per sub-block: with no window, one document per row (known on the host after ``split_batch``
+    without ``position_ids``; else read once per call: one device-to-host read of a bool) and inputs :func:`flash_kernel` accepts, the
     flash kernel that returns the log-sum-exp, without a mask (``is_causal`` on the diagonal
     sub-blocks), and its backward with the final output and log-sum-exp; otherwise tpify's masked
     einsum over tiles of query rows. Dtypes: the flash kernel computes in the input dtype (its
