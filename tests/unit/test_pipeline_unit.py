@@ -119,3 +119,19 @@ def test_logit_ops_and_router_aux_loss_refused():
     llama.config.output_router_logits = True
     with pytest.raises(PipelineError, match="output_router_logits"):
         _check_model(llama)
+
+
+def test_encoders_and_encoder_decoders_are_refused_by_name():
+    """BERT (masked LM, even with a [pipeline] table that names its head) and T5: the pipeline's loss
+    shifts labels as a causal LM's and its stages run the causal forward, so they are refused."""
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=32))
+    table = {"model_type": "bert", "rule": [{"match": "embeddings.word_embeddings", "style": "embedding_rowwise"}],
+             "pipeline": {"layers": "encoder", "first": {"embeddings": "absent"}, "last": {}, "head": "cls"}}
+    with pytest.raises(PipelineError, match=r"BertForMaskedLM \(bert\): tpify.pipeline cuts causal language models"):
+        pipeline_plan(bert, load_recipe(table))
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2))
+    with pytest.raises(PipelineError, match="encoder-decoder"):
+        pipeline_plan(t5, None)

@@ -59,6 +59,12 @@ def pipeline_plan(model: nn.Module, recipe: Recipe | None) -> PipelinePlan:
             model lacks; the layers are not a ModuleList; no head (a model without an LM head).
     """
     kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    if not _is_causal_lm(model):
+        raise PipelineError(f"{type(model).__name__} ({kind}): tpify.pipeline cuts causal language models (a "
+                            f"...ForCausalLM class): its loss shifts the labels as a causal LM's does and every stage "
+                            f"runs the decoder's causal forward. An encoder (BERT's masked-LM or task heads), an "
+                            f"encoder-decoder (T5) or a classification head would get a wrong loss: not built. Use "
+                            f"tensor parallelism (and FSDP2 over the data-parallel ranks) for this model")
     table = recipe.pipeline if recipe is not None else None
     if table is not None:
         plan = PipelinePlan(table["layers"], dict(table["first"]), dict(table["last"]), table.get("head"),
@@ -87,6 +93,20 @@ def pipeline_plan(model: nn.Module, recipe: Recipe | None) -> PipelinePlan:
         raise PipelineError(f"{type(model).__name__}: the pipeline plan from {plan.source} names modules the model "
                             f"lacks: {', '.join(problems)}; fix the recipe's [pipeline] table (docs/recipes.md)")
     return PipelinePlan(plan.layers, plan.first, plan.last, head, plan.source)
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    """True for a decoder-only causal LM: one of transformers' causal-LM classes (its auto mapping) or
+    a ``...ForCausalLM`` class, and not an encoder-decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return any(cls.__name__ in names or cls.__name__.endswith("ForCausalLM") for cls in type(model).__mro__)
 
 
 def _base(model: nn.Module) -> nn.Module:
