@@ -82,11 +82,15 @@ def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
     ``all_gather_object`` of the file names and keys over the world; a barrier.
 
     Raises:
-        PipelineError: on every rank: ``path`` is a file.
+        PipelineError: on every rank: ``path`` is a file; stages under FSDP2 or ``replicate``
+            (:mod:`tpify.pipeline.data_parallel`: not built).
     """
     info: PipelineInfo = getattr(schedule_or_info, "tpify_pipeline", schedule_or_info)
     path = Path(path)
     error = PipelineError(f"save_pretrained: {path} is a file; pass a directory") if path.is_file() else None
+    if info.data_parallel is not None:  # the same on every rank
+        error = PipelineError(f"save_pretrained of stages under {info.data_parallel!r} (DTensor parameters) is not "
+                              f"built: save a pipeline without data-parallel replicas (dp 1)")
     agree("tpify.pipeline.save_pretrained", {"path": str(path)}, error)
     coords = info.mesh.get_coordinate()
     writer = all(c == 0 for c in coords[1:])  # tp, cp and dp coordinates 0: one writer per stage
