@@ -20,7 +20,13 @@ The ring (``cp_attention="ring"``, :mod:`tpify.hooks.cp_ring`) is measured the s
 a shift that hands the rank the block of the rank before it from the whole sequence's K/V (what
 the P2P receive would bring; the backward's ``[dK | dV]`` accumulators come back unchanged, which
 costs the same compute but is not the sum, so only the forward rows are compared). Rows
-``ring`` next to ``cp`` (the all-gather form) at the same rank.
+``ring`` next to ``cp`` (the all-gather form) at the same rank. The ring's sub-blocks here are
+causal with one document (no window, no packing): each is one call of the flash kernel that returns
+the log-sum-exp (``aten._scaled_dot_product_flash_attention`` on CUDA in bf16/fp16,
+``..._for_cpu`` on the CPU), or the masked einsum where the kernel refuses the inputs (fp32 on
+CUDA); the line before each dtype's table says which, counts the calls, and gives the ring's
+gradients at cp 1 (no shift: every gradient is the ring's own) against dense SDPA's, both in the
+run's dtype (the flash kernel's backward checked on the device).
 
 Run on a GPU: ``python benchmarks/bench_cp_attention_gpu.py``; ``--device cpu --tokens 256`` checks
 the script on a CPU (times by the wall clock, no memory figures).
@@ -121,6 +127,27 @@ def _ring_run(q, k, v, tokens: int, cp: int, rank: int, device):
     return run, q.index_select(2, index), local_k, local_v, index
 
 
+def _ring_gradients_check(q, k, v, device) -> str:
+    """The ring at cp 1 (no shift: its own block, two diagonal sub-blocks and one full one) against
+    dense SDPA, forward and backward in the inputs' dtype: ``dQ``, ``dK``, ``dV`` max abs difference
+    over the dense gradient's max abs (the flash kernel's backward conventions checked on the device)."""
+    from tpify.context_parallel import sequence_order
+    from tpify.hooks import cp_ring
+    from tpify.hooks.context_parallel import ContextParallelCall
+
+    tokens = q.shape[2]
+    call, _ = ContextParallelCall.from_positions(None, 1, 0, sequence_order(tokens, 1, device=device)[None], "ring")
+    g = torch.Generator(device=device).manual_seed(1)
+    grad = torch.randn(q.shape, device=device, dtype=q.dtype, generator=g)
+    ring_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    dense_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ring = torch.autograd.grad(cp_ring.ring_attention(*ring_leaves, call, None, q.shape[-1] ** -0.5),
+                               ring_leaves, grad)
+    dense = torch.autograd.grad(_dense(*dense_leaves), dense_leaves, grad)
+    rel = [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(ring, dense)]
+    return "dQ %.1e, dK %.1e, dV %.1e" % tuple(rel)
+
+
 def main(argv=None) -> int:
     from tpify.context_parallel import load_balanced_index, sequence_order
     from tpify.hooks.context_parallel import ContextParallelCall, _attend
@@ -139,9 +166,13 @@ def main(argv=None) -> int:
     print("| dtype | T | cp | rank | fwd+bwd ms (median) | x dense | peak MiB above inputs | x dense | "
           "max abs diff from dense rows |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    from tpify.hooks import cp_ring
+
     for dtype in [getattr(torch, name) for name in args.dtypes]:
         for tokens in args.tokens:
             q, k, v = _inputs(tokens, heads, kv_heads, dim, dtype, device)
+            kernel = cp_ring.flash_kernel(q, k, v)
+            cp_ring.KERNEL_CALLS = {}
             configs = [("dense", None, None)]
             for cp in args.cp:
                 for rank in (0, cp - 1):
@@ -170,6 +201,11 @@ def main(argv=None) -> int:
                         return checkpoint(_attend, qq, kk, vv, call, None, None, use_reentrant=False)
 
                     outs[key] = (_measure(run, (local_q, gathered_k, gathered_v), times[key], peaks[key]), index)
+            calls, cp_ring.KERNEL_CALLS = cp_ring.KERNEL_CALLS, None
+            print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | ring sub-blocks: "
+                  f"{'flash kernel (' + kernel + ')' if kernel else 'masked einsum (no flash kernel for these inputs)'}"
+                  f", calls {calls}; ring cp 1 gradients vs dense SDPA (max abs diff / max abs): "
+                  f"{_ring_gradients_check(q, k, v, device)} | | | | | |")
             t_dense, p_dense = statistics.median(times["denseNone"]), statistics.median(peaks["denseNone"])
             dense_out = outs["denseNone"]
             print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | 1 | - | {t_dense:.2f} | 1.00 | "

@@ -22,10 +22,11 @@ __all__ = ["load_balanced_index", "sequence_order", "split_batch", "gather_seque
            "refuse", "VERIFIED_MODEL_TYPES", "SPLIT_KEYS", "CP_ATTENTION_MODES"]
 
 #: Model types whose attention, positions and loss tpify has verified exact under context
-#: parallelism (tests/distributed/test_context_parallel.py): attention through transformers'
+#: parallelism (tests/distributed/test_context_parallel.py; mixtral, whose experts and router are per
+#: token, in test_context_parallel_tools.py): attention through transformers'
 #: attention interface with the call's keyword arguments, positions from ``position_ids`` alone
 #: (RoPE or learned), causal full or sliding-window masks. Others are refused by name.
-VERIFIED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
+VERIFIED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2", "mixtral")
 
 #: How attention runs over the CP group (``parallelize(cp_attention=...)``): ``"allgather"`` (the
 #: default: ``[K | V]`` all-gathered, Llama 3's form), ``"ring"`` (``[K | V]`` blocks passed around

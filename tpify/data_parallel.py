@@ -6,7 +6,9 @@
   overlapped with the backward.
 * :func:`shard_data_parallel`: FSDP2's ``fully_shard`` per transformer block, then on the model,
   over the DP axes of the model's mesh (:func:`tpify.mesh.fsdp_mesh`): each TP shard split again
-  along dim 0 over ``dp_shard`` and, with ``dp_replicate > 1``, replicated (HSDP).
+  along dim 0 over ``dp_shard`` and, with ``dp_replicate > 1``, replicated (HSDP). Under context
+  parallelism over ``dp_shard x cp`` (torchtitan's): the CP group's partial gradients are added by
+  FSDP2's reduce-scatter, which divides by the DP size only, instead of tpify's own CP sum.
 
 What tpify does to gradients itself (replicated parameters summed inside a sharded or
 sequence-parallel region: tensor hooks that run before ``AccumulateGrad``, or sums inside the
@@ -22,7 +24,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.nn.parallel import DistributedDataParallel
 
 from .agree import agree
-from .context_parallel import refuse as refuse_context_parallel
 from .info import TPUsageError, find_tp_model, get_tp_info, record_specs
 from .mesh import fsdp_mesh, init_mesh, mesh_device_type
 from .quantized import is_quantized
@@ -110,10 +111,11 @@ def _fsdp_mesh_for(info, dp_replicate: int | None):
             contiguous layout a mesh has (groups passed by hand).
     """
     world = dist.get_world_size()
-    dp = world // info.tp_size
+    dp = world // (info.tp_size * info.cp_size)
     if dp_replicate is not None and (not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate):
+        cp = f" / cp_size {info.cp_size}" if info.cp_size > 1 else ""
         raise ValueError(f"shard_data_parallel: dp_replicate = {dp_replicate!r} must be a positive divisor of the "
-                         f"data-parallel size {dp} (world {world} / tp_size {info.tp_size}); dp_shard = dp / "
+                         f"data-parallel size {dp} (world {world} / tp_size {info.tp_size}{cp}); dp_shard = dp / "
                          f"dp_replicate")
     mesh = info.mesh
     if mesh is not None:
@@ -152,6 +154,14 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
     their whole TP shard in the forward. Build the optimizer after this call; add LoRA adapters
     before it.
 
+    Under context parallelism (a model on ``tpify.init_mesh(tp, cp_size=cp)``) the shard axis is
+    ``"dp_shard_cp"`` (``dp_shard x cp`` ranks, torchtitan's): each rank holds ``1/(dp_shard x cp)``
+    of each TP shard. Each rank of a CP group computes the gradient of its own tokens' terms of the
+    dense loss; FSDP2's reduce-scatter sums them over the CP group and the DP ranks and divides by
+    the DP size only (``set_gradient_divide_factor(dp_replicate x dp_shard)``, sum reductions), and
+    tpify's own sum over the CP group is handed off (:meth:`tpify.grad_sums.SummedGrads.hand_off`;
+    the TP group's sum of partial gradients, sequence parallelism's, then runs over TP only).
+
     Args:
         model: a tpify model (or a PEFT model on one), not yet wrapped.
         dp_replicate: replicas of the sharded model (HSDP); default the model's mesh's (1 for the
@@ -160,7 +170,8 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
         blocks: the block classes (or names) to shard one by one; default ``_no_split_modules``.
 
     Communication: one agreement on the arguments first; the mesh's groups when new. Per step,
-    FSDP2's all-gathers and reduce-scatters over ``dp_shard`` (all-reduces over ``dp_replicate``).
+    FSDP2's all-gathers and reduce-scatters over ``dp_shard`` (``dp_shard x cp`` under context
+    parallelism; all-reduces over ``dp_replicate``).
 
     Raises:
         TPUsageError: on every rank: not a tpify model; already sharded or inside a DDP; no
@@ -173,7 +184,6 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
     try:
         tp_model = _tp_model(model, "shard_data_parallel")
         info = get_tp_info(tp_model)
-        refuse_context_parallel(info, "tpify.shard_data_parallel (FSDP2)")
         if is_quantized(model):
             raise TPUsageError("shard_data_parallel (FSDP2) over a quantized tensor-parallel base is not built (its "
                                "4-bit shards are buffers FSDP2 would not shard); use DDP over the DP group "
@@ -199,7 +209,8 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
            "offload_policy": repr(offload_policy)}, error)
     mesh, replicate, _, needs_new = shape
     if needs_new:
-        mesh = init_mesh(info.tp_size, replicate, device_type=info.mesh.device_type if info.mesh is not None
+        mesh = init_mesh(info.tp_size, replicate, cp_size=info.cp_size,
+                         device_type=info.mesh.device_type if info.mesh is not None
                          else mesh_device_type(find_tp_model(model)))
     kwargs = {"mesh": fsdp_mesh(mesh), "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -209,4 +220,30 @@ def shard_data_parallel(model: nn.Module, *, dp_replicate: int | None = None, re
     for _, unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(find_tp_model(model), **kwargs)
+    if info.cp_size > 1:
+        _context_parallel_grads_to_fsdp(info, [unit for _, unit in units] + [find_tp_model(model)],
+                                        dp=_dp_size(info))
     return model
+
+
+def _dp_size(info) -> int:
+    """The data-parallel size of a tpify model's layout: ``world / (tp x cp)``. Local."""
+    return dist.get_world_size() // (info.tp_size * info.cp_size)
+
+
+def _context_parallel_grads_to_fsdp(info, fsdp_modules: list, dp: int) -> None:
+    """FSDP2 over ``dp_shard x cp`` adds the CP group's partial gradients in its reduce-scatter:
+    divide by the DP size only (sum reductions, the division after), hand tpify's own sum over the
+    CP group off, and sum the TP group's partial gradients (sequence parallelism's) over TP only.
+    Local; the same on every rank."""
+    from .grad_sums import SummedGrads
+
+    for module in fsdp_modules:
+        module.set_gradient_divide_factor(float(dp))
+        module.set_force_sum_reduction_for_comms(True)
+    tp_summed = info.ctx.summed_grads
+    for handle in info.hooks:
+        if isinstance(handle, SummedGrads) and handle is not tp_summed:
+            handle.hand_off()  # context parallelism's (tpify.hooks.context_parallel)
+    if tp_summed is not None:
+        tp_summed.group = info.tp_group

@@ -45,14 +45,16 @@ class SummedGrads(comm.SharesProcessGroups):
         self.group = group
         self.bucket_bytes = int(bucket_bytes)
         self.eager = False
+        self.handed_off = False  # hand_off(): an engine sums these gradients; watch nothing
         self._hooks: dict[int, tuple[weakref.ref, object]] = {}  # id(param) -> (its weakref, the hook's handle)
         self._pending: dict[int, dict[int, list]] = {}  # graph task -> {id(param): [param, partial gradient]}
 
     # ---- which parameters -----------------------------------------------------------------------
 
     def watch(self, param: torch.Tensor) -> bool:
-        """Sum ``param``'s gradient over the group from now on; True if it was not watched yet."""
-        if not param.requires_grad:
+        """Sum ``param``'s gradient over the group from now on; True if it was not watched yet
+        (False after :meth:`hand_off`)."""
+        if not param.requires_grad or self.handed_off:
             return False
         known = self._hooks.get(id(param))
         if known is not None and known[0]() is param:
@@ -80,6 +82,14 @@ class SummedGrads(comm.SharesProcessGroups):
         for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+
+    def hand_off(self) -> None:
+        """An engine sums these gradients over the group from now on (FSDP2 sharding over
+        ``dp_shard x cp``: its reduce-scatter adds the CP group's partial gradients,
+        :func:`tpify.shard_data_parallel`): remove every gradient hook and watch nothing more.
+        Call it between backward passes."""
+        self.remove()
+        self.handed_off = True
 
     def __len__(self) -> int:
         return sum(1 for ref, _ in self._hooks.values() if ref() is not None)
@@ -136,6 +146,7 @@ class SummedGrads(comm.SharesProcessGroups):
     def __deepcopy__(self, memo):
         """A copy (of a copied model) watches nothing yet: its parameters are new objects."""
         new = type(self)(self.group, self.bucket_bytes)
+        new.handed_off = self.handed_off
         memo[id(self)] = new
         return new
 

@@ -232,6 +232,7 @@ def init_mesh(tp_size: int, dp_replicate: int = 1, *, cp_size: int = 1, pp_size:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         if cp_size > 1:
             mesh["cp", "tp"]._flatten("cp_tp")
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP2's shard axis under context parallelism
         _meshes[key] = mesh
     return _meshes[key]
 
@@ -292,13 +293,21 @@ def cp_tp_group_of(mesh: DeviceMesh | None, tp_group: dist.ProcessGroup | None) 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2's ``fully_shard`` takes: ``mesh["dp_shard"]`` (1-D: shard over it), or, when
     the mesh replicates (``dp_replicate > 1``), ``mesh["dp_replicate", "dp_shard"]`` (2-D: HSDP,
-    replicate over the first axis, shard over the second). Local."""
+    replicate over the first axis, shard over the second). With context parallelism (``cp > 1``)
+    the shard axis is ``"dp_shard_cp"``, ``dp_shard`` and ``cp`` flattened (torchtitan's): the
+    ranks of a CP group hold the same weights, so FSDP2 shards them over ``dp_shard x cp`` and its
+    reduce-scatter adds the CP group's partial gradients (:func:`tpify.shard_data_parallel` sets
+    the divide factor to the DP size). Local after :func:`init_mesh`."""
     names = mesh.mesh_dim_names or ()
     if "dp_shard" not in names:
         return mesh["dp"]
+    shard = "dp_shard"
+    if cp_size_of(mesh) > 1:
+        shard = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shard)  # made by init_mesh: found again
     if "dp_replicate" in names and mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
 
 
 def check_mesh(mesh, tp_size: int | None, tp_group, dp_group) -> int:

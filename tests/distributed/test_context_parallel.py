@@ -12,7 +12,8 @@ sliding-window layer after a full one) at cp 2 (dp 2 x cp 2, each replica the sa
 cp 2 x tp 2; the collectives of a cp 2 step, counted; what is refused on every rank (labels not
 shifted before the split, an attention mask, no position ids, generate, positions counted per rank,
 a length that 2 x cp does not divide, cp_size not dividing the world, an unverified model type,
-FSDP2 and the trainers).
+a TPAccelerator ParallelismConfig whose cp_size is not the model's). FSDP2 over dp_shard x cp and the
+tools (TPAccelerator, TPTrainer, the TRL refusals): test_context_parallel_tools.py.
 
 Slow job (4 gloo ranks): Llama, Qwen2, Mistral (sliding window) and GPT-2 (learned positions,
 Conv1D, tied head) at cp 2, cp 4, cp 2 x tp 2 and cp 2 x tp 2 with sequence parallelism; packed
@@ -160,12 +161,12 @@ def _quick(rank, world):
                                       intermediate_size=48, vocab_size=V))
     with pytest.raises(TPUsageError, match="model type 'bert' is not verified under context parallelism"):
         tpify.parallelize(bert, mesh=mesh)
-    with pytest.raises(TPUsageError, match="shard_data_parallel.*does not support context parallelism"):
-        tpify.shard_data_parallel(par)
+    from accelerate import ParallelismConfig
+
     from tpify.integrations import TPAccelerator
 
-    with pytest.raises(TPUsageError, match="TPAccelerator does not support context parallelism"):
-        TPAccelerator(cpu=True).prepare(par)
+    with pytest.raises(TPUsageError, match="cp_size 4 asked, the model has 2"):  # the tools: test_context_parallel_tools.py
+        TPAccelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=4)).prepare(par)
     return worst
 
 

@@ -84,15 +84,16 @@ def _counted(rank, world):
         par = tpify.parallelize(copy.deepcopy(ref), mesh=mesh, cp_attention=mode)
         params = sum(p.numel() for p in par.parameters())
         mine = split_batch({"input_ids": _ids(), "labels": _ids()}, par)
-        cp_ring.ATTENTION_BLOCKS = {}
+        cp_ring.ATTENTION_BLOCKS, cp_ring.KERNEL_CALLS = {}, {}
         try:
             with comm.count_collectives() as fwd:
                 loss = par(**mine).loss
-            blocks = dict(cp_ring.ATTENTION_BLOCKS)
+            blocks, kernels_fwd = dict(cp_ring.ATTENTION_BLOCKS), dict(cp_ring.KERNEL_CALLS)
+            with comm.count_collectives() as bwd:
+                loss.backward()
+            kernels = dict(cp_ring.KERNEL_CALLS)
         finally:
-            cp_ring.ATTENTION_BLOCKS = None
-        with comm.count_collectives() as bwd:
-            loss.backward()
+            cp_ring.ATTENTION_BLOCKS, cp_ring.KERNEL_CALLS = None, None
         common_fwd = {"all_gather": 1, "all_gather_numel": T // 2, "all_reduce": 1, "all_reduce_numel": 2}
         if mode == "ring":
             # forward: per layer one shift of [K | V] (cp - 1 = 1); backward: per layer one shift of [K | V]
@@ -102,6 +103,9 @@ def _counted(rank, world):
                                  "all_reduce_numel": params}, dict(bwd)
             # causal, load-balanced: 3 sub-blocks on this rank's own block, 2 on the other's
             assert blocks == {0: 3, 1: 2}, blocks
+            # one document per row, no window: every sub-block by the CPU flash kernel (float64), forward
+            # and backward, none by the masked einsum
+            assert kernels_fwd == {"flash": 5 * L} and kernels == {"flash": 10 * L}, (kernels_fwd, kernels)
         else:
             # forward: per layer q and [K | V] to heads, the output back; backward: the three reversed
             act = (q + kv + q)

@@ -165,6 +165,54 @@ def test_damaged_checkpoints_and_failing_ranks_are_each_one_clean_error(tiny_gpt
         run.stderr
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama (grouped-query attention, verified under context parallelism) with the MiniLM tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(tputil.minilm_dir())
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=96, vocab_size=tok.vocab_size, max_position_embeddings=128,
+                                 bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_finetune_context_parallel_long_documents_and_resume_at_another_layout(tiny_llama, tmp_path):
+    """``--cp 2`` (2 ranks, each 32 of every 64-token sequence of the shipped text) trains as ``--cp 1``:
+    the same losses (float32: the same sums in another order, rtol 1e-5), and so does ``--cp 2 --dp 2
+    --dp-shard 2`` (FSDP2 over dp_shard x cp, 4 ranks, the same global batch: every row has the same
+    number of targets, so the mean over replicas is the batch mean); the ``--cp 2`` checkpoint resumes
+    at ``--tp 2 --cp 1`` (context parallelism holds no state) and ends with the uninterrupted run's
+    losses. A ``--seq-len`` that ``2 x cp`` does not divide is a usage error before any rank starts."""
+    common = ["--model-dir", str(tiny_llama), "--steps", "4", "--seq-len", "64", "--lr", "1e-3", "--warmup", "1",
+              "--lora-r", "0"]
+    fsdp = common + ["--tp", "1", "--cp", "2", "--dp", "2", "--dp-shard", "2", "--batch-size", "1", "--sample-tokens",
+                     "0", "--out", str(tmp_path / "fsdp")]
+    common = common + ["--dp", "1", "--batch-size", "2"]
+    stdout = _finetune(*common, "--tp", "1", "--cp", "2", "--out", str(tmp_path / "cp2"), "--save-every", "2")
+    assert "no greedy continuation at cp 2" in stdout, stdout[-2000:]
+    _finetune(*common, "--tp", "1", "--cp", "1", "--out", str(tmp_path / "cp1"), "--sample-tokens", "0")
+    shutil.copytree(tmp_path / "cp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    _finetune(*common, "--tp", "2", "--cp", "1", "--out", str(tmp_path / "resumed"), "--resume", "--sample-tokens", "0")
+    _finetune(*fsdp)
+    runs = ("cp2", "cp1", "resumed", "fsdp")
+    losses = {k: json.loads((tmp_path / k / "losses.json").read_text())["losses"] for k in runs}
+    assert all(len(v) == 4 for v in losses.values()), losses
+    torch.testing.assert_close(torch.tensor(losses["cp2"]), torch.tensor(losses["cp1"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses["fsdp"]), torch.tensor(losses["cp1"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses["resumed"]), torch.tensor(losses["cp2"]), rtol=1e-5, atol=0)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "cp2" / "final")  # a plain HF directory
+    out = subprocess.run([sys.executable, "-m", "tpify.cli", "finetune", *common, "--tp", "1", "--cp", "2",
+                          "--seq-len", "30", "--out", str(tmp_path / "bad")], capture_output=True, text=True,
+                         timeout=120, env=ENV)
+    assert out.returncode == 2 and "--seq-len 30 is not a multiple of 2 x --cp = 4" in out.stderr, out.stderr[-2000:]
+
+
 def test_qlora_finetune_nf4(tmp_path):
     """``tpify finetune --quantize nf4``: QLoRA on the embedded SmolLM2-135M-Instruct at its default
     tp = 3 (9 heads, 3 KV heads: tp 2 does not divide them), 3 steps, LoRA r = 8.

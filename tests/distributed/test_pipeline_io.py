@@ -92,6 +92,8 @@ def _job(rank, world, root):
         pp.save_checkpoint(Path(root) / f"{name}-dcp", sched, [opt])  # weights and AdamW state after one step
         files = sorted(p.name for p in saved.glob("*.safetensors"))
         assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], files
+        with pytest.raises(pp.PipelineError, match="already holds weights"):  # no save over an older one, every rank
+            pp.save_pretrained(sched, saved)
         back = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64)  # plain transformers
         want = dict(ref.named_parameters(remove_duplicate=False))
         for n, p in back.named_parameters(remove_duplicate=False):

@@ -124,3 +124,17 @@ def test_an_out_path_that_cannot_be_written_is_one_line_and_status_2(capsys, mon
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err and "pass " in err, err
     assert note.read_text() == "not a folder"
+
+
+def test_finetune_context_parallel_sizes_are_checked_before_any_rank(capsys, monkeypatch, tmp_path):
+    """``--cp``: a ``--seq-len`` that ``2 x cp`` does not divide is a usage error (and a ``FinetuneConfig``
+    ValueError naming the two nearest lengths); under torchrun the world must be ``tp x cp x dp``."""
+    assert "--seq-len 30 is not a multiple of 2 x --cp = 4" in _usage_error(
+        capsys, ["finetune", "--cp", "2", "--seq-len", "30", "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match=r"seq_len = 30 is not a multiple of 2 x cp = 4.*--seq-len 28 or 32"):
+        FinetuneConfig(model_dir="m", out_dir="o", cp=2, seq_len=30)
+    assert FinetuneConfig(model_dir="m", out_dir="o", cp=2, seq_len=32).cp == 2
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    err = _usage_error(capsys, ["finetune", "--model-dir", str(tmp_path), "--tp", "1", "--cp", "2", "--dp", "1"])
+    assert "--tp 1 x --cp 2 x --dp 1 = 2 ranks, but 4 ranks were started" in err

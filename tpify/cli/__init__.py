@@ -140,14 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ft = sub.add_parser("finetune", help="main job: fine-tune a causal LM (default: LoRA on the embedded SmolLM2) "
-                                         "across --tp x --dp ranks on local text files")
+                                         "across --tp x --cp x --dp ranks on local text files")
     ft.add_argument("--model-dir", default=None,
                     help="local HF causal-LM directory (default: the embedded SmolLM2-135M-Instruct, converted once)")
     ft.add_argument("--data", nargs="+", default=[], help="text files (default: a text shipped with tpify)")
     ft.add_argument("--out", default="tpify-finetune", help="output directory (checkpoints, final model, plot)")
     ft.add_argument("--tp", type=flag(LIMITS["tp"]), default=None,
                     help="tensor-parallel size (default 3 for SmolLM2: 9 heads, 3 KV heads; else 2)")
-    ft.add_argument("--dp", type=flag(LIMITS["dp"]), default=1, help="data-parallel size (world = tp * dp)")
+    ft.add_argument("--cp", type=flag(LIMITS["cp"]), default=1,
+                    help="context-parallel size: each rank holds seq-len / cp tokens of every sequence (long "
+                         "documents; --seq-len a multiple of 2 x cp); default 1")
+    ft.add_argument("--dp", type=flag(LIMITS["dp"]), default=1, help="data-parallel size (world = tp * cp * dp)")
     ft.add_argument("--dp-shard", type=flag(LIMITS["dp_shard"]), default=1,
                     help="shard every TP shard further over this many DP ranks with FSDP2 (HSDP over dp / dp-shard "
                          "replicas); default 1: DDP over the DP group, no sharding")
@@ -217,9 +220,9 @@ def _finetune_config(args):
     """The :class:`~tpify.cli.finetune.FinetuneConfig` of the parsed ``tpify finetune`` flags."""
     from .finetune import FinetuneConfig
 
-    return FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, dp=args.dp,
-                          dp_shard=args.dp_shard, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                          warmup=args.warmup, steps=args.steps, clip=args.clip, save_every=args.save_every,
+    return FinetuneConfig(model_dir=args.model_dir, out_dir=args.out, data=args.data, tp=args.tp, cp=args.cp,
+                          dp=args.dp, dp_shard=args.dp_shard, seq_len=args.seq_len, batch_size=args.batch_size,
+                          lr=args.lr, warmup=args.warmup, steps=args.steps, clip=args.clip, save_every=args.save_every,
                           resume=args.resume, seed=args.seed, dtype=args.dtype, lora_r=args.lora_r,
                           lora_alpha=args.lora_alpha, allow_changes=args.allow_changes, prompt=args.prompt,
                           sample_tokens=args.sample_tokens,
@@ -297,21 +300,34 @@ def main(argv: list[str] | None = None) -> int:
         if args.dp % args.dp_shard:
             parser.error(f"--dp-shard {args.dp_shard} does not divide --dp {args.dp}: FSDP2 shards over --dp-shard "
                          f"ranks within each of dp / dp-shard replicas; pass a divisor of {args.dp}")
+        if args.cp > 1 and args.seq_len % (2 * args.cp):
+            parser.error(f"--seq-len {args.seq_len} is not a multiple of 2 x --cp = {2 * args.cp}: context parallelism "
+                         f"cuts each sequence into 2 x cp equal chunks (each rank a front and a back one); pass a "
+                         f"multiple of {2 * args.cp}")
         if args.quantize and not args.lora_r:
             parser.error(f"--quantize {args.quantize} with --lora-r 0: full fine-tuning of a quantized base is not "
                          f"supported (its 4-bit weights take no gradient); pass --lora-r > 0 (QLoRA)")
         if args.quantize and args.dp_shard > 1:
             parser.error(f"--quantize {args.quantize} with --dp-shard {args.dp_shard}: FSDP2 over a quantized base is "
                          f"not built; pass --dp-shard 1 (DDP over the replicas)")
+        if args.quantize and args.cp > 1:
+            parser.error(f"--quantize {args.quantize} with --cp {args.cp}: QLoRA under context parallelism is not "
+                         f"tested; pass --cp 1")
         _resolve_finetune(args)
         argv = argv + ["--model-dir", args.model_dir, "--tp", str(args.tp)]
     dp = getattr(args, "dp", None)  # embed: any number of replicas of the tp ranks
+    cp = getattr(args, "cp", 1)  # finetune --cp: world = tp * cp * dp
     if launched:
-        problem = launch.world_mismatch(args.tp, dp, int(os.environ["WORLD_SIZE"]))
+        if cp > 1:
+            from .finetune import cp_world_mismatch
+
+            problem = cp_world_mismatch(args.tp, cp, dp, int(os.environ["WORLD_SIZE"]))
+        else:
+            problem = launch.world_mismatch(args.tp, dp, int(os.environ["WORLD_SIZE"]))
         if problem:
             parser.error(problem)  # on every rank, before the process group starts
     else:
-        problem = launch.launch_problem(args.tp * (dp or 1))
+        problem = launch.launch_problem(args.tp * cp * (dp or 1))
         if problem:
             parser.error(problem)
     if not (launched and os.environ.get(launch.PREFLIGHT_ENV) == "1"):  # tpify's launcher checked already
@@ -321,6 +337,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tpify {args.command}: error: {problem}", file=sys.stderr)
             return 2
     if not launched:
-        return launch.relaunch(args.tp * (dp or 1), argv, args.command, tp=args.tp,
+        return launch.relaunch(args.tp * cp * (dp or 1), argv, args.command, tp=args.tp,
                                fsdp=getattr(args, "dp_shard", 1) > 1)
     return launch.run_rank(args.command, args.worker, args)

@@ -1,4 +1,4 @@
-"""Fine-tuning a pretrained causal LM across DP x TP ranks: the loop behind ``tpify finetune``.
+"""Fine-tuning a pretrained causal LM across DP x CP x TP ranks: the loop behind ``tpify finetune``.
 
 Each rank loads only its shard (:func:`tpify.from_pretrained`); the ``tp`` ranks of a TP group
 see the same micro-batch, the ``dp`` replicas different ones; a step is the usual Hugging Face
@@ -14,6 +14,16 @@ depend only on the step number; at the saved layout exactly, at another (``--tp`
 ``--dp-shard``, the same global batch) with the optimizer state resharded; a checkpoint of
 another model is refused on every rank. The
 loss curve (``loss.png``) needs matplotlib, the ``cli`` extra (``pip install "tpify[cli]"``).
+
+Long documents: with ``cp > 1`` the model is context-parallel (``tpify.init_mesh(tp, cp_size=cp)``,
+docs/context-parallelism.md): the text is cut into sequences of ``seq_len`` tokens as always
+(:func:`pack_texts`: the files concatenated, so a sequence runs across the text's paragraphs and
+sections, one long document), every rank of a CP group takes the same rows and
+:func:`tpify.context_parallel.split_batch` gives it ``seq_len / cp`` tokens of each (a front and a
+back chunk); the loss and the gradients are the dense model's. ``seq_len`` must be a multiple of
+``2 x cp``; with ``dp_shard > 1`` FSDP2 shards over ``dp_shard x cp`` ranks
+(:func:`tpify.shard_data_parallel`); the greedy continuation is not shown (``generate`` is
+refused under context parallelism).
 
 What rank 0 prints: the parameter memory of each rank against the dense model (and the
 gradients and AdamW state of the trainable parameters), a greedy continuation of a fixed prompt
@@ -40,9 +50,21 @@ from .checks import check, output_problem
 from .finetune_resume import _restore, _run_args, _save_checkpoint, check_resume_files, resume_point
 from .options import DEFAULT_PROMPT, DTYPES, LIMITS, QUANTIZE
 
-__all__ = ["FinetuneConfig", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices", "finetune",
+__all__ = ["FinetuneConfig", "cp_world_mismatch", "LIMITS", "DTYPES", "DEFAULT_PROMPT", "pack_texts", "batch_indices",
+           "finetune",
            "default_text_files", "add_lora", "lora_targets", "resume_point", "check_resume_files", "check_run",
            "greedy_continuation", "memory_report"]
+
+
+def cp_world_mismatch(tp: int, cp: int, dp: int, world: int) -> str | None:
+    """Why ``tp x cp x dp`` ranks do not fit a world of ``world`` ranks, or None (``cp == 1``:
+    :func:`tpify.cli.launch.world_mismatch`'s message). Pure."""
+    if cp == 1:
+        return world_mismatch(tp, dp, world)
+    if tp * cp * dp == world:
+        return None
+    return (f"--tp {tp} x --cp {cp} x --dp {dp} = {tp * cp * dp} ranks, but {world} ranks were started; pass sizes "
+            f"whose product is {world}, or start {tp * cp * dp} ranks (run without torchrun, tpify starts them itself)")
 
 
 def default_text_files() -> list[Path]:
@@ -57,13 +79,15 @@ class FinetuneConfig:
 
     Raises:
         ValueError: a numeric option outside :data:`LIMITS` (every one listed, each with its
-            allowed range), or a ``dtype`` not in :data:`DTYPES`.
+            allowed range), a ``dtype`` not in :data:`DTYPES`, ``dp_shard`` not dividing ``dp``,
+            and with ``cp > 1`` a ``seq_len`` that ``2 x cp`` does not divide.
     """
 
     model_dir: str
     out_dir: str
     data: list[str] = field(default_factory=list)
     tp: int = 1
+    cp: int = 1                  # > 1: context parallelism, each rank seq_len / cp tokens of every sequence
     dp: int = 1
     dp_shard: int = 1            # > 1: FSDP2 over dp_shard ranks (HSDP with dp / dp_shard replicas)
     seq_len: int = 128
@@ -98,6 +122,15 @@ class FinetuneConfig:
                 and self.dp % self.dp_shard:
             problems.append(f"dp_shard = {self.dp_shard} does not divide dp = {self.dp}: FSDP2 shards over "
                             f"dp_shard ranks within each of dp / dp_shard replicas; pass a divisor of {self.dp}")
+        if isinstance(self.cp, int) and self.cp > 1:
+            if isinstance(self.seq_len, int) and self.seq_len % (2 * self.cp):
+                low = self.seq_len - self.seq_len % (2 * self.cp)
+                problems.append(f"seq_len = {self.seq_len} is not a multiple of 2 x cp = {2 * self.cp}: context "
+                                f"parallelism cuts each sequence into 2 x cp equal chunks (each rank a front and a "
+                                f"back one); pass --seq-len {low or 2 * self.cp} or {low + 2 * self.cp}")
+        if isinstance(self.cp, int) and self.cp > 1 and self.quantize:
+            problems.append(f"quantize = {self.quantize!r} with cp = {self.cp}: QLoRA under context parallelism is "
+                            f"not tested; pass --cp 1")
         problems += _quantize_problems(self)
         if problems:
             raise ValueError("FinetuneConfig: " + "; ".join(problems))
@@ -355,7 +388,8 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     """Run the fine-tune described by ``cfg`` on the already initialised process group; return the
     loss of every step (mean over DP) on every rank.
 
-    ``world = cfg.tp * cfg.dp``; ``cfg.dp_shard > 1`` shards the model with FSDP2 over that many
+    ``world = cfg.tp * cfg.cp * cfg.dp``; ``cfg.cp > 1``: context parallelism (the module
+    docstring); ``cfg.dp_shard > 1`` shards the model with FSDP2 over that many
     ranks of the DP group, else DDP over it. Writes ``out_dir/checkpoint-<k>`` every ``save_every``
     steps, ``out_dir/final`` (LoRA: merged; ``out_dir/adapter`` the dense adapter),
     ``losses.json`` and ``loss.png``. What rank 0 prints and the checkpoint contents: docs/training.md,
@@ -363,7 +397,7 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
 
     Raises:
         ImportError: matplotlib, or peft with ``lora_r > 0``, is not installed (before training).
-        ValueError: an option outside its limits, ``tp * dp`` not the world size, a bad ``out_dir``,
+        ValueError: an option outside its limits, ``tp * cp * dp`` not the world size, a bad ``out_dir``,
             ``data`` or ``model_dir``, or a checkpoint ``resume`` cannot use (other arguments, a
             corrupt ``state.json``, a missing or truncated file: :func:`check_resume_files`); on
             every rank, before anything is read.
@@ -390,13 +424,17 @@ def finetune(cfg: FinetuneConfig) -> list[float]:
     for line in memory_report(model):
         if report:
             print(line, flush=True)
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and cfg.cp > 1:
+        if report:
+            print(f"no greedy continuation at cp {cfg.cp} (generate is refused under context parallelism: decoding "
+                  f"has no sequence to split); {cfg.out_dir}/final loads at cp 1", flush=True)
+    elif cfg.sample_tokens:
         text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
         if report:
             print(f"before (step {start_step}), greedy: {cfg.prompt!r} -> {text!r}", flush=True)
     _train(cfg, model, step_model, optimizer, scheduler, data, device, start_step, _StepLines(cfg, losses, report))
     model = _save_final(cfg, model, tokenizer, losses, trainable)
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and cfg.cp == 1:
         text = greedy_continuation(model, tokenizer, cfg.prompt, cfg.sample_tokens, device)
         if report:
             merged = ", LoRA merged" if cfg.lora_r and not cfg.quantize else ""
@@ -411,11 +449,11 @@ def _agreed_start(cfg: FinetuneConfig) -> tuple[int, list[float], Path, Path | N
     one rank stops every rank).
 
     Raises:
-        ValueError: ``cfg`` outside its limits, ``tp * dp`` is not the world size, or a check of
+        ValueError: ``cfg`` outside its limits, ``tp * cp * dp`` is not the world size, or a check of
             :func:`check_run` failed on some rank (every rank).
     """
     cfg.check()
-    problem = world_mismatch(cfg.tp, cfg.dp, dist.get_world_size())
+    problem = cp_world_mismatch(cfg.tp, cfg.cp, cfg.dp, dist.get_world_size())
     if problem:
         raise ValueError(problem)
     error, state, ckpt = None, None, None
@@ -431,7 +469,8 @@ def _agreed_start(cfg: FinetuneConfig) -> tuple[int, list[float], Path, Path | N
 
 
 def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, rank: int):
-    """``(model, step_model, trainable)``: the model loaded by slices at ``cfg.tp`` (LoRA adapters
+    """``(model, step_model, trainable)``: the model loaded by slices at ``cfg.tp`` (on the mesh
+    ``tpify.init_mesh(cfg.tp, cp_size=cfg.cp)`` when ``cfg.cp > 1``; LoRA adapters
     added when ``cfg.lora_r``), and what a step calls: the model sharded by FSDP2 in place when
     ``cfg.dp_shard > 1``, else wrapped in DDP over the DP group; ``trainable``: LoRA's
     dense-equivalent trainable parameter count, or None."""
@@ -439,8 +478,9 @@ def _build_model(cfg: FinetuneConfig, model_dir: Path, device: torch.device, ran
     from tpify.data_parallel import replicate_data_parallel, shard_data_parallel
 
     tpify.manual_seed(cfg.seed)
-    model = tpify.from_pretrained(model_dir, tp_size=cfg.tp, dtype=getattr(torch, cfg.dtype),
-                                  quantization_config=qlora_config(cfg)).to(device)
+    layout = {"mesh": tpify.init_mesh(cfg.tp, cp_size=cfg.cp)} if cfg.cp > 1 else {"tp_size": cfg.tp}
+    model = tpify.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype), quantization_config=qlora_config(cfg),
+                                  **layout).to(device)
     if cfg.quantize:
         norms_to_float32(model)
     trainable = None
@@ -489,7 +529,7 @@ class _StepLines:
 
     def __init__(self, cfg: FinetuneConfig, losses: list[float], report: bool):
         self.cfg, self.losses, self.report = cfg, losses, report
-        self.tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len
+        self.tokens_per_step = cfg.batch_size * cfg.dp * cfg.seq_len  # whole sequences (over the CP group)
         self.width = len(str(cfg.steps))
         self.logged = None  # the last step's (step, lr, start time, values copied to the host)
 
@@ -514,10 +554,12 @@ class _StepLines:
 def _train(cfg: FinetuneConfig, model, step_model, optimizer, scheduler, data: torch.Tensor, device: torch.device,
            start_step: int, lines: _StepLines) -> None:
     """Steps ``start_step .. cfg.steps - 1``: forward and backward of this DP replica's rows of the
-    global batch (``(B, T)`` token ids, labels the same ids), the global-norm clip, AdamW and the
+    global batch (``(B, T)`` token ids, labels the same ids; under context parallelism this rank's
+    ``(B, T / cp)`` tokens, :func:`tpify.context_parallel.split_batch`), the global-norm clip, AdamW and the
     schedule; ``checkpoint-<step>`` every ``cfg.save_every`` steps. Collectives: DDP's or FSDP2's
     over DP in the backward, the clip's, one all-reduce of the loss over DP per step."""
     import tpify
+    from tpify.context_parallel import split_batch
     from tpify.training import check_replicas, clip_grad_norm_
 
     info = tpify.get_tp_info(model)
@@ -529,7 +571,7 @@ def _train(cfg: FinetuneConfig, model, step_model, optimizer, scheduler, data: t
         lr = scheduler.get_last_lr()[0]
         rows = batch_indices(step, data.shape[0], cfg.batch_size * cfg.dp, cfg.seed)
         ids = data[rows[dp_rank * cfg.batch_size: (dp_rank + 1) * cfg.batch_size]].to(device)  # (B, T)
-        loss = step_model(input_ids=ids, labels=ids).loss
+        loss = step_model(**split_batch({"input_ids": ids, "labels": ids}, model)).loss  # cp 1: the batch itself
         loss.backward()  # DDP or FSDP2 reduces the gradients over DP as the backward runs
         norm = clip_grad_norm_(model, cfg.clip) if cfg.clip > 0 else None
         optimizer.step()

@@ -35,13 +35,13 @@ def _latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 # Options that shape the run: a resume must use the values the checkpoint was written with.
-_RUN_FIELDS = ("model_dir", "data", "tp", "dp", "dp_shard", "seq_len", "batch_size", "lr", "warmup", "steps", "clip",
-               "weight_decay", "seed", "dtype", "lora_r", "lora_alpha",
-               "quantize")
+_RUN_FIELDS = ("model_dir", "data", "tp", "cp", "dp", "dp_shard", "seq_len", "batch_size", "lr", "warmup", "steps",
+               "clip", "weight_decay", "seed", "dtype", "lora_r", "lora_alpha", "quantize")
 
 
-# The layout: a resume may change these (the state is resharded), as long as the global batch stays.
-_LAYOUT_FIELDS = ("tp", "dp", "dp_shard", "batch_size")
+# The layout: a resume may change these (the state is resharded; context parallelism holds no state),
+# as long as the global batch stays.
+_LAYOUT_FIELDS = ("tp", "cp", "dp", "dp_shard", "batch_size")
 
 
 def _run_args(cfg: "FinetuneConfig") -> dict:
@@ -133,7 +133,7 @@ def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
     Raises:
         ValueError: no ``checkpoint-<step>`` folder; a missing or corrupt ``state.json``; a
             checkpoint written with another LoRA rank; other run arguments than ``cfg``'s (listed,
-            unless ``cfg.allow_changes``): another layout (``tp``, ``dp``, ``dp_shard``, the per-replica
+            unless ``cfg.allow_changes``): another layout (``tp``, ``cp``, ``dp``, ``dp_shard``, the per-replica
             ``batch_size``) is fine as long as the global batch ``batch_size x dp`` is the same.
     """
     out_dir = Path(cfg.out_dir)

@@ -18,6 +18,7 @@ DEFAULT_PROMPT = "The GNU General Public License is"
 # the same limits (tpify/cli/__init__.py), so a value the parser refuses is refused from Python too.
 LIMITS = {
     "tp": POSITIVE_INT,
+    "cp": Limit(low=1, note="context-parallel ranks, each holding seq_len / cp tokens of every sequence; 1: none"),
     "dp": POSITIVE_INT,
     "dp_shard": Limit(low=1, note="ranks FSDP2 shards each TP shard over; 1: DDP, no sharding"),
     "seq_len": Limit(low=2, note="a causal LM learns to predict each token from the ones before it, so a "

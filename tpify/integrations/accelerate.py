@@ -16,6 +16,13 @@ section 3):
 * ``save_model`` writes the dense checkpoint (a collective); ``save_state``/``load_state`` add the
   training state as a torch.distributed.checkpoint with its manifest, read back at any layout;
   ``get_state_dict`` raises :class:`~tpify.integrations.model.TPUsageError`;
+* context parallelism: a model parallelized on a mesh with ``cp_size > 1`` (or a ``ParallelismConfig``
+  with ``cp_size``, which must be the model's): the data loader gives every rank of a CP group
+  the same whole sequences; the training loop calls :func:`tpify.context_parallel.split_batch` on
+  each batch (the labels shifted before the split); the loss is the dense one and tpify sums the
+  gradients over the CP group (docs/context-parallelism.md); under FSDP2 the shards are split over
+  ``dp_shard x cp`` and FSDP2's reduce-scatter adds the CP group's gradients
+  (:func:`tpify.shard_data_parallel`);
 * ``gather_for_metrics`` gathers over the DP group (each sample once);
   :meth:`~TPAccelerator.data_parallel_view` makes ``gather``, ``reduce``, ``num_processes`` and
   ``process_index`` do the same inside a block. Outside it they span the world, where each TP
@@ -39,7 +46,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from .. import comm
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import replicate_data_parallel, shard_data_parallel
-from ..context_parallel import refuse as refuse_context_parallel
 from ..info import get_tp_info, param_specs
 from ..quantized import refuse_full_finetuning
 from ..sharding import is_dtensor
@@ -59,7 +65,7 @@ class DataParallelPlan:
 
     ``shard``: FSDP2 (HSDP with ``dp_replicate > 1``) through
     :func:`tpify.data_parallel.shard_data_parallel`, else DDP over the DP group.
-    ``dp_replicate``/``dp_shard``/``tp_size``: the sizes a ``ParallelismConfig`` asked for
+    ``dp_replicate``/``dp_shard``/``tp_size``/``cp_size``: the sizes a ``ParallelismConfig`` asked for
     (``None``: the model's); checked against the model when it is prepared. The rest is passed
     to ``fully_shard``. ``source`` names where the plan came from, for messages.
     """
@@ -68,6 +74,7 @@ class DataParallelPlan:
     dp_replicate: int | None = None
     dp_shard: int | None = None
     tp_size: int | None = None
+    cp_size: int | None = None
     reshard_after_forward: bool | None = None
     mp_policy: object = None
     offload_policy: object = None
@@ -116,27 +123,29 @@ def data_parallel_plan(fsdp_plugin=None, parallelism_config=None) -> DataParalle
     ``fsdp_plugin``: an accelerate ``FullyShardedDataParallelPlugin`` (FSDP2 over the whole DP
     group, or as ``parallelism_config`` splits it); ``parallelism_config``: an accelerate
     ``ParallelismConfig`` (``dp_shard_size > 1``: FSDP2, HSDP with ``dp_replicate_size > 1``;
-    else DDP). Neither: DDP over the DP group.
+    else DDP; ``cp_size``: the model's context-parallel size, checked when it is prepared).
+    Neither: DDP over the DP group.
 
     Raises:
-        TPUsageError: what :func:`_plugin_options` refuses; a ``ParallelismConfig`` with context
-            or sequence parallelism (``cp_size``/``sp_size`` above 1).
+        TPUsageError: what :func:`_plugin_options` refuses; a ``ParallelismConfig`` with
+            sequence parallelism (``sp_size`` above 1: DeepSpeed's Ulysses).
     """
     options = _plugin_options(fsdp_plugin) if fsdp_plugin is not None else {}
     if parallelism_config is None:
         return DataParallelPlan(shard=fsdp_plugin is not None, source="an FSDP plugin" if fsdp_plugin else
                                 DataParallelPlan.source, **options)
     pc = parallelism_config
-    other = [f"{name}={getattr(pc, name)}" for name in ("cp_size", "sp_size") if (getattr(pc, name, 1) or 1) > 1]
-    if other:
-        raise TPUsageError(f"TPAccelerator: ParallelismConfig({', '.join(other)}) is not supported with a tpify "
-                           f"model: tpify parallelizes tensors itself; only dp_replicate_size, dp_shard_size and "
-                           f"tp_size are read")
+    if (getattr(pc, "sp_size", 1) or 1) > 1:
+        raise TPUsageError(f"TPAccelerator: ParallelismConfig(sp_size={pc.sp_size}) (DeepSpeed's Ulysses sequence "
+                           f"parallelism) is not supported with a tpify model; for long sequences use context "
+                           f"parallelism: parallelize the model on tpify.init_mesh(tp_size, cp_size=...) and pass "
+                           f"ParallelismConfig(cp_size=...) (or nothing)")
+    cp_size = getattr(pc, "cp_size", 1) or 1
     shard = (pc.dp_shard_size or 1) > 1 or fsdp_plugin is not None
     return DataParallelPlan(shard=shard, dp_replicate=pc.dp_replicate_size or 1, dp_shard=pc.dp_shard_size or 1,
-                            tp_size=pc.tp_size or 1, source=f"ParallelismConfig(dp_replicate_size="
-                            f"{pc.dp_replicate_size}, dp_shard_size={pc.dp_shard_size}, tp_size={pc.tp_size})",
-                            **options)
+                            tp_size=pc.tp_size or 1, cp_size=cp_size, source=f"ParallelismConfig(dp_replicate_size="
+                            f"{pc.dp_replicate_size}, dp_shard_size={pc.dp_shard_size}, cp_size={cp_size}, "
+                            f"tp_size={pc.tp_size})", **options)
 
 
 @contextlib.contextmanager
@@ -171,7 +180,8 @@ class TPAccelerator(accelerate.Accelerator):
 
     Use it as ``Accelerator``: ``model, opt, dl = accelerator.prepare(model, opt, dl)``, then
     ``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_(model.parameters(), 1.0)``,
-    ``opt.step()``. Under torchrun with ``world = dp * tp``.
+    ``opt.step()``. Under torchrun with ``world = dp * cp * tp`` (``cp`` 1 without context
+    parallelism; else ``model(**tpify.context_parallel.split_batch(batch, model))`` in the loop).
 
     Communication: that of the model and of torch's engine (DDP's bucketed all-reduces over DP,
     or FSDP2's all-gathers and reduce-scatters); ``clip_grad_norm_`` one all-reduce of one value
@@ -181,9 +191,10 @@ class TPAccelerator(accelerate.Accelerator):
         TPUsageError: fp16 mixed precision (a per-rank inf check would let TP ranks diverge),
             DeepSpeed, an FSDP plugin of version 1 or with options tpify does not support
             (:func:`data_parallel_plan`), a ``ParallelismConfig`` whose sizes are not the
-            model's, ``dispatch_batches``, a data loader prepared before any tpify model, two
-            models with different groups, an FSDP model prepared without its optimizer in the
-            same call while an optimizer holds state, ``get_state_dict``.
+            model's, ``dispatch_batches``, a data loader
+            prepared before any tpify model, two models with different groups, an FSDP model
+            prepared without its optimizer in the same call while an optimizer holds state,
+            ``get_state_dict``.
         ResumeError: (a TPUsageError) ``load_state`` of a state saved from another model or
             param groups.
     """
@@ -219,7 +230,6 @@ class TPAccelerator(accelerate.Accelerator):
         if any(m is tp_model for m in models):
             return
         info = get_tp_info(tp_model)
-        refuse_context_parallel(info, "TPAccelerator")
         if models:
             first = get_tp_info(models[0])
             if (first.tp_group, first.dp_group) != (info.tp_group, info.dp_group):
@@ -244,16 +254,19 @@ class TPAccelerator(accelerate.Accelerator):
         """Refuse a plan whose sizes are not the model's (local; the same outcome on every rank)."""
         plan = self._plan()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        dp = world // info.tp_size
+        dp = world // (info.tp_size * info.cp_size)
         wanted = [(name, value, actual) for name, value, actual in (
             ("tp_size", plan.tp_size, info.tp_size),
+            ("cp_size", plan.cp_size, info.cp_size),
             ("dp_replicate_size x dp_shard_size", None if plan.dp_replicate is None else plan.dp_replicate *
              plan.dp_shard, dp)) if value is not None and value != actual]
         if wanted:
+            cp = f" x cp {info.cp_size}" if info.cp_size > 1 else ""
             raise TPUsageError(f"TPAccelerator: {plan.source} does not fit the tpify model: "
                                + "; ".join(f"{n} {v} asked, the model has {a}" for n, v, a in wanted)
-                               + f" (world {world} = dp {dp} x tp {info.tp_size}). Ask for the model's sizes, or "
-                                 f"parallelize the model with tp_size={plan.tp_size or info.tp_size}")
+                               + f" (world {world} = dp {dp}{cp} x tp {info.tp_size}). Ask for the model's sizes, "
+                                 f"or parallelize the model with tpify.init_mesh(tp_size={plan.tp_size or info.tp_size}"
+                                 f", cp_size={plan.cp_size or info.cp_size})")
 
     def _layout(self):
         models = self._tp_models()
@@ -459,7 +472,7 @@ class TPAccelerator(accelerate.Accelerator):
         """Inside the block, ``gather``, ``reduce``, ``num_processes`` and ``process_index`` are
         over the DP group of the tpify models prepared (the TP ranks of a replica hold the same
         batch, so the world would hold each value ``tp_size`` times): what accelerate returns for
-        the dense model trained on ``dp`` processes. A no-op at ``tp_size == 1`` or before any tpify
+        the dense model trained on ``dp`` processes. A no-op at ``tp_size x cp_size == 1`` or before any tpify
         model is prepared; re-entrant.
 
         Communication: in the block, ``gather`` is one all-gather over DP
@@ -467,7 +480,7 @@ class TPAccelerator(accelerate.Accelerator):
         world must call them in the same order, as outside the view.
         """
         layout = self._layout()
-        if layout is None or layout[2].tp_size == 1:
+        if layout is None or layout[2].tp_size * layout[2].cp_size == 1:
             yield self
             return
         previous = self.__dict__.get("_tpify_dp_view")
@@ -534,10 +547,10 @@ class TPAccelerator(accelerate.Accelerator):
         replica hold the same batch, so each sample counts once.
 
         Raises:
-            TPUsageError: ``use_gather_object=True`` (or non-tensor data) at ``tp_size > 1``.
+            TPUsageError: ``use_gather_object=True`` (or non-tensor data) at ``tp_size x cp_size > 1``.
         """
         layout = self._layout()
-        if layout is not None and layout[2].tp_size > 1 and use_gather_object:
+        if layout is not None and layout[2].tp_size * layout[2].cp_size > 1 and use_gather_object:
             raise TPUsageError("TPAccelerator.gather_for_metrics supports tensors only for tpify models")
         with self.data_parallel_view():
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)

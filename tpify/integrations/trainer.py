@@ -14,6 +14,14 @@ the optimizer state as a torch.distributed.checkpoint in ``tpify_optimizer/`` wi
 every rank. The optimizer files sit in a subdirectory so that plain ``Trainer`` resuming such a
 checkpoint fails loudly (``optimizer.pt`` missing) instead of restarting the optimizer silently.
 
+Context parallelism (a model parallelized with ``cp_size > 1``; ``parallelism_config`` may say
+the same ``cp_size``): every rank of a CP group gets the same whole sequences, Trainer counts
+``num_items_in_batch`` over them (each target once: :meth:`TPTrainerMixin.get_tp_size` is the
+``tp x cp`` ranks of a replica), and each micro-batch is split by
+:func:`tpify.context_parallel.split_batch` (labels shifted before the split) just before the
+model's forward. TRL's trainers are refused under context parallelism, each with its reason
+(:func:`tpify.integrations.trl.refuse_context_parallel`).
+
 Refused at construction, on every rank: DeepSpeed, FSDP version 1 and the FSDP options
 :func:`~tpify.integrations.accelerate.data_parallel_plan` refuses, fp16, ``load_best_model_at_end``,
 a model tpify did not parallelize, TRL trainers tpify has not checked (:mod:`tpify.integrations.trl`).
@@ -35,7 +43,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from .. import comm
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..data_parallel import planned_dp_shard
-from ..context_parallel import refuse as refuse_context_parallel
+from ..context_parallel import split_batch
 from ..info import get_tp_info
 from ..quantized import refuse_full_finetuning
 from ..random import get_rng_tracker
@@ -44,7 +52,7 @@ from .accelerate import TPAccelerator, data_parallel_plan
 from .model import TPUsageError, load_dense_, save_dense, tp_model_of
 from .resume import MANIFEST_NAME, check_resume, same_layout, training_layout, write_manifest
 from .trl import (after_init, after_optimizer_loaded, check_trainer, check_trainer_class, data_parallel_metrics,
-                  is_trl_trainer, prepare_args, trl_construction, uses_data_parallel_view)
+                  is_trl_trainer, prepare_args, refuse_context_parallel, trl_construction, uses_data_parallel_view)
 
 __all__ = ["TPTrainer", "TPTrainerMixin", "tp_trainer_class", "OPTIMIZER_DIR"]
 
@@ -57,8 +65,9 @@ class TPTrainerMixin:
     docstring); first among the bases (``class X(TPTrainerMixin, SFTTrainer)``) or through
     :func:`tp_trainer_class`. :class:`TPTrainer` is this mixin on ``transformers.Trainer``.
 
-    Same arguments as the trainer; launch ``N = dp * tp`` ranks with the model parallelized at
-    ``tp_size = tp``. ``per_device_train_batch_size`` is per DP replica. ``fsdp="full_shard"`` with
+    Same arguments as the trainer; launch ``N = dp * cp * tp`` ranks with the model parallelized at
+    ``tp_size = tp`` (and ``cp_size = cp`` on :func:`tpify.init_mesh`: the module docstring).
+    ``per_device_train_batch_size`` is per DP replica. ``fsdp="full_shard"`` with
     ``fsdp_config={"version": 2}`` shards with FSDP2 over the DP group; ``parallelism_config`` asks
     for HSDP; else DDP over the DP group. TRL trainers (:data:`tpify.integrations.trl.CHECKED_TRAINERS`)
     get what :mod:`tpify.integrations.trl` adds (vocab-parallel fused LM head, ``peft_config``,
@@ -69,6 +78,9 @@ class TPTrainerMixin:
         TPUsageError: not a tpify model (or a PEFT model on one); DeepSpeed, FSDP version 1 or
             refused FSDP options, fp16, ``load_best_model_at_end``; a TRL trainer or option tpify
             refuses (:func:`tpify.integrations.trl.check_trainer`); a TRL trainer without ``args``.
+            Under context parallelism: any TRL trainer (the reason per trainer), a
+            ``parallelism_config`` whose ``cp_size`` is not the model's,
+            ``label_smoothing_factor``, ``compute_loss_func``; at evaluation, logits asked for.
         ResumeError: resuming a checkpoint of another model or param groups, without a manifest, or
             incomplete; on every rank.
     """
@@ -78,14 +90,16 @@ class TPTrainerMixin:
         model, args = bound.get("model"), bound.get("args")
         name = type(self).__name__
         on_trl = is_trl_trainer(type(self))
+        tp_model = tp_model_of(model) if model is not None and not isinstance(model, str) else None
+        if on_trl and tp_model is not None:
+            refuse_context_parallel(type(self), get_tp_info(tp_model))
         if on_trl:
             check_trainer_class(type(self))
-        tp_model = tp_model_of(model) if model is not None and not isinstance(model, str) else None
         if tp_model is None:
             raise TPUsageError(f"{name} trains models parallelized by tpify (tpify.parallelize or "
                                "tpify.from_pretrained, optionally with tpify.integrations.get_peft_model); "
                                f"got {type(model).__name__}")
-        refuse_context_parallel(get_tp_info(tp_model), name)
+        info = get_tp_info(tp_model)
         refuse_full_finetuning(model, name)
         if on_trl:
             if args is None:
@@ -112,6 +126,20 @@ class TPTrainerMixin:
 
                 plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
             plan = data_parallel_plan(plugin, args.parallelism_config)
+            if plan.cp_size is not None and plan.cp_size != info.cp_size:
+                raise TPUsageError(f"{name}: parallelism_config asks for cp_size {plan.cp_size}, the model was "
+                                   f"parallelized with cp_size {info.cp_size}; parallelize it on "
+                                   f"tpify.init_mesh(tp_size, cp_size={plan.cp_size}) or ask for "
+                                   f"cp_size={info.cp_size}")
+            if info.cp_size > 1 and args.label_smoothing_factor:
+                raise TPUsageError(f"{name}: label_smoothing_factor={args.label_smoothing_factor} under context "
+                                   f"parallelism: Trainer's label smoother reads the logits and labels of the whole "
+                                   f"sequence, and a rank holds {info.cp_size}th of it; use label_smoothing_factor=0 "
+                                   f"or cp_size=1")
+            if info.cp_size > 1 and bound.get("compute_loss_func") is not None:
+                raise TPUsageError(f"{name}: compute_loss_func under context parallelism: it would see this rank's "
+                                   f"tokens only (the model's loss is the one tpify adds over the CP group); drop it "
+                                   f"or use cp_size=1")
         self._tp_model = tp_model
         self._tp_plan = plan
         if on_trl:
@@ -146,7 +174,31 @@ class TPTrainerMixin:
         _check_accelerate_sees_the_world(self.accelerator.state.num_processes)
 
     def get_tp_size(self) -> int:
-        return get_tp_info(self._tp_model).tp_size
+        """The ranks of one DP replica, which hold the same batch and compute the same loss: the
+        model's ``tp_size x cp_size``. Trainer divides the gathered ``num_items_in_batch`` by it
+        (each target counted once), scales the loss by ``num_processes // get_tp_size()`` (the DP
+        size, which DDP's average undoes: the CP group's gradient is a sum, made by tpify) and
+        counts the DP world with it; :meth:`get_cp_size` is then 1 (counted here)."""
+        info = get_tp_info(self._tp_model)
+        return info.tp_size * info.cp_size
+
+    def get_cp_size(self) -> int:
+        """1: the model's context-parallel ranks are counted in :meth:`get_tp_size` (Trainer's own
+        context parallelism, torch's, averages each rank's partial loss; tpify's loss is the dense
+        one on every rank of the CP group)."""
+        return 1
+
+    def _split_for_context_parallel(self, inputs):
+        """This rank's part of a batch of whole sequences (:func:`tpify.context_parallel.split_batch`),
+        when the model is context-parallel; the batch itself otherwise. Local (one host sync when the
+        batch has an ``attention_mask``, to check that it pads nothing)."""
+        if get_tp_info(self._tp_model).cp_size == 1 or not isinstance(inputs, dict) or \
+                inputs.get("input_ids") is None and inputs.get("inputs_embeds") is None:
+            return inputs
+        try:
+            return split_batch(inputs, self._tp_model)
+        except ValueError as e:
+            raise ValueError(f"{type(self).__name__} under context parallelism: {e}") from e
 
     def _track_num_input_tokens(self, inputs) -> None:
         """Trainer's ``include_num_input_tokens_seen`` count, gathered over DP only: the TP ranks of
@@ -163,8 +215,26 @@ class TPTrainerMixin:
         return contextlib.nullcontext()
 
     def _prepare_inputs(self, inputs):
+        """Trainer's (the tensors on the device), then, under context parallelism, this rank's
+        tokens (:meth:`_split_for_context_parallel`; ``num_items_in_batch`` was counted before, on
+        the whole sequences)."""
         with self._metrics_view():
-            return super()._prepare_inputs(inputs)
+            return self._split_for_context_parallel(super()._prepare_inputs(inputs))
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Trainer's; under context parallelism only the loss (``prediction_loss_only=True``).
+
+        Raises:
+            TPUsageError: logits or labels asked for under context parallelism (each rank holds a
+                part of every sequence's tokens: metrics would see them out of order), on every rank.
+        """
+        if get_tp_info(self._tp_model).cp_size > 1 and not prediction_loss_only:
+            raise TPUsageError(f"{type(self).__name__}: evaluation with logits (compute_metrics, or "
+                               f"prediction_loss_only=False) under context parallelism is not built: each rank holds "
+                               f"{get_tp_info(self._tp_model).cp_size}th of every sequence. Evaluate the loss only "
+                               f"(TrainingArguments(prediction_loss_only=True)), or save the model and evaluate it "
+                               f"with cp_size=1")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's loss; when the outputs are returned (evaluation, prediction), vocab-sharded

@@ -25,6 +25,7 @@ from ..loss import vocab_parallel_entropy, vocab_parallel_is_top1, vocab_paralle
 from .model import tp_model_of
 
 __all__ = ["CHECKED_TRAINERS", "is_trl_trainer", "check_trainer_class", "check_trainer", "prepare_args",
+           "CONTEXT_PARALLEL_REFUSALS", "refuse_context_parallel",
            "trl_construction", "VocabParallelFusedHead", "add_fused_lm_head", "after_init", "uses_data_parallel_view",
            "data_parallel_metrics", "after_optimizer_loaded"]
 
@@ -59,6 +60,44 @@ def _refused_options(args) -> list[str]:
     if getattr(args, "use_transformers_paged", False) or getattr(args, "use_transformers_continuous_batching", False):
         bad.append("transformers' paged / continuous-batching generation (not checked with tensor-parallel layers)")
     return bad
+
+
+#: Why each TRL trainer is refused under context parallelism (each rank holds ``T / cp`` tokens of
+#: every sequence, :mod:`tpify.context_parallel`); TRL itself refuses ``cp_size > 1`` in GRPO and RLOO.
+CONTEXT_PARALLEL_REFUSALS = {
+    "SFTTrainer": "SFT's compute_loss adds token accuracy and entropy from the logits and labels of the batch "
+                  "(this rank's tokens, out of order) and its padding-free packing collator's position ids are not "
+                  "passed through tpify.context_parallel.split_batch; not checked against the dense run",
+    "DPOTrainer": "DPO sums each sequence's log-probs over its tokens (chosen and rejected, concatenated) and "
+                  "compares the sums across sequences: a rank holds only part of each sum, and the sum over the CP "
+                  "group is not built",
+    "GRPOTrainer": "GRPO generates its completions (generate is refused under context parallelism: decoding has "
+                   "no sequence to split) and averages per-sequence log-probs over the completion tokens of "
+                   "whole sequences",
+    "RewardTrainer": "the reward model scores each sequence at its last token, which lives on one rank of the CP "
+                     "group",
+    "RLOOTrainer": "RLOO generates its completions (generate is refused under context parallelism) and sums "
+                   "per-sequence log-probs",
+}
+
+
+def refuse_context_parallel(cls: type, info) -> None:
+    """Refuse a TRL trainer on a context-parallel model (``info.cp_size > 1``), naming the reason for
+    the trainer (:data:`CONTEXT_PARALLEL_REFUSALS`). Local: the same on every rank, before anything
+    is built.
+
+    Raises:
+        TPUsageError: ``cls`` derives from a TRL class and the model has ``cp_size > 1``.
+    """
+    if info is None or info.cp_size == 1 or not is_trl_trainer(cls):
+        return
+    names = [c.__name__ for c in _trl_classes(cls) if c.__name__ not in _TRL_BASES]
+    name = names[0] if names else cls.__name__
+    reason = CONTEXT_PARALLEL_REFUSALS.get(name, "it is not one of TRL's trainers tpify has checked")
+    raise TPUsageError(f"{cls.__name__}: TRL's {name} under context parallelism (cp_size {info.cp_size}) is not "
+                       f"supported: {reason}. Train with cp_size=1 (tpify.init_mesh(tp_size, cp_size=1)), or with "
+                       f"tpify.integrations.TPTrainer (a causal LM loss over split sequences) or your own loop "
+                       f"(docs/context-parallelism.md)")
 
 
 def check_trainer_class(cls: type) -> None:

@@ -76,18 +76,28 @@ def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
 
     Each stage's tensors are gathered to their dense layout over its TP group; the rank at tp, cp
     and dp coordinate 0 of each stage writes its file; global rank 0 writes the index and config.
-    Not atomic (unlike :func:`tpify.save_pretrained`): write to a new directory.
+    Not atomic (unlike :func:`tpify.save_pretrained`), so it refuses a directory that already
+    holds weights (files of an older save would mix with the new ones): write to a new directory.
 
     Communication: per sharded tensor one all-gather over TP; one agreement; one
-    ``all_gather_object`` of the file names and keys over the world; a barrier.
+    ``all_gather_object`` of the file names and keys (or a writer's error) over the world; a barrier.
 
     Raises:
-        PipelineError: on every rank: ``path`` is a file; stages under FSDP2 or ``replicate``
-            (:mod:`tpify.pipeline.data_parallel`: not built).
+        PipelineError: on every rank: ``path`` is a file or holds ``*.safetensors`` /
+            ``*.safetensors.index.json`` / ``pytorch_model*.bin`` files; stages under FSDP2 or
+            ``replicate`` (:mod:`tpify.pipeline.data_parallel`: not built); a writer failed (its
+            rank and error named; the index is then not written, so nothing loads the partial
+            directory).
     """
     info: PipelineInfo = getattr(schedule_or_info, "tpify_pipeline", schedule_or_info)
     path = Path(path)
     error = PipelineError(f"save_pretrained: {path} is a file; pass a directory") if path.is_file() else None
+    held = sorted(f.name for pattern in ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+                  for f in path.glob(pattern)) if path.is_dir() else []
+    if error is None and held:
+        error = PipelineError(f"save_pretrained: {path} already holds weights ({', '.join(held[:3])}"
+                              f"{', ...' if len(held) > 3 else ''}); a pipeline save is not atomic and would mix its "
+                              "files with them: save into a new directory (or remove the old save first)")
     if info.data_parallel is not None:  # the same on every rank
         error = PipelineError(f"save_pretrained of stages under {info.data_parallel!r} (DTensor parameters) is not "
                               f"built: save a pipeline without data-parallel replicas (dp 1)")
@@ -98,13 +108,20 @@ def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
     for stage in info.stages:
         tensors = _stage_tensors(stage)
         name = f"model-{stage.stage_index + 1:05d}-of-{info.num_stages:05d}.safetensors"
-        if writer:
+        if writer and "error" not in written:
             from safetensors.torch import save_file
 
-            path.mkdir(parents=True, exist_ok=True)
-            save_file({k: t.cpu() for k, t in tensors.items()}, str(path / name), metadata={"format": "pt"})
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                save_file({k: t.cpu() for k, t in tensors.items()}, str(path / name), metadata={"format": "pt"})
+            except OSError as e:  # reported to every rank below, not left to hang the others
+                written = {"error": f"rank {dist.get_rank()} writing {path / name}: {type(e).__name__}: {e}"}
+                continue
             written[name] = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     everyone = comm.all_gather_objects(written, None)
+    failures = [w["error"] for w in everyone if "error" in w]
+    if failures:
+        raise PipelineError(f"save_pretrained into {path} failed, no index written: {'; '.join(failures)}")
     if dist.get_rank() == 0:
         weight_map, total = {}, 0
         for files in everyone:
