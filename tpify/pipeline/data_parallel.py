@@ -62,6 +62,7 @@ def check_data_parallel(mesh, data_parallel) -> None:
 
 
 def _check_stages(info: PipelineInfo, what: str) -> None:
+    """Refuse stages an engine holds already (the same on every rank). Raises PipelineError."""
     if info.data_parallel is not None:
         raise PipelineError(f"{what}: the stages are already under {info.data_parallel!r}; apply one engine once")
     for stage in info.stages:
