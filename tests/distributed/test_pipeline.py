@@ -1,12 +1,15 @@
 """Pipeline stages (``tpify.pipeline``) against the single-process dense model, float64.
 
 One spawned job of 4 gloo ranks runs every check (spawning costs seconds): GPT-2 (tied head,
-learned positions) and Llama (untied, GQA) at pp 2 (GPipe, 1F1B), pp 4 (1F1B), pp 2 with two
-virtual stages per rank (interleaved 1F1B), and Llama at pp 2 x tp 2 (1F1B); at pp 2 x dp 2 each
-data-parallel replica takes its half of the global batch (the dense model sees the whole); each the loss and
-every gradient of the first step, then 3 AdamW steps with clipping, and the tied embedding's
-gradient equal on the first and last stage. Tolerance: float64 sums in another order (~1e-16);
-tputil.F64 (atol 1e-10) leaves room for the 3 AdamW steps.
+learned positions) and Llama (untied, GQA) at pp 2 x FSDP2 dp_shard 2 (GPipe, 1F1B; ranks 0-1
+hold stage 0, ranks 2-3 stage 1, each parameter split over the two), pp 4 (1F1B), pp 2 with two
+virtual stages per rank x FSDP2 dp_shard 2 (interleaved 1F1B); GPT-2 at pp 2 x dp_replicate 2
+with torch's composable ``replicate`` (DDP's semantics), Llama at pp 2 x HSDP (2 x 1), and Llama
+at pp 2 x tp 2 (1F1B); with data-parallel replicas each takes its half of the global batch (the
+dense model sees the whole); each the loss and every gradient of the first step, then 3 AdamW
+steps with clipping, and the tied embedding's gradient equal on the first and last stage (both
+compared with the dense one). Tolerance: float64 sums in another order (~1e-16); tputil.F64
+(atol 1e-10) leaves room for the 3 AdamW steps.
 """
 
 from __future__ import annotations
@@ -81,11 +84,19 @@ def _batch(vocab, seed, rows=B):
     return ids, labels
 
 
-def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False, chunk=None):
+def _full(t):
+    """A tensor whole: a DTensor (FSDP2's, sharded over dp_shard; replicate's) gathered, a plain one as it is."""
+    from tpify.sharding import is_dtensor
+
+    return t.full_tensor() if t is not None and is_dtensor(t) else t
+
+
+def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False, chunk=None, dp=None):
     import peft
 
     import tpify
     import tpify.pipeline as pp
+    from torch.distributed.tensor import Replicate, Shard
     from tpify.integrations import get_peft_model
     from tpify.mesh import dp_mesh
 
@@ -104,7 +115,8 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
         torch.manual_seed(1)
         model = (get_peft_model(model, peft.LoraConfig(**LORA)) if tp > 1 else
                  peft.get_peft_model(model, peft.LoraConfig(**LORA))).base_model.model
-    sched = pp.pipeline(model, mesh, schedule=schedule, n_microbatches=M, n_virtual=n_virtual, lm_loss_chunk=chunk)
+    sched = pp.pipeline(model, mesh, schedule=schedule, n_microbatches=M, n_virtual=n_virtual, lm_loss_chunk=chunk,
+                        data_parallel=dp)
     del model
     stages = pp.stages_of(sched)
     first = any(s.is_first for s in stages)
@@ -113,15 +125,19 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
     opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     vocab = ref.config.vocab_size
-    what = (f"{type(ref).__name__} {mesh_args} tp {tp} {schedule} x{n_virtual}{' checkpointing' * checkpointing}"
+    what = (f"{type(ref).__name__} {mesh_args} tp {tp}{f' {dp}' if dp else ''} {schedule} x{n_virtual}"
+            f"{' checkpointing' * checkpointing}"
             f"{' LoRA' * lora}{f' lm_loss_chunk {chunk}' if chunk else ''}")
     worst = [0.0]
 
     def close(got, want, msg):
         torch.testing.assert_close(got, want, **tputil.F64, msg=msg)
         worst[0] = max(worst[0], float((got.detach() - want.detach()).abs().max()))
-    dp = dp_mesh(mesh)
-    replicas, replica = dp.size(), dp.get_local_rank()
+    replicas, replica = dp_mesh(mesh).size(), dp_mesh(mesh).get_local_rank()
+    if replicas > 1:  # the engine's DTensors: FSDP2 splits each parameter over dp_shard, replicate keeps it whole
+        placements = {s.placements for st in stages for s in st.parameters()}
+        assert placements == ({(Shard(0),)} if dp == "fsdp" and "dp_replicate" not in mesh_args else
+                              {(Replicate(), Shard(0))} if dp == "fsdp" else {(Replicate(),)}), (what, placements)
     for it in range(3):
         ids, labels = _batch(vocab, it, B * replicas)  # the global batch; each dp replica its B rows
         want = _dense_loss(ref, ids, labels)
@@ -134,7 +150,7 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
             ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
             for stage in stages:
                 named = tputil.dense_named(stage.model, "grad") if tp > 1 else \
-                    {n: p.grad for n, p in stage.model.named_parameters()}
+                    {n: _full(p.grad) for n, p in stage.model.named_parameters()}
                 assert named, what
                 assert any(g is not None for g in named.values()), what
                 for n, g in named.items():
@@ -147,9 +163,13 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
         close(norm, want_norm, f"{what}: norm, step {it}")
         ref_opt.step(); ref_opt.zero_grad()
         opt.step(); opt.zero_grad()
+    if dp:  # saving stages under an engine is not built: refused on every rank
+        with pytest.raises(pp.PipelineError, match="not built"):
+            pp.save_checkpoint("/nonexistent/never-written", sched)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     for stage in stages:
-        named = tputil.dense_named(stage.model) if tp > 1 else dict(stage.model.named_parameters())
+        named = tputil.dense_named(stage.model) if tp > 1 else \
+            {n: _full(p) for n, p in stage.model.named_parameters()}
         for n, p in named.items():
             close(p, ref_params[n], f"{what}: {n} after 3 AdamW steps")
     return what, worst[0]
@@ -160,17 +180,19 @@ def _job(rank, world):
     import tpify.pipeline as pp
 
     done = []
-    for make in (_gpt2, _llama):
-        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "GPipe", 1, 1))
-        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1))
+    for make in (_gpt2, _llama):  # pp 2 x dp_shard 2 (FSDP2): ranks 0-1 stage 0 (dp_shard 0, 1), ranks 2-3 stage 1
+        done.append(_case(make, {"pp_size": 2}, "GPipe", 1, 1, dp="fsdp"))
+        done.append(_case(make, {"pp_size": 2}, "1F1B", 1, 1, dp="fsdp"))
         done.append(_case(make, {"pp_size": 4}, "1F1B", 1, 1))
-        done.append(_case(make, {"pp_size": 2, "dp_replicate": 2}, "Interleaved1F1B", 2, 1))
+        done.append(_case(make, {"pp_size": 2}, "Interleaved1F1B", 2, 1, dp="fsdp"))
+    done.append(_case(_gpt2, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, dp="replicate"))  # DDP's semantics
+    done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "GPipe", 1, 1, dp="fsdp"))  # HSDP (2 x 1)
     done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2))
     done.append(_case(_gpt2, {"pp_size": 2}, "GPipe", 1, 2))
     done.append(_case(_qwen2, {"pp_size": 4}, "1F1B", 1, 1))  # sliding and full layers: the stage's layer_types
     done.append(_case(_qwen2, {"pp_size": 2}, "Interleaved1F1B", 2, 2))
     done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2, checkpointing=True))
-    done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, lora=True))
+    done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 1, lora=True, dp="fsdp"))
     done.append(_case(_llama, {"pp_size": 2}, "GPipe", 1, 2, lora=True))
     done.append(_case(_mixtral, {"pp_size": 2}, "1F1B", 1, 2))
     done.append(_case(_gpt2, {"pp_size": 2}, "1F1B", 1, 2, chunk=5))  # the tied head's weight from the loss
@@ -189,6 +211,14 @@ def _refusals():
     import tpify.pipeline as pp
     from tpify import AgreementError
 
+    with pytest.raises(pp.PipelineError, match=r"no data-parallel engine.*data_parallel='fsdp'.*shard_stages.*"
+                                               r"data_parallel='replicate'.*replicate_stages"):
+        pp.pipeline(_llama(), tpify.init_mesh(1, pp_size=2, device_type="cpu"), n_microbatches=M)  # dp_shard 2
+    info = pp.split_model(_llama().double(), tpify.init_mesh(1, pp_size=2, device_type="cpu"))
+    with pytest.raises(pp.PipelineError, match="no data-parallel engine"):  # the split, then no engine
+        pp.build_schedule(info, "GPipe", M)
+    with pytest.raises(pp.PipelineError, match="data_parallel='ddp'"):
+        pp.pipeline(_llama(), tpify.init_mesh(1, pp_size=2, device_type="cpu"), n_microbatches=M, data_parallel="ddp")
     mesh = tpify.init_mesh(1, pp_size=4, device_type="cpu")
     torch.manual_seed(0)
     model = _llama().double()
@@ -223,7 +253,7 @@ def _refusals():
 
 def test_pipeline_matches_dense():
     results = tputil.spawn(_job, 4, timeout=900)
-    assert all(len(r) == 19 for r in results)
+    assert all(len(r) == 21 for r in results)
     cases = [c for c in results[0] if isinstance(c, tuple)]
     for i, (what, _) in enumerate(cases):  # the largest |difference| over the ranks (docs/pipeline-parallelism.md)
         print(f"{what}: {max(r[i][1] for r in results):.1e}")

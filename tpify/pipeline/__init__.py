@@ -9,8 +9,10 @@ torch's schedules (:mod:`.schedule`). One job per module:
   and the layer ranges of the stages;
 * :mod:`.stage`: :class:`StageModule`, one stage of the HF model;
 * :mod:`.split`: :func:`split_model`, this rank's stages and the embedding group;
+* :mod:`.data_parallel`: FSDP2 / HSDP (:func:`shard_stages`) or replicas (:func:`replicate_stages`) on
+  each stage, over the mesh's dp axes, before the schedule is built;
 * :mod:`.schedule`: :func:`build_schedule` (torch's schedule objects), :class:`PipelineLoss`, :func:`step`;
-* :mod:`.grads`: the global gradient norm over pp x tp and clipping;
+* :mod:`.grads`: the global gradient norm over pp x dp x tp and clipping;
 * :mod:`.load`: :func:`from_pretrained` reading only this rank's stages, :func:`save_pretrained` by stage;
 * :mod:`.checkpoint`: training checkpoints (DCP) that resume at another pp and tp.
 
@@ -28,6 +30,7 @@ Usage (docs/pipeline-parallelism.md)::
 from __future__ import annotations
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .data_parallel import apply_data_parallel, replicate_stages, shard_stages
 from .grads import clip_grad_norm_, grad_norm, parameters
 from .load import from_pretrained, save_pretrained
 from .plan import PipelineError, PipelinePlan, layer_ranges, pipeline_plan
@@ -35,24 +38,34 @@ from .schedule import PipelineLoss, build_schedule, step
 from .split import PipelineInfo, split_model
 from .stage import StageModule
 
-__all__ = ["pipeline", "split_model", "build_schedule", "step", "parameters", "grad_norm", "clip_grad_norm_",
+__all__ = ["pipeline", "split_model", "shard_stages", "replicate_stages", "build_schedule", "step", "parameters", "grad_norm", "clip_grad_norm_",
            "stages_of", "from_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
            "layer_ranges", "pipeline_plan"]
 
 
 def pipeline(model, mesh, *, schedule: str = "1F1B", n_microbatches: int = 1, n_virtual: int | None = None,
-             split_points: list[int] | None = None, recipe=None, device=None, lm_loss_chunk=None):
-    """:func:`split_model` then :func:`build_schedule`: torch's schedule object over this rank's
-    stages of ``model`` (a causal LM, dense or parallelized over ``mesh``'s tp axis).
+             split_points: list[int] | None = None, recipe=None, device=None, lm_loss_chunk=None,
+             data_parallel: str | None = None):
+    """:func:`split_model`, the data-parallel engine on the stages, then :func:`build_schedule`:
+    torch's schedule object over this rank's stages of ``model`` (a causal LM, dense or
+    parallelized over ``mesh``'s tp axis).
 
     ``n_virtual``: stages per rank (default 2 for ``Interleaved1F1B``, else 1); ``lm_loss_chunk``:
-    the chunked linear cross-entropy (:class:`PipelineLoss`). The stages:
-    :func:`stages_of`; a training step: :func:`step`. Communication and Raises: those of
-    :func:`split_model` and :func:`build_schedule` (PipelineError on every rank).
+    the chunked linear cross-entropy (:class:`PipelineLoss`); ``data_parallel``: with dp > 1 in
+    ``mesh`` (``dp_replicate x dp_shard``), ``"fsdp"`` (FSDP2, HSDP with ``dp_replicate > 1``:
+    :func:`shard_stages` with its defaults) or ``"replicate"`` (DDP's semantics:
+    :func:`replicate_stages`); required
+    then, ignored at dp 1 (no default: the engine decides the memory per rank and what the
+    checkpoints take). The stages: :func:`stages_of`; a training step: :func:`step`.
+    Communication and Raises: those of :func:`split_model`, the engine's and
+    :func:`build_schedule` (PipelineError on every rank, before any collective: an unknown
+    ``data_parallel``, dp > 1 without one).
     """
     if n_virtual is None:
         n_virtual = 2 if schedule == "Interleaved1F1B" else 1
-    info = split_model(model, mesh, n_virtual=n_virtual, split_points=split_points, recipe=recipe)
+    info = split_model(model, mesh, n_virtual=n_virtual, split_points=split_points, recipe=recipe,
+                       data_parallel=data_parallel)  # checked there with the model, before any collective
+    apply_data_parallel(info, data_parallel)
     return build_schedule(info, schedule, n_microbatches, device, lm_loss_chunk)
 
 

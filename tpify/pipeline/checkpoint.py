@@ -13,6 +13,7 @@ from torch import nn
 from ..checkpoint import load_checkpoint as _load_checkpoint
 from ..checkpoint import save_checkpoint as _save_checkpoint
 from ..hf_modules import base_model_and_prefix
+from .plan import PipelineError
 from .split import PipelineInfo
 from .stage import shell_of
 
@@ -41,6 +42,13 @@ def union_model(info: PipelineInfo) -> nn.Module:
     return top
 
 
+def _refuse_data_parallel(info: PipelineInfo, what: str) -> None:
+    """Stages under FSDP2 or ``replicate`` (DTensor parameters): not built. The same on every rank."""
+    if info.data_parallel is not None:
+        raise PipelineError(f"tpify.pipeline.{what} of stages under {info.data_parallel!r} (DTensor parameters on the "
+                            f"dp mesh) is not built: checkpoint a pipeline without data-parallel replicas (dp 1)")
+
+
 def save_checkpoint(path: str | os.PathLike, schedule_or_info, optimizers=(), schedulers=(),
                     extra: dict | None = None) -> None:
     """:func:`tpify.checkpoint.save_checkpoint` of this rank's stages (keys ``model.<global name>``,
@@ -48,9 +56,11 @@ def save_checkpoint(path: str | os.PathLike, schedule_or_info, optimizers=(), sc
     :func:`load_checkpoint` resumes at another pp and tp. Every rank of the world calls it.
 
     Communication and Raises: those of :func:`tpify.checkpoint.save_checkpoint` (a tpify model is
-    needed: parallelize the model, at tp 1 too, before cutting it).
+    needed: parallelize the model, at tp 1 too, before cutting it); PipelineError on every rank for
+    stages under FSDP2 or ``replicate`` (not built).
     """
     info = getattr(schedule_or_info, "tpify_pipeline", schedule_or_info)
+    _refuse_data_parallel(info, "save_checkpoint")
     _save_checkpoint(path, [union_model(info)], optimizers, schedulers, extra, partial=True)
 
 
@@ -58,7 +68,9 @@ def load_checkpoint(path: str | os.PathLike, schedule_or_info, optimizers=(), sc
     """Read what :func:`save_checkpoint` wrote (at any pp, tp) into this rank's stages and
     ``optimizers`` (over this rank's parameters), in place; return its ``extra``.
 
-    Communication and Raises: those of :func:`tpify.checkpoint.load_checkpoint`.
+    Communication and Raises: those of :func:`tpify.checkpoint.load_checkpoint`; PipelineError on
+    every rank for stages under FSDP2 or ``replicate`` (not built).
     """
     info = getattr(schedule_or_info, "tpify_pipeline", schedule_or_info)
+    _refuse_data_parallel(info, "load_checkpoint")
     return _load_checkpoint(path, [union_model(info)], optimizers, schedulers, partial=True)

@@ -84,7 +84,8 @@ def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
 
     Raises:
         PipelineError: on every rank: ``path`` is a file or holds ``*.safetensors`` /
-            ``*.safetensors.index.json`` / ``pytorch_model*.bin`` files; a writer failed (its
+            ``*.safetensors.index.json`` / ``pytorch_model*.bin`` files; stages under FSDP2 or
+            ``replicate`` (:mod:`tpify.pipeline.data_parallel`: not built); a writer failed (its
             rank and error named; the index is then not written, so nothing loads the partial
             directory).
     """
@@ -97,6 +98,9 @@ def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
         error = PipelineError(f"save_pretrained: {path} already holds weights ({', '.join(held[:3])}"
                               f"{', ...' if len(held) > 3 else ''}); a pipeline save is not atomic and would mix its "
                               "files with them: save into a new directory (or remove the old save first)")
+    if info.data_parallel is not None:  # the same on every rank
+        error = PipelineError(f"save_pretrained of stages under {info.data_parallel!r} (DTensor parameters) is not "
+                              f"built: save a pipeline without data-parallel replicas (dp 1)")
     agree("tpify.pipeline.save_pretrained", {"path": str(path)}, error)
     coords = info.mesh.get_coordinate()
     writer = all(c == 0 for c in coords[1:])  # tp, cp and dp coordinates 0: one writer per stage

@@ -5,7 +5,10 @@
 :class:`PipelineLoss`; :func:`step` shifts the labels as HF does, counts the non-ignored targets of
 the whole batch once, runs the schedule and sums the tied embedding's gradient between the first
 and last stage, so that the loss and every gradient equal the dense model's mean loss over the
-batch (gradient accumulation over the microbatches, ``scale_grads=False``).
+batch (gradient accumulation over the microbatches, ``scale_grads=False``). Data-parallel
+replicas of the stages are torch's engines, applied to the stages before the schedule is built
+(:mod:`tpify.pipeline.data_parallel`: FSDP2 / HSDP or replicas, driven by torch's schedules across
+the microbatches); tpify sums no gradient over dp itself.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from .. import comm
 from ..agree import agree
 from ..comm.inputs import inputs_checksum
 from ..loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from ..sharding import is_dtensor
+from .data_parallel import check_data_parallel
 from .plan import PipelineError
 from .split import PipelineInfo
 
 __all__ = ["SCHEDULES", "REFUSED_SCHEDULES", "PipelineLoss", "build_schedule", "check_microbatches", "step",
-           "sum_over_replicas",
            "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
@@ -123,7 +127,10 @@ def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: i
     """torch's schedule object running ``info``'s stages (:func:`tpify.pipeline.split_model`).
 
     ``schedule.step`` is torch's; use :func:`step` (labels shifted, the batch's target count, the
-    tied embedding's gradient summed). ``schedule.tpify_pipeline`` is ``info``. ``device``: where
+    tied embedding's gradient summed). ``schedule.tpify_pipeline`` is ``info``. With data-parallel
+    replicas (dp > 1 in the mesh) the stages must be under FSDP2 or ``replicate`` already
+    (:func:`tpify.pipeline.shard_stages`, :func:`tpify.pipeline.replicate_stages`): torch's
+    ``PipelineStage`` runs the FSDP2 module and drives its gradient sync. ``device``: where
     the stages' activations live (default: the stages' parameters'). ``lm_loss_chunk``: None (the
     loss from the logits shard), a positive int or ``"auto"`` (the chunked linear cross-entropy,
     :class:`PipelineLoss`).
@@ -132,11 +139,13 @@ def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: i
     send/recv over the pipeline group when the schedule first runs.
 
     Raises:
-        PipelineError: on every rank, as :func:`check_microbatches`; a bad ``lm_loss_chunk``.
+        PipelineError: on every rank, as :func:`check_microbatches`; a bad ``lm_loss_chunk``; dp > 1
+            without FSDP2 or ``replicate`` on the stages (naming the two functions).
         AgreementError: another rank failed, or the ranks passed other arguments.
     """
     error = None
     try:
+        check_data_parallel(info.mesh, info.data_parallel)
         check_microbatches(schedule, n_microbatches, info.mesh["pp"].size(), info.num_stages, len(info.stages))
         if lm_loss_chunk is not None and lm_loss_chunk != "auto" and not (
                 isinstance(lm_loss_chunk, int) and not isinstance(lm_loss_chunk, bool) and lm_loss_chunk > 0):
@@ -145,8 +154,10 @@ def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: i
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     agree("tpify.pipeline.build_schedule", {"schedule": schedule, "n_microbatches": n_microbatches,
-                                            "lm_loss_chunk": lm_loss_chunk}, error)
-    device = device if device is not None else next(info.stages[0].parameters()).device
+                                            "lm_loss_chunk": lm_loss_chunk, "data_parallel": info.data_parallel}, error)
+    if device is None:
+        first = next(info.stages[0].parameters())
+        device = first.to_local().device if is_dtensor(first) else first.device
     stages = [PipelineStage(s, s.stage_index, s.num_stages, device, group=info.pp_group) for s in info.stages]
     cls, multi = SCHEDULES[schedule]
     last = next((s for s in info.stages if s.is_last), None)
@@ -174,30 +185,6 @@ def _batch_problem(info: PipelineInfo, has_first: bool, has_last: bool, input_id
     return None
 
 
-def sum_over_replicas(info: PipelineInfo) -> None:
-    """Sum the gradients of this rank's stages over the data-parallel replicas (each computed its
-    part of the global batch's mean loss): one all-reduce per (device, dtype) bucket, the
-    gradients flattened into one buffer and back. Nothing with one replica. No DDP or FSDP2
-    engine: every replica holds the whole stage."""
-    if comm.group_size(info.dp_group) == 1:
-        return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    seen = set()
-    for stage in info.stages:
-        for p in stage.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for grads in buckets.values():
-        flat = comm.all_reduce(_flatten_dense_tensors(grads), info.dp_group)
-        for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(summed)
-
-
 def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """One forward and backward of the whole batch through the pipeline; the loss on the rank
@@ -207,9 +194,12 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     the batch is cut into microbatches; the non-ignored targets of the whole batch are counted once
     (a tensor: no host sync), each microbatch's loss is its sum over that count. After the schedule,
     a tied embedding's gradient is summed between the first and last stage (both then hold the
-    dense gradient; their updates stay equal). With data-parallel replicas (the mesh's dp axes)
-    each gives its own batch: the count is the global batch's (summed over dp), the gradients are
-    summed over dp (:func:`sum_over_replicas`), and the loss returned is the global batch's mean.
+    dense gradient; their updates stay equal; under FSDP2 each rank sums its dim-0 shard of them,
+    the two copies being split alike over ``dp_shard``). With data-parallel replicas (the mesh's
+    dp axes) each gives its own batch: the count is the global batch's (summed over dp), the
+    gradients are summed over dp by torch's engine on the stages (FSDP2's reduce-scatter or
+    ``replicate``'s all-reduce, run by the schedule after the last microbatch's backward:
+    :mod:`tpify.pipeline.data_parallel`), and the loss returned is the global batch's mean.
     Plain causal attention only: padding masks and packed sequences are not taken (no
     ``attention_mask``).
 
@@ -218,9 +208,10 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     Shapes: ``input_ids`` ``(B, T)`` int64 on the first stage's ranks only, ``labels`` ``(B, T)``
     on the last stage's only (``B`` a multiple of the microbatch count). Returns a scalar.
     Communication: one agreement (the store: no collective) on the inputs; torch's send/recv
-    between stages; the TP layers' collectives; one all-reduce of the tied weight's gradient over
-    the embedding group; over the dp replicas (when more than one): the count and the loss (one
-    value each), the gradients (one all-reduce per (device, dtype) bucket).
+    between stages; the TP layers' collectives; one all-reduce of the tied weight's gradient (this
+    rank's shard under FSDP2) over the embedding group; over the dp replicas (when more than one):
+    the count and the loss (one value each); the engine's (FSDP2's all-gathers and reduce-scatters,
+    or ``replicate``'s all-reduce).
 
     Raises:
         PipelineError: on every rank before any collective: inputs on a stage that takes none, a
@@ -271,8 +262,9 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
         for p in info.tied_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, info.embedding_group)
-    sum_over_replicas(info)
+            # FSDP2: the first and last stage's copies have one shape, so one dim-0 split over dp_shard
+            # (the embedding group pairs ranks of the same dp and tp coordinates): their local shards match
+            comm.all_reduce(p.grad.to_local() if is_dtensor(p.grad) else p.grad, info.embedding_group)
     if not has_last:
         return None
     loss = torch.stack(losses).sum().detach()

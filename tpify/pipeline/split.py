@@ -37,7 +37,10 @@ class PipelineInfo:
     the data-parallel replicas of this rank's stages (the mesh's dp axes at this pp, cp, tp);
     ``embedding_group``: the first and last stage's ranks of this pipeline when a tied head
     lives on another rank than its embedding (None otherwise, or when this rank holds neither);
-    ``tied_params``: this rank's tied embedding / head parameter(s) whose gradient is summed over it.
+    ``tied_params``: this rank's tied embedding / head parameter(s) whose gradient is summed over it;
+    ``data_parallel``: the engine on the stages (None, ``"fsdp"``, ``"replicate"``:
+    :mod:`tpify.pipeline.data_parallel`); ``specs``: ``{id(parameter): ShardSpec or None}`` once
+    the engine replaced the parameters by DTensors (the global norm's).
     """
 
     mesh: object
@@ -52,6 +55,8 @@ class PipelineInfo:
     tied_params: list = field(default_factory=list)
     style: str = "loop"
     plan: object = None
+    data_parallel: str | None = None
+    specs: dict | None = None
 
 
 def _recipe_of(model: nn.Module, recipe) -> Recipe | None:
@@ -76,7 +81,7 @@ def _tied(model: nn.Module, plan) -> bool:
     return getattr(head, "weight", None) is not None and head.weight is getattr(embed, "weight", None)
 
 
-def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str, recipe):
+def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str, recipe, data_parallel=...):
     """``(plan, every stage's layers, this rank's stages)``: the checks of :func:`split_model`,
     pure and the same on every rank.
 
@@ -96,6 +101,10 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
     if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1:
         raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank")
     _check_model(model)
+    if data_parallel is not ...:  # the engine pipeline() will apply: after the model's own checks
+        from .data_parallel import check_data_parallel
+
+        check_data_parallel(mesh, data_parallel)
     cut = getattr(model, "tpify_pipeline_cut", None)  # (ranges, this rank's stages, plan) of a model loaded by stage
     plan = cut[2] if cut is not None else pipeline_plan(model, _recipe_of(model, recipe))
     ranges = layer_ranges(n_layers_of(base_model_and_prefix(model)[0], plan), pp * n_virtual, split_points)
@@ -111,9 +120,9 @@ def _check_model(model: nn.Module) -> None:
     """What the stages would compute wrongly: refused. Raises PipelineError."""
     if not hasattr(model, "config") or any(is_dtensor(p) for p in model.parameters()):
         raise PipelineError(f"{type(model).__name__}: a pipeline cuts the Hugging Face model itself; this one is wrapped "
-                            f"(DDP) or FSDP2-sharded (DTensor parameters): pp x FSDP2 and pp x DDP are not built. Cut "
-                            f"the plain (or tpify.parallelize-d) model; tpify.pipeline.step sums the gradients over the "
-                            f"mesh's data-parallel replicas itself")
+                            f"(DDP) or FSDP2-sharded (DTensor parameters). Cut the plain (or tpify.parallelize-d) "
+                            f"model and pass data_parallel='fsdp' or 'replicate' to tpify.pipeline.pipeline: the engines "
+                            f"go on each stage (tpify.pipeline.shard_stages / replicate_stages), not on the model")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "output_router_logits", False):
         raise PipelineError(f"{type(model).__name__}: config.output_router_logits is True, so the dense model adds "
@@ -143,7 +152,7 @@ def _check_model(model: nn.Module) -> None:
 
 
 def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: list[int] | None = None,
-                style: str = "loop", recipe=None) -> PipelineInfo:
+                style: str = "loop", recipe=None, data_parallel=...) -> PipelineInfo:
     """This rank's pipeline stages of ``model`` (a causal LM, dense or :func:`tpify.parallelize`-d
     over ``mesh``'s tp axis), for ``mesh``'s ``"pp"`` axis of ``pp`` ranks.
 
@@ -152,6 +161,11 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
     from the recipe's ``[pipeline]`` table or transformers' ``base_model_pp_plan``
     (:func:`tpify.pipeline.plan.pipeline_plan`). Each stage is a :class:`StageModule` sharing
     ``model``'s parameters (drop ``model`` afterwards: the other stages' layers are then freed).
+
+    ``data_parallel``: when given (None, ``"fsdp"``, ``"replicate"``: the engine the caller applies
+    next, :mod:`tpify.pipeline.data_parallel`), checked against the mesh's dp size with the other
+    checks (:func:`tpify.pipeline.pipeline` passes its own); left out, :func:`build_schedule`
+    checks the stages.
 
     Communication: one agreement (the store) on the checks and the stage layout; then, when the
     head is tied to the embedding and they are on different ranks, the embedding groups
@@ -162,13 +176,15 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
             stages than layers; bad ``split_points``, ``n_virtual`` or ``style``; a model without a
             pipeline plan (naming the recipe key to add) or without an LM head; sequence
             parallelism, ``lm_loss_chunk`` or logit ops on the parallel model; the router's aux
-            loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model; a mesh with
+            loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model (the engines go on
+            the stages: :mod:`tpify.pipeline.data_parallel`); dp > 1 with ``data_parallel=None``, an
+            unknown ``data_parallel``; a mesh with
             context parallelism (not built).
         AgreementError: another rank failed, or the ranks disagree on the layout.
     """
     error, ranges, plan, mine, pp = None, None, None, [], pp_size_of(mesh)
     try:
-        plan, ranges, mine = plan_stages(model, mesh, n_virtual, split_points, style, recipe)
+        plan, ranges, mine = plan_stages(model, mesh, n_virtual, split_points, style, recipe, data_parallel)
     except Exception as e:  # noqa: BLE001 - re-raised by agree on this rank, reported on the others
         error = e
     agree("tpify.pipeline.split_model", {"stages": [(r.start, r.stop) for r in ranges] if ranges else None,
