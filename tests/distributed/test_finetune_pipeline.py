@@ -111,7 +111,8 @@ def test_refusals_before_launch(tiny_gpt2, tmp_path):
     common = ["--model-dir", str(tiny_gpt2), "--out", str(tmp_path / "x"), "--tp", "1"]
     cases = [(["--pp", "2"], "LoRA (--lora-r)"),  # LoRA is the default
              (["--pp", "2", "--lora-r", "0", "--save-every", "1"], "--save-every / --resume"),
-             (["--pp", "2", "--lora-r", "0", "--dp", "2", "--dp-shard", "2"], "--dp-shard (FSDP2)"),
+             (["--pp", "2", "--lora-r", "0", "--dp", "2", "--dp-shard", "2"], "--dp / --dp-shard with --pp"),
+             (["--pp", "2", "--lora-r", "0", "--dp", "2"], "--dp / --dp-shard with --pp"),
              (["--pp", "2", "--lora-r", "0", "--batch-size", "3"], "not a multiple of the 2 microbatches"),
              (["--pp", "4", "--lora-r", "0", "--batch-size", "2", "--microbatches", "2"],
               "1F1B needs at least as many microbatches as stages"),

@@ -69,8 +69,10 @@ def pipeline_problem(cfg) -> str | None:
     if cfg.lora_r:
         refused.append("LoRA (--lora-r): tpify.pipeline trains PEFT models, but the adapter save and the merged save "
                        "by stage are not built in tpify finetune; pass --lora-r 0 (every weight trained)")
-    if cfg.dp_shard > 1:
-        refused.append("--dp-shard (FSDP2): each pipeline replica holds its whole stage; pass --dp-shard 1")
+    if cfg.dp > 1 or cfg.dp_shard > 1:
+        refused.append("--dp / --dp-shard with --pp: data-parallel pipeline replicas run under FSDP2 or replicate "
+                       "(tpify.pipeline.pipeline(..., data_parallel=...), from Python), whose save by stage is not "
+                       "built; pass --dp 1 --dp-shard 1")
     if cfg.save_every or cfg.resume:
         refused.append("--save-every / --resume: checkpoints of a pipeline run are not built in tpify finetune "
                        "(tpify.pipeline.save_checkpoint is, from Python); pass --save-every 0 without --resume")
