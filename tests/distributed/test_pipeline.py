@@ -242,13 +242,78 @@ def _refusals():
                 attention_mask=torch.ones_like(ids))
     loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)  # still usable
     assert (loss is not None) == last
+    with pytest.raises(pp.PipelineError, match=r"different shapes on the first and last stage.*T from 5 to 6"):
+        pp.step(sched, input_ids=ids if first else None, labels=labels[:, :5] if last else None)  # found everywhere
+    _steady_state(sched, first, last, ids, labels)
     mesh = tpify.init_mesh(2, pp_size=2, device_type="cpu")
     sched = pp.pipeline(tpify.parallelize(_llama().double(), mesh=mesh), mesh, schedule="GPipe", n_microbatches=4)
     first, last = pp.stages_of(sched)[0].is_first, pp.stages_of(sched)[0].is_last
     other = (ids + mesh["tp"].get_local_rank()) % 64  # the TP ranks of the first stage given different ids
-    with pytest.raises(pp.PipelineError, match="different input_ids or labels"):
-        pp.step(sched, input_ids=other if first else None, labels=labels if last else None)
+    pp.step(sched, input_ids=other if first else None, labels=labels if last else None)  # the mix: found next step
+    with pytest.raises(pp.PipelineError, match=r"group\(s\) \[\[0, 1\]\] were given different input_ids or "
+                                               r"labels at the previous step"):
+        pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
+    other = (labels + mesh["tp"].get_local_rank()) % 64  # the last stage's TP ranks given different labels
+    pp.step(sched, input_ids=ids if first else None, labels=other if last else None)
+    with pytest.raises(pp.PipelineError, match=r"group\(s\) \[\[2, 3\]\] were given different"):
+        pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
+    bad = ids.clone()
+    bad[0, 0] = 64  # out of the vocabulary: embedded as zeros by every rank, raised at the next step everywhere
+    pp.step(sched, input_ids=bad if first else None, labels=labels if last else None)
+    from tpify.pipeline.schedule import StepInputsError
+
+    with pytest.raises(IndexError if first else StepInputsError, match=r"out of range"):
+        pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
+    _steady_state(sched, first, last, ids, labels)  # tp 2: the checksums kept and compared, still no sync
     return "refusals"
+
+
+def _steady_state(sched, first, last, ids, labels):
+    """A steady-state ``pp.step`` makes the host syncs of torch's ``schedule.step`` alone on the same
+    batch (the baseline, measured here: tpify's checks add none) and touches the store never (no
+    agreement: the store's exchange is counted)."""
+    import sys
+
+    import torch.nn.functional as F
+
+    import tpify.agree
+    import tpify.pipeline as pp
+    from tpify.syncs import count_host_syncs
+
+    schedule_module = sys.modules["tpify.pipeline.schedule"]
+    exchanges, real = [], tpify.agree._exchange
+
+    def counted(*args, **kwargs):
+        exchanges.append(args[0])
+        return real(*args, **kwargs)
+
+    pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)  # warm-up
+    tpify.agree._exchange = counted
+    try:
+        with count_host_syncs() as ours:
+            for _ in range(2):
+                pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
+    finally:
+        tpify.agree._exchange = real
+    assert exchanges == [], exchanges  # no store traffic per step
+    assert schedule_module.agree is tpify.agree.agree
+    target = F.pad(labels[:, 1:], (0, 1), value=-100) if last else None
+    kwargs = {"num_items": (target != -100).sum()} if last else None
+    check = sched.tpify_step_check
+    with count_host_syncs() as torch_alone:  # the baseline: torch's schedule alone, same stages and batch
+        for _ in range(2):
+            check.begin(ids if first else None, 4)  # the embedding's record of compared ids, as in pp.step
+            try:
+                sched.step(*((ids,) if first else ()), target=target, losses=[] if last else None,
+                           return_outputs=False, loss_kwargs=kwargs)
+            finally:
+                check.end()
+    # what is left is the stages' own: transformers' create_causal_mask (find_packed_sequence_indices reads
+    # one value per microbatch and stage); tpify's step adds none
+    assert ours["total"] == torch_alone["total"] == ours["aten::_local_scalar_dense"], (dict(ours), dict(torch_alone))
+    assert ours["total"] <= 2 * 4 * len(pp.stages_of(sched)), dict(ours)
+    for p in pp.parameters(sched):
+        p.grad = None
 
 
 def test_pipeline_matches_dense():

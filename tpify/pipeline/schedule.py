@@ -20,16 +20,16 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .. import comm
-from ..agree import agree
-from ..comm.inputs import inputs_checksum
-from ..loss import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+from ..agree import AgreementError, agree
+from ..info import tp_info_of
+from ..loss import cross_entropy_deferred, linear_cross_entropy_deferred
 from ..sharding import is_dtensor
 from .data_parallel import check_data_parallel
 from .plan import PipelineError
 from .split import PipelineInfo
 
 __all__ = ["SCHEDULES", "REFUSED_SCHEDULES", "PipelineLoss", "build_schedule", "check_microbatches", "step",
-           "IGNORE_INDEX"]
+           "StepInputsError", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -70,16 +70,19 @@ class PipelineLoss:
 
     def __init__(self, tp_group, vocab_size: int, head: nn.Module | None = None, chunk: int | str | None = None):
         self.tp_group, self.vocab_size, self.head, self.chunk = tp_group, vocab_size, head, chunk
+        #: where the vocab-parallel loss records its data checks (targets in range and equal on the TP
+        #: ranks, shard widths): :class:`StepCheck`'s, raised at the next :func:`step`; None: at once
+        self.defer: comm.DeferredChecks | None = None
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
         if self.chunk is not None:  # ``logits`` is the head's input (B, T, H): the logits are never held
             weight = self.head.weight
             if getattr(self.head, "weight_layout", "linear") != "linear":
                 weight = weight.t()
-            total = vocab_parallel_linear_cross_entropy(
+            total = linear_cross_entropy_deferred(
                 logits, weight, target, bias=getattr(self.head, "bias", None), ignore_index=IGNORE_INDEX,
-                reduction="sum", tp_group=self.tp_group, vocab_size=self.vocab_size,
-                chunk_size=None if self.chunk == "auto" else self.chunk)
+                label_smoothing=0.0, reduction="sum", tp_group=self.tp_group, vocab_size=self.vocab_size,
+                chunk_size=None if self.chunk == "auto" else self.chunk, softcap=None, logit_ops=(), defer=self.defer)
             return total / num_items.to(total.dtype)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
@@ -87,8 +90,9 @@ class PipelineLoss:
             total = F.cross_entropy(logits.flatten(0, -2)[:, :self.vocab_size], target.flatten(),
                                     ignore_index=IGNORE_INDEX, reduction="sum")
         else:
-            total = vocab_parallel_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum",
-                                                 tp_group=self.tp_group, vocab_size=self.vocab_size)
+            total = cross_entropy_deferred(logits, target, ignore_index=IGNORE_INDEX, label_smoothing=0.0,
+                                           reduction="sum", tp_group=self.tp_group, vocab_size=self.vocab_size,
+                                           defer=self.defer)
         return total / num_items.to(total.dtype)
 
 
@@ -135,8 +139,9 @@ def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: i
     loss from the logits shard), a positive int or ``"auto"`` (the chunked linear cross-entropy,
     :class:`PipelineLoss`).
 
-    Communication: one agreement (the store) on the schedule and the microbatch count; torch's
-    send/recv over the pipeline group when the schedule first runs.
+    Communication: one agreement (the store) on the schedule and the microbatch count; at
+    NCCL-only, a gloo group of the pipeline's ranks for :func:`step`'s checks (``new_group``, once);
+    torch's send/recv over the pipeline group when the schedule first runs.
 
     Raises:
         PipelineError: on every rank, as :func:`check_microbatches`; a bad ``lm_loss_chunk``; dp > 1
@@ -167,22 +172,204 @@ def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: i
     loss = PipelineLoss(info.tp_group, info.vocab_size, head, lm_loss_chunk)
     out = cls(stages if multi else stages[0], n_microbatches, loss_fn=loss, scale_grads=False)
     out.tpify_pipeline = info
+    out.tpify_step_check = StepCheck(info)
+    loss.defer = out.tpify_step_check.checks
     return out
 
 
-def _batch_problem(info: PipelineInfo, has_first: bool, has_last: bool, input_ids, labels, m: int) -> str | None:
-    """What is wrong with this rank's part of the batch, or None. Local."""
+class StepInputsError(PipelineError, AgreementError):
+    """:func:`step`'s inputs were wrong on another rank of the pipeline: raised on every other rank,
+    at the same point, naming it (the failing rank raises its own :class:`PipelineError`). Both a
+    :class:`PipelineError` and an :class:`tpify.AgreementError` (what :func:`tpify.agree.agree`
+    raised there before)."""
+
+
+#: What a rank's inputs to :func:`step` can get wrong, by code (:class:`StepCheck`'s first value):
+#: the phrase the other ranks' message gives.
+_PROBLEMS = {
+    1: "input_ids are given on a rank that holds no first stage",
+    2: "the first stage needs input_ids",
+    3: "labels are given on a rank that holds no last stage",
+    4: "the last stage needs labels",
+    5: "a batch that is not (B, T) with B a multiple of n_microbatches",
+    6: "attention_mask / position_ids are not taken",
+    7: "input_ids and labels of different shapes",
+}
+_CODES = 8  # codes fit in [0, 8)
+#: A value no real one reaches: a rank with nothing to compare puts it in a value and its negation.
+_NONE = -(2 ** 62)
+
+
+def _batch_problem(has_first: bool, has_last: bool, input_ids, labels, attention_mask, position_ids,
+                   m: int) -> tuple[int, str] | None:
+    """What is wrong with this rank's part of the batch: ``(code, message)`` (:data:`_PROBLEMS`), or
+    None. Local, host values only (shapes)."""
     if has_first != (input_ids is not None):
-        return ("input_ids are given on a rank that holds no first stage: pass them on the first stage only"
-                if input_ids is not None else "the first stage needs input_ids")
+        return ((1, "input_ids are given on a rank that holds no first stage: pass them on the first stage only")
+                if input_ids is not None else (2, "the first stage needs input_ids"))
     if has_last != (labels is not None):
-        return ("labels are given on a rank that holds no last stage: pass them on the last stage only"
-                if labels is not None else "the last stage needs labels")
+        return ((3, "labels are given on a rank that holds no last stage: pass them on the last stage only")
+                if labels is not None else (4, "the last stage needs labels"))
     for name, t in (("input_ids", input_ids), ("labels", labels)):
         if t is not None and (t.dim() != 2 or t.shape[0] % m):
-            return (f"{name} of shape {tuple(t.shape)}: a (B, T) batch whose B is a multiple of n_microbatches = {m}"
-                    f" (each microbatch gets B / {m} rows)")
+            return (5, f"{name} of shape {tuple(t.shape)}: a (B, T) batch whose B is a multiple of n_microbatches = "
+                       f"{m} (each microbatch gets B / {m} rows)")
+    if attention_mask is not None or position_ids is not None:
+        return (6, "attention_mask / position_ids are not taken: the stages compute the plain causal mask and "
+                   "positions 0 .. T-1 as the dense forward does without them; padding masks and packed sequences "
+                   "are not built. Pad on the right with labels -100 (causal attention never reads later tokens, and "
+                   "ignored targets are not counted)")
+    if input_ids is not None and labels is not None and input_ids.shape != labels.shape:
+        return (7, f"input_ids of shape {tuple(input_ids.shape)} and labels of shape {tuple(labels.shape)}: pass the "
+                   f"same (B, T) batch")
     return None
+
+
+def _host_group(ranks: list[int]):
+    """A group of ``ranks`` (the pipeline's) whose backend takes CPU tensors: the world itself when
+    it is the world and its backend does (gloo, ``cpu:gloo,cuda:nccl``), else a gloo group of the
+    same ranks made here (``use_local_synchronization=True``: only those ranks take part)."""
+    if sorted(ranks) == list(range(dist.get_world_size())) and "cpu" in comm.backend_map(None):
+        return None
+    return dist.new_group(sorted(ranks), backend="gloo", use_local_synchronization=True)
+
+
+class StepCheck(comm.SharesProcessGroups):
+    """The checks :func:`step` makes before the schedule's first send/recv, with no host sync and no
+    store traffic in a steady state (what :class:`tpify.hooks.guards.BatchCheck` does for a plain
+    parallelized model's call); one per schedule (``schedule.tpify_step_check``).
+
+    One all-reduce (max) on the host, over the pipeline's ranks (every rank of the mesh: pp x dp x
+    tp; a gloo group, :func:`_host_group`), of ``7 + 2 G`` int64 values (``G``: the number of TP
+    groups when tp > 1, else 0):
+
+    * ``(n - i) * 8 + code`` on a rank (``i``-th of the ``n``) whose local check failed, else 0:
+      the max names the first failing rank and its problem (:data:`_PROBLEMS`); ``i + 1`` or 0:
+      the last failing rank; ``n - i`` or 0: the first rank whose previous step's data checks failed
+      (the loss's targets in range and equal on the TP ranks, :class:`PipelineLoss`; at tp > 1 the
+      vocab-parallel embedding's ids in range, for the microbatches :meth:`begin` marked): recorded
+      on the device, copied without blocking (:meth:`end`), raised at the next step on every rank
+      (there the error recorded, elsewhere :class:`StepInputsError` naming the rank);
+    * ``B, -B, T, -T`` of the rank's ``input_ids`` / ``labels`` (:data:`_NONE` where it holds none):
+      all equal exactly when ``max B == -max(-B)``, so the first and last stage (and the dp
+      replicas) are known to hold batches of one shape;
+    * for TP group ``g``, at its two slots, the previous step's :func:`tpify.comm.inputs_checksum`
+      of its ranks' inputs and its negation (the others :data:`_NONE`): computed on the device in
+      that step and copied to the host without blocking (:class:`tpify.comm.HostCopy`), read here.
+      So ranks of a TP group given different batches raise at the NEXT step (that step trained on
+      the mix: no crash, no collective of another size); different shapes raise at once.
+
+    The first call also runs :func:`tpify.agree.agree` once (the store: every rank is in ``step``,
+    devices placed apart), never again.
+    """
+
+    def __init__(self, info: PipelineInfo):
+        mesh = info.mesh
+        grid = mesh.mesh
+        self.ranks = [int(r) for r in grid.flatten().tolist()]
+        self.index = self.ranks.index(dist.get_rank())
+        tp = comm.group_size(info.tp_group)
+        self.tp_groups: list[list[int]] = []
+        self.slot = None
+        if tp > 1:
+            tp_dim = mesh.mesh_dim_names.index("tp")
+            rows = grid.movedim(tp_dim, -1).reshape(-1, grid.shape[tp_dim])  # one row per TP group
+            self.tp_groups = [[int(r) for r in row] for row in rows.tolist()]
+            mine = sorted(dist.get_process_group_ranks(info.tp_group))
+            self.slot = next((g for g, row in enumerate(self.tp_groups) if sorted(row) == mine), None)
+            if self.slot is None:
+                raise PipelineError(f"the model's TP group {mine} is not a row of the mesh's 'tp' axis "
+                                    f"({self.tp_groups}): parallelize the model with mesh= the pipeline's mesh")
+        self.host_group = _host_group(self.ranks) if len(self.ranks) > 1 else None
+        #: the loss's data checks (:class:`PipelineLoss`), and the stage models' call states (tp > 1), whose
+        #: checks the vocab-parallel embedding records for the microbatches :meth:`begin` marks as compared
+        self.checks = comm.DeferredChecks()
+        self.states = list({id(st): st for st in (getattr(tp_info_of(s.model), "state", None) for s in info.stages)
+                            if st is not None and tp > 1}.values())
+        self.marked: list = []  # this step's microbatches of input_ids (begin), held for the embedding's record
+        self.agreed = False
+        self.pending = None  # (HostCopy of the previous step's checksum, its layout): read at the next step
+
+    def check(self, what: str, problem: tuple[int, str] | None, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise, on every rank alike and before any collective of the step, what the previous
+        step's checksums and this step's local checks (``problem``) and shapes (``named``) found;
+        then keep this step's checksum for the next. One host all-reduce (none on one rank).
+
+        Raises:
+            PipelineError: the previous step's TP ranks held different values; this rank's
+                ``problem`` (its message); input shapes that differ between ranks.
+            StepInputsError: another rank's ``problem``, naming it.
+        """
+        if not self.agreed:
+            agree(what, {"ranks": self.ranks}, group=self.host_group)  # once: every rank is in step(); never again
+            self.agreed = True
+        previous, self.pending = self.pending, None
+        failed = []  # the previous step's data checks (the loss's, the embedding's), copied to the host then
+        for checks in [self.checks] + [st.checks for st in self.states]:
+            failed += checks.collect()[1]
+        n = len(self.ranks)
+        values = [(n - self.index) * _CODES + problem[0] if problem else 0, self.index + 1 if problem else 0,
+                  n - self.index if failed else 0]
+        shape = named[0][1].shape if named and problem is None else None
+        values += [_NONE] * 4 if shape is None else [shape[0], -shape[0], shape[1], -shape[1]]
+        slots = [_NONE] * (2 * len(self.tp_groups))
+        if previous is not None:
+            value = previous[0].values()[0]  # the copy queued one step ago: no wait on the device's queue
+            slots[2 * self.slot], slots[2 * self.slot + 1] = value, -value
+        got = values + slots
+        if n > 1:
+            got = comm.all_reduce(torch.tensor(got, dtype=torch.int64), self.host_group, op="max").numpy().tolist()
+        differing = [self.tp_groups[g] for g in range(len(self.tp_groups))
+                     if got[7 + 2 * g] != _NONE and got[7 + 2 * g] != -got[8 + 2 * g]]
+        if differing:  # the previous step's, raised first: it happened first
+            raise PipelineError(
+                f"{what}: the ranks of tensor-parallel group(s) {differing} were given different input_ids or labels "
+                f"at the previous step; every rank of a TP group must get the same batch (the same sampler seed, or "
+                f"a broadcast from its first rank). Found one step late: the inputs' checksum is computed on the "
+                f"device and read at the next step, so as not to stop the host; that step trained on the mix")
+        if got[2]:  # the previous step's data checks
+            if failed:
+                raise failed[0]
+            raise StepInputsError(f"{what}: the previous step's data checks failed on rank {self.ranks[n - got[2]]} "
+                                  f"(ids or targets out of range, or targets that differ on its TP ranks: its own "
+                                  f"error there); this rank stops here too " + comm.FOUND_LATE)
+        if got[0]:
+            first, code = n - got[0] // _CODES, got[0] % _CODES
+            if problem is not None:
+                raise PipelineError(f"{what}: {problem[1]}")
+            last = got[1] - 1
+            where = f"rank {self.ranks[first]}" + (f" (and others up to rank {self.ranks[last]})" if last != first
+                                                     else "")
+            raise StepInputsError(f"{what} failed on {where}: {_PROBLEMS[code]}; this rank stops here too instead "
+                                  f"of waiting for it")
+        if got[3] != _NONE and (got[3] != -got[4] or got[5] != -got[6]):
+            mine = tuple(shape) if shape is not None else "none on this rank"
+            raise PipelineError(f"{what}: input_ids and labels of different shapes on the first and last stage (or "
+                                f"the data-parallel replicas): B from {-got[4]} to {got[3]}, T from {-got[6]} to "
+                                f"{got[5]} (this rank: {mine}); pass the same (B, T) batch")
+        if self.tp_groups and named:
+            layout = ", ".join(f"{name} {tuple(t.shape)}" for name, t in named)
+            self.pending = (comm.HostCopy([comm.inputs_checksum(named)], torch.int64), layout)
+
+    def begin(self, input_ids: torch.Tensor | None, m: int) -> None:
+        """Mark the microbatches of ``input_ids`` (torch's split: ``tensor_split`` along dim 0, the
+        same views the schedule makes) as compared across the TP group (:meth:`check`, one step
+        late), so the vocab-parallel embedding records its bounds check for the next step instead
+        of comparing them itself with a host sync (:class:`tpify.comm.CheckedInputs`)."""
+        if input_ids is not None:
+            chunks = [(f"microbatch {i}", c) for i, c in enumerate(torch.tensor_split(input_ids, m, 0))]
+            self.marked = chunks  # held until end(): the record keeps weak references
+            for st in self.states:
+                st.checked.remember(chunks)
+
+    def end(self) -> None:
+        """The step ended (also when it raised): the microbatches forgotten, the step's data checks
+        copied to the host without blocking, read at the next :meth:`check`."""
+        self.marked = []
+        for st in self.states:
+            st.checked.forget()
+            st.checks.submit()
+        self.checks.submit()
 
 
 def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
@@ -207,48 +394,35 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
 
     Shapes: ``input_ids`` ``(B, T)`` int64 on the first stage's ranks only, ``labels`` ``(B, T)``
     on the last stage's only (``B`` a multiple of the microbatch count). Returns a scalar.
-    Communication: one agreement (the store: no collective) on the inputs; torch's send/recv
-    between stages; the TP layers' collectives; one all-reduce of the tied weight's gradient (this
-    rank's shard under FSDP2) over the embedding group; over the dp replicas (when more than one):
-    the count and the loss (one value each); the engine's (FSDP2's all-gathers and reduce-scatters,
-    or ``replicate``'s all-reduce).
+    Host syncs: none (the inputs' checks are host values and one host all-reduce; the TP ranks'
+    checksum is read one step later, :class:`StepCheck`).
+    Communication: before any other, one all-reduce (max) of ``7 + 2 G`` int64 values on the host
+    over the pipeline's ranks (:class:`StepCheck`; ``G`` TP groups at tp > 1); the first call
+    only, one agreement through the store; torch's send/recv between stages; the TP layers'
+    collectives; one all-reduce of the tied weight's gradient (this rank's shard under FSDP2) over
+    the embedding group; over the dp replicas (when more than one): the count and the loss (one
+    value each); the engine's (FSDP2's all-gathers and reduce-scatters, or ``replicate``'s
+    all-reduce).
 
     Raises:
-        PipelineError: on every rank before any collective: inputs on a stage that takes none, a
-            missing input, a batch the microbatches do not divide, ``input_ids`` and ``labels``
-            of different sizes, an ``attention_mask`` or ``position_ids``, ranks of one TP group given different batches (their checksum, one
-            host sync, shared in the agreement, as tpify's guard checks a plain model's call).
+        PipelineError: on every rank before the schedule's first send/recv: on the rank where it is
+            wrong, inputs on a stage that takes none, a missing input, a batch the microbatches do
+            not divide, an ``attention_mask`` or ``position_ids``; on every rank, ``input_ids`` and
+            ``labels`` of different shapes (first and last stage, or dp replicas), and, one step
+            late (at the next call), ranks of one TP group given different batches.
+        StepInputsError: (a PipelineError and an AgreementError) on the other ranks, naming the
+            rank whose inputs were wrong and the problem.
     """
     info: PipelineInfo = schedule.tpify_pipeline
     m = schedule._n_microbatches
     has_first = any(s.is_first for s in info.stages)
     has_last = any(s.is_last for s in info.stages)
-    problem = _batch_problem(info, has_first, has_last, input_ids, labels, m)
-    if attention_mask is not None or position_ids is not None:
-        problem = ("attention_mask / position_ids are not taken: the stages compute the plain causal mask and "
-                   "positions 0 .. T-1 as the dense forward does without them; padding masks and packed sequences "
-                   "are not built. Pad on the right with labels -100 (causal attention never reads later tokens, "
-                   "and ignored targets are not counted)")
-    error = PipelineError(f"tpify.pipeline.step: {problem}") if problem else None
+    check = getattr(schedule, "tpify_step_check", None)
+    if check is None:  # a schedule of tpify's made by hand from build_schedule's parts
+        check = schedule.tpify_step_check = StepCheck(info)
+    problem = _batch_problem(has_first, has_last, input_ids, labels, attention_mask, position_ids, m)
     named = [(n, t) for n, t in (("input_ids", input_ids), ("labels", labels)) if t is not None]
-    # what the TP guard checks on a plain model's call: the ranks of a TP group hold one batch (one host sync)
-    checksum = int(inputs_checksum(named)) if named and error is None else None
-    tp_ranks = tuple(dist.get_process_group_ranks(info.tp_group)) if comm.group_size(info.tp_group) > 1 else ()
-    shared = agree("tpify.pipeline.step", {"n_microbatches": m}, error,
-                   share=(tuple(tuple(t.shape) for _, t in named), checksum, tp_ranks))
-    seen = {s for shapes, _, _ in (shared or []) for s in shapes}
-    if len(seen) > 1:
-        raise PipelineError(f"tpify.pipeline.step: input_ids and labels of different shapes on the first and last "
-                            f"stage: {sorted(seen)}; pass the same (B, T) batch")
-    by_group: dict[tuple, set] = {}
-    for _, value, ranks in shared or []:
-        if ranks:
-            by_group.setdefault(ranks, set()).add(value)
-    differing = sorted(ranks for ranks, values in by_group.items() if len(values) > 1)
-    if differing:
-        raise PipelineError(f"tpify.pipeline.step: the ranks of tensor-parallel group(s) {differing} were given "
-                            f"different input_ids or labels; every rank of a TP group must get the same batch (the "
-                            f"same sampler seed, or a broadcast from its first rank)")
+    check.check("tpify.pipeline.step", problem, named)
     target, loss_kwargs, losses = None, None, None
     if has_last:
         target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # HF's shift, before the microbatches
@@ -257,7 +431,11 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
         loss_kwargs = {"num_items": count}
         losses = []
     args = (input_ids,) if has_first else ()
-    schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
+    check.begin(input_ids, m)
+    try:
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
+    finally:
+        check.end()
     if info.embedding_group is not None:
         for p in info.tied_params:
             if p.grad is None:
