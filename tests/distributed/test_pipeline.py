@@ -206,7 +206,9 @@ def _job(rank, world):
 
 
 def _refusals():
-    """Bad input raises on every rank (PipelineError where it is wrong, AgreementError naming it elsewhere)."""
+    """Bad input raises on every rank (PipelineError where it is wrong, StepInputsError, a PipelineError and an
+    AgreementError, naming it elsewhere); TP ranks given different batches, and ids out of range, raise at the
+    next step on every rank; a steady-state step makes no host sync of its own and no store exchange."""
     import tpify
     import tpify.pipeline as pp
     from tpify import AgreementError
