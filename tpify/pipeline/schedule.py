@@ -4,7 +4,8 @@
 ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) whose loss is
 :class:`PipelineLoss`; :func:`step` shifts the labels as HF does, counts the non-ignored targets of
 the whole batch once, runs the schedule and sums the tied embedding's gradient between the first
-and last stage, so that the loss and every gradient equal the dense model's mean loss over the
+and last stage (its inputs checked by :class:`StepCheck`: one host all-reduce, no host sync and no
+store traffic per step), so that the loss and every gradient equal the dense model's mean loss over the
 batch (gradient accumulation over the microbatches, ``scale_grads=False``). Data-parallel
 replicas of the stages are torch's engines, applied to the stages before the schedule is built
 (:mod:`tpify.pipeline.data_parallel`: FSDP2 / HSDP or replicas, driven by torch's schedules across
