@@ -98,7 +98,8 @@ def _fsdp(root, name, ref_tp):
     """pp 2 x FSDP2 dp_shard 2 (tp 1; ranks 0-1 stage 0, ranks 2-3 stage 1, each parameter split
     over the two): one step and AdamW update equal to the dense model's on the global batch; the
     dense save (gathered over dp, one writer per stage) loaded by plain transformers equal to the
-    updated dense model; its DCP checkpoint resumed at pp 4 and the next step equal to the
+    updated dense model; its DCP checkpoint (each parameter and Adam moment written as two dim-0
+    slices, one per dp rank) resumed at pp 4 and the next step equal to the
     uninterrupted dense run's; the pp 2 x tp 2 checkpoint (``ref_tp``: the dense run it follows)
     resumed at pp 2 x FSDP2 2 and its next step equal too."""
     from pathlib import Path
@@ -108,6 +109,8 @@ def _fsdp(root, name, ref_tp):
 
     import tpify
     import tpify.pipeline as pp
+    from tpify.checkpoint import read_metadata
+    from tpify.sharding import is_dtensor
 
     src = Path(root) / name
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
@@ -125,7 +128,21 @@ def _fsdp(root, name, ref_tp):
     opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
     saved = Path(root) / f"{name}-fsdp-pp"
     pp.save_pretrained(sched, saved)  # gathered over dp, then written once per stage
+    assert all(is_dtensor(p) for s in pp.stages_of(sched) for p in s.parameters()), what
     pp.save_checkpoint(Path(root) / f"{name}-fsdp-dcp", sched, [opt])
+    # at tp 1 each parameter and Adam moment that is one entry (not packed parts, not a padded vocabulary) is
+    # written as FSDP2's DTensor: each dp rank its dim-0 slice, no gather
+    entries = read_metadata(Path(root) / f"{name}-fsdp-dcp").state_dict_metadata
+    whole = 0
+    for stage in pp.stages_of(sched):
+        for n, p in stage.model.named_parameters():
+            if f"model.{n}" not in entries or tuple(entries[f"model.{n}"].size) != tuple(p.shape):
+                continue
+            whole += 1
+            for key in (f"model.{n}", f"optim.model.{n}.exp_avg"):
+                offsets = sorted(tuple(c.offsets)[0] for c in entries[key].chunks)
+                assert offsets == [0, (p.shape[0] + 1) // 2], (what, key, offsets)
+    assert whole >= 8, (what, whole)
     files = sorted(p.name for p in saved.glob("*.safetensors"))
     assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], files
     back = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64)  # plain transformers
