@@ -15,7 +15,8 @@ same config and ``tpify.integrations.get_peft_model``. Float32 weights and compu
 * 3 AdamW steps of LoRA (r = 4, lr 1e-2) on Llama: loss atol 1e-5; every adapter gradient,
   gathered, atol 1e-5, rtol 1e-4; the adapters after the steps atol 1e-4 (as the 4-bit test:
   float32 order, Adam's division near 0);
-* refusals on every rank: merging the adapter, ``tpify.save_pretrained``.
+* refusals on every rank: merging the adapter, ``tpify.save_pretrained``;
+* Llama at tp 4 over 2 KV heads (K/V replicated on pairs of ranks; slow, 4 ranks): the Llama checks.
 """
 
 import tempfile
@@ -85,71 +86,79 @@ def _gathered(model, attr=None):
     return out
 
 
-def _body(rank, world):
+def _check_llama(rank, tmp, tp):
     import peft
     import torch.distributed as dist
 
     import tpify
     from tpify.integrations import get_peft_model
 
+    path = f"{tmp[0]}/llama"
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(llama_config())
+    if rank == 0:
+        dense.save_pretrained(path)
+    dist.barrier()
+    ref = LlamaForCausalLM.from_pretrained(path, quantization_config=ao_config(), dtype=torch.float32,
+                                           device_map="cpu")
+    par = tpify.from_pretrained(path, tp_size=tp, quantization_config=ao_config(), dtype=torch.float32)
+    n = _check_bitwise(par, ref, rank)
+    assert n == 7 * 2, n
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 101, (2, 12), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
+
+    lora_cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian")  # noqa: E731
+    torch.manual_seed(1)
+    dense_lora = peft.get_peft_model(ref, lora_cfg())
+    torch.manual_seed(1)
+    lora = get_peft_model(par, lora_cfg())
+    lora.train(), dense_lora.train()
+    opt_d = torch.optim.AdamW([p for p in dense_lora.parameters() if p.requires_grad], lr=1e-2)
+    opt_p = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    worst = {"loss": 0.0, "grad": 0.0}
+    for step in range(3):
+        ids = torch.randint(3, 101, (2, 12), generator=g)
+        loss_d = tputil.ref_lm_loss(dense_lora(ids).logits, ids, causal=True)
+        loss_d.backward()
+        loss_p = lora(ids, labels=ids).loss
+        loss_p.backward()
+        torch.testing.assert_close(loss_p, loss_d, **LOSS, msg=f"loss, step {step}")
+        worst["loss"] = max(worst["loss"], (loss_p - loss_d).abs().item())
+        grads_d = {k: p.grad for k, p in dense_lora.named_parameters() if p.requires_grad}
+        grads_p = _gathered(lora, "grad")
+        assert set(grads_d) == set(grads_p) and grads_d, set(grads_d) ^ set(grads_p)
+        for k, gr in grads_d.items():
+            torch.testing.assert_close(grads_p[k], gr, **GRAD, msg=lambda m: f"grad {k}, step {step}: {m}")
+            worst["grad"] = max(worst["grad"], (grads_p[k] - gr).abs().max().item())
+        opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
+    final = _gathered(lora)
+    w_abs = 0.0
+    for k, w in {k: p for k, p in dense_lora.named_parameters() if p.requires_grad}.items():
+        torch.testing.assert_close(final[k], w.detach(), **ADAPTER, msg=lambda m: f"{k}: {m}")
+        w_abs = max(w_abs, (final[k] - w.detach()).abs().max().item())
+    if rank == 0:
+        print(f"measured torchao int8 llama tp={tp}: {n // 2} layers per decoder layer bitwise; loss max abs diff "
+              f"{worst['loss']:.1e}, LoRA grads {worst['grad']:.1e}, adapters after 3 AdamW steps {w_abs:.1e}",
+              flush=True)
+    with pytest.raises(NotImplementedError, match="merging a LoRA adapter on a quantized"):
+        lora.merge_and_unload()
+    with pytest.raises(NotImplementedError, match="tpify.save_pretrained on a quantized"):
+        tpify.save_pretrained(par, f"{tmp[0]}/merged")
+    return g
+
+
+def _body(rank, world):
+    import torch.distributed as dist
+
+    import tpify
+
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = [tmp]
         dist.broadcast_object_list(tmp, src=0)
-        path = f"{tmp[0]}/llama"
-        torch.manual_seed(0)
-        dense = LlamaForCausalLM(llama_config())
-        if rank == 0:
-            dense.save_pretrained(path)
-        dist.barrier()
-        ref = LlamaForCausalLM.from_pretrained(path, quantization_config=ao_config(), dtype=torch.float32,
-                                               device_map="cpu")
-        par = tpify.from_pretrained(path, tp_size=2, quantization_config=ao_config(), dtype=torch.float32)
-        n = _check_bitwise(par, ref, rank)
-        assert n == 7 * 2, n
-        g = torch.Generator().manual_seed(5)
-        ids = torch.randint(3, 101, (2, 12), generator=g)
-        with torch.no_grad():
-            torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
-
-        lora_cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian")  # noqa: E731
-        torch.manual_seed(1)
-        dense_lora = peft.get_peft_model(ref, lora_cfg())
-        torch.manual_seed(1)
-        lora = get_peft_model(par, lora_cfg())
-        lora.train(), dense_lora.train()
-        opt_d = torch.optim.AdamW([p for p in dense_lora.parameters() if p.requires_grad], lr=1e-2)
-        opt_p = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
-        worst = {"loss": 0.0, "grad": 0.0}
-        for step in range(3):
-            ids = torch.randint(3, 101, (2, 12), generator=g)
-            loss_d = tputil.ref_lm_loss(dense_lora(ids).logits, ids, causal=True)
-            loss_d.backward()
-            loss_p = lora(ids, labels=ids).loss
-            loss_p.backward()
-            torch.testing.assert_close(loss_p, loss_d, **LOSS, msg=f"loss, step {step}")
-            worst["loss"] = max(worst["loss"], (loss_p - loss_d).abs().item())
-            grads_d = {k: p.grad for k, p in dense_lora.named_parameters() if p.requires_grad}
-            grads_p = _gathered(lora, "grad")
-            assert set(grads_d) == set(grads_p) and grads_d, set(grads_d) ^ set(grads_p)
-            for k, gr in grads_d.items():
-                torch.testing.assert_close(grads_p[k], gr, **GRAD, msg=lambda m: f"grad {k}, step {step}: {m}")
-                worst["grad"] = max(worst["grad"], (grads_p[k] - gr).abs().max().item())
-            opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
-        final = _gathered(lora)
-        w_abs = 0.0
-        for k, w in {k: p for k, p in dense_lora.named_parameters() if p.requires_grad}.items():
-            torch.testing.assert_close(final[k], w.detach(), **ADAPTER, msg=lambda m: f"{k}: {m}")
-            w_abs = max(w_abs, (final[k] - w.detach()).abs().max().item())
-        if rank == 0:
-            print(f"measured torchao int8 llama tp=2: {n // 2} layers per decoder layer bitwise; loss max abs diff "
-                  f"{worst['loss']:.1e}, LoRA grads {worst['grad']:.1e}, adapters after 3 AdamW steps {w_abs:.1e}",
-                  flush=True)
-        with pytest.raises(NotImplementedError, match="merging a LoRA adapter on a quantized"):
-            lora.merge_and_unload()
-        with pytest.raises(NotImplementedError, match="tpify.save_pretrained on a quantized"):
-            tpify.save_pretrained(par, f"{tmp[0]}/merged")
-
+        g = _check_llama(rank, tmp, 2)
         # GPT-2: Conv1D layers are not quantized by transformers' torchao quantizer, nor by tpify
         gpath = f"{tmp[0]}/gpt2"
         torch.manual_seed(0)
@@ -173,3 +182,21 @@ def _body(rank, world):
 @pytest.mark.slow  # a spawn of 2 ranks; the quick subset has the one-process checks (tests/unit/test_quantized_torchao_unit.py)
 def test_torchao_int8_tensor_parallel_matches_dense_torchao():
     assert tputil.spawn(_body, 2, timeout=300) == ["ok"] * 2
+
+
+def _body_tp4(rank, world):
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = [tmp]
+        dist.broadcast_object_list(tmp, src=0)
+        _check_llama(rank, tmp, 4)
+        dist.barrier()
+    return "ok"
+
+
+@pytest.mark.slow  # 4 ranks on the CPUs
+def test_torchao_int8_tp4_with_replicated_kv_heads_matches_dense_torchao():
+    """tp 4 over 2 KV heads: K/V rows replicated on pairs of ranks (their codes and scales the dense rows')."""
+    assert tputil.spawn(_body_tp4, 4, timeout=400) == ["ok"] * 4
