@@ -126,7 +126,8 @@ def test_tiny_gpt2_lora_pp2_adapter_and_resume(tiny_gpt2, tmp_path):
     dense model and gives the loss the run logged at step 3 (the batch and the adapter after 2
     steps), and the final adapter gives the merged ``final/`` model's loss and the ``--pp 1`` run's.
     ``--resume`` from ``checkpoint-2`` at ``--pp 2 --tp 2`` (another layout) continues with the
-    uninterrupted run's losses.
+    uninterrupted run's losses, and its adapter (gathered over tp 2) and merged model give the
+    uninterrupted run's loss.
 
     Tolerances (float32): losses to rtol 1e-5, as the full fine-tuning tests (the pipeline sums two
     microbatches where the dense run sums one batch; measured 1e-7 relative); the adapter on the
@@ -163,6 +164,11 @@ def test_tiny_gpt2_lora_pp2_adapter_and_resume(tiny_gpt2, tmp_path):
     shutil.copytree(tmp_path / "pp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     _finetune(*common, "--pp", "2", "--tp", "2", "--resume", "--out", str(tmp_path / "resumed"))
     torch.testing.assert_close(torch.tensor(_losses(tmp_path / "resumed")), torch.tensor(pp2), rtol=1e-5, atol=0)
+    # its adapter, gathered over tp 2 in each stage, and its merged model: the uninterrupted run's
+    torch.testing.assert_close(_step_loss(adapted(tmp_path / "resumed" / "adapter"), tiny_gpt2, 4), final,
+                               rtol=1e-5, atol=0)
+    resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "final").eval()
+    torch.testing.assert_close(_step_loss(resumed, tiny_gpt2, 4), merged, rtol=1e-5, atol=0)
 
 
 def test_tiny_gpt2_full_resume_at_pp4(tiny_gpt2, tmp_path):
