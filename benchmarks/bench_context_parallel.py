@@ -262,23 +262,10 @@ def _spawn(target, cp: int, args) -> list:
 
 def _run(cp: int, args) -> dict:
     """``{T: (max bytes over ranks, max attention bytes, loss)}`` for one cp size."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, cp, str(Path(tmp) / "store"), args, results)) for r in range(cp)]
-        for p in procs:
-            p.start()
-        got = [results.get(timeout=1800) for _ in procs]
-        for p in procs:
-            p.join()
-    errors = [v for _, v in got if isinstance(v, str)]
-    if errors:
-        raise RuntimeError(errors[0])
     by_t = {}
-    for _, rows in got:
-        for tokens, total, attention, loss in rows:
-            old = by_t.get(tokens, (0, 0, loss))
-            by_t[tokens] = (max(old[0], total), max(old[1], attention), loss)
+    for tokens, total, attention, loss in _spawn(_rank, cp, args):
+        old = by_t.get(tokens, (0, 0, loss))
+        by_t[tokens] = (max(old[0], total), max(old[1], attention), loss)
     return by_t
 
 
