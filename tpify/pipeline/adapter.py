@@ -99,8 +99,9 @@ def save_adapter(schedule_or_info, path: str | os.PathLike, adapter_name: str = 
 
     Raises:
         PipelineError: on every rank: ``path`` is a file; no PEFT adapter ``adapter_name`` on the
-            stages; ``modules_to_save`` or trainable tokens; stages under a data-parallel engine;
-            two stages holding one key (a write failed: its error).
+            stages (or merged already: no adapter tensor on any stage); ``modules_to_save`` or
+            trainable tokens; stages under a data-parallel engine; two stages holding one key.
+        RuntimeError: the write failed (its error on rank 0, this one on the others).
     """
     from safetensors.torch import save_file
 
@@ -130,6 +131,9 @@ def save_adapter(schedule_or_info, path: str | os.PathLike, adapter_name: str = 
         merged.update(part)
     if doubled:  # a parameter two stages hold: a tie the adapter layers must not have
         raise PipelineError(f"save_adapter: adapter keys held by two stages: {doubled[:3]}")
+    if not merged:  # every rank sees every stage's part: the same decision everywhere
+        raise PipelineError(f"save_adapter: the stages hold no tensor of the adapter {adapter_name!r} (merged "
+                            f"already?); nothing written to {path}")
     device = next(p.device for s in info.stages for p in s.parameters())
     with on_writing_rank(f"writing the adapter to {path}", device) as writing:
         if writing:
@@ -152,7 +156,8 @@ def merge_adapters(schedule_or_info) -> int:
     """Merge every adapter layer of this rank's stages into its base layer and put the base layer
     in its place (PEFT's ``merge_and_unload``, stage by stage; tpify's LoRA layers merge each
     rank's slice of ``B A`` into its shard), in place; returns the count merged. The stages then
-    hold the merged dense model's layers: :func:`tpify.pipeline.save_pretrained` writes it.
+    hold the merged dense model's layers (and no ``peft_config``: :func:`save_adapter` refuses
+    them): :func:`tpify.pipeline.save_pretrained` writes it.
 
     Communication: none (DoRA on a row-parallel base: one all-reduce over TP per layer).
 
@@ -173,4 +178,5 @@ def merge_adapters(schedule_or_info) -> int:
                     child.merge()
                     setattr(parent, child_name, child.get_base_layer())
                     n += 1
+        del stage.model.peft_config  # as PEFT's unload: the stage holds no adapter now (its own shell's dict)
     return n
