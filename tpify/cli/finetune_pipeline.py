@@ -81,8 +81,8 @@ def pipeline_problem(cfg) -> str | None:
     refused = []
     if cfg.dp > 1 or cfg.dp_shard > 1:
         refused.append("--dp / --dp-shard with --pp: data-parallel pipeline replicas run under FSDP2 or replicate "
-                       "(tpify.pipeline.pipeline(..., data_parallel=...), from Python), whose save by stage is not "
-                       "built; pass --dp 1 --dp-shard 1")
+                       "(tpify.pipeline.pipeline(..., data_parallel=...), from Python); the command does not set them up "
+                       "yet; pass --dp 1 --dp-shard 1")
     if getattr(cfg, "cp", 1) not in (None, 1):
         refused.append("--cp: context parallelism inside pipeline stages is not built; pass --cp 1")
     if getattr(cfg, "quantize", None):
