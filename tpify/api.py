@@ -48,6 +48,7 @@ from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_rep
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .quantized import (check_layout, load_prequantized_, plan_prequantized, quantization_spec, quantize_,
                         refuse_if_quantized, saved_quantization)
+from .quantized_torchao import TorchAoSpec, check_torchao_layout, is_torchao_config, quantize_torchao_, torchao_spec
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
 from .sharding import is_dtensor, shard_spec_of
@@ -243,8 +244,9 @@ def parallelize(
     is untouched (``model(...)``, ``labels=``, ``generate()`` behave as on the dense model). The
     model must be loaded identically on every rank of the TP group. Every argument, and what
     ``model.tp_info`` holds: docs/parallelize.md. ``quantization_config`` (a
-    ``transformers.BitsAndBytesConfig``, 4-bit): each rank then holds its shards 4-bit, equal to the
-    dense quantized weight's slices, every parameter frozen for QLoRA (docs/quantization.md).
+    ``transformers.BitsAndBytesConfig``, 4-bit, or ``transformers.TorchAoConfig(Int8WeightOnlyConfig())``):
+    each rank then holds its shards quantized, equal to the dense quantized weight's slices, every
+    parameter frozen for QLoRA (docs/quantization.md).
     ``cp_attention`` (with a ``mesh`` whose ``"cp"`` axis is larger than 1): how attention runs
     over the split sequence, ``"allgather"`` (default), ``"ring"`` or ``"alltoall"``
     (docs/context-parallelism.md).
@@ -254,7 +256,8 @@ def parallelize(
     ``(B, T, V_padded / tp_size)`` (None with ``lm_loss_chunk``).
     Communication: one agreement (:func:`tpify.agree.agree`, the rendezvous store: no collective),
     then the TP/DP groups and the KV replica groups (collective over the world); with double
-    quantization one all-gather of statistics over the TP group per quantized layer.
+    quantization one all-gather of statistics over the TP group per quantized layer; with torchao
+    int8 one all-gather of per-row ``(min, max)`` per row-parallel layer.
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
@@ -263,7 +266,8 @@ def parallelize(
             a quantized layer whose split would cut a quantization block, or of a style with no
             quantized form (:func:`tpify.quantized.check_layout`).
         ImportError, NotImplementedError: ``quantization_config`` needs bitsandbytes, or asks for
-            what is not built (8-bit, torchao; :func:`tpify.quantized.quantization_spec`).
+            what is not built (8-bit; torchao other than int8 weight-only per row: :func:`tpify.quantized.quantization_spec`,
+            :func:`tpify.quantized_torchao.torchao_spec`).
         TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first);
             ``cp_attention="alltoall"`` with query heads per TP rank that ``cp_size`` does not divide.
         ValueError: inconsistent ``tp_size`` / ``tp_group`` / ``dp_group`` / ``mesh``; ``tp_size > 1``
@@ -285,7 +289,7 @@ def parallelize(
         error = e
     tp_groups = agree("tpify.parallelize", shared, error, group=group, share=share)
     finish(model, size, layout, tp_group, dp_group, tp_groups, mesh, grad_reduce_dtype, cp_attention)
-    return quantize_(model, *quant) if quant is not None else model
+    return _quantize(model, *quant) if quant is not None else model
 
 
 def _check_quantization(model: nn.Module, layout: Layout, config) -> tuple[list[str], object] | None:
@@ -293,8 +297,17 @@ def _check_quantization(model: nn.Module, layout: Layout, config) -> tuple[list[
     pure (:func:`tpify.quantized.check_layout`)."""
     if config is None:
         return None
+    if is_torchao_config(config):  # dispatch on the config class: torchao int8 weight-only
+        return check_torchao_layout(model, layout, torchao_spec(config))
     qspec = quantization_spec(config)
     return check_layout(model, layout, qspec), qspec
+
+
+def _quantize(model: nn.Module, fqns: list[str], qspec) -> nn.Module:
+    """Quantize the checked layers with the spec's library (:mod:`tpify.quantized`, :mod:`tpify.quantized_torchao`)."""
+    if isinstance(qspec, TorchAoSpec):
+        return quantize_torchao_(model, fqns, qspec)
+    return quantize_(model, fqns, qspec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +404,7 @@ def from_pretrained(
                   group=get_tp_info(model).tp_group)
     finally:
         load.snap.close()
-    return quantize_(model, *quant) if quant is not None else model
+    return _quantize(model, *quant) if quant is not None else model
 
 
 def _dtype_argument(dtype, torch_dtype) -> tuple[object, str]:

@@ -8,8 +8,13 @@ so that ``dcp.load`` at another ``tp_size`` or ``dp_size`` reads each rank's new
 
 :func:`save_checkpoint` / :func:`load_checkpoint` add the optimizer state (a state tensor of its
 parameter's shape follows the parameter, ``optim.<NAME>.<key>``; other state is replicated), the
-schedulers, the param groups' hyperparameters and the generators. Under FSDP2 each TP shard is
-first gathered over the DP mesh (``full_tensor``) and sliced back on load. The generators of
+schedulers, the param groups' hyperparameters and the generators. Under FSDP2 / HSDP (and
+torch's ``replicate``) a parameter tensor parallelism does not split (at tp 1: every one but
+packed parts and padded vocabularies) is saved
+as the engine's DTensor over the dp mesh (each rank writes its dim-0 slice, DCP one copy of what
+replicas share) and read back into a DTensor of its placements (each rank reads its slice: no
+gather); a TP shard is first gathered over the dp mesh (``full_tensor``) and sliced back on load.
+The generators of
 each rank are restored only at the saved layout (same ``tp_size`` and world size); at another,
 every rank takes global rank 0's Python, NumPy and torch generators and tpify's TP stream
 restarts from ``seed + 2718 + tp_rank`` (:mod:`tpify.random`), so dropout masks in sharded
@@ -34,7 +39,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .agree import agree
-from .dcp_entries import ShardContext, load_targets, save_entries, tp_shard
+from .dcp_entries import ShardContext, is_whole_entry, load_targets, save_entries, tp_shard
 from .info import find_tp_model, get_tp_info, param_specs
 from .io import CheckpointError
 from .io.keys import saved_tensors
@@ -217,7 +222,7 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
     state: dict = {}
     for i, model in enumerate(models if model_state else ()):
         for name, p in _named_params(model):
-            state.update(save_entries(_prefix(i, "model") + name, tp_shard(p), specs.get(id(p)), ctx))
+            state.update(_entries(_prefix(i, "model") + name, p, specs.get(id(p)), ctx))
     for i, opt in enumerate(_optimizer(o) for o in optimizers):
         meta = {"param_groups": [], "state": {}}
         saved = opt.state_dict()
@@ -235,7 +240,7 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
                 key = _prefix(i, "optim") + name + "." + k
                 if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
                     kinds[k] = ("param", None)
-                    state.update(save_entries(key, tp_shard(v), specs.get(id(p)), ctx))
+                    state.update(_entries(key, v, specs.get(id(p)), ctx))
                 elif torch.is_tensor(v):
                     kinds[k] = ("tensor", None)
                     state[key] = v.full_tensor() if is_dtensor(v) else v
@@ -250,6 +255,29 @@ def save_checkpoint(path, models, optimizers=(), schedulers=(), extra: dict | No
         state[f"rng.rank{_rank()}"] = _blob(_rng_state(models))
     Path(path).mkdir(parents=True, exist_ok=True)
     dcp.save(state, checkpoint_id=str(path), no_dist=_no_dist())
+
+
+def _entries(key: str, t: torch.Tensor, spec: ShardSpec | None, ctx: ShardContext) -> dict:
+    """DCP entries of a parameter (or a state tensor of its shape): a DTensor of a data-parallel
+    engine (FSDP2 / HSDP / ``replicate``, over the dp mesh) whose TP shard is its own one entry
+    (:func:`tpify.dcp_entries.is_whole_entry`: not split over TP, or tp 1 without packed parts or
+    padding) as it is, each rank's dim-0 slice written, no communication; else this rank's TP
+    shard (gathered over dp: one all-gather) as its ShardSpec's entries
+    (:func:`tpify.dcp_entries.save_entries`)."""
+    if is_dtensor(t) and is_whole_entry(key, tuple(t.shape), spec, ctx):
+        return {key: t.detach()}
+    return save_entries(key, tp_shard(t), spec, ctx)
+
+
+def _targets(key: str, p: torch.Tensor, spec: ShardSpec | None, ctx: ShardContext):
+    """``(entries, assemble)`` that ``dcp.load`` fills for a parameter (or a state tensor of its
+    shape): for a DTensor that is its own one entry (:func:`_entries`), an empty DTensor of ``p``'s
+    placements (DCP reads this rank's slice), returned as it is; else
+    :func:`tpify.dcp_entries.load_targets` (this rank's TP shard). Local."""
+    if is_dtensor(p) and is_whole_entry(key, tuple(p.shape), spec, ctx):
+        target = torch.empty_like(p.detach())
+        return {key: target}, lambda: target
+    return load_targets(key, tuple(p.shape), p.dtype, p.device, spec, ctx)
 
 
 def _blob(value) -> io.BytesIO:
@@ -372,7 +400,11 @@ def load_checkpoint(path, models, optimizers=(), schedulers=(), *, model_state: 
     _dcp_load(state, path)
     with torch.no_grad():
         for p, assemble in finish:
-            copy_local_(p, assemble()) if is_dtensor(p) else p.copy_(assemble())
+            value = assemble()
+            if is_dtensor(value):  # read as a DTensor of p's placements: this rank's slice
+                p.to_local().copy_(value.to_local())
+            else:
+                copy_local_(p, value) if is_dtensor(p) else p.copy_(value)
     for opt, built, groups in optim_states:
         _load_optimizer(opt, built, groups)
     for sched, saved in zip(schedulers, objects["sched"]):
@@ -399,7 +431,7 @@ def _model_targets(path, models, model_state: bool, metadata, specs, ctx, state:
             by_name[key] = p
             if not model_state:
                 continue
-            entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
+            entries, assemble = _targets(key, p, specs.get(id(p)), ctx)
             for k, t in entries.items():
                 saved = getattr(metadata.get(k), "size", None)
                 if saved is None:
@@ -465,7 +497,7 @@ def _optimizer_targets(i: int, opt, meta: dict, names: dict, by_name: dict, meta
                 state[key] = buffer
                 values[k] = buffer
             else:
-                entries, assemble = load_targets(key, tuple(p.shape), p.dtype, p.device, specs.get(id(p)), ctx)
+                entries, assemble = _targets(key, p, specs.get(id(p)), ctx)
                 state.update(entries)
                 values[k] = (p, assemble)
     groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -480,7 +512,9 @@ def _load_optimizer(opt, built: dict, groups: list) -> None:
             if isinstance(v, tuple):
                 p, assemble = v
                 shard = assemble()
-                if is_dtensor(p):
+                if is_dtensor(shard):  # read as a DTensor of p's placements already
+                    values[k] = shard
+                elif is_dtensor(p):
                     values[k] = distribute_tensor(shard, p.device_mesh, p.placements, src_data_rank=None)
                 else:
                     values[k] = shard

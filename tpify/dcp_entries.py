@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .sharding import ShardSpec, chunk_range, is_dtensor
 
-__all__ = ["PART", "ShardContext", "save_entries", "load_targets", "tp_shard"]
+__all__ = ["PART", "ShardContext", "save_entries", "load_targets", "tp_shard", "is_whole_entry"]
 
 
 #: The suffix of a packed parameter's parts: ``NAME.part<i>``.
@@ -83,6 +83,15 @@ def _parts(key: str, shard_shape: tuple[int, ...], spec: ShardSpec | None, ctx: 
         offset += size
         local += b - a
     return out  # packed parts are unpadded: each split evenly (or by torch.chunk's rule), or KV heads per group
+
+
+def is_whole_entry(key: str, shard_shape, spec: ShardSpec | None, ctx: ShardContext) -> bool:
+    """Whether a TP shard of ``shard_shape`` is its own one DCP entry, unchanged: no spec
+    (replicated over TP), or at tp 1 a spec of one part without padding rows. Such a tensor may
+    be saved and loaded as a DTensor of a data-parallel engine (over the dp mesh) as it is. Local."""
+    parts = _parts(key, tuple(shard_shape), spec, ctx)
+    return (len(parts) == 1 and parts[0].replicated and parts[0].key == key
+            and parts[0].shape == tuple(shard_shape))
 
 
 def _dtensor(local: torch.Tensor, part: _Part, ctx: ShardContext) -> DTensor:

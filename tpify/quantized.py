@@ -33,7 +33,7 @@ differs, so each rank keeps its blocks' absmax as the dense model restores them
 (:func:`_double_quantized_absmax`: exact at every split that keeps the 64-element blocks whole;
 the statistics stay float32). Refused by name: 8-bit (``load_in_8bit``: on CUDA LLM.int8
 quantizes each activation row over all input features, which a row-parallel shard does not see),
-``TorchAoConfig`` and other configs, the styles ``replicate``, ``experts``, ``latent`` and
+other configs (``TorchAoConfig`` int8 weight-only is :mod:`tpify.quantized_torchao`), the styles ``replicate``, ``experts``, ``latent`` and
 ``per_head``.
 
 **Two paths, both exact.** Quantize on load (:func:`quantize_`: each rank quantizes the dense slice
@@ -85,8 +85,19 @@ class QuantizationSpec:
     skip: tuple[str, ...] = ()
     double_quant: bool = False
 
+    skip_option = "llm_int8_skip_modules"  # the config field that keeps a module unquantized
+
     def skips(self, fqn: str) -> bool:
         return any(fqn == s or fqn.endswith("." + s) or s in fqn.split(".") for s in self.skip)
+
+    def quantizes(self, module: nn.Module | None) -> bool:
+        """Whether transformers quantizes this kind of module under the config (bitsandbytes:
+        ``nn.Linear`` and GPT-2's ``Conv1D``; the style decides the rest)."""
+        return True
+
+    def label(self) -> str:
+        """The format, as the refusals name it."""
+        return f"{self.quant_type}, blocks of {self.blocksize}"
 
 
 def quantization_spec(config) -> QuantizationSpec:
@@ -97,7 +108,8 @@ def quantization_spec(config) -> QuantizationSpec:
     Raises:
         ImportError: bitsandbytes is not installed (``pip install bitsandbytes``, or ``tpify[quant]``).
         NotImplementedError: 8-bit, another quant storage, a config class other
-            than ``BitsAndBytesConfig`` (``TorchAoConfig``, GPTQ, AWQ, ...): not built, by name.
+            than ``BitsAndBytesConfig`` (GPTQ, AWQ, ...; ``TorchAoConfig`` is dispatched before, to
+            :func:`tpify.quantized_torchao.torchao_spec`): not built, by name.
         ValueError: a 4-bit quant type other than nf4/fp4; a config that asks for no quantization.
     """
     from transformers import BitsAndBytesConfig
@@ -107,9 +119,10 @@ def quantization_spec(config) -> QuantizationSpec:
     if not isinstance(config, BitsAndBytesConfig):
         raise NotImplementedError(
             f"quantization_config={type(config).__name__}: tpify builds quantized tensor-parallel layers from "
-            f"bitsandbytes 4-bit only (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4' "
-            f"or 'fp4', bnb_4bit_use_double_quant=True or False)); {type(config).__name__} (torchao, GPTQ, AWQ, ...) "
-            f"is not built")
+            f"bitsandbytes 4-bit (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4' "
+            f"or 'fp4', bnb_4bit_use_double_quant=True or False)) and torchao int8 weight-only "
+            f"(transformers.TorchAoConfig(Int8WeightOnlyConfig()), tpify.quantized_torchao); "
+            f"{type(config).__name__} (GPTQ, AWQ, ...) is not built")
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError("quantization_config=BitsAndBytesConfig(...) needs the package bitsandbytes: "
                           "pip install bitsandbytes (or tpify[quant])")
@@ -181,11 +194,12 @@ def check_layout(model: nn.Module, layout, qspec: QuantizationSpec) -> list[str]
     problems, chosen = [], []
     modules = dict(model.named_modules())
     for fqn, ml in sorted(layout.modules.items()):
-        if ml.style in _KEPT_STYLES or qspec.skips(fqn) or isinstance(modules.get(fqn), nn.Embedding):
+        if ml.style in _KEPT_STYLES or qspec.skips(fqn) or isinstance(modules.get(fqn), nn.Embedding) \
+                or not qspec.quantizes(modules.get(fqn)):
             continue  # the LM head and embeddings stay unquantized, as transformers keeps them
         if ml.style not in _COLUMN_STYLES + _ROW_STYLES:
             problems.append(f"{fqn}: style {ml.style!r} has no quantized tensor-parallel form in tpify (built: "
-                            f"colwise, packed_colwise, rowwise); list it in llm_int8_skip_modules to keep it "
+                            f"colwise, packed_colwise, rowwise); list it in {qspec.skip_option} to keep it "
                             f"unquantized")
             continue
         if ml.sequence_parallel:
@@ -209,7 +223,7 @@ def check_layout(model: nn.Module, layout, qspec: QuantizationSpec) -> list[str]
         chosen.append(fqn)
     if problems:
         raise PlanError(f"{len(problems)} layer(s) cannot be quantized as shards that equal the dense quantized "
-                        f"weight ({qspec.quant_type}, blocks of {qspec.blocksize}):\n  " + "\n  ".join(problems))
+                        f"weight ({qspec.label()}):\n  " + "\n  ".join(problems))
     return chosen
 
 

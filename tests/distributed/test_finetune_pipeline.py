@@ -1,5 +1,6 @@
-"""``tpify finetune --pp``, through the command: the same losses as ``--pp 1`` and a save plain
-transformers loads (tpify/cli/finetune_pipeline.py)."""
+"""``tpify finetune --pp``, through the command: the same losses as ``--pp 1`` (every weight, and
+LoRA), a save plain transformers loads, an adapter plain PEFT loads, checkpoints that resume at
+another pp and tp (tpify/cli/finetune_pipeline.py)."""
 
 import json
 import os
@@ -106,12 +107,102 @@ def test_tiny_gpt2_interleaved_pp2_tp2(tiny_gpt2, tmp_path):
     assert real == [planned[g // 2]["rank_bytes"] for g in range(4)], (real, planned)
 
 
+def _step_loss(model, model_dir, step, batch_size=4, seq_len=32, seed=0):
+    """``model``'s mean loss (float32) on the batch ``tpify finetune`` trains on at ``step``."""
+    from transformers import AutoTokenizer
+
+    from tpify.cli.finetune import batch_indices, default_text_files, pack_texts
+
+    data = pack_texts(AutoTokenizer.from_pretrained(model_dir), [str(p) for p in default_text_files()], seq_len)
+    ids = data[batch_indices(step, data.shape[0], batch_size, seed)]
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss.item()
+
+
+def test_tiny_gpt2_lora_pp2_adapter_and_resume(tiny_gpt2, tmp_path):
+    """LoRA (the default r = 8) at ``--pp 2`` against ``--pp 1``: the same losses step by step (the
+    adapters start from the dense run's values on every stage), 4 AdamW steps with clipping. The
+    pipeline's adapter is one PEFT directory: plain PEFT loads ``checkpoint-2/adapter`` on the
+    dense model and gives the loss the run logged at step 3 (the batch and the adapter after 2
+    steps), and the final adapter gives the merged ``final/`` model's loss and the ``--pp 1`` run's.
+    ``--resume`` from ``checkpoint-2`` at ``--pp 2 --tp 2`` (another layout) continues with the
+    uninterrupted run's losses, and its adapter (gathered over tp 2) and merged model give the
+    uninterrupted run's loss.
+
+    Tolerances (float32): losses to rtol 1e-5, as the full fine-tuning tests (the pipeline sums two
+    microbatches where the dense run sums one batch; measured 1e-7 relative); the adapter on the
+    dense model against the logged loss and the merged model to rtol 1e-5 (another summation
+    order: the adapter's ``x A^T B^T`` added after ``x W`` against ``x (W + B A)``)."""
+    import shutil
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    common = ["--model-dir", str(tiny_gpt2), "--steps", "4", "--seq-len", "32", "--batch-size", "4",
+              "--sample-tokens", "0", "--lr", "1e-3", "--warmup", "1"]
+    out = _finetune(*common, "--pp", "2", "--tp", "1", "--save-every", "2", "--out", str(tmp_path / "pp2")).stdout
+    assert "LoRA r=8" in out, out[-2000:]
+    _finetune(*common, "--pp", "1", "--tp", "1", "--out", str(tmp_path / "pp1"))
+    pp1, pp2 = _losses(tmp_path / "pp1"), _losses(tmp_path / "pp2")
+    torch.testing.assert_close(torch.tensor(pp2), torch.tensor(pp1), rtol=1e-5, atol=0)
+    assert sorted(p.name for p in (tmp_path / "pp2" / "adapter").iterdir()) == ["adapter_config.json",
+                                                                                "adapter_model.safetensors"]
+
+    def adapted(adapter_dir):
+        base = AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+        return peft.PeftModel.from_pretrained(base, adapter_dir).eval()  # plain PEFT on the dense model
+
+    at_2 = _step_loss(adapted(tmp_path / "pp2" / "checkpoint-2" / "adapter"), tiny_gpt2, 2)
+    torch.testing.assert_close(at_2, pp2[2], rtol=1e-5, atol=0)
+    final = _step_loss(adapted(tmp_path / "pp2" / "adapter"), tiny_gpt2, 4)
+    merged = _step_loss(AutoModelForCausalLM.from_pretrained(tmp_path / "pp2" / "final").eval(), tiny_gpt2, 4)
+    dense = _step_loss(AutoModelForCausalLM.from_pretrained(tmp_path / "pp1" / "final").eval(), tiny_gpt2, 4)
+    torch.testing.assert_close(merged, final, rtol=1e-5, atol=0)
+    torch.testing.assert_close(merged, dense, rtol=1e-5, atol=0)
+    assert abs(final - _step_loss(AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval(), tiny_gpt2, 4)) > 1e-4
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "pp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    _finetune(*common, "--pp", "2", "--tp", "2", "--resume", "--out", str(tmp_path / "resumed"))
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "resumed")), torch.tensor(pp2), rtol=1e-5, atol=0)
+    # its adapter, gathered over tp 2 in each stage, and its merged model: the uninterrupted run's
+    torch.testing.assert_close(_step_loss(adapted(tmp_path / "resumed" / "adapter"), tiny_gpt2, 4), final,
+                               rtol=1e-5, atol=0)
+    resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "final").eval()
+    torch.testing.assert_close(_step_loss(resumed, tiny_gpt2, 4), merged, rtol=1e-5, atol=0)
+
+
+def test_tiny_gpt2_full_resume_at_pp4(tiny_gpt2, tmp_path):
+    """Every weight trained (``--lora-r 0``) at ``--pp 2 --save-every 2``, then ``--resume`` from
+    ``checkpoint-2`` at ``--pp 4`` (GPipe, 4 microbatches): the weights, AdamW's moments, the LR
+    schedule and the step come back from the pipeline's DCP checkpoint at another pp, and the losses
+    and final weights are the uninterrupted run's. Tolerances as the other full fine-tuning tests."""
+    import shutil
+
+    lr = 1e-3
+    common = ["--model-dir", str(tiny_gpt2), "--lora-r", "0", "--steps", "4", "--seq-len", "32", "--batch-size",
+              "4", "--sample-tokens", "0", "--lr", str(lr), "--warmup", "1"]
+    _finetune(*common, "--pp", "2", "--save-every", "2", "--out", str(tmp_path / "pp2"))
+    assert not (tmp_path / "pp2" / "checkpoint-2" / "adapter").exists()
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "pp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    _finetune(*common, "--pp", "4", "--pp-schedule", "GPipe", "--microbatches", "4", "--resume",
+              "--out", str(tmp_path / "resumed"))
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "resumed")), torch.tensor(_losses(tmp_path / "pp2")),
+                               rtol=1e-5, atol=0)
+    _same_weights(tmp_path / "pp2" / "final", tmp_path / "resumed" / "final", atol=2 * 2 * lr)
+
+
 def test_refusals_before_launch(tiny_gpt2, tmp_path):
-    """What ``--pp`` does not take is one usage error (status 2) before any rank starts."""
+    """What ``--pp`` does not take is one usage error (status 2) before any rank starts; LoRA (the
+    default), ``--save-every`` and ``--resume`` are taken. A pipeline run's checkpoint does not
+    resume without ``--pp`` (nor another run's with it)."""
     common = ["--model-dir", str(tiny_gpt2), "--out", str(tmp_path / "x"), "--tp", "1"]
-    cases = [(["--pp", "2"], "LoRA (--lora-r)"),  # LoRA is the default
-             (["--pp", "2", "--lora-r", "0", "--save-every", "1"], "--save-every / --resume"),
-             (["--pp", "2", "--lora-r", "0", "--dp", "2", "--dp-shard", "2"], "--dp / --dp-shard with --pp"),
+    ckpt = tmp_path / "piped" / "checkpoint-2" / "trainer"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"step": 2, "losses": [1.0, 1.0], "pp": 2, "lora_r": 8}))
+    out = _finetune("--model-dir", str(tiny_gpt2), "--out", str(tmp_path / "piped"), "--resume", ok=False)
+    assert out.returncode == 2 and "written with pipeline stages (--pp 2)" in out.stderr, out.stderr
+    cases = [(["--pp", "2", "--lora-r", "0", "--dp", "2", "--dp-shard", "2"], "--dp / --dp-shard with --pp"),
              (["--pp", "2", "--lora-r", "0", "--dp", "2"], "--dp / --dp-shard with --pp"),
              (["--pp", "2", "--lora-r", "0", "--batch-size", "3"], "not a multiple of the 2 microbatches"),
              (["--pp", "4", "--lora-r", "0", "--batch-size", "2", "--microbatches", "2"],

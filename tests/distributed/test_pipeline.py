@@ -8,7 +8,9 @@ with torch's composable ``replicate`` (DDP's semantics), Llama at pp 2 x HSDP (2
 at pp 2 x tp 2 (1F1B); with data-parallel replicas each takes its half of the global batch (the
 dense model sees the whole); each the loss and every gradient of the first step, then 3 AdamW
 steps with clipping, and the tied embedding's gradient equal on the first and last stage (both
-compared with the dense one). Tolerance: float64 sums in another order (~1e-16); tputil.F64
+compared with the dense one); under FSDP2, HSDP and ``replicate`` the dense save
+(``tpify.pipeline.save_pretrained``) loaded by plain transformers equals the dense model after the
+3 steps. Tolerance: float64 sums in another order (~1e-16); tputil.F64
 (atol 1e-10) leaves room for the 3 AdamW steps.
 """
 
@@ -91,7 +93,8 @@ def _full(t):
     return t.full_tensor() if t is not None and is_dtensor(t) else t
 
 
-def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False, chunk=None, dp=None):
+def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False, chunk=None, dp=None,
+          save_root=None):
     import peft
 
     import tpify
@@ -163,10 +166,15 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
         close(norm, want_norm, f"{what}: norm, step {it}")
         ref_opt.step(); ref_opt.zero_grad()
         opt.step(); opt.zero_grad()
-    if dp:  # saving stages under an engine is not built: refused on every rank
-        with pytest.raises(pp.PipelineError, match="not built"):
-            pp.save_checkpoint("/nonexistent/never-written", sched)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    if save_root is not None:  # the dense save under the engine (gathered over dp): plain transformers loads it
+        from transformers import AutoModelForCausalLM
+
+        saved = f"{save_root}/{type(ref).__name__}-{dp}-{'-'.join(f'{k}{v}' for k, v in mesh_args.items())}-{schedule}"
+        pp.save_pretrained(sched, saved)
+        back = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64)
+        for n, p in back.named_parameters(remove_duplicate=False):
+            close(p, ref_params[n], f"{what}: saved {n}")
     for stage in stages:
         named = tputil.dense_named(stage.model) if tp > 1 else \
             {n: _full(p) for n, p in stage.model.named_parameters()}
@@ -175,18 +183,19 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
     return what, worst[0]
 
 
-def _job(rank, world):
+def _job(rank, world, root):
     import tpify
     import tpify.pipeline as pp
 
     done = []
     for make in (_gpt2, _llama):  # pp 2 x dp_shard 2 (FSDP2): ranks 0-1 stage 0 (dp_shard 0, 1), ranks 2-3 stage 1
-        done.append(_case(make, {"pp_size": 2}, "GPipe", 1, 1, dp="fsdp"))
+        done.append(_case(make, {"pp_size": 2}, "GPipe", 1, 1, dp="fsdp", save_root=root))
         done.append(_case(make, {"pp_size": 2}, "1F1B", 1, 1, dp="fsdp"))
         done.append(_case(make, {"pp_size": 4}, "1F1B", 1, 1))
-        done.append(_case(make, {"pp_size": 2}, "Interleaved1F1B", 2, 1, dp="fsdp"))
-    done.append(_case(_gpt2, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, dp="replicate"))  # DDP's semantics
-    done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "GPipe", 1, 1, dp="fsdp"))  # HSDP (2 x 1)
+        done.append(_case(make, {"pp_size": 2}, "Interleaved1F1B", 2, 1, dp="fsdp", save_root=root))
+    # DDP's semantics (torch's composable replicate); HSDP (2 x 1)
+    done.append(_case(_gpt2, {"pp_size": 2, "dp_replicate": 2}, "1F1B", 1, 1, dp="replicate", save_root=root))
+    done.append(_case(_llama, {"pp_size": 2, "dp_replicate": 2}, "GPipe", 1, 1, dp="fsdp", save_root=root))
     done.append(_case(_llama, {"pp_size": 2}, "1F1B", 1, 2))
     done.append(_case(_gpt2, {"pp_size": 2}, "GPipe", 1, 2))
     done.append(_case(_qwen2, {"pp_size": 4}, "1F1B", 1, 1))  # sliding and full layers: the stage's layer_types
@@ -318,8 +327,8 @@ def _steady_state(sched, first, last, ids, labels):
         p.grad = None
 
 
-def test_pipeline_matches_dense():
-    results = tputil.spawn(_job, 4, timeout=900)
+def test_pipeline_matches_dense(tmp_path):
+    results = tputil.spawn(_job, 4, str(tmp_path), timeout=900)
     assert all(len(r) == 21 for r in results)
     cases = [c for c in results[0] if isinstance(c, tuple)]
     for i, (what, _) in enumerate(cases):  # the largest |difference| over the ranks (docs/pipeline-parallelism.md)

@@ -294,6 +294,21 @@ def _preflight(args) -> str | None:
     return None
 
 
+#: Loggers whose import-time messages are not about the user's run: torchao (imported by transformers'
+#: quantizers whenever it is installed) logs that its CUDA-only extensions do not load on a CPU build of
+#: torch, and torch's pytree logs a deprecation for the Enum classes torchao registers. Raised to ERROR
+#: in the ``tpify`` command's processes only (a usage error stays one line on stderr); the library and
+#: a user's own scripts leave them as they are.
+_IMPORT_NOISE_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def _quiet_known_import_noise() -> None:
+    import logging
+
+    for name in _IMPORT_NOISE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tpify`` command; launches its ranks itself when needed.
 
@@ -308,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     (:func:`tpify.cli.launch.relaunch`), exit status 1.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_known_import_noise()
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with status 2 on a bad flag
     if getattr(args, "in_process", False):  # recipe-author commands (plan): no process group, no torchrun

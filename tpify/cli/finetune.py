@@ -222,15 +222,17 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if is_dtensor(p) else p.numel()
 
 
-def add_lora(model, cfg: FinetuneConfig):
-    """``model`` with LoRA adapters (rank ``cfg.lora_r``) on its parallel linear layers; returns
-    ``(peft_model, trainable, total)``: dense-equivalent parameter counts (sharded ones counted whole)."""
+def add_lora(model, cfg: FinetuneConfig, targets: list[str] | None = None):
+    """``model`` with LoRA adapters (rank ``cfg.lora_r``) on its parallel linear layers (``targets``:
+    their names, default :func:`lora_targets`); returns ``(peft_model, trainable, total)``:
+    dense-equivalent parameter counts of ``model`` (sharded ones counted whole)."""
     import peft
 
     from ..integrations.peft import get_peft_model
 
     config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=0.0,
-                             target_modules=lora_targets(model), init_lora_weights=True)
+                             target_modules=targets if targets is not None else lora_targets(model),
+                             init_lora_weights=True)
     with warnings.catch_warnings():  # peft 0.21 reads a property transformers 5 deprecates: not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = get_peft_model(model, config)

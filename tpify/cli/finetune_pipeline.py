@@ -11,9 +11,22 @@ of that scalar over the pipeline group per step brings it to rank 0, which reads
 (:class:`tpify.comm.HostCopy`: no host sync in a step). The dense save is gathered by stage
 (:func:`tpify.pipeline.save_pretrained`): plain transformers loads ``out_dir/final``.
 
-Not built here (refused before the ranks start, :func:`pipeline_problem`): LoRA, FSDP2
-(``--dp-shard``), checkpoints and ``--resume``, the greedy continuation (generation through the
-stages), context parallelism and quantized bases.
+LoRA (``--lora-r``, default 8): the adapters are added to each rank's cut model as
+:mod:`tpify.cli.finetune` adds them (:func:`tpify.cli.finetune.add_lora`, the names of every
+rank's parallel linear layers), with the values PEFT gives them on the whole dense model from
+the same seed (:func:`init_lora_as_dense`: the run is the ``--pp 1`` run's, step by step);
+``out_dir/adapter`` is one dense PEFT adapter gathered by stage
+(:func:`tpify.pipeline.save_adapter`), ``out_dir/final`` the merged model
+(:func:`tpify.pipeline.merge_adapters`, then the save by stage). Checkpoints every
+``save_every`` steps (:func:`save_pipeline_checkpoint`: the model, AdamW, the LR schedule and
+the generators through :func:`tpify.pipeline.save_checkpoint`, the step and losses in
+``state.json``, LoRA's dense adapter beside) and ``--resume`` at any ``--pp`` of 2 or more and
+any ``--tp`` (:func:`tpify.pipeline.load_checkpoint`); the data position is the step's.
+
+Not built here (refused before the ranks start, :func:`pipeline_problem`): data-parallel
+replicas (``--dp``, ``--dp-shard``), the greedy continuation (generation through the stages),
+context parallelism and quantized bases; a resume between a pipeline run and one without
+``--pp`` (:func:`tpify.cli.finetune.resume_point`).
 """
 
 from __future__ import annotations
@@ -28,7 +41,8 @@ import torch.distributed as dist
 from .. import comm
 from ..agree import agree
 
-__all__ = ["pipeline_problem", "n_virtual", "finetune_pipeline", "pipeline_memory_report"]
+__all__ = ["pipeline_problem", "n_virtual", "finetune_pipeline", "pipeline_memory_report", "init_lora_as_dense",
+           "save_pipeline_checkpoint"]
 
 
 def n_virtual(cfg) -> int:
@@ -53,8 +67,7 @@ def pipeline_problem(cfg) -> str | None:
     before its first collective.
 
     Refused: ``--microbatches`` or a ``--pp-schedule`` other than 1F1B without ``--pp``; with
-    ``--pp``: LoRA (``--lora-r``), ``--dp-shard``, ``--save-every`` and ``--resume``, context
-    parallelism and quantized bases (the other helpers' ``cp`` / ``quantize`` options, when the
+    ``--pp``: ``--dp`` and ``--dp-shard``, context parallelism and quantized bases (the other helpers' ``cp`` / ``quantize`` options, when the
     config has them); a batch the microbatches do not divide; a microbatch count the schedule
     cannot take (:func:`tpify.pipeline.schedule.check_microbatches`); more stages than layers.
     """
@@ -66,16 +79,10 @@ def pipeline_problem(cfg) -> str | None:
             return "--microbatches and --pp-schedule take effect with pipeline stages only: pass --pp 2 or more"
         return None
     refused = []
-    if cfg.lora_r:
-        refused.append("LoRA (--lora-r): tpify.pipeline trains PEFT models, but the adapter save and the merged save "
-                       "by stage are not built in tpify finetune; pass --lora-r 0 (every weight trained)")
     if cfg.dp > 1 or cfg.dp_shard > 1:
         refused.append("--dp / --dp-shard with --pp: data-parallel pipeline replicas run under FSDP2 or replicate "
-                       "(tpify.pipeline.pipeline(..., data_parallel=...), from Python), whose save by stage is not "
-                       "built; pass --dp 1 --dp-shard 1")
-    if cfg.save_every or cfg.resume:
-        refused.append("--save-every / --resume: checkpoints of a pipeline run are not built in tpify finetune "
-                       "(tpify.pipeline.save_checkpoint is, from Python); pass --save-every 0 without --resume")
+                       "(tpify.pipeline.pipeline(..., data_parallel=...), from Python); the command does not set them up "
+                       "yet; pass --dp 1 --dp-shard 1")
     if getattr(cfg, "cp", 1) not in (None, 1):
         refused.append("--cp: context parallelism inside pipeline stages is not built; pass --cp 1")
     if getattr(cfg, "quantize", None):
@@ -112,31 +119,35 @@ def _dense_bytes(cfg) -> int:
 
 def pipeline_memory_report(cfg, schedule, params: list[torch.nn.Parameter]) -> tuple[list[str], list[int]]:
     """``(lines, bytes)``: lines giving each rank's stages, layers and parameter bytes against the
-    dense model (every weight trains: gradients take the parameters' bytes again, AdamW's state
-    twice); each global rank's parameter bytes. Collective: one ``all_gather_object`` over the world."""
+    dense model (the trainable ones' gradients take their bytes again, AdamW's state twice: every
+    weight, or LoRA's adapters); each global rank's parameter bytes. Collective: one
+    ``all_gather_object`` over the world."""
     from .. import pipeline as pp
 
     stages = pp.stages_of(schedule)
     local = sum(p.numel() * p.element_size() for p in params)
+    train = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     mine = [(s.stage_index, s.layer_ids.start, s.layer_ids.stop - 1) for s in stages]
-    per_rank = comm.all_gather_objects((dist.get_rank(), mine, local))
+    per_rank = comm.all_gather_objects((dist.get_rank(), mine, local, train))
     dense = _dense_bytes(cfg)
 
     def mib(n: int) -> str:
         return f"{n / 2**20:.1f} MiB"
 
-    lines = [f"memory: dense model: parameters {mib(dense)} (gradients {mib(dense)}, AdamW state {mib(2 * dense)}); "
+    lines = [f"memory: dense model: parameters {mib(dense)}{'' if cfg.lora_r else f' (gradients {mib(dense)}, AdamW state {mib(2 * dense)})'}; "
              f"pp {cfg.pp} x tp {cfg.tp} x dp {cfg.dp}, {cfg.pp_schedule}, {cfg.microbatches or cfg.pp} microbatches"]
-    for r, on, nbytes in per_rank:
+    for r, on, nbytes, tbytes in per_rank:
         where = ", ".join(f"stage {s} (layers {a}..{b})" for s, a, b in on)
-        lines.append(f"  rank {r}: {where}: parameters {mib(nbytes)} = {nbytes / dense:.3f} x dense (gradients "
-                     f"{mib(nbytes)}, AdamW state {mib(2 * nbytes)})")
-    return lines, [nbytes for _, _, nbytes in sorted(per_rank)]
+        lines.append(f"  rank {r}: {where}: parameters {mib(nbytes)} = {nbytes / dense:.3f} x dense"
+                     + (f"; trainable (LoRA) {mib(tbytes)}" if cfg.lora_r else "")
+                     + f" (gradients {mib(tbytes)}, AdamW state {mib(2 * tbytes)})")
+    return lines, [nbytes for _, _, nbytes, _ in sorted(per_rank)]
 
 
-def _agreed(cfg) -> None:
+def _agreed(cfg):
     """The checks of every rank (limits, world size, :func:`pipeline_problem`, :func:`check_run`)
     and one agreement (the store): a problem on any rank stops every rank, before any collective.
+    Returns ``(checkpoint, its state)`` to resume from, or ``(None, None)``.
 
     Raises:
         ValueError: as the checks; on every rank.
@@ -144,7 +155,7 @@ def _agreed(cfg) -> None:
     from .finetune import check_run
     from .finetune_resume import _run_args
 
-    error = None
+    error, ckpt, state = None, None, None
     try:
         cfg.check()
         world = dist.get_world_size()
@@ -154,34 +165,128 @@ def _agreed(cfg) -> None:
         problem = pipeline_problem(cfg)
         if problem:
             raise ValueError(problem)
-        check_run(cfg)
+        ckpt, state = check_run(cfg)
     except Exception as e:  # noqa: BLE001 - re-raised by agree here, reported on the other ranks
         error = e
-    agree("tpify finetune --pp", {"args": _run_args(cfg), "pp": (cfg.pp, cfg.pp_schedule, cfg.microbatches)}, error)
+    agree("tpify finetune --pp", {"args": _run_args(cfg), "pp": (cfg.pp, cfg.pp_schedule, cfg.microbatches),
+                                  "resume step": state["step"] if state else None}, error)
+    return ckpt, state
+
+
+def init_lora_as_dense(peft_model, dtype: torch.dtype) -> tuple[int, int]:
+    """Give the LoRA adapters of ``peft_model`` (PEFT on this rank's cut model,
+    :func:`tpify.pipeline.from_pretrained`) the values PEFT gives them on the whole dense model
+    from the random state at the call, and leave the generator where that dense run leaves it; returns
+    ``(trainable, total)``: the dense model's LoRA and all parameter counts.
+
+    PEFT draws each adapted layer's factors from the default generator in the model's module order,
+    so a rank holding layers 15..29 would draw layer 0's values for layer 15. Here every adapted
+    layer of the dense model (built on the meta device) is created again in that order by PEFT's own
+    ``lora.Linear`` on a stand-in base of the dense ``(in, out)`` and ``dtype`` (holding no weight);
+    this rank's layers take those values, sliced to their TP shard. Local; no communication.
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from torch import nn
+
+    from ..hf_modules import is_conv1d
+    from ..sharding import shard_spec_of
+
+    state = torch.get_rng_state()  # what the dense run's get_peft_model starts from
+    model = peft_model.base_model.model
+    config = peft_model.peft_config["default"]
+    with torch.device("meta"):
+        dense = type(model)._from_config(model.config)
+    held = dict(model.named_modules())
+    trainable, total = 0, sum(p.numel() for p in dense.parameters())
+    torch.set_rng_state(state)
+    for name, module in dense.named_modules():
+        if not check_target_module_exists(config, name):
+            continue
+        if is_conv1d(module):
+            fan_in, fan_out = module.weight.shape  # Conv1D: (in, out)
+        elif isinstance(module, nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+        else:
+            continue
+        stand_in = nn.Linear(fan_in, fan_out, bias=module.bias is not None, device="meta")
+        stand_in.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # the device and dtype
+        layer = LoraLinear(stand_in, "default", config=config, r=config.r, lora_alpha=config.lora_alpha)
+        trainable += sum(p.numel() for p in layer.parameters() if p is not stand_in.weight and p.requires_grad)
+        real = held.get(name)
+        if real is None:
+            continue
+        with torch.no_grad():
+            for factor in ("lora_A", "lora_B"):
+                target = getattr(real, factor)["default"].weight
+                value = getattr(layer, factor)["default"].weight.detach()
+                spec = shard_spec_of(target)
+                value = spec.slice_dense(value, real.get_base_layer().tp_rank) if spec is not None else value
+                target.copy_(value.to(target.dtype))
+    return trainable, total + trainable
+
+
+def save_pipeline_checkpoint(schedule, optimizer, scheduler, step: int, losses: list[float], cfg, out_dir: Path) -> Path:
+    """Write ``out_dir/checkpoint-<step>`` atomically (a temporary directory renamed): ``trainer/``,
+    the model (every parameter of every stage, LoRA's frozen base too), AdamW, the LR schedule,
+    the generators and the step (:func:`tpify.pipeline.save_checkpoint`: resumes at another pp and
+    tp) and ``state.json`` (step, losses, layout, run arguments); with LoRA ``adapter/``, the dense
+    adapter (:func:`tpify.pipeline.save_adapter`, plain PEFT loads it). Every rank calls it."""
+    import os
+    import shutil
+
+    from .. import pipeline as pp
+    from .finetune_resume import _run_args
+
+    final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".checkpoint-{step}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "trainer").mkdir(parents=True)
+    comm.barrier()
+    if cfg.lora_r:
+        pp.save_adapter(schedule, tmp / "adapter")
+    pp.save_checkpoint(tmp / "trainer", schedule, [optimizer], [scheduler], extra={"step": step})
+    comm.barrier()
+    if rank == 0:
+        (tmp / "trainer" / "state.json").write_text(json.dumps(
+            {"step": step, "losses": losses, "pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
+             "lora_r": cfg.lora_r, "args": _run_args(cfg)}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    comm.barrier()
+    return final
 
 
 def finetune_pipeline(cfg) -> list[float]:
     """:func:`tpify.cli.finetune.finetune` with ``cfg.pp > 1`` stages; returns the loss of every
     step (the global batch's mean) on every rank.
 
-    ``world = pp * tp * dp``. Writes ``out_dir/final`` (one safetensors file per stage, an index,
-    the config and tokenizer), ``losses.json`` and ``loss.png``.
+    ``world = pp * tp * dp``. Writes ``out_dir/checkpoint-<k>`` every ``save_every`` steps
+    (:func:`save_pipeline_checkpoint`), ``out_dir/final`` (one safetensors file per stage, an
+    index, the config and tokenizer; LoRA: merged, and ``out_dir/adapter`` the dense adapter),
+    ``losses.json`` and ``loss.png``. ``resume``: continues from the latest checkpoint at this
+    run's ``pp`` and ``tp``.
 
     Raises:
         ValueError: an option outside its limits or refused (:func:`pipeline_problem`), a world of
-            another size, a bad ``out_dir``, ``data`` or ``model_dir``; on every rank before anything
+            another size, a bad ``out_dir``, ``data`` or ``model_dir``, a checkpoint ``resume``
+            cannot use (:func:`tpify.cli.finetune.resume_point`); on every rank before anything
             is read.
-        ImportError: matplotlib is not installed (before training).
+        ImportError: matplotlib, or peft with LoRA, is not installed (before training).
         tpify.pipeline.PipelineError: the model has no pipeline plan (on every rank).
+        tpify.io.CheckpointError: the checkpoint holds another model (on every rank).
     """
     from transformers import AutoTokenizer
 
     import tpify
     from tpify import pipeline as pp
 
-    from .finetune import _lr_lambda, _plot, _StepLines, batch_indices, default_text_files, pack_texts
+    from .finetune import (_lr_lambda, _plot, _StepLines, add_lora, batch_indices, default_text_files, lora_targets,
+                           pack_texts)
 
-    _agreed(cfg)
+    ckpt, state = _agreed(cfg)
+    start_step, losses = (state["step"], list(state["losses"])) if state else (0, [])
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
@@ -190,12 +295,30 @@ def finetune_pipeline(cfg) -> list[float]:
     nv, m = n_virtual(cfg), cfg.microbatches or cfg.pp
     tpify.manual_seed(cfg.seed)
     model = pp.from_pretrained(cfg.model_dir, mesh, n_virtual=nv, dtype=getattr(torch, cfg.dtype)).to(device)
+    trainable = None
+    if cfg.lora_r:  # the names of every rank's layers (stages may hold other kinds), the dense run's values
+        targets = sorted(set().union(*comm.all_gather_objects(lora_targets(model))))
+        state_rng = torch.get_rng_state()
+        absent = model.get_input_embeddings() is None  # not the first stage: PEFT's tie check reads it
+        if absent:
+            model.set_input_embeddings(torch.nn.Module())  # a stand-in holding no parameter: nothing is tied to it
+        peft_model, _, _ = add_lora(model, cfg, targets)
+        if absent:
+            model.set_input_embeddings(None)
+        torch.set_rng_state(state_rng)
+        trainable, total = init_lora_as_dense(peft_model, getattr(torch, cfg.dtype))
+        model = peft_model.base_model.model  # the HF model with the adapter layers: cut into stages
+        if rank == 0 and cfg.progress:
+            print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
+                  f"({100 * trainable / total:.2f}%)", flush=True)
     schedule = pp.pipeline(model, mesh, schedule=cfg.pp_schedule, n_microbatches=m, n_virtual=nv, device=device)
     del model  # the stages hold what this rank keeps
     info = schedule.tpify_pipeline
     params = pp.parameters(schedule)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup, cfg.steps))
+    if ckpt is not None:  # the model, AdamW, the schedule and the generators, at this run's pp and tp
+        pp.load_checkpoint(ckpt / "trainer", schedule, [optimizer], [scheduler])
     report = cfg.progress and rank == 0
     lines_, rank_bytes = pipeline_memory_report(cfg, schedule, params)
     for line in lines_:
@@ -204,11 +327,12 @@ def finetune_pipeline(cfg) -> list[float]:
     if report and cfg.sample_tokens:
         print("tpify finetune --pp: no greedy continuation (generation through the stages is not built); load "
               f"{Path(cfg.out_dir) / 'final'} in transformers to generate", flush=True)
-    lines = _StepLines(cfg, [], report)
+    lines = _StepLines(cfg, losses, report)
     stages = pp.stages_of(schedule)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     dp_rank = comm.group_rank(info.dp_group)
-    for step in range(cfg.steps):
+    out_dir = Path(cfg.out_dir)
+    for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
         lines.flush(until=t0)
         lr = scheduler.get_last_lr()[0]
@@ -223,15 +347,20 @@ def finetune_pipeline(cfg) -> list[float]:
         shared = loss.float() if loss is not None else torch.zeros((), dtype=torch.float32, device=device)
         shared = comm.all_reduce(shared, info.pp_group)
         lines.hold(step, lr, t0, comm.HostCopy([shared] + ([norm] if norm is not None else []), torch.float64))
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            lines.flush()
+            save_pipeline_checkpoint(schedule, optimizer, scheduler, step + 1, lines.losses, cfg, out_dir)
     lines.flush()
-    out_dir = Path(cfg.out_dir)
+    if cfg.lora_r:
+        pp.save_adapter(schedule, out_dir / "adapter")  # one dense PEFT adapter, gathered by stage
+        pp.merge_adapters(schedule)  # each stage's B A into its base shards: final/ is the merged model
     pp.save_pretrained(schedule, out_dir / "final")  # gathered by stage: one file per stage
     if rank == 0:
         from dataclasses import asdict
 
         tokenizer.save_pretrained(out_dir / "final")
         (out_dir / "losses.json").write_text(json.dumps({"losses": lines.losses, "config": asdict(cfg),
-                                                         "trainable_parameters": None,
+                                                         "trainable_parameters": trainable,
                                                          "rank_param_bytes": rank_bytes}, indent=1))
         _plot(lines.losses, out_dir / "loss.png")
     comm.barrier()

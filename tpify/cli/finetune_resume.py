@@ -132,7 +132,8 @@ def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
 
     Raises:
         ValueError: no ``checkpoint-<step>`` folder; a missing or corrupt ``state.json``; a
-            checkpoint written with another LoRA rank; other run arguments than ``cfg``'s (listed,
+            checkpoint written with another LoRA rank; a checkpoint of a pipeline run (``--pp`` of 2 or
+            more) resumed without pipeline stages, or the other way round; other run arguments than ``cfg``'s (listed,
             unless ``cfg.allow_changes``): another layout (``tp``, ``cp``, ``dp``, ``dp_shard``, the per-replica
             ``batch_size``) is fine as long as the global batch ``batch_size x dp`` is the same.
     """
@@ -143,6 +144,10 @@ def resume_point(cfg: FinetuneConfig) -> tuple[Path, dict]:
     state = _read_state(ckpt)
     if state.get("lora_r", 0) != cfg.lora_r:
         raise ValueError(f"--resume: {ckpt} was written with --lora-r {state.get('lora_r', 0)}; resume with it")
+    if (state.get("pp", 1) > 1) != (cfg.pp > 1):  # the two loops' checkpoints hold other things
+        raise ValueError(f"--resume: {ckpt} was written {'with' if state.get('pp', 1) > 1 else 'without'} pipeline "
+                         f"stages (--pp {state.get('pp', 1)}), this run is at --pp {cfg.pp}; a pipeline run's "
+                         f"checkpoint resumes at any --pp of 2 or more (and any --tp), another run's without --pp")
     changed = {k: (v, getattr(cfg, k)) for k, v in state.get("args", {}).items()
                if k in _RUN_FIELDS and k not in _LAYOUT_FIELDS and v != getattr(cfg, k)}
     if state.get("args") and (cfg.batch_size * cfg.dp != state["args"]["batch_size"] * state["args"]["dp"]) \

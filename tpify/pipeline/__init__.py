@@ -14,7 +14,9 @@ torch's schedules (:mod:`.schedule`). One job per module:
 * :mod:`.schedule`: :func:`build_schedule` (torch's schedule objects), :class:`PipelineLoss`, :func:`step`;
 * :mod:`.grads`: the global gradient norm over pp x dp x tp and clipping;
 * :mod:`.load`: :func:`from_pretrained` reading only this rank's stages, :func:`save_pretrained` by stage;
-* :mod:`.checkpoint`: training checkpoints (DCP) that resume at another pp and tp.
+* :mod:`.checkpoint`: training checkpoints (DCP) that resume at another pp and tp;
+* :mod:`.adapter`: a PEFT model's dense adapter saved by stage (:func:`save_adapter`), merged
+  into the stages (:func:`merge_adapters`).
 
 Usage (docs/pipeline-parallelism.md)::
 
@@ -29,6 +31,7 @@ Usage (docs/pipeline-parallelism.md)::
 
 from __future__ import annotations
 
+from .adapter import merge_adapters, save_adapter
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data_parallel import apply_data_parallel, replicate_stages, shard_stages
 from .grads import clip_grad_norm_, grad_norm, parameters
@@ -39,7 +42,7 @@ from .split import PipelineInfo, split_model
 from .stage import StageModule
 
 __all__ = ["pipeline", "split_model", "shard_stages", "replicate_stages", "build_schedule", "step", "parameters", "grad_norm", "clip_grad_norm_",
-           "stages_of", "from_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
+           "stages_of", "from_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint", "save_adapter", "merge_adapters", "PipelineError", "PipelineInfo", "PipelineLoss", "PipelinePlan", "StageModule",
            "layer_ranges", "pipeline_plan"]
 
 

@@ -16,6 +16,7 @@ from .. import comm
 from ..agree import agree
 from ..api import from_pretrained as _from_pretrained
 from ..checkpoint import dense_state_dict
+from ..dcp_entries import tp_shard
 from ..info import tp_info_of
 from ..io.keys import saved_tensors
 from .plan import PipelineError
@@ -62,11 +63,13 @@ def from_pretrained(path: str | os.PathLike, mesh, *, n_virtual: int = 1, split_
 
 
 def _stage_tensors(stage) -> dict[str, torch.Tensor]:
-    """The dense tensors of one stage as transformers saves them (tied copies left out).
-    Collective over the TP group (one all-gather per sharded tensor)."""
+    """The dense tensors of one stage as transformers saves them (tied copies left out): a
+    DTensor (FSDP2 / HSDP / ``replicate`` on the stage) gathered over the dp mesh
+    (``full_tensor``), then a TP shard over the TP group. Collective over dp and TP (one
+    all-gather each per tensor), in the same order on every rank of the stage."""
     if tp_info_of(stage.model) is not None:
         return dense_state_dict(stage.model)
-    return {k: t.detach().contiguous() for k, t in saved_tensors(stage.model)}
+    return {k: tp_shard(t).contiguous() for k, t in saved_tensors(stage.model)}
 
 
 def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
@@ -74,18 +77,20 @@ def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
     stage (``model-0000s-of-0000S.safetensors``), one ``model.safetensors.index.json``, the dense
     ``config.json``; transformers' and tpify's ``from_pretrained`` load it at any layout.
 
-    Each stage's tensors are gathered to their dense layout over its TP group; the rank at tp, cp
-    and dp coordinate 0 of each stage writes its file; global rank 0 writes the index and config.
+    Each stage's tensors are gathered to their dense layout: under FSDP2 / HSDP / ``replicate``
+    (:mod:`tpify.pipeline.data_parallel`) first over the dp mesh (``full_tensor``), then over its
+    TP group; the rank at tp, cp and dp coordinate 0 of each stage writes its file (one writer
+    per stage); global rank 0 writes the index and config.
     Not atomic (unlike :func:`tpify.save_pretrained`), so it refuses a directory that already
     holds weights (files of an older save would mix with the new ones): write to a new directory.
 
-    Communication: per sharded tensor one all-gather over TP; one agreement; one
-    ``all_gather_object`` of the file names and keys (or a writer's error) over the world; a barrier.
+    Communication: one agreement; per DTensor one all-gather over dp, per sharded tensor one over
+    TP; one ``all_gather_object`` of the file names and keys (or a writer's error) over the world;
+    a barrier.
 
     Raises:
         PipelineError: on every rank: ``path`` is a file or holds ``*.safetensors`` /
-            ``*.safetensors.index.json`` / ``pytorch_model*.bin`` files; stages under FSDP2 or
-            ``replicate`` (:mod:`tpify.pipeline.data_parallel`: not built); a writer failed (its
+            ``*.safetensors.index.json`` / ``pytorch_model*.bin`` files; a writer failed (its
             rank and error named; the index is then not written, so nothing loads the partial
             directory).
     """
@@ -98,9 +103,6 @@ def save_pretrained(schedule_or_info, path: str | os.PathLike) -> None:
         error = PipelineError(f"save_pretrained: {path} already holds weights ({', '.join(held[:3])}"
                               f"{', ...' if len(held) > 3 else ''}); a pipeline save is not atomic and would mix its "
                               "files with them: save into a new directory (or remove the old save first)")
-    if info.data_parallel is not None:  # the same on every rank
-        error = PipelineError(f"save_pretrained of stages under {info.data_parallel!r} (DTensor parameters) is not "
-                              f"built: save a pipeline without data-parallel replicas (dp 1)")
     agree("tpify.pipeline.save_pretrained", {"path": str(path)}, error)
     coords = info.mesh.get_coordinate()
     writer = all(c == 0 for c in coords[1:])  # tp, cp and dp coordinates 0: one writer per stage

@@ -1,0 +1,297 @@
+"""torchao int8 weight-only bases under tensor parallelism, sharded by rank.
+
+torchao's ``Int8WeightOnlyConfig`` (transformers: ``TorchAoConfig(Int8WeightOnlyConfig())``) stores
+each ``nn.Linear`` weight ``W`` ``[out, in]`` as int8 codes ``Q`` with one float32 scale per output
+row, symmetric: ``s_o = max(|min_i W_oi|, |max_i W_oi|) / 127.5`` (``choose_qparams_affine``),
+``Q_oi = clamp(round(W_oi / s_o), -128, 127)``, and computes ``y = (x Q^T) * s + b`` (torchao's
+``Int8Tensor`` linear). Here each rank holds the int8 form of its Megatron shard (arXiv:1909.08053,
+section 3) of every column- and row-parallel layer, quantized and computed with torchao's own
+functions (``Int8Tensor.from_hp``, ``choose_qparams_affine``, its ``F.linear``); no kernel of ours.
+
+**Sharding equals quantizing.**
+
+* column-parallel (whole rows, each packed part separately): a row's scale depends on that row
+  alone, so quantizing the shard gives the dense codes and scales of its rows bit for bit;
+* row-parallel (columns ``[a, b)`` of every row): a row's scale is a max over **all** its input
+  features, which a shard does not see. Each rank takes its shard's per-row ``(min, max)``, the TP
+  group all-gathers them (at load time), and every rank runs torchao's ``choose_qparams_affine`` on
+  the gathered ``(min, max)`` values: a row's min and max over them are the dense row's, so the
+  scale is the dense scale bit for bit, kept whole ``(out, 1)`` on every rank; the shard's codes
+  are then ``quantize_affine`` with it, elementwise, hence the dense codes' columns ``[a, b)``.
+  ``Y = reduce(X_r Q_r^T) * s``: torchao multiplies by ``s`` after each rank's partial product, the
+  dense model after the whole sum, equal up to float summation order.
+
+So every split that tpify's layout takes is exact (no block constraint, unlike 4-bit:
+:mod:`tpify.quantized`). transformers quantizes ``nn.Linear`` modules only, so GPT-2's ``Conv1D``
+layers stay unquantized here as in the dense torchao model.
+
+**What is built** (everything else raises, by name): ``Int8WeightOnlyConfig`` with the default
+``granularity=PerRow()`` (version 2), ``include_input_output_embeddings=False``, on layers of styles
+``colwise``, ``packed_colwise``, ``rowwise``. Refused: ``PerTensor`` / ``PerGroup`` granularities,
+every other torchao config (``Int4WeightOnlyConfig``, ``Int8DynamicActivationInt8WeightConfig``,
+float8, ``FqnToConfig``, ``NF4WeightOnlyConfig``: docs/quantization.md says why), quantized
+embeddings, an LM head that transformers would quantize (``modules_to_not_convert`` given without
+it), checkpoints saved by torchao.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .layout import PlanError
+from .quantized import _KEPT_STYLES, QuantizedColumnParallelLinear, QuantizedRowParallelLinear, check_layout
+from .sharding import shard_spec_of
+
+__all__ = ["TorchAoSpec", "is_torchao_config", "torchao_spec", "check_torchao_layout", "quantize_torchao_",
+           "Int8ColumnParallelLinear", "Int8RowParallelLinear"]
+
+
+def is_torchao_config(config) -> bool:
+    """Whether ``config`` is transformers' ``TorchAoConfig`` (or its dict, ``quant_method="torchao"``)."""
+    if isinstance(config, dict):
+        return config.get("quant_method") == "torchao"
+    try:
+        from transformers import TorchAoConfig
+    except ImportError:
+        return False
+    return isinstance(config, TorchAoConfig)
+
+
+@dataclass(frozen=True)
+class TorchAoSpec:
+    """What tpify reads from a ``transformers.TorchAoConfig`` (int8 weight-only, per output row).
+
+    Attributes:
+        quant_type: ``"int8_weight_only"``.
+        skip: transformers' ``modules_to_not_convert`` patterns (None: its defaults, the output
+            embeddings and ``_keep_in_fp32_modules``, resolved on the model by
+            :func:`check_torchao_layout`).
+    """
+
+    quant_type: str = "int8_weight_only"
+    skip: tuple[str, ...] | None = None
+    blocksize = 1  # per output row: no element block a split could cut (the row-parallel scale is gathered)
+    skip_option = "TorchAoConfig(modules_to_not_convert=...)"
+
+    def skips(self, fqn: str) -> bool:
+        """As transformers' ``TorchAoHfQuantizer.param_needs_quantization`` reads ``modules_to_not_convert``."""
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        return not should_convert_module(fqn + ".weight", list(self.skip or ()))
+
+    def quantizes(self, module: nn.Module | None) -> bool:
+        """transformers' torchao quantizer converts ``nn.Linear`` weights only (GPT-2's ``Conv1D`` stays)."""
+        return isinstance(module, nn.Linear)
+
+    def label(self) -> str:
+        return "torchao int8 weight-only, one scale per output row"
+
+
+def torchao_spec(config) -> TorchAoSpec:
+    """Validate a ``transformers.TorchAoConfig`` and return what tpify builds from it.
+
+    Raises:
+        ImportError: torchao is not installed (``pip install torchao``, or ``tpify[quant]``).
+        NotImplementedError: a torchao config other than ``Int8WeightOnlyConfig(granularity=PerRow())``
+            (named, with the reason), ``include_input_output_embeddings=True``.
+    """
+    if importlib.util.find_spec("torchao") is None:
+        raise ImportError("quantization_config=TorchAoConfig(...) needs the package torchao: pip install torchao "
+                          "(or tpify[quant])")
+    from transformers import TorchAoConfig
+
+    if isinstance(config, dict):
+        config = TorchAoConfig.from_dict(dict(config))
+    from torchao.quantization import Int8WeightOnlyConfig, PerRow
+
+    qt = config.quant_type
+    name = type(qt).__name__
+    if not isinstance(qt, Int8WeightOnlyConfig):
+        why = {"NF4WeightOnlyConfig": " (NF4Tensor: not built; its scalers are quantized again in blocks of 256 "
+                                      "around one mean over the whole weight, which a shard does not see; "
+                                      "bitsandbytes NF4 is built: BitsAndBytesConfig(load_in_4bit=True))",
+               "Int8DynamicActivationInt8WeightConfig": " (quantizes each activation row over all its input "
+                                                        "features, which a row-parallel shard does not see)"}
+        raise NotImplementedError(
+            f"quantization_config=TorchAoConfig({name}(...)): not built in tpify's tensor-parallel layers"
+            f"{why.get(name, '')}; built: TorchAoConfig(Int8WeightOnlyConfig()) (int8 weight-only, one scale per "
+            f"output row) and bitsandbytes 4-bit (BitsAndBytesConfig(load_in_4bit=True))")
+    gran = qt.granularity
+    if not isinstance(gran, PerRow) or gran.dim not in (-1, 1):
+        raise NotImplementedError(
+            f"TorchAoConfig(Int8WeightOnlyConfig(granularity={gran!r})): not built; only the default "
+            f"granularity=PerRow() (one scale per output row) is")
+    if config.include_input_output_embeddings:
+        raise NotImplementedError("TorchAoConfig(include_input_output_embeddings=True): quantized embeddings and LM "
+                                  "head are not built in tpify (they stay unquantized); pass False")
+    skip = None if config.modules_to_not_convert is None else tuple(config.modules_to_not_convert)
+    return TorchAoSpec("int8_weight_only", skip)
+
+
+def check_torchao_layout(model: nn.Module, layout, spec: TorchAoSpec) -> tuple[list[str], TorchAoSpec]:
+    """``(the FQNs to quantize, the spec with transformers' skip list resolved on the model)``; pure,
+    no collective. The skip list is transformers' (``get_modules_to_not_convert``: the given
+    ``modules_to_not_convert``, or by default the output embeddings, plus ``_keep_in_fp32_modules``).
+
+    Raises:
+        PlanError: as :func:`tpify.quantized.check_layout` (a style without a quantized form, sequence
+            parallelism, an uneven split), and an ``nn.Linear`` tpify keeps unquantized (the LM head)
+            that transformers would quantize under this config.
+    """
+    from transformers.quantizers.base import HfQuantizer
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, list(spec.skip) if spec.skip is not None else None,
+                                                  getattr(model, "_keep_in_fp32_modules", None))
+    spec = TorchAoSpec(spec.quant_type, tuple(sorted(skip)))
+    modules = dict(model.named_modules())
+    kept = [fqn for fqn, ml in sorted(layout.modules.items()) if ml.style in _KEPT_STYLES
+            and isinstance(modules.get(fqn), nn.Linear) and not spec.skips(fqn)]
+    if kept:
+        raise PlanError(f"{', '.join(kept)}: transformers' TorchAoConfig would quantize it (modules_to_not_convert="
+                        f"{list(spec.skip)}), tpify keeps the LM head unquantized; add it to modules_to_not_convert")
+    return check_layout(model, layout, spec), spec
+
+
+class _Int8:
+    """What the int8 column- and row-parallel layers share: the codes of this rank's shard ``(out_local,
+    in_local)`` int8, the per-row scales ``(out_local, 1)`` float32 (whole on a row-parallel layer) and
+    zero points (buffers: no gradient), the dequantized ``weight`` (read-only) and the local matmul
+    (torchao's ``Int8Tensor`` linear)."""
+
+    def _set_int8(self, qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                  dtype: torch.dtype) -> None:
+        self.register_buffer("weight_qdata", qdata, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.register_buffer("weight_zero_point", zero_point, persistent=False)
+        for b in (self.weight_qdata,) + ((self.weight_scale, self.weight_zero_point) if self._scale_sharded else ()):
+            if self.weight_shard_spec is not None and b is not None:
+                b.tp_shard_spec = self.weight_shard_spec
+        self.quant_dtype, self.quant_type = dtype, "int8_weight_only"
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def int8_tensor(self):
+        """torchao's ``Int8Tensor`` of this rank's shard, built from the buffers (follows ``.to``)."""
+        from torchao.quantization import Int8Tensor
+
+        return Int8Tensor(self.weight_qdata, self.weight_scale, [1, self.weight_qdata.shape[1]], self.quant_dtype,
+                          zero_point=self.weight_zero_point)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """This rank's shard dequantized ``(out_local, in_local)`` in the dtype it was quantized from,
+        carrying the dense weight's ShardSpec; read-only (merging is refused)."""
+        w = self.int8_tensor().dequantize()
+        if self.weight_shard_spec is not None:
+            w.tp_shard_spec = self.weight_shard_spec
+        return w
+
+    def local_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``(x Q_r^T) * s + b`` on this rank's shard, torchao's ``Int8Tensor`` linear (the int8 codes
+        cast to ``x``'s dtype, the scale applied to the product). ``(B, T, in_local) -> (B, T, out_local)``;
+        no communication.
+
+        Raises:
+            TPUsageError: the bias takes a gradient (full fine-tuning of a quantized base).
+        """
+        if torch.is_grad_enabled() and self.bias is not None and self.bias.requires_grad:
+            from .info import TPUsageError
+
+            raise TPUsageError(f"{type(self).__name__}: full fine-tuning of a quantized base is not supported; "
+                               f"train adapters on it (tpify.integrations.get_peft_model)")
+        return nn.functional.linear(x, self.int8_tensor(), None if bias is None else bias.to(x.dtype))
+
+    def quantized_bytes(self) -> int:
+        """Bytes of this rank's quantized weight: codes, scales, zero points."""
+        return sum(b.numel() * b.element_size() for b in (self.weight_qdata, self.weight_scale, self.weight_zero_point)
+                   if b is not None)
+
+    def _quant_repr(self) -> str:
+        return ", quant_type=int8_weight_only (torchao, per row)"
+
+
+class Int8ColumnParallelLinear(_Int8, QuantizedColumnParallelLinear):
+    """:class:`~tpify.layers.ColumnParallelLinear` whose shard is torchao int8 weight-only (module doc).
+
+    ``Y_r = (copy(X) Q_r^T) * s_r + b_r``; ``Q_r``, ``s_r``: the dense codes and scales of this rank's rows.
+
+    Shapes: input ``(B, T, in_features)``; output ``(B, T, out_features_per_partition)`` (or gathered).
+    Communication: as :class:`tpify.quantized.QuantizedColumnParallelLinear`.
+    Raises: as it (a bias that takes a gradient, ``return_input``).
+    """
+
+    _scale_sharded = True
+
+
+class Int8RowParallelLinear(_Int8, QuantizedRowParallelLinear):
+    """:class:`~tpify.layers.RowParallelLinear` whose shard is torchao int8 weight-only (module doc).
+
+    ``Y = reduce((X_r Q_r^T) * s) + b``; ``Q_r`` the dense codes' columns of this rank, ``s`` the dense
+    per-row scale, whole on every rank; the bias added once after the reduce.
+
+    Shapes: input ``(B, T, in_features // tp_size)``; output ``(B, T, out_features)``.
+    Communication: as :class:`tpify.quantized.QuantizedRowParallelLinear` (one all-reduce forward).
+    """
+
+    _scale_sharded = False
+
+
+_INT8 = {ColumnParallelLinear: Int8ColumnParallelLinear, RowParallelLinear: Int8RowParallelLinear}
+
+
+def _row_scale(shard: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense weight's per-row ``(scale, zero_point)`` ``(out, 1)`` from this rank's columns
+    ``shard`` ``(out, in_local)``: each rank's per-row ``(min, max)`` all-gathered, then torchao's
+    ``choose_qparams_affine`` (the arguments ``Int8Tensor.from_hp`` passes) over them.
+
+    Communication: one all-gather over the TP group of ``(out, 2)`` in the weight's dtype.
+    """
+    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine
+
+    from . import comm
+
+    minmax = torch.stack([shard.amin(dim=1), shard.amax(dim=1)], dim=1)  # (out, 2)
+    gathered = comm.all_gather_dim(minmax.contiguous(), 1, tp_group)  # (out, 2 * tp)
+    return choose_qparams_affine(input=gathered, mapping_type=MappingType.SYMMETRIC, block_size=[1, gathered.shape[1]],
+                                 target_dtype=torch.int8, quant_min=-128, quant_max=127, scale_dtype=torch.float32,
+                                 zero_point_dtype=torch.int8, keepdim=True, eps=torch.finfo(torch.float32).eps)
+
+
+def quantize_torchao_(model: nn.Module, fqns: list[str], spec: TorchAoSpec) -> nn.Module:
+    """Quantize, in place, the parallel layers ``fqns`` (from :func:`check_torchao_layout`) to int8
+    weight-only: each rank's codes and scales equal the dense ``Int8WeightOnlyConfig`` weight's
+    restricted to its shard (module doc). The layer objects stay (their class becomes the int8
+    subclass); every parameter of the model is frozen afterwards (adapters train on top).
+
+    Communication: one all-gather per row-parallel layer, ``(out, 2)`` (:func:`_row_scale`).
+
+    Raises:
+        TypeError: a listed module is not a ColumnParallelLinear or RowParallelLinear.
+    """
+    from torchao.quantization import Int8Tensor, PerRow
+
+    for fqn in fqns:
+        layer = model.get_submodule(fqn)
+        cls = _INT8.get(type(layer))
+        if cls is None:
+            raise TypeError(f"{fqn}: expected a ColumnParallelLinear or RowParallelLinear, got {type(layer).__name__}")
+        if layer.weight_layout != "linear":
+            raise TypeError(f"{fqn}: torchao int8 quantizes nn.Linear weights only, got layout {layer.weight_layout!r}")
+        param = layer._parameters.pop("weight")
+        layer.__class__ = cls
+        layer.weight_shard_spec = shard_spec_of(param)
+        w = param.detach().contiguous()  # (out_local, in_local)
+        scale = zero_point = None
+        if cls is Int8RowParallelLinear and layer.tp_size > 1:
+            scale, zero_point = _row_scale(w, layer.tp_group)
+        q = Int8Tensor.from_hp(w, granularity=PerRow(), scale=scale, zero_point=zero_point)
+        layer._set_int8(q.qdata, q.scale, q.zero_point, w.dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.tp_quantization = spec
+    return model
