@@ -232,30 +232,16 @@ def save_pipeline_checkpoint(schedule, optimizer, scheduler, step: int, losses: 
     the generators and the step (:func:`tpify.pipeline.save_checkpoint`: resumes at another pp and
     tp) and ``state.json`` (step, losses, layout, run arguments); with LoRA ``adapter/``, the dense
     adapter (:func:`tpify.pipeline.save_adapter`, plain PEFT loads it). Every rank calls it."""
-    import os
-    import shutil
-
     from .. import pipeline as pp
-    from .finetune_resume import _run_args
+    from .finetune_resume import _run_args, publish_checkpoint, stage_checkpoint
 
-    final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".checkpoint-{step}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "trainer").mkdir(parents=True)
-    comm.barrier()
+    tmp, final = stage_checkpoint(out_dir, step)
     if cfg.lora_r:
         pp.save_adapter(schedule, tmp / "adapter")
     pp.save_checkpoint(tmp / "trainer", schedule, [optimizer], [scheduler], extra={"step": step})
-    comm.barrier()
-    if rank == 0:
-        (tmp / "trainer" / "state.json").write_text(json.dumps(
-            {"step": step, "losses": losses, "pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
-             "lora_r": cfg.lora_r, "args": _run_args(cfg)}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    comm.barrier()
-    return final
+    return publish_checkpoint(tmp, final, {"step": step, "losses": losses, "pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp,
+                                           "world": dist.get_world_size(), "lora_r": cfg.lora_r,
+                                           "args": _run_args(cfg)})
 
 
 def finetune_pipeline(cfg) -> list[float]:

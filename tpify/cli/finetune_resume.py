@@ -66,6 +66,32 @@ def _training_layout(model, optimizer) -> dict:
     return training_layout(model, [optimizer], written_by="tpify finetune")
 
 
+def stage_checkpoint(out_dir: Path, step: int) -> tuple[Path, Path]:
+    """``(tmp, final)`` for ``checkpoint-<step>``: rank 0 empties ``.checkpoint-<step>.tmp`` and makes
+    its ``trainer/``; a barrier. Every rank calls it, then writes into ``tmp`` and calls
+    :func:`publish_checkpoint`."""
+    final, tmp = out_dir / f"checkpoint-{step}", out_dir / f".checkpoint-{step}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "trainer").mkdir(parents=True)
+    comm.barrier()
+    return tmp, final
+
+
+def publish_checkpoint(tmp: Path, final: Path, state: dict, on_rank0=None) -> Path:
+    """After every rank wrote into ``tmp``: a barrier; rank 0 writes ``trainer/state.json``, runs
+    ``on_rank0(tmp)`` (the manifest) and renames ``tmp`` to ``final`` (atomic); a barrier."""
+    comm.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "trainer" / "state.json").write_text(json.dumps(state))
+        if on_rank0 is not None:
+            on_rank0(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    comm.barrier()
+    return final
+
+
 def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Path) -> Path:
     """Write ``checkpoint-<step>``: the HF model directory (LoRA: the adapter) and, in
     ``trainer/``, the training state as a torch.distributed.checkpoint (the trainable parameters'
@@ -77,13 +103,7 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
     from ..checkpoint import save_checkpoint
     from ..integrations.resume import write_manifest
 
-    final = out_dir / f"checkpoint-{step}"
-    tmp = out_dir / f".checkpoint-{step}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "trainer").mkdir(parents=True)
-    comm.barrier()
+    tmp, final = stage_checkpoint(out_dir, step)
     if cfg.lora_r:
         from ..integrations.peft import save_adapter
 
@@ -91,16 +111,10 @@ def _save_checkpoint(model, optimizer, scheduler, step, losses, cfg, out_dir: Pa
     else:
         tpify.save_pretrained(model, tmp / "model")
     save_checkpoint(tmp / "trainer", model, [optimizer], [scheduler], extra={"step": step}, model_state=False)
-    comm.barrier()
-    if rank == 0:
-        (tmp / "trainer" / "state.json").write_text(json.dumps(
-            {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
-             "lora_r": cfg.lora_r, "args": _run_args(cfg)}))
-        write_manifest(tmp / "trainer", _training_layout(model, optimizer))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    comm.barrier()
-    return final
+    state = {"step": step, "losses": losses, "tp": cfg.tp, "dp": cfg.dp, "world": dist.get_world_size(),
+             "lora_r": cfg.lora_r, "args": _run_args(cfg)}
+    return publish_checkpoint(tmp, final, state,
+                              lambda t: write_manifest(t / "trainer", _training_layout(model, optimizer)))
 
 
 def _restore(trainer_dir: Path, model, optimizer, scheduler, lora: bool) -> None:
