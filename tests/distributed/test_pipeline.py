@@ -4,8 +4,9 @@ One spawned job of 4 gloo ranks runs every check (spawning costs seconds): GPT-2
 learned positions) and Llama (untied, GQA) at pp 2 x FSDP2 dp_shard 2 (GPipe, 1F1B; ranks 0-1
 hold stage 0, ranks 2-3 stage 1, each parameter split over the two), pp 4 (1F1B), pp 2 with two
 virtual stages per rank x FSDP2 dp_shard 2 (interleaved 1F1B); GPT-2 at pp 2 x dp_replicate 2
-with torch's composable ``replicate`` (DDP's semantics), Llama at pp 2 x HSDP (2 x 1), and Llama
-at pp 2 x tp 2 (1F1B); with data-parallel replicas each takes its half of the global batch (the
+with torch's composable ``replicate`` (DDP's semantics), Llama at pp 2 x HSDP (2 x 1), Llama
+at pp 2 x tp 2 (1F1B); Llama (GQA; the all-gather attention, 1F1B, and the ring, GPipe) and GPT-2
+(tied) at pp 2 x cp 2 (the batch through ``split_batch``, T padded 6 -> 8 with ignored targets); with data-parallel replicas each takes its half of the global batch (the
 dense model sees the whole); each the loss and every gradient of the first step, then 3 AdamW
 steps with clipping, and the tied embedding's gradient equal on the first and last stage (both
 compared with the dense one); under FSDP2, HSDP and ``replicate`` the dense save
@@ -94,7 +95,7 @@ def _full(t):
 
 
 def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=False, chunk=None, dp=None,
-          save_root=None):
+          save_root=None, cp_attention=None):
     import peft
 
     import tpify
@@ -107,8 +108,9 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
     ref = make().double()
     mesh = tpify.init_mesh(tp, **mesh_args, device_type="cpu")
     model = copy.deepcopy(ref)
-    if tp > 1:
-        model = tpify.parallelize(model, mesh=mesh)
+    cp = mesh_args.get("cp_size", 1)
+    if tp > 1 or cp > 1:
+        model = tpify.parallelize(model, mesh=mesh, **({"cp_attention": cp_attention} if cp_attention else {}))
     if checkpointing:  # HF's, inside each decoder layer (tpify's own method on a parallel model)
         for m in (ref, model):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -122,6 +124,10 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
                         data_parallel=dp)
     del model
     stages = pp.stages_of(sched)
+    if cp > 1:  # the stages run the model's context-parallel attention, in the form asked for
+        from tpify.pipeline.stage import context_parallel_hooks_of
+
+        assert {context_parallel_hooks_of(s.model).mode for s in stages} == {cp_attention or "allgather"}, what
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)
     trained = [p for p in pp.parameters(sched) if p.requires_grad]
@@ -130,7 +136,7 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
     vocab = ref.config.vocab_size
     what = (f"{type(ref).__name__} {mesh_args} tp {tp}{f' {dp}' if dp else ''} {schedule} x{n_virtual}"
             f"{' checkpointing' * checkpointing}"
-            f"{' LoRA' * lora}{f' lm_loss_chunk {chunk}' if chunk else ''}")
+            f"{' LoRA' * lora}{f' lm_loss_chunk {chunk}' if chunk else ''}{f' {cp_attention}' if cp_attention else ''}")
     worst = [0.0]
 
     def close(got, want, msg):
@@ -146,7 +152,14 @@ def _case(make, mesh_args, schedule, n_virtual, tp, checkpointing=False, lora=Fa
         want = _dense_loss(ref, ids, labels)
         want.backward()
         ids, labels = ids[replica * B:(replica + 1) * B], labels[replica * B:(replica + 1) * B]
-        loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
+        if cp > 1:  # this rank's tokens (T padded to a multiple of 2 cp: ignored targets), shifted before the split
+            from tpify.context_parallel import split_batch
+
+            part = split_batch({"input_ids": ids, "labels": labels}, mesh, pad_token_id=0)
+            loss = pp.step(sched, input_ids=part["input_ids"] if first else None, position_ids=part["position_ids"],
+                           shift_labels=part["shift_labels"] if last else None)
+        else:
+            loss = pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
         if last:
             close(loss, want.detach(), f"{what}: loss, step {it}")
         if it == 0:  # every gradient, before clipping
@@ -210,6 +223,10 @@ def _job(rank, world, root):
         m = _mixtral()
         m.config.output_router_logits = True
         pp.pipeline(m, tpify.init_mesh(1, pp_size=2, device_type="cpu"), n_microbatches=M)
+    # pp 2 x cp 2: ranks 0-1 stage 0 (cp 0, 1), ranks 2-3 stage 1; T padded from 6 to 8 by split_batch
+    done.append(_case(_llama, {"pp_size": 2, "cp_size": 2}, "1F1B", 1, 1))  # all-gather attention
+    done.append(_case(_llama, {"pp_size": 2, "cp_size": 2}, "GPipe", 1, 1, cp_attention="ring"))
+    done.append(_case(_gpt2, {"pp_size": 2, "cp_size": 2}, "1F1B", 1, 1))  # tied head and learned positions
     done.append(_refusals())
     return done
 
@@ -256,6 +273,7 @@ def _refusals():
     with pytest.raises(pp.PipelineError, match=r"different shapes on the first and last stage.*T from 5 to 6"):
         pp.step(sched, input_ids=ids if first else None, labels=labels[:, :5] if last else None)  # found everywhere
     _steady_state(sched, first, last, ids, labels)
+    _cp_refusals()
     mesh = tpify.init_mesh(2, pp_size=2, device_type="cpu")
     sched = pp.pipeline(tpify.parallelize(_llama().double(), mesh=mesh), mesh, schedule="GPipe", n_microbatches=4)
     first, last = pp.stages_of(sched)[0].is_first, pp.stages_of(sched)[0].is_last
@@ -277,6 +295,30 @@ def _refusals():
         pp.step(sched, input_ids=ids if first else None, labels=labels if last else None)
     _steady_state(sched, first, last, ids, labels)  # tp 2: the checksums kept and compared, still no sync
     return "refusals"
+
+
+def _cp_refusals():
+    """pp x cp: what is not built or not verified raises on every rank, by name."""
+    import tpify
+    import tpify.pipeline as pp
+    from tpify.context_parallel import split_batch
+
+    mesh = tpify.init_mesh(1, pp_size=2, cp_size=2, device_type="cpu")
+    with pytest.raises(pp.PipelineError, match=r"not parallelized over it: tpify.parallelize\(model, mesh=mesh\)"):
+        pp.pipeline(_llama().double(), mesh, n_microbatches=M)
+    with pytest.raises(pp.PipelineError, match=r"context parallelism \(cp = 2\) and n_virtual = 2"):
+        pp.pipeline(tpify.parallelize(_llama().double(), mesh=mesh), mesh, schedule="Interleaved1F1B",
+                    n_microbatches=M, n_virtual=2)
+    sched = pp.pipeline(tpify.parallelize(_llama().double(), mesh=mesh), mesh, schedule="GPipe", n_microbatches=M)
+    first, last = pp.stages_of(sched)[0].is_first, pp.stages_of(sched)[0].is_last
+    ids, labels = _batch(64, 0)
+    part = split_batch({"input_ids": ids, "labels": labels}, mesh, pad_token_id=0)
+    with pytest.raises(pp.PipelineError, match=r"labels= and attention_mask= are not taken: pass shift_labels="):
+        pp.step(sched, input_ids=part["input_ids"] if first else None, position_ids=part["position_ids"],
+                labels=part["labels"])  # on every rank: each raises its own
+    with pytest.raises(pp.PipelineError, match=r"every stage needs position_ids"):
+        pp.step(sched, input_ids=part["input_ids"] if first else None,
+                shift_labels=part["shift_labels"] if last else None)
 
 
 def _steady_state(sched, first, last, ids, labels):

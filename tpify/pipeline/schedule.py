@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from .. import comm
+from ..context_parallel import cp_of
 from ..agree import AgreementError, agree
 from ..info import tp_info_of
 from ..loss import cross_entropy_deferred, linear_cross_entropy_deferred
@@ -193,7 +194,8 @@ _PROBLEMS = {
     3: "labels are given on a rank that holds no last stage",
     4: "the last stage needs labels",
     5: "a batch that is not (B, T) with B a multiple of n_microbatches",
-    6: "attention_mask / position_ids are not taken",
+    6: "attention_mask / position_ids / labels not as the layout takes them (position_ids and shift_labels under "
+       "context parallelism only)",
     7: "input_ids and labels of different shapes",
 }
 _CODES = 8  # codes fit in [0, 8)
@@ -202,9 +204,25 @@ _NONE = -(2 ** 62)
 
 
 def _batch_problem(has_first: bool, has_last: bool, input_ids, labels, attention_mask, position_ids,
-                   m: int) -> tuple[int, str] | None:
+                   m: int, cp: int = 1, shift_labels=None) -> tuple[int, str] | None:
     """What is wrong with this rank's part of the batch: ``(code, message)`` (:data:`_PROBLEMS`), or
-    None. Local, host values only (shapes)."""
+    None. Under context parallelism (``cp > 1``) ``shift_labels`` stands for ``labels`` and
+    ``position_ids`` are required. Local, host values only (shapes)."""
+    if cp > 1:
+        if labels is not None or attention_mask is not None:
+            return (6, f"under context parallelism (cp = {cp}) labels= and attention_mask= are not taken: pass "
+                       f"shift_labels= and position_ids= from tpify.context_parallel.split_batch(batch, mesh) (the "
+                       f"labels shifted over the whole sequence before the split)")
+        x = input_ids if input_ids is not None else shift_labels
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] % m and position_ids.shape[0] != 1 \
+                or x is not None and (position_ids.shape[-1] != x.shape[-1] or position_ids.shape[0] not in (1, x.shape[0])):
+            got = None if position_ids is None else tuple(position_ids.shape)
+            return (6, f"under context parallelism (cp = {cp}) every stage needs position_ids (B, T / cp) or (1, T / cp) "
+                       f"of this rank's tokens, from tpify.context_parallel.split_batch(batch, mesh): got {got}"
+                       + ("" if x is None else f" for a batch of {tuple(x.shape)}"))
+        labels, position_ids = shift_labels, None
+    elif shift_labels is not None:
+        return (6, "shift_labels= is taken under context parallelism only: pass labels= (shifted here as HF does)")
     if has_first != (input_ids is not None):
         return ((1, "input_ids are given on a rank that holds no first stage: pass them on the first stage only")
                 if input_ids is not None else (2, "the first stage needs input_ids"))
@@ -374,7 +392,8 @@ class StepCheck(comm.SharesProcessGroups):
 
 
 def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
-         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+         shift_labels: torch.Tensor | None = None) -> torch.Tensor | None:
     """One forward and backward of the whole batch through the pipeline; the loss on the rank
     holding the last stage (None elsewhere). The gradients accumulate in the stages' parameters.
 
@@ -392,6 +411,14 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     ``attention_mask``).
 
     ``attention_mask`` / ``position_ids``: refused when given (not built; pad on the right).
+
+    Context parallelism (the mesh's ``"cp"`` axis, the model parallelized over it): every rank
+    passes its part of :func:`tpify.context_parallel.split_batch` ``(batch, mesh)``: ``input_ids``
+    on the first stage, ``shift_labels`` (shifted over the whole sequence before the split) on the
+    last instead of ``labels``, and ``position_ids`` on every stage (cut into microbatches by torch's
+    schedule, which passes them to every stage's forward: its attention over the CP group). The
+    count is the whole batch's over the CP group too, the gradients are summed over it by the
+    model's hooks, and the loss returned is the whole batch's mean on every CP rank of the last stage.
 
     Shapes: ``input_ids`` ``(B, T)`` int64 on the first stage's ranks only, ``labels`` ``(B, T)``
     on the last stage's only (``B`` a multiple of the microbatch count). Returns a scalar.
@@ -421,20 +448,30 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     check = getattr(schedule, "tpify_step_check", None)
     if check is None:  # a schedule of tpify's made by hand from build_schedule's parts
         check = schedule.tpify_step_check = StepCheck(info)
-    problem = _batch_problem(has_first, has_last, input_ids, labels, attention_mask, position_ids, m)
+    _, cp, _ = cp_of(info.mesh)
+    problem = _batch_problem(has_first, has_last, input_ids, labels, attention_mask, position_ids, m, cp,
+                             shift_labels)
+    if cp > 1:
+        labels = shift_labels
     named = [(n, t) for n, t in (("input_ids", input_ids), ("labels", labels)) if t is not None]
     check.check("tpify.pipeline.step", problem, named)
+    if cp > 1 and position_ids.shape[0] == 1:  # split_batch's (1, T / cp): the same positions for every microbatch
+        position_ids = position_ids.expand(m, -1)
     target, loss_kwargs, losses = None, None, None
     if has_last:
-        target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # HF's shift, before the microbatches
+        # HF's shift, before the microbatches (under cp split_batch shifted before the split)
+        target = labels if cp > 1 else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         count = (target != IGNORE_INDEX).sum()
         comm.all_reduce(count, info.dp_group)  # the global batch's count: over the data-parallel replicas
+        if cp > 1:
+            comm.all_reduce(count, cp_of(info.mesh)[0])  # and over the CP group (each rank holds T / cp tokens)
         loss_kwargs = {"num_items": count}
         losses = []
     args = (input_ids,) if has_first else ()
     check.begin(input_ids, m)
     try:
-        schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs,
+                      **({"position_ids": position_ids} if cp > 1 else {}))
     finally:
         check.end()
     if info.embedding_group is not None:
@@ -447,4 +484,6 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     if not has_last:
         return None
     loss = torch.stack(losses).sum().detach()
+    if cp > 1:
+        comm.all_reduce(loss, cp_of(info.mesh)[0])  # each CP rank's share of the whole batch's mean
     return comm.all_reduce(loss, info.dp_group)  # the global batch's mean loss on every replica

@@ -19,7 +19,7 @@ from ..mesh import cp_size_of, dp_mesh, pp_group_of, pp_size_of
 from ..recipe import Recipe, available_recipes, load_recipe
 from ..sharding import is_dtensor
 from .plan import PipelineError, layer_ranges, pipeline_plan, stage_indices
-from .stage import StageModule, build_stage, n_layers_of
+from .stage import StageModule, build_stage, context_parallel_hooks_of, n_layers_of
 
 __all__ = ["PipelineInfo", "split_model", "plan_stages", "STAGE_STYLES"]
 
@@ -92,10 +92,7 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
     if pp < 2:
         raise PipelineError(f"a pipeline needs a mesh with a 'pp' axis of 2 or more ranks (got pp = {pp}): "
                             f"build it with tpify.init_mesh(tp_size, pp_size=P)")
-    if cp_size_of(mesh) > 1:
-        raise PipelineError(f"pipeline stages with context parallelism (cp = {cp_size_of(mesh)}) are not built: the "
-                            f"stages would each need the sequence split and the labels shifted before it; build the "
-                            f"mesh with cp_size=1")
+    _check_context_parallel(model, mesh, n_virtual)
     if style not in STAGE_STYLES:
         raise PipelineError(f"style {style!r}: use one of {STAGE_STYLES}")
     if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1:
@@ -114,6 +111,25 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
                             f"{list(cut[1])}), but is split into {[list(r) for r in ranges]} (this rank: {mine}): pass "
                             f"the same n_virtual, split_points and style to tpify.pipeline.from_pretrained and pipeline")
     return plan, ranges, mine
+
+
+def _check_context_parallel(model: nn.Module, mesh, n_virtual: int) -> None:
+    """pp x cp: what is built (one stage per rank, no data-parallel replicas, the model parallelized
+    over the mesh's cp axis); the rest refused. Pure. Raises PipelineError."""
+    cp = cp_size_of(mesh)
+    if cp == 1:
+        return
+    if context_parallel_hooks_of(model) is None:
+        raise PipelineError(f"{type(model).__name__} on a mesh with context parallelism (cp = {cp}) was not "
+                            f"parallelized over it: tpify.parallelize(model, mesh=mesh) first, then split it (the "
+                            f"stages run the model's context-parallel attention)")
+    dp = dp_mesh(mesh).size()
+    if dp > 1:
+        raise PipelineError(f"pipeline stages with context parallelism (cp = {cp}) and data-parallel replicas "
+                            f"(dp = {dp}) are not verified: build the mesh with dp 1 (world = pp x cp x tp)")
+    if n_virtual != 1:
+        raise PipelineError(f"pipeline stages with context parallelism (cp = {cp}) and n_virtual = {n_virtual} "
+                            f"(interleaved schedules) are not verified: use n_virtual=1 (GPipe or 1F1B)")
 
 
 def _check_model(model: nn.Module) -> None:
@@ -178,8 +194,9 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
             parallelism, ``lm_loss_chunk`` or logit ops on the parallel model; the router's aux
             loss (``output_router_logits``); a DDP-wrapped or FSDP2-sharded model (the engines go on
             the stages: :mod:`tpify.pipeline.data_parallel`); dp > 1 with ``data_parallel=None``, an
-            unknown ``data_parallel``; a mesh with
-            context parallelism (not built).
+            unknown ``data_parallel``; with
+            context parallelism (cp > 1): a model not parallelized over the mesh, dp > 1,
+            ``n_virtual`` > 1 (not verified).
         AgreementError: another rank failed, or the ranks disagree on the layout.
     """
     error, ranges, plan, mine, pp = None, None, None, [], pp_size_of(mesh)

@@ -20,9 +20,10 @@ from torch import nn
 
 from ..hf_modules import base_model_and_prefix
 from ..info import tp_info_of
+from ..info import TPUsageError
 from ..layers import ColumnParallelLinear
 
-__all__ = ["StageModule", "Zero", "stage_config", "build_stage", "n_layers_of", "trim_model", "shell_of"]
+__all__ = ["StageModule", "Zero", "context_parallel_hooks_of", "stage_config", "build_stage", "n_layers_of", "trim_model", "shell_of"]
 
 
 class Zero(nn.Module):
@@ -87,12 +88,24 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.return_hidden = False  # the chunked loss (lm_loss_chunk): the last stage returns the head's input
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         base = base_model_and_prefix(self.model)[0]
-        if self.is_first:
-            hidden = base(input_ids=x, use_cache=False).last_hidden_state  # (B, T, H)
-        else:
-            hidden = base(inputs_embeds=x, use_cache=False).last_hidden_state  # (B, T, H)
+        kwargs = {"input_ids" if self.is_first else "inputs_embeds": x, "use_cache": False}
+        cp = context_parallel_hooks_of(self.model)
+        if cp is None:
+            hidden = base(**kwargs).last_hidden_state  # (B, T, H)
+        else:  # the model's context-parallel hooks, run for this stage's layers (the stage calls the base model)
+            kwargs["position_ids"] = position_ids  # (b, T / cp): the global positions of this rank's tokens
+            cp.summed.at_root(self.model)
+            _, kwargs = cp.pre_hook(self.model, (), kwargs)  # checks, one all-gather of the positions
+            call, cp.call = cp.call, None
+            hidden = base(**kwargs).last_hidden_state  # (B, T / cp, H)
+            if call.calls != len(self.layer_ids):
+                raise TPUsageError(f"{type(self.model).__name__} stage {self.stage_index} under context parallelism: "
+                                   f"{call.calls} attention layers ran through tpify's attention over the split "
+                                   f"sequence, but the stage holds {len(self.layer_ids)}: not supported with cp > 1")
+            if torch.is_grad_enabled():
+                cp._watch(self.model)  # this stage's parameters' gradients summed over the CP group
         if not self.is_last or self.return_hidden:
             return hidden
         head = getattr(self.model, self.head)
@@ -103,6 +116,18 @@ class StageModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"stage {self.stage_index} of {self.num_stages}, layers {self.layer_ids.start}.."
                 f"{self.layer_ids.stop - 1}{', tied head' if self.tied and self.is_last else ''}")
+
+
+def context_parallel_hooks_of(model: nn.Module):
+    """The :class:`tpify.hooks.context_parallel.ContextParallelHooks` the model was parallelized with
+    (its forward pre-hook's owner; a stage's shell shares the model's hook dicts), or None (cp 1)."""
+    from ..hooks.context_parallel import ContextParallelHooks
+
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, ContextParallelHooks):
+            return owner
+    return None
 
 
 def n_layers_of(base: nn.Module, plan) -> int:
