@@ -84,7 +84,9 @@ def pipeline_problem(cfg) -> str | None:
                        "(tpify.pipeline.pipeline(..., data_parallel=...), from Python); the command does not set them up "
                        "yet; pass --dp 1 --dp-shard 1")
     if getattr(cfg, "cp", 1) not in (None, 1):
-        refused.append("--cp: context parallelism inside pipeline stages is not built; pass --cp 1")
+        refused.append("--cp: context parallelism inside pipeline stages is not built in tpify finetune (the library "
+                       "builds pp x cp: tpify.pipeline.step with split_batch's position_ids and shift_labels); pass "
+                       "--cp 1")
     if getattr(cfg, "quantize", None):
         refused.append("--quantize: a quantized base in pipeline stages is not built; leave --quantize out")
     m = cfg.microbatches or cfg.pp

@@ -73,10 +73,19 @@ class StageModule(nn.Module):
 
     Shapes:
         input: ``(B, T)`` token ids (int64) on the first stage, else ``(B, T, H)`` hidden states.
+        ``position_ids``: ``(B, T / cp)`` int64, the global positions of this rank's tokens, under
+            context parallelism only (:func:`tpify.pipeline.step` passes them to every stage); then
+            the model's context-parallel hooks run here (:func:`context_parallel_hooks_of`).
         output: ``(B, T, H)`` hidden states, on the last stage the logits ``(B, T, V_padded / tp_size)``,
             this rank's vocabulary shard (``(B, T, V)`` at tp 1), never gathered; with
             ``return_hidden`` (the chunked loss) the head's input ``(B, T, H)`` instead.
-    Communication: the tensor-parallel layers' (none at tp 1); the pipeline's sends are torch's.
+    Communication: the tensor-parallel layers' (none at tp 1); under context parallelism one
+    all-gather of the positions and the attention's over the CP group, and in backward the
+    gradient sums over it; the pipeline's sends are torch's.
+
+    Raises:
+        TPUsageError: under context parallelism, the hooks' checks (no ``position_ids``, ...), or
+            a count of attention layers through tpify's attention other than the stage's.
     """
 
     def __init__(self, model: nn.Module, *, stage_index: int, num_stages: int, layer_ids: range,
