@@ -371,7 +371,7 @@ def _steady_state(sched, first, last, ids, labels):
 
 def test_pipeline_matches_dense(tmp_path):
     results = tputil.spawn(_job, 4, str(tmp_path), timeout=900)
-    assert all(len(r) == 21 for r in results)
+    assert all(len(r) == 24 for r in results)
     cases = [c for c in results[0] if isinstance(c, tuple)]
     for i, (what, _) in enumerate(cases):  # the largest |difference| over the ranks (docs/pipeline-parallelism.md)
         print(f"{what}: {max(r[i][1] for r in results):.1e}")

@@ -300,6 +300,9 @@ class StepCheck(comm.SharesProcessGroups):
                 raise PipelineError(f"the model's TP group {mine} is not a row of the mesh's 'tp' axis "
                                     f"({self.tp_groups}): parallelize the model with mesh= the pipeline's mesh")
         self.host_group = _host_group(self.ranks) if len(self.ranks) > 1 else None
+        #: the context-parallel group and size (None, 1 without), read once: slicing the mesh at each step
+        #: would run host ops (the submesh's coordinates)
+        self.cp_group, self.cp, _ = cp_of(mesh)
         #: the loss's data checks (:class:`PipelineLoss`), and the stage models' call states (tp > 1), whose
         #: checks the vocab-parallel embedding records for the microbatches :meth:`begin` marks as compared
         self.checks = comm.DeferredChecks()
@@ -448,7 +451,7 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     check = getattr(schedule, "tpify_step_check", None)
     if check is None:  # a schedule of tpify's made by hand from build_schedule's parts
         check = schedule.tpify_step_check = StepCheck(info)
-    _, cp, _ = cp_of(info.mesh)
+    cp = check.cp
     problem = _batch_problem(has_first, has_last, input_ids, labels, attention_mask, position_ids, m, cp,
                              shift_labels)
     if cp > 1:
@@ -464,7 +467,7 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
         count = (target != IGNORE_INDEX).sum()
         comm.all_reduce(count, info.dp_group)  # the global batch's count: over the data-parallel replicas
         if cp > 1:
-            comm.all_reduce(count, cp_of(info.mesh)[0])  # and over the CP group (each rank holds T / cp tokens)
+            comm.all_reduce(count, check.cp_group)  # and over the CP group (each rank holds T / cp tokens)
         loss_kwargs = {"num_items": count}
         losses = []
     args = (input_ids,) if has_first else ()
@@ -485,5 +488,5 @@ def step(schedule, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
         return None
     loss = torch.stack(losses).sum().detach()
     if cp > 1:
-        comm.all_reduce(loss, cp_of(info.mesh)[0])  # each CP rank's share of the whole batch's mean
+        comm.all_reduce(loss, check.cp_group)  # each CP rank's share of the whole batch's mean
     return comm.all_reduce(loss, info.dp_group)  # the global batch's mean loss on every replica
