@@ -41,13 +41,22 @@ import torch.distributed as dist
 from .. import comm
 from ..agree import agree
 
-__all__ = ["pipeline_problem", "n_virtual", "finetune_pipeline", "pipeline_memory_report", "init_lora_as_dense",
+__all__ = ["pipeline_problem", "n_virtual", "data_parallel_of", "finetune_pipeline", "pipeline_memory_report", "init_lora_as_dense",
            "save_pipeline_checkpoint"]
 
 
 def n_virtual(cfg) -> int:
     """Stages per pipeline rank: 2 for ``Interleaved1F1B``, else 1."""
     return 2 if cfg.pp_schedule == "Interleaved1F1B" else 1
+
+
+def data_parallel_of(cfg) -> str | None:
+    """The engine of ``cfg``'s dp replicas of the stages (:func:`tpify.pipeline.pipeline`'s
+    ``data_parallel``): ``"fsdp"`` with ``dp_shard > 1`` (FSDP2, HSDP with ``dp / dp_shard``
+    replicas), ``"replicate"`` with ``dp > 1`` (DDP's semantics), else None."""
+    if cfg.dp_shard > 1:
+        return "fsdp"
+    return "replicate" if cfg.dp > 1 else None
 
 
 def _n_layers(model_dir) -> int | None:
@@ -79,10 +88,10 @@ def pipeline_problem(cfg) -> str | None:
             return "--microbatches and --pp-schedule take effect with pipeline stages only: pass --pp 2 or more"
         return None
     refused = []
-    if cfg.dp > 1 or cfg.dp_shard > 1:
-        refused.append("--dp / --dp-shard with --pp: data-parallel pipeline replicas run under FSDP2 or replicate "
-                       "(tpify.pipeline.pipeline(..., data_parallel=...), from Python); the command does not set them up "
-                       "yet; pass --dp 1 --dp-shard 1")
+    if cfg.dp > 1 and cfg.lora_r:
+        refused.append(f"--dp {cfg.dp} with LoRA (--lora-r {cfg.lora_r}): the adapter save and merge of stages under "
+                       "a data-parallel engine (DTensor parameters) are not built; pass --lora-r 0 (every weight "
+                       "trained) or --dp 1")
     if getattr(cfg, "cp", 1) not in (None, 1):
         refused.append("--cp: context parallelism inside pipeline stages is not built; pass --cp 1")
     if getattr(cfg, "quantize", None):
@@ -277,7 +286,8 @@ def finetune_pipeline(cfg) -> list[float]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
     data = pack_texts(tokenizer, cfg.data or [str(p) for p in default_text_files()], cfg.seq_len)
-    mesh = tpify.init_mesh(cfg.tp, dp_replicate=cfg.dp, pp_size=cfg.pp, device_type=device.type)
+    # dp = dp_replicate x dp_shard, as the plain run: FSDP2 (HSDP) over dp_shard, else replicas of the stages
+    mesh = tpify.init_mesh(cfg.tp, dp_replicate=cfg.dp // cfg.dp_shard, pp_size=cfg.pp, device_type=device.type)
     nv, m = n_virtual(cfg), cfg.microbatches or cfg.pp
     tpify.manual_seed(cfg.seed)
     model = pp.from_pretrained(cfg.model_dir, mesh, n_virtual=nv, dtype=getattr(torch, cfg.dtype)).to(device)
@@ -297,7 +307,8 @@ def finetune_pipeline(cfg) -> list[float]:
         if rank == 0 and cfg.progress:
             print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / total:.2f}%)", flush=True)
-    schedule = pp.pipeline(model, mesh, schedule=cfg.pp_schedule, n_microbatches=m, n_virtual=nv, device=device)
+    schedule = pp.pipeline(model, mesh, schedule=cfg.pp_schedule, n_microbatches=m, n_virtual=nv, device=device,
+                           data_parallel=data_parallel_of(cfg))
     del model  # the stages hold what this rank keeps
     info = schedule.tpify_pipeline
     params = pp.parameters(schedule)
@@ -329,7 +340,8 @@ def finetune_pipeline(cfg) -> list[float]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # the last stage's loss (the global batch's mean) on every rank of the pipeline: one all-reduce of a scalar
+        # the last stage's loss (the global batch's mean: pp.step sums the replicas' parts over dp, the target
+        # count too) on every rank of the pipeline: one all-reduce of a scalar
         shared = loss.float() if loss is not None else torch.zeros((), dtype=torch.float32, device=device)
         shared = comm.all_reduce(shared, info.pp_group)
         lines.hold(step, lr, t0, comm.HostCopy([shared] + ([norm] if norm is not None else []), torch.float64))
