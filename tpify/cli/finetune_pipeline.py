@@ -20,13 +20,23 @@ the same seed (:func:`init_lora_as_dense`: the run is the ``--pp 1`` run's, step
 (:func:`tpify.pipeline.merge_adapters`, then the save by stage). Checkpoints every
 ``save_every`` steps (:func:`save_pipeline_checkpoint`: the model, AdamW, the LR schedule and
 the generators through :func:`tpify.pipeline.save_checkpoint`, the step and losses in
-``state.json``, LoRA's dense adapter beside) and ``--resume`` at any ``--pp`` of 2 or more and
-any ``--tp`` (:func:`tpify.pipeline.load_checkpoint`); the data position is the step's.
+``state.json``, LoRA's dense adapter beside) and ``--resume`` at any ``--pp`` of 2 or more,
+any ``--tp`` and ``--dp`` with the same global batch (:func:`tpify.pipeline.load_checkpoint`);
+the data position is the step's.
 
-Not built here (refused before the ranks start, :func:`pipeline_problem`): data-parallel
-replicas (``--dp``, ``--dp-shard``), the greedy continuation (generation through the stages),
-context parallelism and quantized bases; a resume between a pipeline run and one without
-``--pp`` (:func:`tpify.cli.finetune.resume_point`).
+Data parallelism (``--dp M``, full fine-tuning): ``M`` replicas of the whole pipeline under
+torch's ``replicate`` (:func:`tpify.pipeline.replicate_stages`, DDP's semantics), the global batch
+``batch_size x dp`` split over them as :mod:`tpify.cli.finetune` splits it (each replica's
+``batch_size`` rows cut into the microbatches); :func:`tpify.pipeline.step` divides by the global
+batch's target count (summed over dp) and sums the replicas' parts, so the logged loss is the
+global batch's mean and the gradients the dense run's; the saves and checkpoints gather over dp
+and write one copy per stage.
+
+Not built here (refused before the ranks start, :func:`pipeline_problem`): ``--dp-shard``
+(FSDP2 / HSDP of the stages: the library takes it, the command does not test it), LoRA with
+``--dp`` (the adapter save and merge of stages under a data-parallel engine), the greedy
+continuation (generation through the stages), context parallelism and quantized bases; a resume
+between a pipeline run and one without ``--pp`` (:func:`tpify.cli.finetune.resume_point`).
 """
 
 from __future__ import annotations
@@ -56,7 +66,8 @@ def n_virtual(cfg) -> int:
 def data_parallel_of(cfg) -> str | None:
     """The engine of ``cfg``'s dp replicas of the stages (:func:`tpify.pipeline.pipeline`'s
     ``data_parallel``): ``"fsdp"`` with ``dp_shard > 1`` (FSDP2, HSDP with ``dp / dp_shard``
-    replicas), ``"replicate"`` with ``dp > 1`` (DDP's semantics), else None."""
+    replicas; :func:`pipeline_problem` refuses it for now), ``"replicate"`` with ``dp > 1``
+    (DDP's semantics), else None."""
     if cfg.dp_shard > 1:
         return "fsdp"
     return "replicate" if cfg.dp > 1 else None
@@ -79,7 +90,7 @@ def pipeline_problem(cfg) -> str | None:
     before its first collective.
 
     Refused: ``--microbatches`` or a ``--pp-schedule`` other than 1F1B without ``--pp``; with
-    ``--pp``: ``--dp`` and ``--dp-shard``, context parallelism and quantized bases (the other helpers' ``cp`` / ``quantize`` options, when the
+    ``--pp``: ``--dp-shard`` > 1, ``--dp`` > 1 with LoRA, context parallelism and quantized bases (the other helpers' ``cp`` / ``quantize`` options, when the
     config has them); a batch the microbatches do not divide; a microbatch count the schedule
     cannot take (:func:`tpify.pipeline.schedule.check_microbatches`); more stages than layers.
     """
@@ -91,6 +102,10 @@ def pipeline_problem(cfg) -> str | None:
             return "--microbatches and --pp-schedule take effect with pipeline stages only: pass --pp 2 or more"
         return None
     refused = []
+    if cfg.dp_shard > 1:
+        refused.append(f"--dp-shard {cfg.dp_shard}: FSDP2 / HSDP of the stages through the command is not tested "
+                       "(tpify.pipeline.pipeline(..., data_parallel='fsdp') from Python is); pass --dp-shard 1 (--dp "
+                       "replicas of the stages, DDP's semantics)")
     if cfg.dp > 1 and cfg.lora_r:
         refused.append(f"--dp {cfg.dp} with LoRA (--lora-r {cfg.lora_r}): the adapter save and merge of stages under "
                        "a data-parallel engine (DTensor parameters) are not built; pass --lora-r 0 (every weight "
