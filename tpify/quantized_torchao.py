@@ -388,9 +388,10 @@ def _local_scaler_block(index: torch.Tensor, scaler_block: int) -> int:
     return 1
 
 
-def _nf4_shard(layer, w: torch.Tensor, spec: TorchAoSpec):
-    """torchao's ``NF4Tensor`` of this rank's shard ``w`` ``(out_local, in_local)`` that dequantizes
-    bit for bit to the dense ``NF4Tensor``'s slice.
+def _nf4_shard(w: torch.Tensor, shard_spec, tp_rank: int, tp_group, is_row: bool, spec: TorchAoSpec):
+    """torchao's ``NF4Tensor`` of this rank's shard ``w`` ``(out_local, in_local)`` (split by
+    ``shard_spec``: rows, or columns where ``is_row``) that dequantizes bit for bit to the dense
+    ``NF4Tensor``'s slice.
 
     torchao (``NF4Tensor.double_quantize_scalers``) quantizes the dense weight's block absmax ``a``
     (one per 64 elements) again: ``m = a.mean()``, then ``a - m`` in blocks of 256 with one factor
@@ -411,17 +412,15 @@ def _nf4_shard(layer, w: torch.Tensor, spec: TorchAoSpec):
     from . import comm
 
     block, scaler_block = spec.blocksize, spec.scaler_blocksize
-    shard_spec = layer.weight_shard_spec
-    if shard_spec is None or layer.tp_size == 1:
+    if shard_spec is None or shard_spec.tp_size == 1:
         return NF4Tensor.from_tensor(w, block, scaler_block)
-    is_row = isinstance(layer, NF4RowParallelLinear)
     out_f, in_f = (w.shape[0], shard_spec.global_size) if is_row else (shard_spec.global_size, w.shape[1])
     ranks = [torch.cat([torch.arange(a // block, b // block)
                         for a, b in _byte_ranges(shard_spec, in_f, out_f, r, is_row, block)])
-             for r in range(layer.tp_size)]  # every rank's dense block indices, in its order (pure)
-    own = ranks[layer.tp_rank]
+             for r in range(shard_spec.tp_size)]  # every rank's dense block indices, in its order (pure)
+    own = ranks[tp_rank]
     absmax = get_block_absmax(w.flatten(), block)  # (n_local,) the dense blocks' absmax
-    gathered = comm.all_gather_dim(absmax.contiguous(), 0, layer.tp_group)  # (tp * n_local,)
+    gathered = comm.all_gather_dim(absmax.contiguous(), 0, tp_group)  # (tp * n_local,)
     dense = torch.empty(out_f * in_f // block, dtype=w.dtype, device=w.device)
     dense[torch.cat(ranks).to(w.device)] = gathered  # replicated K/V rows: written by each of their ranks, equal
     scalers, factor, mean = NF4Tensor.double_quantize_scalers(dense, 1, scaler_block)
@@ -477,7 +476,9 @@ def quantize_torchao_(model: nn.Module, fqns: list[str], spec: TorchAoSpec) -> n
         layer.weight_shard_spec = shard_spec_of(param)
         w = param.detach().contiguous()  # (out_local, in_local)
         if spec.quant_type == "nf4":
-            layer._set_nf4(_nf4_shard(layer, w, spec), w.dtype)
+            nf4 = _nf4_shard(w, layer.weight_shard_spec, layer.tp_rank, layer.tp_group,
+                             cls is NF4RowParallelLinear, spec)
+            layer._set_nf4(nf4, w.dtype)
             continue
         scale = zero_point = None
         if cls is Int8RowParallelLinear and layer.tp_size > 1:
