@@ -1,4 +1,4 @@
-"""torchao int8 weight-only bases under tensor parallelism, sharded by rank.
+"""torchao int8 weight-only and NF4 bases under tensor parallelism, sharded by rank.
 
 torchao's ``Int8WeightOnlyConfig`` (transformers: ``TorchAoConfig(Int8WeightOnlyConfig())``) stores
 each ``nn.Linear`` weight ``W`` ``[out, in]`` as int8 codes ``Q`` with one float32 scale per output
@@ -25,20 +25,28 @@ So every split that tpify's layout takes is exact (no block constraint, unlike 4
 :mod:`tpify.quantized`). transformers quantizes ``nn.Linear`` modules only, so GPT-2's ``Conv1D``
 layers stay unquantized here as in the dense torchao model.
 
+**torchao NF4** (``TorchAoConfig(NF4WeightOnlyConfig())``, ``torchao.prototype._nf4tensor_api``;
+QLoRA's format as torchao/torchtune store it, arXiv:2305.14314): ``NF4Tensor`` codes per block of
+64 elements of the flattened weight, the block absmax double-quantized (minus their mean over the
+whole weight, int8 in blocks of 256 scalers). Each rank's ``NF4Tensor`` dequantizes bit for bit
+to the dense one's slice: its codes are its blocks' own, its scalers come from torchao's
+``double_quantize_scalers`` run on the all-gathered dense absmax (:func:`_nf4_shard`), and where a
+split cuts a scaler block the local ``scaler_block_size`` shrinks to runs that stay in one dense
+block. Refused (:class:`~tpify.layout.PlanError`): a split that cuts a block of 64, a weight whose
+size is not a multiple of 64 x 256 (torchao refuses it dense). Forward: torchao's ``linear_nf4``.
+
 **What is built** (everything else raises, by name): ``Int8WeightOnlyConfig`` with the default
-``granularity=PerRow()`` (version 2), ``include_input_output_embeddings=False``, on layers of styles
-``colwise``, ``packed_colwise``, ``rowwise``. Refused: ``PerTensor`` / ``PerGroup`` granularities,
-every other torchao config (``Int4WeightOnlyConfig``, ``Int8DynamicActivationInt8WeightConfig``,
-float8, ``FqnToConfig``, ``NF4WeightOnlyConfig``: docs/quantization.md says why), quantized
-embeddings, an LM head that transformers would quantize (``modules_to_not_convert`` given without
-it), checkpoints saved by torchao.
+``granularity=PerRow()`` (version 2) and ``NF4WeightOnlyConfig``, ``include_input_output_embeddings=False``,
+on layers of styles ``colwise``, ``packed_colwise``, ``rowwise``. Refused: ``PerTensor`` / ``PerGroup``
+granularities, every other torchao config (``Int4WeightOnlyConfig``, ``Int8DynamicActivationInt8WeightConfig``,
+float8, ``FqnToConfig``), quantized embeddings, an LM head that transformers would quantize
+(``modules_to_not_convert`` given without it), checkpoints saved by torchao.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +119,8 @@ def torchao_spec(config) -> TorchAoSpec:
     Raises:
         ImportError: torchao is not installed (``pip install torchao``, or ``tpify[quant]``).
         NotImplementedError: a torchao config other than ``Int8WeightOnlyConfig(granularity=PerRow())``
-            (named, with the reason), ``include_input_output_embeddings=True``.
+            and ``NF4WeightOnlyConfig`` (named, with the reason), ``include_input_output_embeddings=True``,
+            an odd NF4 ``block_size``.
     """
     if importlib.util.find_spec("torchao") is None:
         raise ImportError("quantization_config=TorchAoConfig(...) needs the package torchao: pip install torchao "
@@ -161,8 +170,9 @@ def check_torchao_layout(model: nn.Module, layout, spec: TorchAoSpec) -> tuple[l
 
     Raises:
         PlanError: as :func:`tpify.quantized.check_layout` (a style without a quantized form, sequence
-            parallelism, an uneven split), and an ``nn.Linear`` tpify keeps unquantized (the LM head)
-            that transformers would quantize under this config.
+            parallelism, an uneven split, an NF4 split that cuts a block of 64), an ``nn.Linear`` tpify
+            keeps unquantized (the LM head) that transformers would quantize under this config, and
+            under NF4 a weight whose size is not a multiple of ``block_size * scaler_block_size``.
     """
     from transformers.quantizers.base import HfQuantizer
 
@@ -453,11 +463,12 @@ def _row_scale(shard: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tenso
 
 def quantize_torchao_(model: nn.Module, fqns: list[str], spec: TorchAoSpec) -> nn.Module:
     """Quantize, in place, the parallel layers ``fqns`` (from :func:`check_torchao_layout`) to int8
-    weight-only: each rank's codes and scales equal the dense ``Int8WeightOnlyConfig`` weight's
-    restricted to its shard (module doc). The layer objects stay (their class becomes the int8
+    weight-only or NF4: each rank's codes and scales equal the dense torchao weight's restricted to
+    its shard (module doc). The layer objects stay (their class becomes the int8
     subclass); every parameter of the model is frozen afterwards (adapters train on top).
 
-    Communication: one all-gather per row-parallel layer, ``(out, 2)`` (:func:`_row_scale`).
+    Communication: int8: one all-gather per row-parallel layer, ``(out, 2)`` (:func:`_row_scale`);
+    NF4: one all-gather per layer of its block absmax, ``(numel / 64 / tp_size,)`` (:func:`_nf4_shard`).
 
     Raises:
         TypeError: a listed module is not a ColumnParallelLinear or RowParallelLinear.

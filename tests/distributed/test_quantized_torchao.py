@@ -153,6 +153,8 @@ def _check_nf4_llama(rank, tmp, tp, g):
               flush=True)
     with pytest.raises(NotImplementedError, match="merging a LoRA adapter on a quantized"):
         lora.merge_and_unload()
+    with pytest.raises(NotImplementedError, match="tpify.save_pretrained on a quantized"):
+        tpify.save_pretrained(par, f"{tmp[0]}/merged_nf4")
 
 
 def _check_bitwise(par, ref, rank):

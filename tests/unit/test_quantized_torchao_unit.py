@@ -161,4 +161,5 @@ def test_nf4_shard_from_gathered_absmax_dequantizes_to_the_dense_slice(monkeypat
         assert torch.equal(local.get_original_weight(), want), r
     assert sizes == ({256 // tp} if is_row else {128})
     alone = to_nf4(shards[1], 64, min(sizes))  # its own mean and scaler blocks
-    assert not torch.equal(alone.get_original_weight(), dense.get_original_weight().chunk(tp, dim=1 if is_row else 0)[1])
+    want = dense.get_original_weight().chunk(tp, dim=1 if is_row else 0)[1]
+    assert not torch.equal(alone.get_original_weight(), want)
