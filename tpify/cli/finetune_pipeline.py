@@ -46,8 +46,11 @@ __all__ = ["pipeline_problem", "n_virtual", "finetune_pipeline", "pipeline_memor
 
 
 def n_virtual(cfg) -> int:
-    """Stages per pipeline rank: 2 for ``Interleaved1F1B``, else 1."""
-    return 2 if cfg.pp_schedule == "Interleaved1F1B" else 1
+    """Stages per pipeline rank: 2 for the interleaved and V schedules, else 1
+    (:func:`tpify.pipeline.schedule.default_n_virtual`)."""
+    from ..pipeline.schedule import default_n_virtual
+
+    return default_n_virtual(cfg.pp_schedule)
 
 
 def _n_layers(model_dir) -> int | None:
@@ -72,7 +75,7 @@ def pipeline_problem(cfg) -> str | None:
     cannot take (:func:`tpify.pipeline.schedule.check_microbatches`); more stages than layers.
     """
     from ..pipeline.plan import PipelineError
-    from ..pipeline.schedule import check_microbatches
+    from ..pipeline.schedule import check_microbatches, stage_style
 
     if cfg.pp == 1:
         if cfg.microbatches is not None or cfg.pp_schedule != "1F1B":
@@ -94,7 +97,7 @@ def pipeline_problem(cfg) -> str | None:
                        f"batch / microbatches rows; pass a --batch-size that {m} divides")
     nv = n_virtual(cfg)
     try:
-        check_microbatches(cfg.pp_schedule, m, cfg.pp, cfg.pp * nv, nv)
+        check_microbatches(cfg.pp_schedule, m, cfg.pp, cfg.pp * nv, nv, stage_style(cfg.pp_schedule))
     except PipelineError as e:
         refused.append(f"--pp-schedule {cfg.pp_schedule} with --microbatches {m}: {e}")
     layers = _n_layers(cfg.model_dir)
@@ -280,7 +283,8 @@ def finetune_pipeline(cfg) -> list[float]:
     mesh = tpify.init_mesh(cfg.tp, dp_replicate=cfg.dp, pp_size=cfg.pp, device_type=device.type)
     nv, m = n_virtual(cfg), cfg.microbatches or cfg.pp
     tpify.manual_seed(cfg.seed)
-    model = pp.from_pretrained(cfg.model_dir, mesh, n_virtual=nv, dtype=getattr(torch, cfg.dtype)).to(device)
+    model = pp.from_pretrained(cfg.model_dir, mesh, n_virtual=nv, style=pp.stage_style(cfg.pp_schedule),
+                               dtype=getattr(torch, cfg.dtype)).to(device)
     trainable = None
     if cfg.lora_r:  # the names of every rank's layers (stages may hold other kinds), the dense run's values
         targets = sorted(set().union(*comm.all_gather_objects(lora_targets(model))))
