@@ -327,11 +327,12 @@ class StepCheck(comm.SharesProcessGroups):
         #: the context-parallel group and size (None, 1 without), read once: slicing the mesh at each step
         #: would run host ops (the submesh's coordinates)
         self.cp_group, self.cp, _ = cp_of(mesh)
-        #: the loss's data checks (:class:`PipelineLoss`), and the stage models' call states (tp > 1), whose
-        #: checks the vocab-parallel embedding records for the microbatches :meth:`begin` marks as compared
+        #: the loss's data checks (:class:`PipelineLoss`), and the stage models' call states (tp > 1 or cp > 1),
+        #: whose checks the vocab-parallel embedding records for the microbatches :meth:`begin` marks as
+        #: compared (and the context-parallel hooks, positions that restart inside a sequence)
         self.checks = comm.DeferredChecks()
         self.states = list({id(st): st for st in (getattr(tp_info_of(s.model), "state", None) for s in info.stages)
-                            if st is not None and tp > 1}.values())
+                            if st is not None and (tp > 1 or self.cp > 1)}.values())
         self.marked: list = []  # this step's microbatches of input_ids (begin), held for the embedding's record
         self.agreed = False
         self.pending = None  # (HostCopy of the previous step's checksum, its layout): read at the next step
