@@ -333,6 +333,14 @@ def _cp_refusals():
     with pytest.raises(pp.PipelineError, match=r"every stage needs position_ids"):
         pp.step(sched, input_ids=part["input_ids"] if first else None,
                 shift_labels=part["shift_labels"] if last else None)
+    local = torch.arange(part["input_ids"].shape[1]).unsqueeze(0)  # positions counted from 0 on each rank: wrong
+    pp.step(sched, input_ids=part["input_ids"] if first else None, position_ids=local,
+            shift_labels=part["shift_labels"] if last else None)  # recorded on the device, raised at the next step
+    from tpify.pipeline.schedule import StepInputsError
+
+    with pytest.raises((ValueError, StepInputsError), match=r"restart at a value other than 0|data checks failed"):
+        pp.step(sched, input_ids=part["input_ids"] if first else None, position_ids=part["position_ids"],
+                shift_labels=part["shift_labels"] if last else None)
 
 
 def _steady_state(sched, first, last, ids, labels):
