@@ -258,7 +258,8 @@ def parallelize(
     Communication: one agreement (:func:`tpify.agree.agree`, the rendezvous store: no collective),
     then the TP/DP groups and the KV replica groups (collective over the world); with double
     quantization one all-gather of statistics over the TP group per quantized layer; with torchao
-    int8 one all-gather of per-row ``(min, max)`` per row-parallel layer.
+    int8 one all-gather of per-row ``(min, max)`` per row-parallel layer, with torchao NF4 one of the
+    block absmax per quantized layer.
 
     Raises:
         RecipeError: no recipe for the model type, or a malformed recipe.
@@ -267,7 +268,8 @@ def parallelize(
             a quantized layer whose split would cut a quantization block, or of a style with no
             quantized form (:func:`tpify.quantized.check_layout`).
         ImportError, NotImplementedError: ``quantization_config`` needs bitsandbytes, or asks for
-            what is not built (:func:`tpify.quantized.quantization_spec`, :func:`tpify.quantized_int8.int8_spec`,
+            what is not built (torchao other than int8 weight-only per row and NF4; 8-bit options: :func:`tpify.quantized.quantization_spec`,
+            :func:`tpify.quantized_int8.int8_spec`,
             :func:`tpify.quantized_torchao.torchao_spec`).
         TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first);
             ``cp_attention="alltoall"`` with query heads per TP rank that ``cp_size`` does not divide.

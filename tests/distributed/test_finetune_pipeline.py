@@ -1,6 +1,10 @@
 """``tpify finetune --pp``, through the command: the same losses as ``--pp 1`` (every weight, and
 LoRA), a save plain transformers loads, an adapter plain PEFT loads, checkpoints that resume at
-another pp and tp (tpify/cli/finetune_pipeline.py)."""
+another pp, tp and dp (tpify/cli/finetune_pipeline.py).
+
+Each ``tpify finetune`` launch costs seconds (imports, conversion, rank start-up): the tiny GPT-2's
+dense ``--pp 1`` full fine-tuning run is one module-scoped fixture shared by the comparisons, and
+the refusals before launch run in-process (one real subprocess proves the process-level path)."""
 
 import json
 import os
@@ -85,20 +89,30 @@ def tiny_gpt2(tmp_path_factory):
     return path
 
 
-def test_tiny_gpt2_interleaved_pp2_tp2(tiny_gpt2, tmp_path):
+#: The tiny GPT-2 runs' flags (full fine-tuning): the ``--pp 1`` reference and the pipelines compared to it.
+FULL = ["--lora-r", "0", "--steps", "4", "--seq-len", "32", "--sample-tokens", "0", "--lr", "1e-3", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tiny_gpt2, tmp_path_factory):
+    """``--pp 1 --tp 1`` on the tiny GPT-2, every weight trained for 4 AdamW steps on a global batch of
+    4: the dense reference of the full fine-tuning pipelines (one launch for the module)."""
+    out = tmp_path_factory.mktemp("tiny-dense") / "dense"
+    _finetune("--model-dir", str(tiny_gpt2), *FULL, "--batch-size", "4", "--pp", "1", "--tp", "1", "--out", str(out))
+    return out
+
+
+def test_tiny_gpt2_interleaved_pp2_tp2(tiny_gpt2, tiny_dense, tmp_path):
     """A 4-layer GPT-2 at ``--pp 2 --tp 2`` (4 ranks; Interleaved1F1B: 4 stages of one layer, two
     per rank, 4 microbatches) against ``--pp 1 --tp 1``: 4 AdamW steps with clipping; the tied
     embedding's gradient summed between the first and last stage. Tolerances as the SmolLM2 test
     (float32; here 4 layers of width 64). Each rank's parameter bytes equal ``tpify plan --pp``'s."""
     lr = 1e-3
-    common = ["--model-dir", str(tiny_gpt2), "--lora-r", "0", "--steps", "4", "--seq-len", "32", "--batch-size", "4",
-              "--sample-tokens", "0", "--lr", str(lr), "--warmup", "1"]
-    _finetune(*common, "--pp", "2", "--tp", "2", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4",
-              "--out", str(tmp_path / "pp2tp2"))
-    _finetune(*common, "--pp", "1", "--tp", "1", "--out", str(tmp_path / "dense"))
-    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pp2tp2")), torch.tensor(_losses(tmp_path / "dense")),
+    _finetune("--model-dir", str(tiny_gpt2), *FULL, "--batch-size", "4", "--pp", "2", "--tp", "2",
+              "--pp-schedule", "Interleaved1F1B", "--microbatches", "4", "--out", str(tmp_path / "pp2tp2"))
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pp2tp2")), torch.tensor(_losses(tiny_dense)),
                                rtol=1e-5, atol=0)
-    _same_weights(tmp_path / "dense" / "final", tmp_path / "pp2tp2" / "final", atol=4 * 2 * lr)
+    _same_weights(tiny_dense / "final", tmp_path / "pp2tp2" / "final", atol=4 * 2 * lr)
     # tpify plan --pp's bytes per rank are the real stages' (global rank g is pipeline rank g // tp)
     from tpify.authoring.plan_pipeline import pipeline_report
 
@@ -171,39 +185,69 @@ def test_tiny_gpt2_lora_pp2_adapter_and_resume(tiny_gpt2, tmp_path):
     torch.testing.assert_close(_step_loss(resumed, tiny_gpt2, 4), merged, rtol=1e-5, atol=0)
 
 
-def test_tiny_gpt2_full_resume_at_pp4(tiny_gpt2, tmp_path):
-    """Every weight trained (``--lora-r 0``) at ``--pp 2 --save-every 2``, then ``--resume`` from
-    ``checkpoint-2`` at ``--pp 4`` (GPipe, 4 microbatches): the weights, AdamW's moments, the LR
-    schedule and the step come back from the pipeline's DCP checkpoint at another pp, and the losses
-    and final weights are the uninterrupted run's. Tolerances as the other full fine-tuning tests."""
+def test_tiny_gpt2_full_pp2_dp2_and_resume_at_pp4(tiny_gpt2, tiny_dense, tmp_path):
+    """Every weight trained (``--lora-r 0``) at ``--pp 2 --dp 2`` (4 ranks: two replicas of the
+    2-stage pipeline under torch's ``replicate``, DDP's semantics; ``--batch-size 2`` per replica,
+    1F1B with 2 microbatches of one row) against ``--pp 1`` on the same global batch of 4: the
+    logged losses (the global batch's mean, the target count summed over dp) and the final weights
+    (one writer per stage). Then ``--resume`` from its ``checkpoint-2`` at ``--pp 4 --dp 1``
+    (GPipe, 4 microbatches, ``--batch-size 4``: the same global batch): the weights, AdamW's
+    moments, the LR schedule and the step come back from the pipeline's DCP checkpoint at another
+    pp and dp, and the losses and final weights are the uninterrupted run's.
+
+    Tolerances (float32) as the other full fine-tuning tests: losses rtol 1e-5 (the replicas'
+    partial sums added over dp, microbatches of one row against one batch of 4); weights 2 lr per
+    step (4 steps against the dense run, 2 after the resume)."""
     import shutil
 
     lr = 1e-3
-    common = ["--model-dir", str(tiny_gpt2), "--lora-r", "0", "--steps", "4", "--seq-len", "32", "--batch-size",
-              "4", "--sample-tokens", "0", "--lr", str(lr), "--warmup", "1"]
-    _finetune(*common, "--pp", "2", "--save-every", "2", "--out", str(tmp_path / "pp2"))
-    assert not (tmp_path / "pp2" / "checkpoint-2" / "adapter").exists()
-    (tmp_path / "resumed").mkdir()
-    shutil.copytree(tmp_path / "pp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    _finetune(*common, "--pp", "4", "--pp-schedule", "GPipe", "--microbatches", "4", "--resume",
-              "--out", str(tmp_path / "resumed"))
-    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "resumed")), torch.tensor(_losses(tmp_path / "pp2")),
+    common = ["--model-dir", str(tiny_gpt2), "--tp", "1", *FULL]
+    out = _finetune(*common, "--pp", "2", "--dp", "2", "--batch-size", "2", "--save-every", "2",
+                    "--out", str(tmp_path / "pp2dp2")).stdout
+    assert "pp 2 x tp 1 x dp 2" in out, out[-2000:]
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "pp2dp2")), torch.tensor(_losses(tiny_dense)),
                                rtol=1e-5, atol=0)
-    _same_weights(tmp_path / "pp2" / "final", tmp_path / "resumed" / "final", atol=2 * 2 * lr)
+    assert sorted(p.name for p in (tmp_path / "pp2dp2" / "final").glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    _same_weights(tiny_dense / "final", tmp_path / "pp2dp2" / "final", atol=4 * 2 * lr)
+    assert not (tmp_path / "pp2dp2" / "checkpoint-2" / "adapter").exists()
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "pp2dp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    _finetune(*common, "--batch-size", "4", "--pp", "4", "--pp-schedule", "GPipe", "--microbatches", "4", "--resume",
+              "--out", str(tmp_path / "resumed"))
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "resumed")),
+                               torch.tensor(_losses(tmp_path / "pp2dp2")), rtol=1e-5, atol=0)
+    _same_weights(tmp_path / "pp2dp2" / "final", tmp_path / "resumed" / "final", atol=2 * 2 * lr)
 
 
-def test_refusals_before_launch(tiny_gpt2, tmp_path):
+def _finetune_in_process(capsys, *args):
+    """``tpify finetune ARGS`` through the command's entry point in this process (what it refuses
+    before any rank starts): ``(exit status, stderr)``."""
+    from tpify.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(["finetune", *args])
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def test_refusals_before_launch(tiny_gpt2, tmp_path, capsys):
     """What ``--pp`` does not take is one usage error (status 2) before any rank starts; LoRA (the
-    default), ``--save-every`` and ``--resume`` are taken. A pipeline run's checkpoint does not
-    resume without ``--pp`` (nor another run's with it)."""
+    default), ``--save-every``, ``--resume`` and ``--dp`` (full fine-tuning) are taken. A pipeline
+    run's checkpoint does not resume without ``--pp`` (nor another run's with it). One refusal
+    through ``python -m tpify.cli`` (the process-level path: status 2, one line, no traceback), the
+    others through the entry point in-process."""
     common = ["--model-dir", str(tiny_gpt2), "--out", str(tmp_path / "x"), "--tp", "1"]
     ckpt = tmp_path / "piped" / "checkpoint-2" / "trainer"
     ckpt.mkdir(parents=True)
     (ckpt / "state.json").write_text(json.dumps({"step": 2, "losses": [1.0, 1.0], "pp": 2, "lora_r": 8}))
     out = _finetune("--model-dir", str(tiny_gpt2), "--out", str(tmp_path / "piped"), "--resume", ok=False)
     assert out.returncode == 2 and "written with pipeline stages (--pp 2)" in out.stderr, out.stderr
-    cases = [(["--pp", "2", "--lora-r", "0", "--dp", "2", "--dp-shard", "2"], "--dp / --dp-shard with --pp"),
-             (["--pp", "2", "--lora-r", "0", "--dp", "2"], "--dp / --dp-shard with --pp"),
+    assert "Traceback" not in out.stderr, out.stderr
+    cases = [(["--pp", "2", "--lora-r", "0", "--dp", "2", "--dp-shard", "2"], "--dp-shard 2: FSDP2 / HSDP of the stages"),
+             (["--pp", "2", "--dp", "2"], "--dp 2 with LoRA (--lora-r 8)"),
              (["--pp", "2", "--lora-r", "0", "--batch-size", "3"], "not a multiple of the 2 microbatches"),
              (["--pp", "4", "--lora-r", "0", "--batch-size", "2", "--microbatches", "2"],
               "1F1B needs at least as many microbatches as stages"),
@@ -213,5 +257,5 @@ def test_refusals_before_launch(tiny_gpt2, tmp_path):
              (["--pp", "2", "--lora-r", "0", "--cp", "2"], "--cp: context parallelism inside pipeline stages"),
              (["--pp", "2", "--quantize", "nf4"], "--quantize: a quantized base in pipeline stages")]
     for args, text in cases:
-        out = _finetune(*common, *args, ok=False)
-        assert out.returncode == 2 and text in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+        rc, err = _finetune_in_process(capsys, *common, *args)
+        assert rc == 2 and text in err and "Traceback" not in err, (args, err)

@@ -8,7 +8,10 @@ with torch's composable ``replicate`` (DDP's semantics), Llama at pp 2 x HSDP (2
 at pp 2 x tp 2 (1F1B); with data-parallel replicas each takes its half of the global batch (the
 dense model sees the whole); each the loss and every gradient of the first step, then 3 AdamW
 steps with clipping, and the tied embedding's gradient equal on the first and last stage (both
-compared with the dense one); under FSDP2, HSDP and ``replicate`` the dense save
+compared with the dense one); the zero-bubble schedules (their backward split into input and
+weight passes): GPT-2 at pp 2 x tp 2 (InterleavedZeroBubble), Llama at pp 2 x FSDP2 and GPT-2 at
+pp 2 x tp 2 with the chunked loss (ZBVZeroBubble, stages in a V: GPT-2's tied embedding and head on
+one rank), Llama + LoRA and GPT-2 with gradient checkpointing at pp 2 x tp 2 (DualPipeV); under FSDP2, HSDP and ``replicate`` the dense save
 (``tpify.pipeline.save_pretrained``) loaded by plain transformers equals the dense model after the
 3 steps. Tolerance: float64 sums in another order (~1e-16); tputil.F64
 (atol 1e-10) leaves room for the 3 AdamW steps.
@@ -205,7 +208,14 @@ def _job(rank, world, root):
     done.append(_case(_llama, {"pp_size": 2}, "GPipe", 1, 2, lora=True))
     done.append(_case(_mixtral, {"pp_size": 2}, "1F1B", 1, 2))
     done.append(_case(_gpt2, {"pp_size": 2}, "1F1B", 1, 2, chunk=5))  # the tied head's weight from the loss
-    done.append(_case(_llama, {"pp_size": 4}, "GPipe", 1, 1, chunk="auto"))  # MoE: fused experts tensor-parallel in each stage
+    done.append(_case(_llama, {"pp_size": 4}, "GPipe", 1, 1, chunk="auto"))
+    # the split backward (input, then weight gradients) of the zero-bubble schedules; the V placement (rank r holds
+    # stages r and 2 pp - 1 - r: GPT-2's tied embedding and head on one rank, one parameter)
+    done.append(_case(_gpt2, {"pp_size": 2}, "InterleavedZeroBubble", 2, 2))
+    done.append(_case(_llama, {"pp_size": 2}, "ZBVZeroBubble", 2, 1, dp="fsdp"))
+    done.append(_case(_gpt2, {"pp_size": 2}, "ZBVZeroBubble", 2, 2, chunk=5))
+    done.append(_case(_llama, {"pp_size": 2}, "DualPipeV", 2, 2, lora=True))
+    done.append(_case(_gpt2, {"pp_size": 2}, "DualPipeV", 2, 2, checkpointing=True))  # MoE: fused experts tensor-parallel in each stage
     with pytest.raises(pp.PipelineError, match="output_router_logits"):  # the aux loss is not built: refused
         m = _mixtral()
         m.config.output_router_logits = True
@@ -225,6 +235,9 @@ def _refusals():
     with pytest.raises(pp.PipelineError, match=r"no data-parallel engine.*data_parallel='fsdp'.*shard_stages.*"
                                                r"data_parallel='replicate'.*replicate_stages"):
         pp.pipeline(_llama(), tpify.init_mesh(1, pp_size=2, device_type="cpu"), n_microbatches=M)  # dp_shard 2
+    with pytest.raises(pp.PipelineError, match=r"V placement puts on the same rank.*use a loop schedule"):
+        pp.pipeline(_gpt2(), tpify.init_mesh(1, pp_size=2, device_type="cpu"), schedule="DualPipeV", n_microbatches=M,
+                    data_parallel="fsdp")  # the tied parameter would be wrapped by two stages' engines
     info = pp.split_model(_llama().double(), tpify.init_mesh(1, pp_size=2, device_type="cpu"))
     with pytest.raises(pp.PipelineError, match="no data-parallel engine"):  # the split, then no engine
         pp.build_schedule(info, "GPipe", M)
@@ -329,7 +342,7 @@ def _steady_state(sched, first, last, ids, labels):
 
 def test_pipeline_matches_dense(tmp_path):
     results = tputil.spawn(_job, 4, str(tmp_path), timeout=900)
-    assert all(len(r) == 21 for r in results)
+    assert all(len(r) == 26 for r in results)
     cases = [c for c in results[0] if isinstance(c, tuple)]
     for i, (what, _) in enumerate(cases):  # the largest |difference| over the ranks (docs/pipeline-parallelism.md)
         print(f"{what}: {max(r[i][1] for r in results):.1e}")

@@ -55,6 +55,108 @@ def ao_config():
     return TorchAoConfig(Int8WeightOnlyConfig())
 
 
+def nf4_llama_config():
+    """Every linear weight a multiple of 64 x 256 elements (torchao's NF4 needs it of the dense weight);
+    o_proj's row shards (256 x 128 at tp 2, 256 x 64 at tp 4) hold 2 or 1 block scalers per row, so
+    every dense scaler block of 256 is cut across ranks; at tp 4 K/V (2 heads) are replicated on pairs."""
+    return LlamaConfig(num_hidden_layers=1, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=512, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=False,
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
+
+
+def nf4_config():
+    from torchao.prototype._nf4tensor_api import NF4WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(NF4WeightOnlyConfig())
+
+
+def _check_nf4_bitwise(par, ref, rank):
+    """Each NF4 layer's dequantized shard, codes and dequantized block scalers against the dense
+    ``NF4Tensor``'s slice, bitwise; the count."""
+    from tpify.quantized_torchao import NF4RowParallelLinear, _NF4
+
+    refs, n = dict(ref.named_modules()), 0
+    for fqn, m in par.named_modules():
+        if not isinstance(m, _NF4):
+            continue
+        dense = refs[fqn].weight
+        assert type(dense).__name__ == "NF4Tensor", (fqn, type(dense))
+        spec, is_row = m.weight_shard_spec, isinstance(m, NF4RowParallelLinear)
+        pieces = lambda t: torch.cat([t[:, a:b] if is_row else t[a:b] for a, b in spec.ranges(rank)],  # noqa: E731
+                                     dim=1 if is_row else 0)
+        assert torch.equal(m.weight, pieces(dense.get_original_weight())), fqn
+        local = m.nf4_tensor()
+        codes = lambda t: torch.stack([t.quantized_data >> 4, t.quantized_data & 15], -1).reshape(t.shape)  # noqa: E731
+        assert torch.equal(codes(local), pieces(codes(dense))), fqn
+        deq = lambda t: t.dequantize_scalers(t.quantized_scalers, t.quantization_factor,  # noqa: E731
+                                             t.scaler_block_size).reshape(t.shape[0], -1)
+        assert torch.equal(deq(local), pieces(deq(dense).repeat_interleave(64, 1))[:, ::64]), fqn
+        assert torch.equal(local.scaler_mean, dense.scaler_mean), fqn
+        n += 1
+    return n
+
+
+def _check_nf4_llama(rank, tmp, tp, g):
+    """torchao NF4 Llama at ``tp``: bitwise shards, logits, loss, LoRA gradients, 3 AdamW steps."""
+    import peft
+    import torch.distributed as dist
+
+    import tpify
+    from tpify.integrations import get_peft_model
+
+    path = f"{tmp[0]}/llama_nf4"
+    torch.manual_seed(0)
+    if rank == 0:
+        LlamaForCausalLM(nf4_llama_config()).save_pretrained(path)
+    dist.barrier()
+    ref = LlamaForCausalLM.from_pretrained(path, quantization_config=nf4_config(), dtype=torch.float32,
+                                           device_map="cpu")
+    par = tpify.from_pretrained(path, tp_size=tp, quantization_config=nf4_config(), dtype=torch.float32)
+    n = _check_nf4_bitwise(par, ref, rank)
+    assert n == 7, n
+    ids = torch.randint(3, 101, (2, 12), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
+    lora_cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian")  # noqa: E731
+    torch.manual_seed(1)
+    dense_lora = peft.get_peft_model(ref, lora_cfg())
+    torch.manual_seed(1)
+    lora = get_peft_model(par, lora_cfg())
+    lora.train(), dense_lora.train()
+    opt_d = torch.optim.AdamW([p for p in dense_lora.parameters() if p.requires_grad], lr=1e-2)
+    opt_p = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    worst = {"loss": 0.0, "grad": 0.0}
+    for step in range(3):
+        ids = torch.randint(3, 101, (2, 12), generator=g)
+        loss_d = tputil.ref_lm_loss(dense_lora(ids).logits, ids, causal=True)
+        loss_d.backward()
+        loss_p = lora(ids, labels=ids).loss
+        loss_p.backward()
+        torch.testing.assert_close(loss_p, loss_d, **LOSS, msg=f"nf4 loss, step {step}")
+        worst["loss"] = max(worst["loss"], (loss_p - loss_d).abs().item())
+        grads_d = {k: p.grad for k, p in dense_lora.named_parameters() if p.requires_grad}
+        grads_p = _gathered(lora, "grad")
+        assert set(grads_d) == set(grads_p) and grads_d, set(grads_d) ^ set(grads_p)
+        for k, gr in grads_d.items():
+            torch.testing.assert_close(grads_p[k], gr, **GRAD, msg=lambda m: f"nf4 grad {k}, step {step}: {m}")
+            worst["grad"] = max(worst["grad"], (grads_p[k] - gr).abs().max().item())
+        opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
+    final = _gathered(lora)
+    w_abs = 0.0
+    for k, w in {k: p for k, p in dense_lora.named_parameters() if p.requires_grad}.items():
+        torch.testing.assert_close(final[k], w.detach(), **ADAPTER, msg=lambda m: f"nf4 {k}: {m}")
+        w_abs = max(w_abs, (final[k] - w.detach()).abs().max().item())
+    if rank == 0:
+        print(f"measured torchao nf4 llama tp={tp}: {n} layers bitwise; loss max abs diff "
+              f"{worst['loss']:.1e}, LoRA grads {worst['grad']:.1e}, adapters after 3 AdamW steps {w_abs:.1e}",
+              flush=True)
+    with pytest.raises(NotImplementedError, match="merging a LoRA adapter on a quantized"):
+        lora.merge_and_unload()
+    with pytest.raises(NotImplementedError, match="tpify.save_pretrained on a quantized"):
+        tpify.save_pretrained(par, f"{tmp[0]}/merged_nf4")
+
+
 def _check_bitwise(par, ref, rank):
     """Each int8 layer's codes, scales and dequantized shard against the dense ``Int8Tensor``'s; the count."""
     from tpify.quantized_torchao import Int8RowParallelLinear, _Int8
@@ -159,6 +261,7 @@ def _body(rank, world):
         tmp = [tmp]
         dist.broadcast_object_list(tmp, src=0)
         g = _check_llama(rank, tmp, 2)
+        _check_nf4_llama(rank, tmp, 2, g)
         # GPT-2: Conv1D layers are not quantized by transformers' torchao quantizer, nor by tpify
         gpath = f"{tmp[0]}/gpt2"
         torch.manual_seed(0)
@@ -191,7 +294,8 @@ def _body_tp4(rank, world):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = [tmp]
         dist.broadcast_object_list(tmp, src=0)
-        _check_llama(rank, tmp, 4)
+        g = _check_llama(rank, tmp, 4)
+        _check_nf4_llama(rank, tmp, 4, g)
         dist.barrier()
     return "ok"
 

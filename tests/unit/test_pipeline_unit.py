@@ -80,10 +80,18 @@ def test_stage_config_cuts_per_layer_lists():
 def test_microbatch_checks():
     check_microbatches("1F1B", 4, 4, 4, 1)
     check_microbatches("Interleaved1F1B", 8, 2, 4, 2)
+    check_microbatches("InterleavedZeroBubble", 4, 2, 4, 2)
+    check_microbatches("ZBVZeroBubble", 2, 2, 4, 2, "v")
+    check_microbatches("DualPipeV", 4, 2, 4, 2, "v")
     for args, match in ((("1F1B", 2, 4, 4, 1), "at least as many microbatches"),
                         (("GPipe", 4, 2, 4, 2), "one stage per rank"),
                         (("Interleaved1F1B", 5, 2, 4, 2), "multiple of its rounds"),
-                        (("DualPipeV", 4, 2, 4, 2), "not built"), (("gpipe", 4, 2, 2, 1), "use one of"),
+                        (("InterleavedZeroBubble", 5, 2, 4, 2), "multiple of its rounds"),
+                        (("DualPipeV", 3, 2, 4, 2, "v"), "at least as many microbatches"),
+                        (("DualPipeV", 4, 2, 4, 2), "placed 'v'"), (("1F1B", 4, 4, 8, 2, "v"), "one stage per rank"),
+                        (("Interleaved1F1B", 4, 2, 4, 2, "v"), "placed 'loop'"),
+                        (("ZBVZeroBubble", 4, 2, 6, 3, "v"), "exactly two stages per rank"),
+                        (("LoopedBFS", 4, 2, 4, 2), "not built"), (("gpipe", 4, 2, 2, 1), "use one of"),
                         (("GPipe", 0, 2, 2, 1), "positive integer")):
         with pytest.raises(PipelineError, match=match):
             check_microbatches(*args)

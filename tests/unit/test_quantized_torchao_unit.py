@@ -40,8 +40,8 @@ def test_torchao_configs_not_built_are_refused_by_name():
         torchao_spec(TorchAoConfig(Int8WeightOnlyConfig(), include_input_output_embeddings=True))
     from torchao.prototype._nf4tensor_api import NF4WeightOnlyConfig
 
-    with pytest.raises(NotImplementedError, match="NF4WeightOnlyConfig.*blocks of 256"):
-        torchao_spec(TorchAoConfig(NF4WeightOnlyConfig()))
+    spec = torchao_spec(TorchAoConfig(NF4WeightOnlyConfig()))  # built (tpify.quantized_torchao's NF4 layers)
+    assert (spec.quant_type, spec.blocksize, spec.scaler_blocksize) == ("nf4", 64, 256)
 
 
 def test_an_lm_head_transformers_would_quantize_is_refused():
@@ -104,3 +104,62 @@ def test_row_parallel_scale_from_gathered_min_max_is_the_dense_scale(monkeypatch
     assert torch.equal(torch.cat(codes, dim=1), dense.qdata)
     alone = Int8Tensor.from_hp(shards[0], granularity=PerRow()).qdata
     assert (alone != dense.qdata[:, :48]).float().mean() > 0.1
+
+
+def _nf4_llama(hidden=256, intermediate=640):
+    return LlamaConfig(num_hidden_layers=1, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=intermediate, vocab_size=101, max_position_embeddings=64,
+                       tie_word_embeddings=False)
+
+
+def test_nf4_refuses_a_split_that_cuts_a_block_and_a_weight_torchao_cannot_quantize():
+    from torchao.prototype._nf4tensor_api import NF4WeightOnlyConfig
+
+    spec = torchao_spec(TorchAoConfig(NF4WeightOnlyConfig()))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_nf4_llama())  # down_proj [256, 640]: 640 / 4 = 160 columns, not whole blocks of 64
+    fqns, _ = check_torchao_layout(model, build_layout(model, resolve_recipe(model), 2), spec)
+    assert len(fqns) == 7
+    with pytest.raises(PlanError, match=r"(?s)mlp.down_proj \(row-parallel, \[256, 640\] at tp_size = 4\).*cuts a "
+                                        r"quantization block.*tp sizes that keep its blocks whole: \[1, 2, 5, 10\]"):
+        check_torchao_layout(model, build_layout(model, resolve_recipe(model), 4), spec)
+    with torch.device("meta"):
+        small = LlamaForCausalLM(_llama())  # [96, 96] = 9216 elements: torchao's NF4 refuses the dense weight too
+    with pytest.raises(PlanError, match=r"multiple of block_size x scaler_block_size = 64 x 256 = 16384.*"
+                                        r"q_proj \[96, 96\] \(9216 elements\)"):
+        check_torchao_layout(small, build_layout(small, resolve_recipe(small), 1), spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_row,tp", [(True, 2), (True, 4), (False, 4)])
+def test_nf4_shard_from_gathered_absmax_dequantizes_to_the_dense_slice(monkeypatch, dtype, is_row, tp):
+    """The NF4 shard in one process (the all-gather stood in by every shard's block absmax, in rank
+    order): each rank's dequantized ``NF4Tensor`` equals the dense one's slice bit for bit, where
+    scaler blocks of 256 are cut (row-parallel: 4 or 2 scalers per row and rank; column-parallel at
+    tp 4: 192 rows of 6 = 1152 scalers, 4.5 scaler blocks), and the shard quantized alone differs."""
+    from torchao.prototype._nf4tensor_api import NF4WeightOnlyConfig
+    from torchao.quantization import to_nf4
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import get_block_absmax
+
+    from tpify import comm
+    from tpify import quantized_torchao as qt
+    from tpify.sharding import ShardSpec
+
+    torch.manual_seed(0)
+    w = torch.randn(768, 512 if is_row else 384).to(dtype)  # 24 or 18 x 16384 elements
+    spec = torchao_spec(TorchAoConfig(NF4WeightOnlyConfig()))
+    dense = to_nf4(w)
+    shard_spec = ShardSpec(dim=1 if is_row else 0, parts=(w.shape[1 if is_row else 0],), tp_size=tp)
+    shards = [s.contiguous() for s in w.chunk(tp, dim=1 if is_row else 0)]
+    absmax = [get_block_absmax(s.flatten(), 64) for s in shards]
+    monkeypatch.setattr(comm, "all_gather_dim", lambda t, dim, group: torch.cat(absmax, dim=dim))
+    sizes = set()
+    for r, s in enumerate(shards):
+        local = qt._nf4_shard(s, shard_spec, r, None, is_row, spec)
+        sizes.add(local.scaler_block_size)
+        want = dense.get_original_weight().chunk(tp, dim=1 if is_row else 0)[r]
+        assert torch.equal(local.get_original_weight(), want), r
+    assert sizes == ({256 // tp} if is_row else {128})
+    alone = to_nf4(shards[1], 64, min(sizes))  # its own mean and scaler blocks
+    want = dense.get_original_weight().chunk(tp, dim=1 if is_row else 0)[1]
+    assert not torch.equal(alone.get_original_weight(), want)

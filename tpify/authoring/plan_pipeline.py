@@ -19,13 +19,14 @@ from ..api import resolve_recipe
 from ..hf_modules import base_model_and_prefix
 from ..layout import build_layout
 from ..pipeline.plan import layer_ranges, pipeline_plan, stage_indices
+from ..pipeline.schedule import SCHEDULES, default_n_virtual, stage_style
 from .plan import _dtype_of, _head_class, _meta_model, _module_rows, _Params
 from .target import resolve_config
 
 __all__ = ["pipeline_report", "render_pipeline", "PP_SCHEDULES"]
 
 #: schedule -> stages per pipeline rank (tpify.pipeline.pipeline's default n_virtual).
-PP_SCHEDULES = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}
+PP_SCHEDULES = {name: default_n_virtual(name) for name in SCHEDULES}
 
 
 def _place(fqn: str, prefix: str, plan, n_layers: int):
@@ -87,7 +88,7 @@ def pipeline_report(target: str, tp_size: int, pp_size: int, recipe=None, head_c
     dense_bytes = sum(nbytes(pid, False) for pid in params.unique)
     ranks = []
     for r in range(pp_size):
-        mine = stage_indices(r, pp_size, n_virtual, "loop")
+        mine = stage_indices(r, pp_size, n_virtual, stage_style(schedule))
         layers = {i for s in mine for i in ranges[s]}
         first, last = 0 in mine, len(ranges) - 1 in mine
 
@@ -131,5 +132,5 @@ def render_pipeline(report: dict) -> str:
                          f"{', '.join(st['modules']) or '-'}")
     lines.append("")
     lines.append("bytes: one tp rank's parameters (tp rank 0's where a split is uneven); a tied head is a copy on the "
-                 "last stage. Gradients take them again, AdamW's state twice.")
+                 "last stage's rank (one parameter where that rank holds the first stage too: the V placement). Gradients take them again, AdamW's state twice.")
     return "\n".join(lines) + "\n"

@@ -20,13 +20,23 @@ the same seed (:func:`init_lora_as_dense`: the run is the ``--pp 1`` run's, step
 (:func:`tpify.pipeline.merge_adapters`, then the save by stage). Checkpoints every
 ``save_every`` steps (:func:`save_pipeline_checkpoint`: the model, AdamW, the LR schedule and
 the generators through :func:`tpify.pipeline.save_checkpoint`, the step and losses in
-``state.json``, LoRA's dense adapter beside) and ``--resume`` at any ``--pp`` of 2 or more and
-any ``--tp`` (:func:`tpify.pipeline.load_checkpoint`); the data position is the step's.
+``state.json``, LoRA's dense adapter beside) and ``--resume`` at any ``--pp`` of 2 or more,
+any ``--tp`` and ``--dp`` with the same global batch (:func:`tpify.pipeline.load_checkpoint`);
+the data position is the step's.
 
-Not built here (refused before the ranks start, :func:`pipeline_problem`): data-parallel
-replicas (``--dp``, ``--dp-shard``), the greedy continuation (generation through the stages),
-context parallelism and quantized bases; a resume between a pipeline run and one without
-``--pp`` (:func:`tpify.cli.finetune.resume_point`).
+Data parallelism (``--dp M``, full fine-tuning): ``M`` replicas of the whole pipeline under
+torch's ``replicate`` (:func:`tpify.pipeline.replicate_stages`, DDP's semantics), the global batch
+``batch_size x dp`` split over them as :mod:`tpify.cli.finetune` splits it (each replica's
+``batch_size`` rows cut into the microbatches); :func:`tpify.pipeline.step` divides by the global
+batch's target count (summed over dp) and sums the replicas' parts, so the logged loss is the
+global batch's mean and the gradients the dense run's; the saves and checkpoints gather over dp
+and write one copy per stage.
+
+Not built here (refused before the ranks start, :func:`pipeline_problem`): ``--dp-shard``
+(FSDP2 / HSDP of the stages: the library takes it, the command does not test it), LoRA with
+``--dp`` (the adapter save and merge of stages under a data-parallel engine), the greedy
+continuation (generation through the stages), context parallelism and quantized bases; a resume
+between a pipeline run and one without ``--pp`` (:func:`tpify.cli.finetune.resume_point`).
 """
 
 from __future__ import annotations
@@ -41,13 +51,26 @@ import torch.distributed as dist
 from .. import comm
 from ..agree import agree
 
-__all__ = ["pipeline_problem", "n_virtual", "finetune_pipeline", "pipeline_memory_report", "init_lora_as_dense",
+__all__ = ["pipeline_problem", "n_virtual", "data_parallel_of", "finetune_pipeline", "pipeline_memory_report", "init_lora_as_dense",
            "save_pipeline_checkpoint"]
 
 
 def n_virtual(cfg) -> int:
-    """Stages per pipeline rank: 2 for ``Interleaved1F1B``, else 1."""
-    return 2 if cfg.pp_schedule == "Interleaved1F1B" else 1
+    """Stages per pipeline rank: 2 for the interleaved and V schedules, else 1
+    (:func:`tpify.pipeline.schedule.default_n_virtual`)."""
+    from ..pipeline.schedule import default_n_virtual
+
+    return default_n_virtual(cfg.pp_schedule)
+
+
+def data_parallel_of(cfg) -> str | None:
+    """The engine of ``cfg``'s dp replicas of the stages (:func:`tpify.pipeline.pipeline`'s
+    ``data_parallel``): ``"fsdp"`` with ``dp_shard > 1`` (FSDP2, HSDP with ``dp / dp_shard``
+    replicas; :func:`pipeline_problem` refuses it for now), ``"replicate"`` with ``dp > 1``
+    (DDP's semantics), else None."""
+    if cfg.dp_shard > 1:
+        return "fsdp"
+    return "replicate" if cfg.dp > 1 else None
 
 
 def _n_layers(model_dir) -> int | None:
@@ -67,22 +90,26 @@ def pipeline_problem(cfg) -> str | None:
     before its first collective.
 
     Refused: ``--microbatches`` or a ``--pp-schedule`` other than 1F1B without ``--pp``; with
-    ``--pp``: ``--dp`` and ``--dp-shard``, context parallelism and quantized bases (the other helpers' ``cp`` / ``quantize`` options, when the
+    ``--pp``: ``--dp-shard`` > 1, ``--dp`` > 1 with LoRA, context parallelism and quantized bases (the other helpers' ``cp`` / ``quantize`` options, when the
     config has them); a batch the microbatches do not divide; a microbatch count the schedule
     cannot take (:func:`tpify.pipeline.schedule.check_microbatches`); more stages than layers.
     """
     from ..pipeline.plan import PipelineError
-    from ..pipeline.schedule import check_microbatches
+    from ..pipeline.schedule import check_microbatches, stage_style
 
     if cfg.pp == 1:
         if cfg.microbatches is not None or cfg.pp_schedule != "1F1B":
             return "--microbatches and --pp-schedule take effect with pipeline stages only: pass --pp 2 or more"
         return None
     refused = []
-    if cfg.dp > 1 or cfg.dp_shard > 1:
-        refused.append("--dp / --dp-shard with --pp: data-parallel pipeline replicas run under FSDP2 or replicate "
-                       "(tpify.pipeline.pipeline(..., data_parallel=...), from Python); the command does not set them up "
-                       "yet; pass --dp 1 --dp-shard 1")
+    if cfg.dp_shard > 1:
+        refused.append(f"--dp-shard {cfg.dp_shard}: FSDP2 / HSDP of the stages through the command is not tested "
+                       "(tpify.pipeline.pipeline(..., data_parallel='fsdp') from Python is); pass --dp-shard 1 (--dp "
+                       "replicas of the stages, DDP's semantics)")
+    if cfg.dp > 1 and cfg.lora_r:
+        refused.append(f"--dp {cfg.dp} with LoRA (--lora-r {cfg.lora_r}): the adapter save and merge of stages under "
+                       "a data-parallel engine (DTensor parameters) are not built; pass --lora-r 0 (every weight "
+                       "trained) or --dp 1")
     if getattr(cfg, "cp", 1) not in (None, 1):
         refused.append("--cp: context parallelism inside pipeline stages is not built; pass --cp 1")
     if getattr(cfg, "quantize", None):
@@ -94,7 +121,7 @@ def pipeline_problem(cfg) -> str | None:
                        f"batch / microbatches rows; pass a --batch-size that {m} divides")
     nv = n_virtual(cfg)
     try:
-        check_microbatches(cfg.pp_schedule, m, cfg.pp, cfg.pp * nv, nv)
+        check_microbatches(cfg.pp_schedule, m, cfg.pp, cfg.pp * nv, nv, stage_style(cfg.pp_schedule))
     except PipelineError as e:
         refused.append(f"--pp-schedule {cfg.pp_schedule} with --microbatches {m}: {e}")
     layers = _n_layers(cfg.model_dir)
@@ -277,10 +304,12 @@ def finetune_pipeline(cfg) -> list[float]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
     data = pack_texts(tokenizer, cfg.data or [str(p) for p in default_text_files()], cfg.seq_len)
-    mesh = tpify.init_mesh(cfg.tp, dp_replicate=cfg.dp, pp_size=cfg.pp, device_type=device.type)
+    # dp = dp_replicate x dp_shard, as the plain run: FSDP2 (HSDP) over dp_shard, else replicas of the stages
+    mesh = tpify.init_mesh(cfg.tp, dp_replicate=cfg.dp // cfg.dp_shard, pp_size=cfg.pp, device_type=device.type)
     nv, m = n_virtual(cfg), cfg.microbatches or cfg.pp
     tpify.manual_seed(cfg.seed)
-    model = pp.from_pretrained(cfg.model_dir, mesh, n_virtual=nv, dtype=getattr(torch, cfg.dtype)).to(device)
+    model = pp.from_pretrained(cfg.model_dir, mesh, n_virtual=nv, style=pp.stage_style(cfg.pp_schedule),
+                               dtype=getattr(torch, cfg.dtype)).to(device)
     trainable = None
     if cfg.lora_r:  # the names of every rank's layers (stages may hold other kinds), the dense run's values
         targets = sorted(set().union(*comm.all_gather_objects(lora_targets(model))))
@@ -297,7 +326,8 @@ def finetune_pipeline(cfg) -> list[float]:
         if rank == 0 and cfg.progress:
             print(f"tpify finetune: LoRA r={cfg.lora_r}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / total:.2f}%)", flush=True)
-    schedule = pp.pipeline(model, mesh, schedule=cfg.pp_schedule, n_microbatches=m, n_virtual=nv, device=device)
+    schedule = pp.pipeline(model, mesh, schedule=cfg.pp_schedule, n_microbatches=m, n_virtual=nv, device=device,
+                           data_parallel=data_parallel_of(cfg))
     del model  # the stages hold what this rank keeps
     info = schedule.tpify_pipeline
     params = pp.parameters(schedule)
@@ -329,7 +359,8 @@ def finetune_pipeline(cfg) -> list[float]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # the last stage's loss (the global batch's mean) on every rank of the pipeline: one all-reduce of a scalar
+        # the last stage's loss (the global batch's mean: pp.step sums the replicas' parts over dp, the target
+        # count too) on every rank of the pipeline: one all-reduce of a scalar
         shared = loss.float() if loss is not None else torch.zeros((), dtype=torch.float32, device=device)
         shared = comm.all_reduce(shared, info.pp_group)
         lines.hold(step, lr, t0, comm.HostCopy([shared] + ([norm] if norm is not None else []), torch.float64))

@@ -37,7 +37,7 @@ from .data_parallel import apply_data_parallel, replicate_stages, shard_stages
 from .grads import clip_grad_norm_, grad_norm, parameters
 from .load import from_pretrained, save_pretrained
 from .plan import PipelineError, PipelinePlan, layer_ranges, pipeline_plan
-from .schedule import PipelineLoss, build_schedule, step
+from .schedule import PipelineLoss, build_schedule, default_n_virtual, stage_style, step
 from .split import PipelineInfo, split_model
 from .stage import StageModule
 
@@ -53,7 +53,8 @@ def pipeline(model, mesh, *, schedule: str = "1F1B", n_microbatches: int = 1, n_
     torch's schedule object over this rank's stages of ``model`` (a causal LM, dense or
     parallelized over ``mesh``'s tp axis).
 
-    ``n_virtual``: stages per rank (default 2 for ``Interleaved1F1B``, else 1); ``lm_loss_chunk``:
+    ``n_virtual``: stages per rank (default 2 for ``Interleaved1F1B``, ``InterleavedZeroBubble`` and
+    the V schedules ``ZBVZeroBubble`` and ``DualPipeV``, whose stages are placed in a V, else 1); ``lm_loss_chunk``:
     the chunked linear cross-entropy (:class:`PipelineLoss`); ``data_parallel``: with dp > 1 in
     ``mesh`` (``dp_replicate x dp_shard``), ``"fsdp"`` (FSDP2, HSDP with ``dp_replicate > 1``:
     :func:`shard_stages` with its defaults) or ``"replicate"`` (DDP's semantics:
@@ -65,9 +66,9 @@ def pipeline(model, mesh, *, schedule: str = "1F1B", n_microbatches: int = 1, n_
     ``data_parallel``, dp > 1 without one).
     """
     if n_virtual is None:
-        n_virtual = 2 if schedule == "Interleaved1F1B" else 1
+        n_virtual = default_n_virtual(schedule)
     info = split_model(model, mesh, n_virtual=n_virtual, split_points=split_points, recipe=recipe,
-                       data_parallel=data_parallel)  # checked there with the model, before any collective
+                       style=stage_style(schedule), data_parallel=data_parallel)  # checked there, before any collective
     apply_data_parallel(info, data_parallel)
     return build_schedule(info, schedule, n_microbatches, device, lm_loss_chunk)
 

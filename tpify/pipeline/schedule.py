@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from .. import comm
 from ..agree import AgreementError, agree
@@ -29,25 +30,36 @@ from .data_parallel import check_data_parallel
 from .plan import PipelineError
 from .split import PipelineInfo
 
-__all__ = ["SCHEDULES", "REFUSED_SCHEDULES", "PipelineLoss", "build_schedule", "check_microbatches", "step",
+__all__ = ["SCHEDULES", "V_SCHEDULES", "REFUSED_SCHEDULES", "stage_style", "default_n_virtual", "PipelineLoss", "build_schedule", "check_microbatches", "step",
            "StepInputsError", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
-#: The schedules tpify builds: name -> (torch class, several stages per rank).
+#: The schedules tpify builds: name -> (torch class, several stages per rank). The zero-bubble
+#: schedules (Qi et al., arXiv:2401.10241) and DualPipeV (DeepSeek-V3, arXiv:2412.19437) split each
+#: backward into an input-gradient pass and a weight-gradient pass (torch's ``stage_backward_input`` /
+#: ``stage_backward_weight``): verified exact with tpify's layers (docs/pipeline-parallelism.md).
 SCHEDULES = {"GPipe": (ScheduleGPipe, False), "1F1B": (Schedule1F1B, False),
-             "Interleaved1F1B": (ScheduleInterleaved1F1B, True)}
+             "Interleaved1F1B": (ScheduleInterleaved1F1B, True),
+             "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, True),
+             "ZBVZeroBubble": (ScheduleZBVZeroBubble, True), "DualPipeV": (ScheduleDualPipeV, True)}
+#: The schedules whose stages are placed in a V (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``:
+#: :func:`tpify.pipeline.plan.stage_indices`); every other schedule takes the loop placement.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 #: torch's other schedules, refused with the reason.
-_SPLIT_BACKWARD = ("its backward is split into input and weight gradients (stage_backward_input / _weight), which "
-                   "tpify's tensor-parallel layers and the tied-embedding sum are not verified against")
 REFUSED_SCHEDULES = {
-    "InterleavedZeroBubble": _SPLIT_BACKWARD + "; use GPipe, 1F1B or Interleaved1F1B",
-    "ZBVZeroBubble": _SPLIT_BACKWARD + " (and its V placement of the stages is not built); use GPipe, 1F1B or "
-                                       "Interleaved1F1B",
-    "DualPipeV": _SPLIT_BACKWARD + " (and its V placement of the stages is not built); use GPipe, 1F1B or "
-                                   "Interleaved1F1B",
     "LoopedBFS": "not verified against the dense model yet; use Interleaved1F1B (the same placement of the stages)",
 }
+
+
+def stage_style(schedule: str) -> str:
+    """The placement of the stages ``schedule`` runs on: ``"v"`` (:data:`V_SCHEDULES`) or ``"loop"``."""
+    return "v" if schedule in V_SCHEDULES else "loop"
+
+
+def default_n_virtual(schedule: str) -> int:
+    """Stages per rank when the caller gives none: 2 for the interleaved and V schedules, else 1."""
+    return 2 if schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1
 
 
 class PipelineLoss:
@@ -97,14 +109,17 @@ class PipelineLoss:
         return total / num_items.to(total.dtype)
 
 
-def check_microbatches(schedule: str, n_microbatches, pp_size: int, num_stages: int, local_stages: int) -> None:
+def check_microbatches(schedule: str, n_microbatches, pp_size: int, num_stages: int, local_stages: int,
+                       style: str = "loop") -> None:
     """Whether ``schedule`` can take ``n_microbatches`` on this layout (torch's own conditions,
-    checked before anything is built). Pure.
+    checked before anything is built). ``style``: the placement the stages were split with. Pure.
 
     Raises:
         PipelineError: an unknown or refused schedule, a count that is not a positive integer,
-            fewer microbatches than stages (1F1B), a count that is not a multiple of the rounds
-            (interleaved), several stages per rank for a one-stage schedule.
+            fewer microbatches than stages (1F1B, DualPipeV), a count that is not a multiple of the
+            rounds (interleaved, interleaved zero bubble), several stages per rank for a one-stage
+            schedule, a V schedule on stages not split in a V (two per rank), a loop schedule on
+            stages split in a V.
     """
     if schedule in REFUSED_SCHEDULES:
         raise PipelineError(f"schedule {schedule!r} is not built: {REFUSED_SCHEDULES[schedule]}")
@@ -116,10 +131,17 @@ def check_microbatches(schedule: str, n_microbatches, pp_size: int, num_stages: 
     if not multi and local_stages != 1:
         raise PipelineError(f"schedule {schedule!r} runs one stage per rank, but the model was split into "
                             f"{local_stages} per rank: use Interleaved1F1B, or split with n_virtual=1")
-    if schedule == "1F1B" and n_microbatches < num_stages:
-        raise PipelineError(f"1F1B needs at least as many microbatches as stages: n_microbatches = {n_microbatches}, "
-                            f"{num_stages} stages; use n_microbatches >= {num_stages}")
-    if multi:
+    if style != stage_style(schedule):
+        raise PipelineError(f"schedule {schedule!r} runs on stages placed {stage_style(schedule)!r}, but the model was "
+                            f"split with style={style!r}: split (and load) with style={stage_style(schedule)!r}, or "
+                            f"let tpify.pipeline.pipeline choose")
+    if schedule in V_SCHEDULES and local_stages != 2:
+        raise PipelineError(f"{schedule} runs exactly two stages per rank (a V: ranks r and 2 pp - 1 - r), but the "
+                            f"model was split into {local_stages} per rank: use n_virtual=2")
+    if schedule in ("1F1B", "DualPipeV") and n_microbatches < num_stages:
+        raise PipelineError(f"{schedule} needs at least as many microbatches as stages: n_microbatches = "
+                            f"{n_microbatches}, {num_stages} stages; use n_microbatches >= {num_stages}")
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
         rounds = max(1, n_microbatches // pp_size)
         if n_microbatches % rounds:
             raise PipelineError(f"{schedule} needs n_microbatches to be a multiple of its rounds "
@@ -152,7 +174,8 @@ def build_schedule(info: PipelineInfo, schedule: str = "1F1B", n_microbatches: i
     error = None
     try:
         check_data_parallel(info.mesh, info.data_parallel)
-        check_microbatches(schedule, n_microbatches, info.mesh["pp"].size(), info.num_stages, len(info.stages))
+        check_microbatches(schedule, n_microbatches, info.mesh["pp"].size(), info.num_stages, len(info.stages),
+                           info.style)
         if lm_loss_chunk is not None and lm_loss_chunk != "auto" and not (
                 isinstance(lm_loss_chunk, int) and not isinstance(lm_loss_chunk, bool) and lm_loss_chunk > 0):
             raise PipelineError(f"lm_loss_chunk must be None, 'auto' or a positive number of tokens, got "

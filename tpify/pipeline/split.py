@@ -24,9 +24,9 @@ from .stage import StageModule, build_stage, n_layers_of
 __all__ = ["PipelineInfo", "split_model", "plan_stages", "STAGE_STYLES"]
 
 #: How stages are placed on the pipeline ranks (:func:`tpify.pipeline.plan.stage_indices`): the
-#: loop (stage ``s`` on rank ``s % pp``), which every schedule tpify builds assumes; the V placement
-#: comes with the zero-bubble V schedules (refused: :data:`tpify.pipeline.schedule.REFUSED_SCHEDULES`).
-STAGE_STYLES = ("loop",)
+#: loop (stage ``s`` on rank ``s % pp``: GPipe, 1F1B, the interleaved schedules) or the V (rank ``r``
+#: holds stages ``r`` and ``2 pp - 1 - r``: ZBVZeroBubble, DualPipeV).
+STAGE_STYLES = ("loop", "v")
 
 
 @dataclass
@@ -100,6 +100,9 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
         raise PipelineError(f"style {style!r}: use one of {STAGE_STYLES}")
     if not isinstance(n_virtual, int) or isinstance(n_virtual, bool) or n_virtual < 1:
         raise PipelineError(f"n_virtual = {n_virtual!r}: a positive number of stages per rank")
+    if style == "v" and n_virtual != 2:
+        raise PipelineError(f"style='v' places exactly two stages per rank (r and 2 pp - 1 - r), got n_virtual = "
+                            f"{n_virtual}: use n_virtual=2")
     _check_model(model)
     if data_parallel is not ...:  # the engine pipeline() will apply: after the model's own checks
         from .data_parallel import check_data_parallel
@@ -108,6 +111,12 @@ def plan_stages(model: nn.Module, mesh, n_virtual: int, split_points, style: str
     cut = getattr(model, "tpify_pipeline_cut", None)  # (ranges, this rank's stages, plan) of a model loaded by stage
     plan = cut[2] if cut is not None else pipeline_plan(model, _recipe_of(model, recipe))
     ranges = layer_ranges(n_layers_of(base_model_and_prefix(model)[0], plan), pp * n_virtual, split_points)
+    if style == "v" and data_parallel not in (..., None) and dp_mesh(mesh).size() > 1 and _tied(model, plan):
+        raise PipelineError(f"{type(model).__name__}: its tied embedding and head are one parameter on the first and "
+                            f"last stage, which the V placement puts on the same rank (pipeline rank 0), so the "
+                            f"two stages share it; data_parallel={data_parallel!r} wraps each stage alone and would "
+                            f"hold two copies (not built): use a loop schedule (1F1B, Interleaved1F1B, "
+                            f"InterleavedZeroBubble) with data parallelism, or untie the head")
     mine = stage_indices(mesh["pp"].get_local_rank(), pp, n_virtual, style)
     if cut is not None and cut[:2] != (tuple(ranges), tuple(mine)):
         raise PipelineError(f"{type(model).__name__} was loaded for the stages {[list(r) for r in cut[0]]} (this rank: "
@@ -156,7 +165,8 @@ def split_model(model: nn.Module, mesh, *, n_virtual: int = 1, split_points: lis
     """This rank's pipeline stages of ``model`` (a causal LM, dense or :func:`tpify.parallelize`-d
     over ``mesh``'s tp axis), for ``mesh``'s ``"pp"`` axis of ``pp`` ranks.
 
-    The model is cut into ``pp * n_virtual`` stages (stage ``s`` on pipeline rank ``s % pp``) of
+    The model is cut into ``pp * n_virtual`` stages (``style="loop"``: stage ``s`` on pipeline rank
+    ``s % pp``; ``"v"``: two per rank, ``r`` and ``2 pp - 1 - r``, for the V schedules) of
     balanced layer counts, or at ``split_points`` (the first layer of each stage but the first),
     from the recipe's ``[pipeline]`` table or transformers' ``base_model_pp_plan``
     (:func:`tpify.pipeline.plan.pipeline_plan`). Each stage is a :class:`StageModule` sharing

@@ -94,7 +94,9 @@ class StageModule(nn.Module):
         else:
             hidden = base(inputs_embeds=x, use_cache=False).last_hidden_state  # (B, T, H)
         if not self.is_last or self.return_hidden:
-            return hidden
+            # a view (GPT-2's final ``view``) copied: the split backward schedules detach the stage's output in
+            # place (torch's stage_backward_input), which torch refuses on a view
+            return hidden.clone() if hidden._is_view() else hidden
         head = getattr(self.model, self.head)
         if isinstance(head, ColumnParallelLinear):
             return head(hidden, runtime_gather_output=False)  # (B, T, V_padded / tp): kept sharded for the loss
