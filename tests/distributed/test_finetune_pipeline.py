@@ -139,7 +139,8 @@ def test_tiny_gpt2_lora_pp2_adapter_and_resume(tiny_gpt2, tmp_path):
     pipeline's adapter is one PEFT directory: plain PEFT loads ``checkpoint-2/adapter`` on the
     dense model and gives the loss the run logged at step 3 (the batch and the adapter after 2
     steps), and the final adapter gives the merged ``final/`` model's loss and the ``--pp 1`` run's.
-    ``--resume`` from ``checkpoint-2`` at ``--pp 2 --tp 2`` (another layout) continues with the
+    ``--resume`` from ``checkpoint-2`` at ``--pp 2 --tp 2`` with ZBVZeroBubble (another layout: the
+    stages in a V, the backward split into input and weight passes) continues with the
     uninterrupted run's losses, and its adapter (gathered over tp 2) and merged model give the
     uninterrupted run's loss.
 
@@ -176,7 +177,8 @@ def test_tiny_gpt2_lora_pp2_adapter_and_resume(tiny_gpt2, tmp_path):
     assert abs(final - _step_loss(AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval(), tiny_gpt2, 4)) > 1e-4
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "pp2" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    _finetune(*common, "--pp", "2", "--tp", "2", "--resume", "--out", str(tmp_path / "resumed"))
+    _finetune(*common, "--pp", "2", "--tp", "2", "--pp-schedule", "ZBVZeroBubble", "--microbatches", "4", "--resume",
+              "--out", str(tmp_path / "resumed"))  # stages in a V (the tied head on rank 0), the split backward
     torch.testing.assert_close(torch.tensor(_losses(tmp_path / "resumed")), torch.tensor(pp2), rtol=1e-5, atol=0)
     # its adapter, gathered over tp 2 in each stage, and its merged model: the uninterrupted run's
     torch.testing.assert_close(_step_loss(adapted(tmp_path / "resumed" / "adapter"), tiny_gpt2, 4), final,
@@ -251,6 +253,8 @@ def test_refusals_before_launch(tiny_gpt2, tmp_path, capsys):
              (["--pp", "2", "--lora-r", "0", "--batch-size", "3"], "not a multiple of the 2 microbatches"),
              (["--pp", "4", "--lora-r", "0", "--batch-size", "2", "--microbatches", "2"],
               "1F1B needs at least as many microbatches as stages"),
+             (["--pp", "2", "--lora-r", "0", "--batch-size", "2", "--pp-schedule", "DualPipeV", "--microbatches", "2"],
+              "DualPipeV needs at least as many microbatches as stages"),
              (["--pp", "3", "--lora-r", "0", "--batch-size", "3", "--pp-schedule", "Interleaved1F1B",
                "--microbatches", "3"], "6 stages, but the model has 4 layers"),
              (["--lora-r", "0", "--microbatches", "2"], "take effect with pipeline stages only"),
