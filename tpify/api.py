@@ -48,6 +48,7 @@ from .mesh import (INFER, agreement_scope, check_dp_group, check_mesh, check_rep
 from .meta_model import build_meta_model, init_missing, resolve_class, resolve_dtype
 from .quantized import (check_layout, load_prequantized_, plan_prequantized, quantization_spec, quantize_,
                         refuse_if_quantized, saved_quantization)
+from .quantized_int8 import Int8Spec, int8_spec, is_int8_config, quantize_int8_
 from .quantized_torchao import TorchAoSpec, check_torchao_layout, is_torchao_config, quantize_torchao_, torchao_spec
 from .random import new_tracker
 from .recipe import Recipe, available_recipes, load_recipe
@@ -267,7 +268,8 @@ def parallelize(
             a quantized layer whose split would cut a quantization block, or of a style with no
             quantized form (:func:`tpify.quantized.check_layout`).
         ImportError, NotImplementedError: ``quantization_config`` needs bitsandbytes, or asks for
-            what is not built (8-bit; torchao other than int8 weight-only per row and NF4: :func:`tpify.quantized.quantization_spec`,
+            what is not built (torchao other than int8 weight-only per row and NF4; 8-bit options: :func:`tpify.quantized.quantization_spec`,
+            :func:`tpify.quantized_int8.int8_spec`,
             :func:`tpify.quantized_torchao.torchao_spec`).
         TPUsageError: gradient checkpointing enabled before; DTensor parameters (FSDP2 applied first);
             ``cp_attention="alltoall"`` with query heads per TP rank that ``cp_size`` does not divide.
@@ -300,14 +302,19 @@ def _check_quantization(model: nn.Module, layout: Layout, config) -> tuple[list[
         return None
     if is_torchao_config(config):  # dispatch on the config class: torchao int8 weight-only
         return check_torchao_layout(model, layout, torchao_spec(config))
+    if is_int8_config(config):  # bitsandbytes 8-bit (LLM.int8): tpify.quantized_int8
+        spec = int8_spec(config)
+        return check_layout(model, layout, spec), spec
     qspec = quantization_spec(config)
     return check_layout(model, layout, qspec), qspec
 
 
 def _quantize(model: nn.Module, fqns: list[str], qspec) -> nn.Module:
-    """Quantize the checked layers with the spec's library (:mod:`tpify.quantized`, :mod:`tpify.quantized_torchao`)."""
+    """Quantize the checked layers with the spec's library (:mod:`tpify.quantized`, :mod:`tpify.quantized_int8`, :mod:`tpify.quantized_torchao`)."""
     if isinstance(qspec, TorchAoSpec):
         return quantize_torchao_(model, fqns, qspec)
+    if isinstance(qspec, Int8Spec):
+        return quantize_int8_(model, fqns, qspec)
     return quantize_(model, fqns, qspec)
 
 

@@ -31,9 +31,9 @@ names more modules to keep. Double quantization quantizes the dense weight's abs
 blocks of 256 with one offset, the mean over the whole weight: a shard's own double quantization
 differs, so each rank keeps its blocks' absmax as the dense model restores them
 (:func:`_double_quantized_absmax`: exact at every split that keeps the 64-element blocks whole;
-the statistics stay float32). Refused by name: 8-bit (``load_in_8bit``: on CUDA LLM.int8
-quantizes each activation row over all input features, which a row-parallel shard does not see),
-other configs (``TorchAoConfig`` int8 weight-only is :mod:`tpify.quantized_torchao`), the styles ``replicate``, ``experts``, ``latent`` and
+the statistics stay float32). Refused by name: 8-bit configs here (``load_in_8bit``: built in
+:mod:`tpify.quantized_int8`, row-parallel on bitsandbytes' CPU training path only), a checkpoint
+saved 8-bit, other configs (``TorchAoConfig`` int8 weight-only is :mod:`tpify.quantized_torchao`), the styles ``replicate``, ``experts``, ``latent`` and
 ``per_head``.
 
 **Two paths, both exact.** Quantize on load (:func:`quantize_`: each rank quantizes the dense slice
@@ -107,7 +107,7 @@ def quantization_spec(config) -> QuantizationSpec:
 
     Raises:
         ImportError: bitsandbytes is not installed (``pip install bitsandbytes``, or ``tpify[quant]``).
-        NotImplementedError: 8-bit, another quant storage, a config class other
+        NotImplementedError: 8-bit (:mod:`tpify.quantized_int8`; here: a checkpoint saved 8-bit), another quant storage, a config class other
             than ``BitsAndBytesConfig`` (GPTQ, AWQ, ...; ``TorchAoConfig`` is dispatched before, to
             :func:`tpify.quantized_torchao.torchao_spec`): not built, by name.
         ValueError: a 4-bit quant type other than nf4/fp4; a config that asks for no quantization.
@@ -128,10 +128,10 @@ def quantization_spec(config) -> QuantizationSpec:
                           "pip install bitsandbytes (or tpify[quant])")
     if config.load_in_8bit:
         raise NotImplementedError(
-            "quantization_config with load_in_8bit=True (LLM.int8): not built in tpify's tensor-parallel layers. "
-            "On CUDA its matmul quantizes each activation row by its absmax over all input features, which a "
-            "row-parallel shard (in_features / tp of them) does not see, so a sharded int8 layer would not equal "
-            "the dense one; use load_in_4bit=True (NF4/FP4, exact under tensor parallelism)")
+            "quantization_config with load_in_8bit=True (LLM.int8) is not a 4-bit config: tpify.parallelize and "
+            "tpify.from_pretrained build it from the dense weights with tpify.quantized_int8.int8_spec; a "
+            "checkpoint saved 8-bit (pre-quantized) is not read (not built): load the unquantized checkpoint "
+            "with quantization_config=BitsAndBytesConfig(load_in_8bit=True)")
     if not config.load_in_4bit:
         raise ValueError("quantization_config asks for no quantization (load_in_4bit=False, load_in_8bit=False)")
     if config.bnb_4bit_quant_type not in ("nf4", "fp4"):

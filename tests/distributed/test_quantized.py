@@ -18,6 +18,8 @@ config and ``tpify.integrations.get_peft_model``. For Llama (grouped-query atten
 * 3 AdamW steps through ``TPTrainer`` against transformers' ``Trainer`` on the dense 4-bit model
   (its own test): logged losses and grad norms atol 1e-6, rtol 1e-5;
 * Llama at tp 4 over 2 KV heads (slow): the checks above;
+* bitsandbytes 8-bit (``load_in_8bit=True``), Llama and GPT-2 at tp 2, Llama at tp 4: codes and row
+  absmax bitwise, logits and one LoRA step as above (:func:`_check_int8`);
 * Llama with gradient checkpointing on both sides: the gradients of one more step, as above;
 * refusals, raised on every rank: merging an adapter, ``tpify.save_pretrained``, ``TPTrainer`` and
   ``TPAccelerator`` without adapters (full fine-tuning), DoRA, FSDP2 (``shard_data_parallel``).
@@ -255,6 +257,7 @@ def _body_tp4(rank, world):
         tmp = [tmp]
         dist.broadcast_object_list(tmp, src=0)
         _check_family("llama_tp4", rank, tmp[0], tp=4)
+        _check_int8(f"{tmp[0]}/llama_tp4", LlamaForCausalLM, FAMILIES["llama"][2], rank, 4, 14)
         dist.barrier()
     return "ok"
 
@@ -403,10 +406,71 @@ def _check_dequantized(par, ref, rank):
     return n
 
 
+def _check_int8(path, cls, targets, rank, tp, n_layers):
+    """bitsandbytes 8-bit (``load_in_8bit=True``) at ``tp``: every quantized layer's int8 codes and row
+    absmax equal transformers' dense ``Int8Params`` (``CB``, ``SCB``) restricted to the shard, bit for
+    bit (a row-parallel layer's absmax all-reduced at load); in train mode (bitsandbytes' CPU
+    ``MatMul8bitFp`` path: dequantize, float32 matmul) logits, one LoRA step's loss and adapter
+    gradients as the 4-bit checks (float32 summation order); in eval mode (``MatMul8bitLt``: activation
+    rows quantized over all input features) a row-parallel layer raises, by name, on every rank."""
+    import peft
+
+    import tpify
+    from tpify.info import TPUsageError
+    from tpify.integrations import get_peft_model
+    from tpify.quantized_int8 import Int8LtColumnParallelLinear, Int8LtRowParallelLinear
+
+    config = BitsAndBytesConfig(load_in_8bit=True)
+    ref = cls.from_pretrained(path, quantization_config=config, dtype=torch.float32, device_map="cpu").train()
+    par = tpify.from_pretrained(path, tp_size=tp, quantization_config=config, dtype=torch.float32).train()
+    refs, n = dict(ref.named_modules()), 0
+    for fqn, m in par.named_modules():
+        if not isinstance(m, (Int8LtColumnParallelLinear, Int8LtRowParallelLinear)):
+            continue
+        dense = refs[fqn]
+        assert type(dense).__name__ == "Linear8bitLt", (fqn, type(dense))
+        cb, scb = dense.weight.data, (dense.weight.SCB if dense.weight.SCB is not None else dense.state.SCB)
+        out_f, in_f = cb.shape
+        is_row = isinstance(m, Int8LtRowParallelLinear)
+        el = _elements(m.weight_shard_spec, in_f, out_f, rank, is_row)
+        shape = (out_f, -1) if is_row else (-1, in_f)
+        assert torch.equal(m.weight_CB, cb.reshape(-1)[el].view(shape)), fqn
+        rows = el.view(shape)[:, 0] // in_f
+        assert torch.equal(m.weight_SCB, scb[rows]), fqn
+        n += 1
+    assert n == n_layers, n
+    ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
+    lora_cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian")  # noqa: E731
+    torch.manual_seed(1)
+    dense_lora = peft.get_peft_model(ref, lora_cfg()).train()
+    torch.manual_seed(1)
+    lora = get_peft_model(par, lora_cfg()).train()
+    loss_d = tputil.ref_lm_loss(dense_lora(ids).logits, ids, causal=True)
+    loss_d.backward()
+    loss_p = lora(ids, labels=ids).loss
+    loss_p.backward()
+    torch.testing.assert_close(loss_p, loss_d, **LOSS)
+    grads_p = _gathered(lora, "grad")
+    grads_d = {k: p.grad for k, p in dense_lora.named_parameters() if p.requires_grad}
+    assert set(grads_p) == set(grads_d) and grads_d
+    for k, gr in grads_d.items():
+        torch.testing.assert_close(grads_p[k], gr, **GRAD, msg=lambda msg: f"int8 grad {k}: {msg}")
+    if rank == 0:
+        print(f"measured int8 {cls.__name__} tp={tp}: {n} layers bitwise; loss diff {(loss_p - loss_d).abs().item():.1e}, LoRA grads "
+              f"{max((grads_p[k] - g).abs().max().item() for k, g in grads_d.items()):.1e}", flush=True)
+    lora.eval()
+    with torch.no_grad(), pytest.raises(TPUsageError, match="MatMul8bitLt path"):
+        lora(ids)
+
+
 def _double_quant_body(rank, world, tmp):
     import tpify
 
     warnings.filterwarnings("ignore")
+    _check_int8(f"{tmp}/llama", LlamaForCausalLM, FAMILIES["llama"][2], rank, world, 14)
+    _check_int8(f"{tmp}/gpt2", GPT2LMHeadModel, FAMILIES["gpt2"][2], rank, world, 8)
     ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
     for family, quant in (("llama", "nf4"), ("gpt2", "fp4")):
         cls = FAMILIES[family][0]
@@ -433,7 +497,8 @@ def test_double_quantization_tp2_equals_dense_bitwise(tmp_path):
     256: the row-parallel shards' blocks interleave rows, so the 256-blocks of statistics are cut,
     which the ranks' gathered statistics make exact) quantized on load and read from transformers'
     saved 4-bit checkpoint, GPT-2 FP4 (``Conv1D``, packed ``c_attn``). Logits as the other checks
-    (atol 2e-5, rtol 1e-5: float32 summation order)."""
+    (atol 2e-5, rtol 1e-5: float32 summation order). In the same spawn, bitsandbytes 8-bit on both
+    families (:func:`_check_int8`)."""
     torch.manual_seed(0)
     LlamaForCausalLM(llama_config(256)).save_pretrained(tmp_path / "llama")
     GPT2LMHeadModel(gpt2_config()).save_pretrained(tmp_path / "gpt2")

@@ -156,3 +156,48 @@ def test_double_quantization_tp1_equals_transformers_bitwise(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(par(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(loaded(ids).logits, par(ids).logits, atol=0, rtol=0)
+
+
+def test_int8_configs_not_built_are_refused_by_name():
+    from tpify.quantized_int8 import int8_spec
+
+    assert int8_spec(BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=4.0)).threshold == 4.0
+    with pytest.raises(NotImplementedError, match="llm_int8_has_fp16_weight=True"):
+        int8_spec(BitsAndBytesConfig(load_in_8bit=True, llm_int8_has_fp16_weight=True))
+    with pytest.raises(NotImplementedError, match="llm_int8_enable_fp32_cpu_offload=True"):
+        int8_spec({"load_in_8bit": True, "llm_int8_enable_fp32_cpu_offload": True})
+
+
+def test_int8_tp1_equals_transformers_8bit_model(tmp_path):
+    """``load_in_8bit=True`` at tp = 1 (one shard: the whole weight) against transformers' 8-bit model:
+    codes and row absmax bitwise; logits on both of bitsandbytes' paths (train: dequantize + float32
+    matmul, atol 1e-5; eval: int8 activations, outlier columns above 6.0, the same kernel on the same
+    inputs: exact); a saved 8-bit checkpoint and full fine-tuning refused by name."""
+    from tpify.info import TPUsageError
+    from tpify.quantized import refuse_full_finetuning
+    from tpify.quantized_int8 import Int8LtColumnParallelLinear, Int8LtRowParallelLinear
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(_llama()).save_pretrained(tmp_path)
+    config = BitsAndBytesConfig(load_in_8bit=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.float32,
+                                               device_map="cpu")
+        par = tpify.parallelize(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), tp_size=1,
+                                quantization_config=config)
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            q, r = par.model.layers[0].get_submodule(name), ref.model.layers[0].get_submodule(name)
+            assert isinstance(q, (Int8LtColumnParallelLinear, Int8LtRowParallelLinear)), name
+            assert torch.equal(q.weight_CB, r.weight.data) and torch.equal(q.weight_SCB, r.weight.SCB), name
+        ids = torch.randint(3, 101, (2, 8), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            ref.train(), par.train()
+            torch.testing.assert_close(par(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+            ref.eval(), par.eval()
+            torch.testing.assert_close(par(ids).logits, ref(ids).logits, atol=0, rtol=0)
+        with pytest.raises(TPUsageError, match="full fine-tuning of a quantized base"):
+            refuse_full_finetuning(par, "TPTrainer")
+        ref.save_pretrained(tmp_path / "int8")
+        with pytest.raises(NotImplementedError, match="checkpoint saved 8-bit"):
+            tpify.from_pretrained(tmp_path / "int8", tp_size=1)
