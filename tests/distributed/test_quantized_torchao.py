@@ -99,11 +99,9 @@ def _check_nf4_bitwise(par, ref, rank):
 
 def _check_nf4_llama(rank, tmp, tp, g):
     """torchao NF4 Llama at ``tp``: bitwise shards, logits, loss, LoRA gradients, 3 AdamW steps."""
-    import peft
     import torch.distributed as dist
 
     import tpify
-    from tpify.integrations import get_peft_model
 
     path = f"{tmp[0]}/llama_nf4"
     torch.manual_seed(0)
@@ -118,6 +116,23 @@ def _check_nf4_llama(rank, tmp, tp, g):
     ids = torch.randint(3, 101, (2, 12), generator=g)
     with torch.no_grad():
         torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
+    worst, w_abs = _lora_three_steps(par, ref, g, "nf4 ", f"{tmp[0]}/merged_nf4")
+    if rank == 0:
+        print(f"measured torchao nf4 llama tp={tp}: {n} layers bitwise; loss max abs diff "
+              f"{worst['loss']:.1e}, LoRA grads {worst['grad']:.1e}, adapters after 3 AdamW steps {w_abs:.1e}",
+              flush=True)
+
+
+def _lora_three_steps(par, ref, g, what: str, save_dir: str):
+    """LoRA (r 4 on TARGETS, one seed) on the quantized tpify model ``par`` and on transformers' dense
+    quantized ``ref``: 3 AdamW steps, the loss and every gathered LoRA gradient compared at each step
+    and the adapters after; then merging and saving the quantized base refused. Returns the largest
+    differences ``({"loss", "grad"}, adapters)``. Collective over the TP group."""
+    import peft
+
+    import tpify
+    from tpify.integrations import get_peft_model
+
     lora_cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian")  # noqa: E731
     torch.manual_seed(1)
     dense_lora = peft.get_peft_model(ref, lora_cfg())
@@ -133,28 +148,25 @@ def _check_nf4_llama(rank, tmp, tp, g):
         loss_d.backward()
         loss_p = lora(ids, labels=ids).loss
         loss_p.backward()
-        torch.testing.assert_close(loss_p, loss_d, **LOSS, msg=f"nf4 loss, step {step}")
+        torch.testing.assert_close(loss_p, loss_d, **LOSS, msg=f"{what}loss, step {step}")
         worst["loss"] = max(worst["loss"], (loss_p - loss_d).abs().item())
         grads_d = {k: p.grad for k, p in dense_lora.named_parameters() if p.requires_grad}
         grads_p = _gathered(lora, "grad")
         assert set(grads_d) == set(grads_p) and grads_d, set(grads_d) ^ set(grads_p)
         for k, gr in grads_d.items():
-            torch.testing.assert_close(grads_p[k], gr, **GRAD, msg=lambda m: f"nf4 grad {k}, step {step}: {m}")
+            torch.testing.assert_close(grads_p[k], gr, **GRAD, msg=lambda m: f"{what}grad {k}, step {step}: {m}")
             worst["grad"] = max(worst["grad"], (grads_p[k] - gr).abs().max().item())
         opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
     final = _gathered(lora)
     w_abs = 0.0
     for k, w in {k: p for k, p in dense_lora.named_parameters() if p.requires_grad}.items():
-        torch.testing.assert_close(final[k], w.detach(), **ADAPTER, msg=lambda m: f"nf4 {k}: {m}")
+        torch.testing.assert_close(final[k], w.detach(), **ADAPTER, msg=lambda m: f"{what}{k}: {m}")
         w_abs = max(w_abs, (final[k] - w.detach()).abs().max().item())
-    if rank == 0:
-        print(f"measured torchao nf4 llama tp={tp}: {n} layers bitwise; loss max abs diff "
-              f"{worst['loss']:.1e}, LoRA grads {worst['grad']:.1e}, adapters after 3 AdamW steps {w_abs:.1e}",
-              flush=True)
     with pytest.raises(NotImplementedError, match="merging a LoRA adapter on a quantized"):
         lora.merge_and_unload()
     with pytest.raises(NotImplementedError, match="tpify.save_pretrained on a quantized"):
-        tpify.save_pretrained(par, f"{tmp[0]}/merged_nf4")
+        tpify.save_pretrained(par, save_dir)
+    return worst, w_abs
 
 
 def _check_bitwise(par, ref, rank):
@@ -189,11 +201,9 @@ def _gathered(model, attr=None):
 
 
 def _check_llama(rank, tmp, tp):
-    import peft
     import torch.distributed as dist
 
     import tpify
-    from tpify.integrations import get_peft_model
 
     path = f"{tmp[0]}/llama"
     torch.manual_seed(0)
@@ -211,43 +221,11 @@ def _check_llama(rank, tmp, tp):
     with torch.no_grad():
         torch.testing.assert_close(par(ids).logits, ref(ids).logits, **LOGITS)
 
-    lora_cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian")  # noqa: E731
-    torch.manual_seed(1)
-    dense_lora = peft.get_peft_model(ref, lora_cfg())
-    torch.manual_seed(1)
-    lora = get_peft_model(par, lora_cfg())
-    lora.train(), dense_lora.train()
-    opt_d = torch.optim.AdamW([p for p in dense_lora.parameters() if p.requires_grad], lr=1e-2)
-    opt_p = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
-    worst = {"loss": 0.0, "grad": 0.0}
-    for step in range(3):
-        ids = torch.randint(3, 101, (2, 12), generator=g)
-        loss_d = tputil.ref_lm_loss(dense_lora(ids).logits, ids, causal=True)
-        loss_d.backward()
-        loss_p = lora(ids, labels=ids).loss
-        loss_p.backward()
-        torch.testing.assert_close(loss_p, loss_d, **LOSS, msg=f"loss, step {step}")
-        worst["loss"] = max(worst["loss"], (loss_p - loss_d).abs().item())
-        grads_d = {k: p.grad for k, p in dense_lora.named_parameters() if p.requires_grad}
-        grads_p = _gathered(lora, "grad")
-        assert set(grads_d) == set(grads_p) and grads_d, set(grads_d) ^ set(grads_p)
-        for k, gr in grads_d.items():
-            torch.testing.assert_close(grads_p[k], gr, **GRAD, msg=lambda m: f"grad {k}, step {step}: {m}")
-            worst["grad"] = max(worst["grad"], (grads_p[k] - gr).abs().max().item())
-        opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
-    final = _gathered(lora)
-    w_abs = 0.0
-    for k, w in {k: p for k, p in dense_lora.named_parameters() if p.requires_grad}.items():
-        torch.testing.assert_close(final[k], w.detach(), **ADAPTER, msg=lambda m: f"{k}: {m}")
-        w_abs = max(w_abs, (final[k] - w.detach()).abs().max().item())
+    worst, w_abs = _lora_three_steps(par, ref, g, "", f"{tmp[0]}/merged")
     if rank == 0:
         print(f"measured torchao int8 llama tp={tp}: {n // 2} layers per decoder layer bitwise; loss max abs diff "
               f"{worst['loss']:.1e}, LoRA grads {worst['grad']:.1e}, adapters after 3 AdamW steps {w_abs:.1e}",
               flush=True)
-    with pytest.raises(NotImplementedError, match="merging a LoRA adapter on a quantized"):
-        lora.merge_and_unload()
-    with pytest.raises(NotImplementedError, match="tpify.save_pretrained on a quantized"):
-        tpify.save_pretrained(par, f"{tmp[0]}/merged")
     return g
 
 
