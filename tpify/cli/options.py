@@ -37,7 +37,7 @@ LIMITS = {
     "pp": Limit(low=1, note="pipeline stages (tpify.pipeline); 1: no pipeline"),
     "microbatches": Limit(low=1, none=True, note="microbatches per step of the pipeline; unset: --pp"),
 }
-# The schedules of ``tpify finetune --pp-schedule`` (tpify.pipeline.schedule.SCHEDULES).
+# The schedules of ``tpify finetune --pp-schedule`` and ``tpify plan --pp-schedule`` (tpify.pipeline.schedule.SCHEDULES).
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 DTYPES = ("float32", "bfloat16")
 # `tpify finetune --quantize`: the bitsandbytes 4-bit formats of a QLoRA base (tpify/quantized.py).

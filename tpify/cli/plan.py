@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+from .options import PP_SCHEDULES
+
 __all__ = ["add_parser", "run"]
 
 
@@ -50,8 +52,9 @@ def _add_pipeline_flags(plan) -> None:
     plan.add_argument("--pp", type=flag(POSITIVE_INT), default=1,
                       help="pipeline stages: per stage its layers, the modules on it (embeddings, norm, head) and "
                            "the parameter bytes per rank at --tp (tpify.pipeline)")
-    plan.add_argument("--pp-schedule", choices=("1F1B", "GPipe", "Interleaved1F1B"), default="1F1B",
-                      help="with --pp: the schedule (Interleaved1F1B: two stages per pipeline rank)")
+    plan.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1F1B",
+                      help="with --pp: the schedule (Interleaved1F1B, InterleavedZeroBubble: two stages per "
+                           "pipeline rank; ZBVZeroBubble, DualPipeV: two, placed in a V)")
 
 
 def _run_pipeline(args) -> int:
