@@ -56,7 +56,7 @@ from .layout import PlanError
 from .sharding import ShardSpec, shard_spec_of
 
 __all__ = ["QuantizationSpec", "QuantizedColumnParallelLinear", "QuantizedRowParallelLinear", "quantization_spec",
-           "check_layout", "quantize_", "check_lora_on_quantized", "refuse_full_finetuning", "saved_quantization", "plan_prequantized",
+           "check_layout", "quantize_", "convert_layers", "check_lora_on_quantized", "refuse_full_finetuning", "saved_quantization", "plan_prequantized",
            "load_prequantized_", "is_quantized", "quantized_bytes", "shard_bytes", "refuse_if_quantized"]
 
 _COLUMN_STYLES = ("colwise", "packed_colwise")
@@ -400,18 +400,35 @@ def quantize_(model: nn.Module, fqns: list[str], qspec: QuantizationSpec) -> nn.
     Raises:
         TypeError: a listed module is not a ColumnParallelLinear or RowParallelLinear.
     """
-    for fqn in fqns:
-        layer = model.get_submodule(fqn)
-        cls = _QUANTIZED.get(type(layer))
-        if cls is None:
-            raise TypeError(f"{fqn}: expected a ColumnParallelLinear or RowParallelLinear, got {type(layer).__name__}")
+    def convert(fqn: str, layer: nn.Module, cls: type) -> None:
         layer.__class__ = cls
         layer._quantize_own_weight(qspec)
         if qspec.double_quant:
             layer.weight_absmax.copy_(_double_quantized_absmax(layer))
+
+    return convert_layers(model, fqns, _QUANTIZED, qspec, convert)
+
+
+def convert_layers(model: nn.Module, fqns: list[str], classes: dict, spec, convert) -> nn.Module:
+    """What every quantized format's conversion shares: for each parallel layer ``fqns`` (from
+    :func:`check_layout`), its quantized class ``classes[type(layer)]`` and ``convert(fqn, layer,
+    cls)``, which turns the layer's own shard into that format (and the layer into ``cls``); then
+    every parameter of the model frozen (adapters train on top) and ``model.tp_quantization = spec``.
+    Communication: ``convert``'s.
+
+    Raises:
+        TypeError: a listed module is not one of ``classes``' keys (ColumnParallelLinear,
+            RowParallelLinear); ``convert``'s errors.
+    """
+    for fqn in fqns:
+        layer = model.get_submodule(fqn)
+        cls = classes.get(type(layer))
+        if cls is None:
+            raise TypeError(f"{fqn}: expected a ColumnParallelLinear or RowParallelLinear, got {type(layer).__name__}")
+        convert(fqn, layer, cls)
     for p in model.parameters():
         p.requires_grad_(False)
-    model.tp_quantization = qspec
+    model.tp_quantization = spec
     return model
 
 

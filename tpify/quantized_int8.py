@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .quantized import QuantizedColumnParallelLinear, QuantizedRowParallelLinear
+from .quantized import QuantizedColumnParallelLinear, QuantizedRowParallelLinear, convert_layers
 from .sharding import shard_spec_of
 
 __all__ = ["Int8Spec", "is_int8_config", "int8_spec", "quantize_int8_",
@@ -250,11 +250,7 @@ def quantize_int8_(model: nn.Module, fqns: list[str], spec: Int8Spec) -> nn.Modu
     """
     import bitsandbytes.functional as bnbf
 
-    for fqn in fqns:
-        layer = model.get_submodule(fqn)
-        cls = _INT8.get(type(layer))
-        if cls is None:
-            raise TypeError(f"{fqn}: expected a ColumnParallelLinear or RowParallelLinear, got {type(layer).__name__}")
+    def convert(fqn: str, layer: nn.Module, cls: type) -> None:
         param = layer._parameters.pop("weight")
         layer.__class__ = cls
         layer.weight_shard_spec = shard_spec_of(param)
@@ -265,7 +261,5 @@ def quantize_int8_(model: nn.Module, fqns: list[str], spec: Int8Spec) -> nn.Modu
         else:
             cb, scb, _ = bnbf.int8_vectorwise_quant(w)
         layer._set_int8(cb, scb, param.dtype, spec.threshold)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.tp_quantization = spec
-    return model
+
+    return convert_layers(model, fqns, _INT8, spec, convert)

@@ -56,7 +56,7 @@ from .hf_modules import dense_dims
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layout import PlanError
 from .quantized import (_KEPT_STYLES, QuantizedColumnParallelLinear, QuantizedRowParallelLinear, _byte_ranges,
-                        check_layout)
+                        check_layout, convert_layers)
 from .sharding import shard_spec_of
 
 __all__ = ["TorchAoSpec", "is_torchao_config", "torchao_spec", "check_torchao_layout", "quantize_torchao_",
@@ -475,11 +475,7 @@ def quantize_torchao_(model: nn.Module, fqns: list[str], spec: TorchAoSpec) -> n
     """
     from torchao.quantization import Int8Tensor, PerRow
 
-    for fqn in fqns:
-        layer = model.get_submodule(fqn)
-        cls = (_NF4_CLASSES if spec.quant_type == "nf4" else _INT8).get(type(layer))
-        if cls is None:
-            raise TypeError(f"{fqn}: expected a ColumnParallelLinear or RowParallelLinear, got {type(layer).__name__}")
+    def convert(fqn: str, layer: nn.Module, cls: type) -> None:
         if layer.weight_layout != "linear":
             raise TypeError(f"{fqn}: torchao int8 quantizes nn.Linear weights only, got layout {layer.weight_layout!r}")
         param = layer._parameters.pop("weight")
@@ -490,13 +486,11 @@ def quantize_torchao_(model: nn.Module, fqns: list[str], spec: TorchAoSpec) -> n
             nf4 = _nf4_shard(w, layer.weight_shard_spec, layer.tp_rank, layer.tp_group,
                              cls is NF4RowParallelLinear, spec)
             layer._set_nf4(nf4, w.dtype)
-            continue
+            return
         scale = zero_point = None
         if cls is Int8RowParallelLinear and layer.tp_size > 1:
             scale, zero_point = _row_scale(w, layer.tp_group)
         q = Int8Tensor.from_hp(w, granularity=PerRow(), scale=scale, zero_point=zero_point)
         layer._set_int8(q.qdata, q.scale, q.zero_point, w.dtype)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.tp_quantization = spec
-    return model
+
+    return convert_layers(model, fqns, _NF4_CLASSES if spec.quant_type == "nf4" else _INT8, spec, convert)
