@@ -307,14 +307,25 @@ class ContextParallelHooks(comm.SharesProcessGroups):
         call, self.call = self.call, None
         if call is None:
             return None
-        if call.calls != self.layers:
-            raise TPUsageError(f"{type(model).__name__} under context parallelism: {call.calls} attention layers ran "
-                               f"through tpify's attention over the split sequence, but the model has {self.layers}: "
-                               f"the others attended to this rank's tokens only. This model is not supported with "
-                               f"cp_size > 1")
+        self.finish(model, call, self.layers)
+        return None
+
+    def finish(self, model: nn.Module, call: ContextParallelCall, layers: int, what: str | None = None) -> None:
+        """After a forward of ``model`` (or of a pipeline stage of it, ``what`` naming it) whose
+        ``layers`` attention layers should all have run through :func:`context_parallel_attention`
+        for ``call``: raise if another count did; then sum the gradients of ``model``'s trainable
+        parameters over the CP group (:meth:`_watch`).
+
+        Raises:
+            TPUsageError: ``call.calls != layers``.
+        """
+        if call.calls != layers:
+            raise TPUsageError(f"{what or type(model).__name__} under context parallelism: {call.calls} attention "
+                               f"layers ran through tpify's attention over the split sequence, but "
+                               f"{'the model has' if what is None else 'it holds'} {layers}: the others attended to "
+                               f"this rank's tokens only. This model is not supported with cp_size > 1")
         if torch.is_grad_enabled():
             self._watch(model)
-        return None
 
     def _watch(self, model: nn.Module) -> None:
         """Sum the gradient of every trainable parameter over the CP group, except those the TP

@@ -47,6 +47,9 @@ SCHEDULES = {"GPipe": (ScheduleGPipe, False), "1F1B": (Schedule1F1B, False),
 #: The schedules whose stages are placed in a V (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``:
 #: :func:`tpify.pipeline.plan.stage_indices`); every other schedule takes the loop placement.
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+#: The interleaved schedules on the loop placement (several stages per rank, 2 by default; their
+#: microbatches a multiple of the rounds).
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 #: torch's other schedules, refused with the reason.
 REFUSED_SCHEDULES = {
     "LoopedBFS": "not verified against the dense model yet; use Interleaved1F1B (the same placement of the stages)",
@@ -60,7 +63,7 @@ def stage_style(schedule: str) -> str:
 
 def default_n_virtual(schedule: str) -> int:
     """Stages per rank when the caller gives none: 2 for the interleaved and V schedules, else 1."""
-    return 2 if schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1
+    return 2 if schedule in (*INTERLEAVED_SCHEDULES, *V_SCHEDULES) else 1
 
 
 class PipelineLoss:
@@ -142,7 +145,7 @@ def check_microbatches(schedule: str, n_microbatches, pp_size: int, num_stages: 
     if schedule in ("1F1B", "DualPipeV") and n_microbatches < num_stages:
         raise PipelineError(f"{schedule} needs at least as many microbatches as stages: n_microbatches = "
                             f"{n_microbatches}, {num_stages} stages; use n_microbatches >= {num_stages}")
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+    if schedule in INTERLEAVED_SCHEDULES:
         rounds = max(1, n_microbatches // pp_size)
         if n_microbatches % rounds:
             raise PipelineError(f"{schedule} needs n_microbatches to be a multiple of its rounds "

@@ -20,7 +20,6 @@ from torch import nn
 
 from ..hf_modules import base_model_and_prefix
 from ..info import tp_info_of
-from ..info import TPUsageError
 from ..layers import ColumnParallelLinear
 
 __all__ = ["StageModule", "Zero", "context_parallel_hooks_of", "stage_config", "build_stage", "n_layers_of", "trim_model", "shell_of"]
@@ -105,16 +104,11 @@ class StageModule(nn.Module):
             hidden = base(**kwargs).last_hidden_state  # (B, T, H)
         else:  # the model's context-parallel hooks, run for this stage's layers (the stage calls the base model)
             kwargs["position_ids"] = position_ids  # (b, T / cp): the global positions of this rank's tokens
-            cp.summed.at_root(self.model)
             _, kwargs = cp.pre_hook(self.model, (), kwargs)  # checks, one all-gather of the positions
             call, cp.call = cp.call, None
             hidden = base(**kwargs).last_hidden_state  # (B, T / cp, H)
-            if call.calls != len(self.layer_ids):
-                raise TPUsageError(f"{type(self.model).__name__} stage {self.stage_index} under context parallelism: "
-                                   f"{call.calls} attention layers ran through tpify's attention over the split "
-                                   f"sequence, but the stage holds {len(self.layer_ids)}: not supported with cp > 1")
-            if torch.is_grad_enabled():
-                cp._watch(self.model)  # this stage's parameters' gradients summed over the CP group
+            # the stage's attention layers all through tpify's; its parameters' gradients summed over the CP group
+            cp.finish(self.model, call, len(self.layer_ids), f"{type(self.model).__name__} stage {self.stage_index}")
         if not self.is_last or self.return_hidden:
             # a view (GPT-2's final ``view``) copied: the split backward schedules detach the stage's output in
             # place (torch's stage_backward_input), which torch refuses on a view
